@@ -305,7 +305,7 @@ def capture(
     targets=None,                        # a Tensor passed to loss_fn (moved into the capture like the inputs)
     optimizer=None,                      # None, 'sgd'|'adam'|'adamw', an Optimizer over model's params, or a factory
     mode: Literal["fake", "real"] = "fake",  # fake: nothing allocated; real: runs the step on real tensors
-    device: str | torch.device = "cpu",  # device of the fake tensors (mode='fake')
+    device: str | torch.device | None = None,  # fake tensors' device (mode='fake'); default: the model's, cpu for meta
     progress: Callable[[str, int], None] | None = None,  # called with (phase, ops so far) as the capture goes
 ) -> "StaticGraph":
     "Run one training step of `model` under a recorder and return its `StaticGraph`."
@@ -319,9 +319,9 @@ def capture(
     if loss_fn is not None and not callable(loss_fn):
         raise CaptureTypeError(f"loss_fn must be callable, not {type(loss_fn).__name__}")
     t0 = time.perf_counter()
+    device = torch.device(device) if device is not None else _model_device(model)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if mode == "fake" else nullcontext()
-    work, mapping = _copy_model(model, mode, fake_mode, torch.device(device))
-    work.train(model.training)
+    work, mapping = _copy_model(model, mode, fake_mode, device)
     opt = _build_optimizer(optimizer, model, mapping, work)
     inputs = tuple(_to_capture(x, mode, fake_mode, device) for x in inputs)
     targets = _to_capture(targets, mode, fake_mode, device)
@@ -364,6 +364,11 @@ def capture(
                 inputs=[list(x.shape) if isinstance(x, torch.Tensor) else repr(x) for x in inputs],
                 seconds=round(time.perf_counter() - t0, 4))
     return StaticGraph(tuple(rec.ops), tuple(rec.tensors), tuple(storages), meta)
+
+def _model_device(model: nn.Module) -> torch.device:
+    "The device of the model's first parameter or buffer; cpu for meta (or no tensors)."
+    t = next(iter([*model.parameters(), *model.buffers()]), None)
+    return torch.device("cpu") if t is None or t.is_meta else t.device
 
 def _check_loss(loss, loss_fn):
     what = "the model's output" if loss_fn is None else "loss_fn's result"
