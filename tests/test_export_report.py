@@ -1,0 +1,106 @@
+"""ExportReport: the versioned JSON schema round-trips, diff finds exactly what changed; CLI and audit integration."""
+import json
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+from static_dist.export import (  # noqa: E402
+    SCHEMA, SCHEMA_VERSION, ExportReport, Finding, NumericCheck, Stage, audit_section)
+
+text = st.text(max_size=20)
+stages = st.builds(Stage, text, st.sampled_from(["ok", "warn", "fail", "skip"]), st.floats(0, 100), text)
+findings = st.builds(Finding, text, st.sampled_from(["error", "warning", "info"]), st.sampled_from(["export", "onnx"]),
+                     text, text, text, text, text)
+numerics = st.builds(NumericCheck, st.sampled_from(["export", "onnx"]), text, st.integers(0, 3), text,
+                     st.floats(allow_nan=True, allow_infinity=True), st.floats(0, 1e9), st.floats(0, 1), st.floats(0, 1),
+                     st.booleans(), text)
+reports = st.builds(ExportReport, text, st.lists(st.sampled_from(["onnx", "torchscript", "aoti"]), max_size=3),
+                    st.lists(stages, max_size=5), st.lists(findings, max_size=5), st.lists(numerics, max_size=5))
+
+
+def _same_num(a, b):
+    return a == b or (math.isnan(a) and math.isnan(b))
+
+
+@settings(max_examples=200, deadline=None, database=None)
+@given(reports)
+def test_json_round_trip(r):
+    j = r.to_json()
+    d = json.loads(j)  # plain JSON: NaN/inf are written as strings
+    assert (d["schema"], d["version"], d["ok"]) == (SCHEMA, SCHEMA_VERSION, r.ok)
+    r2 = ExportReport.from_json(j)
+    assert r2.stages == r.stages and r2.findings == r.findings and r2.model == r.model
+    assert all(_same_num(a.max_abs, b.max_abs) and a.ok == b.ok for a, b in zip(r.numerics, r2.numerics))
+    assert r.diff(r2).empty
+
+
+@settings(max_examples=200, deadline=None, database=None)
+@given(reports, findings)
+def test_diff_sees_added_and_removed_finding(r, f):
+    other = ExportReport.from_json(r.to_json())
+    other.findings = other.findings + [f]
+    d = r.diff(other)
+    if f.key() in {x.key() for x in r.findings}:
+        assert not d.added
+    else:
+        assert d.added == [f] and other.diff(r).removed == [f]
+
+
+def test_unknown_version_refused():
+    d = json.loads(ExportReport("m", ["onnx"]).to_json())
+    d["version"] = SCHEMA_VERSION + 1
+    with pytest.raises(ValueError, match="not supported"):
+        ExportReport.from_json(json.dumps(d))
+
+
+# --- CLI through the lead's `static-dist` entry point, and the audit section -------------------------------------
+cli = pytest.importorskip("static_dist.cli")
+pytest.importorskip("onnxruntime")
+
+
+def test_check_export_cli(tmp_path, capsys):
+    assert cli.main(["check-export", "--model", "mlp", "--targets", "onnx", "--out", str(tmp_path), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["model"] == "mlp" and out["ok"] and {n["target"] for n in out["numerics"]} == {"export", "onnx"}
+    base = tmp_path / "export_report.json"
+    assert cli.main(["check-export", "--model", "control-flow", "--targets", "onnx", "--out", str(tmp_path / "cf"),
+                     "--baseline", str(base)]) == 1
+    md = capsys.readouterr().out
+    assert "data-dependent-branch" in md and "zoo.py:" in md and "Export report diff" in md
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["check-export", "--model", "nope"], "Unknown model 'nope'"),
+    (["check-export", "--targets", "tflite"], "unknown target"),
+    (["check-export", "--model", "llama3-70b"], "70.6B parameters"),
+    (["check-export", "--baseline", "/nonexistent.json"], "cannot read baseline"),
+])
+def test_check_export_cli_bad_input(argv, msg, capsys, tmp_path):
+    assert cli.main(argv + ["--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert msg in err and "Traceback" not in err
+
+
+def test_sign_verify_cli(tmp_path, capsys):
+    m = torch.nn.Linear(3, 2)
+    torch.export.save(torch.export.export(m, (torch.randn(1, 3),)), tmp_path / "m.pt2")
+    assert cli.main(["keygen", "--out", str(tmp_path / "rel")]) == 0
+    assert cli.main(["keygen", "--out", str(tmp_path / "evil")]) == 0
+    assert cli.main(["sign", str(tmp_path / "m.pt2"), "--key", str(tmp_path / "rel.key")]) == 0
+    (tmp_path / "trusted.pem").write_bytes((tmp_path / "evil.pub").read_bytes() + (tmp_path / "rel.pub").read_bytes())
+    assert cli.main(["verify", str(tmp_path / "m.sdxa"), "--trusted-keys", str(tmp_path / "trusted.pem"), "--load"]) == 0
+    assert cli.main(["verify", str(tmp_path / "m.sdxa"), "--trusted-key", str(tmp_path / "evil.pub")]) == 1
+    assert "UntrustedKeyError" in capsys.readouterr().err
+    assert cli.main(["verify", str(tmp_path / "m.sdxa")]) == 2
+    assert cli.main(["verify", str(tmp_path / "missing.sdxa"), "--trusted-key", str(tmp_path / "rel.pub")]) == 2
+
+
+def test_audit_section(tmp_path):
+    sec = audit_section("control-flow", tmp_path)
+    assert sec["title"] == "Export checks" and "data-dependent-branch" in sec["markdown"]
+    json.dumps(sec["data"])
+    assert sec["data"]["schema"] == SCHEMA and not sec["data"]["ok"]
+    assert json.loads((tmp_path / "export_report.json").read_text())["model"] == "control-flow"
