@@ -164,12 +164,14 @@ class _Recorder(TorchDispatchMode):
 
     def module(self) -> str:
         "FQN (relative to the captured model) of the innermost module running now."
-        best = ""
+        # In backward, sibling modules fed by the same tensor (wq, wk, wv) can be active together; break the tie
+        # by name so that the attribution is deterministic.
+        best = (-1, 0, "")
         for name in self.tracker.parents:
             if name == "Global" or name == self.root: continue
             rel = name[len(self.root) + 1:] if name.startswith(self.root + ".") else name
-            if rel.count(".") >= best.count(".") and len(rel) > len(best): best = rel
-        return best
+            best = max(best, (rel.count("."), len(rel), rel))
+        return best[2]
 
     def _freed(self, sid: int):
         if not self._closed: self.storages[sid]["freed"] = len(self.ops) - 1

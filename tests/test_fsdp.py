@@ -1,0 +1,67 @@
+"""FSDP planner checked against PyTorch: torchrun/gloo (2 and 4 ranks) and FSDPMemTracker under a fake process group."""
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _torchrun(n: int, tmp_path: Path) -> dict:
+    out = tmp_path / f"fsdp_{n}.json"
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
+                        str(ROOT / "tests" / "dist_fsdp.py"), str(out)], capture_output=True, text=True,
+                       cwd=ROOT, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_gloo_params_and_collectives_match(n, tmp_path):
+    res = _torchrun(n, tmp_path)
+    assert res["world"] == n
+    names = set(res["results"])
+    assert {"planned", "per-block", "checkpointed+ends", "accumulate-4-nosync", "accumulate-3-sync-every"} <= names
+    if n == 4: assert {"reshard-int-2", "hsdp-2x2"} <= names
+    for name, r in res["results"].items():
+        # same global batch, SGD: parameters equal the single-process run up to float reassociation
+        assert r["max_param_error"] < 1e-5, (name, r["max_param_error"])
+        # every step's CommDebugMode counts equal the plan's prediction exactly (accumulation included)
+        for counts in r["counts_per_step"]: assert counts == r["predicted_counts"], (name, counts)
+        if "tracked_peak" in r:     # FSDPMemTracker on the real gloo run (real tensors, real collectives)
+            assert abs(r["predicted_peak"] / r["tracked_peak"] - 1) < 0.10, r
+
+
+def test_fake_pg_memtracker_within_5_percent(tmp_path):
+    out = tmp_path / "fake.json"
+    p = subprocess.run([sys.executable, str(ROOT / "tests" / "dist_fsdp_fake.py"), str(out), "quick"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=400)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert {r["world"] for r in res} == {8, 1024} and len(res) == 18
+    bad = [r for r in res if abs(r["error"]) > 0.01]     # the issue asks for 5%; measured: < 0.1%
+    assert not bad, bad
+
+
+def test_cli_plan_fsdp_70b(tmp_path):
+    "The issue's command runs and writes a plan that fits (its wall time is recorded by `static-dist bench fsdp`)."
+    out = tmp_path / "plan.json"
+    t0 = time.perf_counter()
+    p = subprocess.run([sys.executable, "-m", "static_dist.cli", "plan-fsdp", "--model", "llama3-70b", "--world",
+                        "1024", "--budget", "80GiB", "--out", str(out)], capture_output=True, text=True, cwd=ROOT,
+                       timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    from static_dist.fsdp import FSDPPlan
+    plan = FSDPPlan.from_json(out)
+    assert plan.world_size == 1024 and len(plan.units) >= 81
+    assert "whole-model" in p.stdout and "ZeRO-3-like" in p.stdout
+    print(f"plan-fsdp llama3-70b: {time.perf_counter() - t0:.1f} s wall (shared CPU)")
+
+
+def test_cli_usage_errors():
+    from static_dist.cli import main
+    assert main(["plan-fsdp", "--model", "tiny", "--mesh", "3x3", "--world", "8"]) == 2
+    assert main(["plan-fsdp", "--model", "tiny", "--ignore", "nonexistent"]) == 2
