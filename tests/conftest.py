@@ -1,5 +1,12 @@
+import os
+
 import pytest
 import torch
+
+# Triton kernels run on CPU only under the interpreter, which must be chosen before triton is first imported
+# (torch.compile imports it); decide once for the whole session.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):
