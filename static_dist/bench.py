@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import resource
@@ -72,9 +73,16 @@ def bench_capture(cases=_CAPTURE_CASES, repeat: int = 1, progress=None) -> dict:
 # %% ../nbs/91_bench.ipynb
 BENCHES = {"capture": bench_capture}
 
+def _strict(x):
+    "NaN and infinities (a diverged run's loss) as None: strict JSON has no NaN."
+    if isinstance(x, float) and not math.isfinite(x): return None
+    if isinstance(x, dict): return {k: _strict(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)): return [_strict(v) for v in x]
+    return x
+
 def write_result(result: dict, path) -> Path:
-    "Write a bench result as indented JSON (folders created)."
+    "Write a bench result as indented, strict JSON (folders created; NaN becomes null)."
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2))
+    path.write_text(json.dumps(_strict(result), indent=2, allow_nan=False))
     return path

@@ -199,4 +199,8 @@ def main(argv: list[str] | None = None) -> int:
 
 # %% ../nbs/90_cli.ipynb
 #| eval: false
-if __name__ == "__main__": sys.exit(main())
+if __name__ == "__main__":
+    # `python -m static_dist.cli` runs this file as __main__: call the package's own main, so that plugins'
+    # `static_dist.cli.UsageError` is the class it catches
+    from static_dist.cli import main as _main
+    sys.exit(_main())

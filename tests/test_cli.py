@@ -30,3 +30,9 @@ def test_capture_json_and_errors():
     assert code == 2 and "at least 1" in err
     code, out, err = run("capture", "--model", "tiny", "--seq", "100000")
     assert code == 2 and "max_seq_len" in err
+
+
+def test_plugin_usage_error_is_one_line_under_python_m():
+    "A plugin raises static_dist.cli.UsageError; under `python -m static_dist.cli` it must still be exit 2, no traceback."
+    code, out, err = run("plan-fsdp", "--model", "tiny", "--mesh", "3x3", "--world", "8")
+    assert code == 2 and "Traceback" not in err and "world" in err
