@@ -982,6 +982,7 @@ torch.set_num_threads(1)
 rep = fsdp_check()
 if dist.get_rank() == 0: open(sys.argv[1], "w").write(json.dumps(rep))
 dist.barrier(); dist.destroy_process_group()
+import os; sys.stdout.flush(); os._exit(0)   # skip teardown: gloo threads can abort there
 """
 
 def run_fsdp_check(nproc: int = 2, timeout: float = 300) -> dict:

@@ -4,6 +4,7 @@ Usage: python -m torch.distributed.run --standalone --nproc_per_node 4 tests/dis
 Run by tests/test_placement.py. Every rank computes the single-process reference itself (same seed, full batch).
 """
 import json
+import os
 import sys
 from collections import Counter
 
@@ -122,6 +123,9 @@ def main(out_path):
         with open(out_path, "w") as f: json.dump(results, f, indent=2)
     dist.barrier()
     dist.destroy_process_group()
+    # skip interpreter teardown: gloo's threads can abort the process there ('terminate called without
+    # an active exception') after all work is done and written
+    sys.stdout.flush(); sys.stderr.flush(); os._exit(0)
 
 
 def _collectives(spec, plan, topo, mspec):

@@ -1,6 +1,7 @@
 """torchrun script (not collected by pytest): FSDP2 gradient norms vs a single process, a NaN on one rank skipped by all.
 Launched by tests/test_stability_dist.py; writes rank 0's report as JSON to the path in argv[1]."""
 import json
+import os
 import sys
 
 import torch
@@ -15,3 +16,6 @@ if __name__ == "__main__":
         with open(sys.argv[1], "w") as f: json.dump(rep, f, indent=1)
     dist.barrier()
     dist.destroy_process_group()
+    # skip interpreter teardown: gloo's threads can abort the process there ('terminate called without
+    # an active exception') after all work is done and written
+    sys.stdout.flush(); sys.stderr.flush(); os._exit(0)
