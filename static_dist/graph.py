@@ -197,6 +197,14 @@ class _Recorder(TorchDispatchMode):
             self._tid[t] = tid
         return tid
 
+    def output_id(self, t: torch.Tensor, func) -> int:
+        "Id of an op's output; a tensor whose shape an in-place op changed (`unsqueeze_`, `t_`) gets a new id."
+        tid = self.tensor_id(t, "temporary", str(func.overloadpacket))
+        if self.tensors[tid].shape != tuple(t.shape):
+            del self._tid[t]
+            tid = self.tensor_id(t)
+        return tid
+
     def lookup(self, t: torch.Tensor) -> int | None:
         "Storage id of `t` if its storage was seen, else None."
         return self._sid.get(t.untyped_storage())
@@ -213,8 +221,7 @@ class _Recorder(TorchDispatchMode):
         # the op's output, not a pre-existing input (fake mode returns a new fake for it, real mode the same tensor).
         ins = () if func is _aten.lift_fresh.default else tuple(
             self.tensor_id(a) for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor))
-        outs = tuple(self.tensor_id(o, "temporary", str(func.overloadpacket))
-                     for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor))
+        outs = tuple(self.output_id(o, func) for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor))
         self.ops.append(OpRecord(len(self.ops), str(func), self.phase, self.module(), ins, outs,
                                  op_flops(func, args, kwargs, out)))
         if self.progress is not None and len(self.ops) % 2000 == 0: self.progress(self.phase, len(self.ops))
