@@ -205,10 +205,6 @@ class _Recorder(TorchDispatchMode):
             tid = self.tensor_id(t)
         return tid
 
-    def lookup(self, t: torch.Tensor) -> int | None:
-        "Storage id of `t` if its storage was seen, else None."
-        return self._sid.get(t.untyped_storage())
-
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         try: out = func(*args, **kwargs)
@@ -562,7 +558,7 @@ def module_stats(self: StaticGraph) -> dict[str, ModuleStats]:
     def add(module: str, k: int, v: int):
         for m in _ancestors(module): acc.setdefault(m, [0] * 6)[k] += v
     for n, s in params.items():
-        add(n.rpartition(".")[0], 0, s.nbytes // _itemsize(self, s.id))
+        add(n.rpartition(".")[0], 0, _numel(self, s))
         add(n.rpartition(".")[0], 1, s.nbytes)
     for n, s in grads.items(): add(n.rpartition(".")[0], 2, s.nbytes)
     for s in self.storages:
@@ -581,10 +577,10 @@ def _natural(s: str):
     "Sort key that puts layers.2 before layers.10."
     return [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in s.split(".")] if s else []
 
-def _itemsize(g: StaticGraph, sid: int) -> int:
-    for t in g.tensors:
-        if t.storage == sid: return getattr(torch, t.dtype).itemsize
-    return 1
+def _numel(g: StaticGraph, s: StorageRecord) -> int:
+    "Elements in storage `s`, by the dtype of the first tensor seen on it."
+    t = next((t for t in g.tensors if t.storage == s.id), None)
+    return s.nbytes // getattr(torch, t.dtype).itemsize if t is not None else s.nbytes
 
 # %% ../nbs/00_graph.ipynb
 @_method
@@ -598,7 +594,7 @@ def summary(self: StaticGraph, top: int = 5) -> dict:
         model=self.meta.get("model"), mode=self.meta.get("mode"), optimizer=self.meta.get("optimizer"),
         ops={p: sum(o.phase == p for o in self.ops) for p in PHASES},
         flops={p: sum(o.flops for o in self.ops if o.phase == p) for p in PHASES},
-        params=sum(s.nbytes // _itemsize(self, s.id) for s in params),
+        params=sum(_numel(self, s) for s in params),
         param_bytes=sum(s.nbytes for s in params),
         activation_bytes=sum(s.nbytes for s in self.storages if s.role == "activation"),
         peak_bytes=pk.bytes, peak_op=pk.op, peak_phase=pk.phase, peak_module=pk.module,
