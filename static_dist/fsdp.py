@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from .graph import StaticGraph, fmt_bytes
+from .graph import StaticGraph, fmt_bytes, pyplot
 
 # %% auto 0
 __all__ = ['CATEGORIES', 'BENCHES', 'PlanError', 'ParamInfo', 'GraphProfile', 'profile_graph', 'expand_blocks', 'FSDPUnit',
@@ -1037,16 +1037,9 @@ def reduce_scatter_order(profile: GraphProfile, plan: FSDPPlan) -> list[str]:
 _CAT_COLORS = {"sharded_params": "#4c72b0", "optimizer_state": "#8172b2", "unsharded_params": "#64b5cd",
                "all_gather": "#ccb974", "gradients": "#dd8452", "reduce_scatter": "#c44e52", "activations": "#55a868"}
 
-def _plt():
-    try:
-        import matplotlib
-        import matplotlib.pyplot as plt
-        return plt
-    except ImportError: raise ImportError("plotting needs matplotlib: pip install matplotlib") from None
-
 def plot_fsdp_memory(mem: MemoryPrediction, ax=None, budget: int | None = None, title: str | None = None):
     "Stacked per-op bytes on rank 0 by category (GiB), the peak marked, the budget as a line."
-    plt = _plt()
+    plt = pyplot("the FSDP plots")
     fig = ax.figure if ax is not None else plt.figure(figsize=(6, 3), dpi=80)
     ax = ax or fig.add_subplot()
     x = np.arange(len(mem.curves["activations"]))
@@ -1062,7 +1055,7 @@ def plot_fsdp_memory(mem: MemoryPrediction, ax=None, budget: int | None = None, 
 
 def plot_fsdp_timeline(step: StepPrediction, ax=None, title: str | None = None):
     "The last micro-batch: compute stream (top) and communication stream (bottom), in ms."
-    plt = _plt()
+    plt = pyplot("the FSDP plots")
     fig = ax.figure if ax is not None else plt.figure(figsize=(6, 2), dpi=80)
     ax = ax or fig.add_subplot()
     colors = {"forward": "#4c72b0", "backward": "#dd8452", "recompute": "#8172b2", "all_gather": "#ccb974",
@@ -1271,7 +1264,7 @@ def fsdp_widget(profile: GraphProfile):
         rep = plan_fsdp(profile, world_size=world, budget=int(budget_gib * 2**30),
                         mesh_shape=(replicas, world // replicas) if replicas > 1 else (world,), param_dtype=dt,
                         reduce_dtype=dt and "float32", accumulation_steps=accumulation)
-        plt = _plt()
+        plt = pyplot("the FSDP plots")
         fig, axs = plt.subplots(2, 1, figsize=(6, 5), dpi=80)
         plot_fsdp_memory(rep.memory, axs[0], budget=int(budget_gib * 2**30))
         plot_fsdp_timeline(rep.step, axs[1])

@@ -34,7 +34,7 @@ __all__ = ['PHASES', 'ROLES', 'Phase', 'Role', 'GRAPH_SCHEMA', 'ROLE_COLORS', 'O
            'CaptureError', 'CaptureTypeError', 'op_flops', 'capture', 'Lifetime', 'ModuleStats', 'StaticGraph',
            'fmt_bytes', 'fmt_flops', 'lifetimes', 'Peak', 'live_bytes', 'peak', 'storage_differences',
            'memtracker_peak', 'module_stats', 'summary', 'summary_markdown', 'to_dict', 'save', 'graph_from_dict',
-           'load_graph', 'plot_memory']
+           'load_graph', 'pyplot', 'plot_memory']
 
 # %% ../nbs/00_graph.ipynb
 PHASES = ("forward", "backward", "optimizer")
@@ -667,12 +667,15 @@ def load_graph(path) -> StaticGraph:
 ROLE_COLORS = dict(parameter="#4c72b0", buffer="#64b5cd", gradient="#dd8452", optimizer_state="#8172b3",
                    activation="#55a868", input="#937860", temporary="#c44e52", other="#8c8c8c")
 
+def pyplot(what: str):
+    "matplotlib.pyplot, imported on first use (an optional dependency), or an ImportError saying how to get it."
+    try: import matplotlib.pyplot as plt
+    except ImportError: raise ImportError(f"{what} needs matplotlib: pip install 'static_dist[plot]'") from None
+    return plt
+
 def plot_memory(graph: StaticGraph, ax=None, title: str | None = None):
     "Stacked live bytes per role over the step, phases shaded, peak marked. Returns the Figure."
-    try:
-        import matplotlib.pyplot as plt
-    except ImportError as e:
-        raise ImportError("plot_memory needs matplotlib: pip install 'static_dist[plot]'") from e
+    plt = pyplot("plot_memory")
     fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(figsize=(9, 3.2), dpi=80)
     curves = graph.live_bytes()
     roles = [r for r in ROLES if curves[r].any()]

@@ -25,7 +25,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from .graph import PHASES, StaticGraph, fmt_bytes
+from .graph import PHASES, StaticGraph, fmt_bytes, pyplot
 
 # %% auto 0
 __all__ = ['GB', 'TIER_PRESETS', 'DEVICE_PRESETS', 'Klass', 'CLASSES', 'OFFLOAD_SCHEMA', 'CLASS_COLORS', 'BENCHES', 'Tier',
@@ -807,12 +807,6 @@ def step_peak(graph: StaticGraph, plan: OffloadPlan | None = None, phases: Seque
 # %% ../nbs/50_offload.ipynb
 CLASS_COLORS = dict(must_retain="#c44e52", safe_to_offload="#55a868", conditionally_offloadable="#dd8452")
 
-def _plt():
-    try:
-        import matplotlib.pyplot as plt
-        return plt
-    except ImportError as e:
-        raise ImportError("the offload plots need matplotlib: pip install 'static_dist[plot]'") from e
 
 def _phase_lines(ax, graph: StaticGraph):
     for p in PHASES[1:]:
@@ -822,7 +816,7 @@ def _phase_lines(ax, graph: StaticGraph):
 
 def plot_lifetimes(graph: StaticGraph, plan: OffloadPlan, ax=None, top: int = 60):
     "Gantt chart of the (largest `top`) saved tensors: life, idle window by class, time away with the plan."
-    plt = _plt()
+    plt = pyplot("the offload plots")
     rows = sorted(sorted(plan.decisions, key=lambda d: -d.nbytes)[:top], key=lambda d: (d.offload_after, d.storage))
     fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(figsize=(9, 0.5 + 0.12 * max(len(rows), 8)), dpi=80)
     sto = {s.id: s for s in graph.storages}
@@ -850,7 +844,7 @@ def plot_lifetimes(graph: StaticGraph, plan: OffloadPlan, ax=None, top: int = 60
 
 def plot_offload_memory(graph: StaticGraph, plan: OffloadPlan, ax=None):
     "Predicted device memory per op without and with the plan, peaks marked."
-    plt = _plt()
+    plt = pyplot("the offload plots")
     fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(figsize=(9, 3), dpi=80)
     before = sum(graph.live_bytes().values()); after = planned_live_bytes(graph, plan)
     mib = 2**20
@@ -1044,7 +1038,7 @@ def offload_widget(model: str = "tiny", batch: int = 4, seqs: Sequence[int] = (3
         from IPython.display import Markdown, display
     except ImportError as e:
         raise ImportError("offload_widget needs ipywidgets: pip install ipywidgets") from e
-    plt = _plt()
+    plt = pyplot("the offload plots")
     def show(seq, cpu_gbps, nvme_gbps, host_limit_mib):
         g, plan = offload_report(seq, cpu_gbps, nvme_gbps, host_limit_mib, model, batch)
         display(Markdown(plan_markdown(plan)))

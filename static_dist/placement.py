@@ -546,8 +546,8 @@ def plan_report(spec: BlockSpec, topo: Topology, mesh: MeshSpec, tp_dim: str = "
 
 def plot_plans(report: dict, ax=None):
     "Per-linear predicted seconds (compute vs communication) of the found and Megatron plans."
-    try: import matplotlib.pyplot as plt
-    except ImportError: raise ImportError("plot_plans needs matplotlib: pip install matplotlib") from None
+    from static_dist.graph import pyplot
+    plt = pyplot("plot_plans")
     fig = ax.figure if ax is not None else plt.figure(figsize=(7, 3.2), dpi=80)
     ax = ax or fig.add_subplot()
     labels = [k for k in ("found", "megatron") if "per_linear" in report.get(k, {})]

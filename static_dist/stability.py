@@ -1001,8 +1001,8 @@ def run_fsdp_check(nproc: int = 2, timeout: float = 300) -> dict:
 # %% ../nbs/60_stability.ipynb
 def plot_run(runs: RunReport | Sequence[RunReport], ax=None, faults: Sequence[Fault] | None = None):
     "Loss (top) and gradient norm (bottom, log) per step of one or more runs; faults shaded, alarms marked."
-    try: import matplotlib.pyplot as plt
-    except ImportError: raise ImportError("plot_run needs matplotlib: pip install matplotlib") from None
+    from static_dist.graph import pyplot
+    plt = pyplot("plot_run")
     runs = [runs] if isinstance(runs, RunReport) else list(runs)
     if ax is None: fig, ax = plt.subplots(2, 1, figsize=(7, 4.5), dpi=80, sharex=True)
     else: fig = ax[0].figure

@@ -503,8 +503,8 @@ if __name__ == "__main__": sys.exit(_main())
 # %% ../nbs/02_topology.ipynb
 def plot_calibration(cal: Calibration, ax=None):
     "Predicted vs measured seconds per collective (log-log, the diagonal is a perfect model)."
-    try: import matplotlib.pyplot as plt
-    except ImportError: raise ImportError("plot_calibration needs matplotlib: pip install matplotlib") from None
+    from static_dist.graph import pyplot
+    plt = pyplot("plot_calibration")
     fig = ax.figure if ax is not None else plt.figure(figsize=(5, 4), dpi=80)
     ax = ax or fig.add_subplot()
     for kind in dict.fromkeys(q.kind for q in cal.points):

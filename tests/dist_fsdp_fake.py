@@ -10,13 +10,8 @@ import sys
 import time
 
 import torch
-import torch.distributed as dist
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-from torch.distributed.device_mesh import init_device_mesh
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from static_dist.fsdp import FSDPPlan, FSDPUnit, apply_plan, predict_memory, profile_graph
+from static_dist.fsdp import FSDPPlan, FSDPUnit, memtracker_fsdp_peak, predict_memory, profile_graph
 from static_dist.graph import capture
 from static_dist.zoo import Llama, LlamaConfig, get_model
 
@@ -24,28 +19,10 @@ CFG = LlamaConfig(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=768, voc
 
 
 def tracked_peak(plan: FSDPPlan, x, y, optimizer: str) -> int:
-    loss_fn = get_model("tiny").loss
-    dist.init_process_group("fake", rank=0, world_size=plan.world_size, store=FakeStore())
-    try:
-        names = ("replicate", "shard")[-len(plan.mesh_shape):]
-        mesh = init_device_mesh("cpu", plan.mesh_shape, mesh_dim_names=names)
-        with torch.device("meta"): m = Llama(CFG)
-        apply_plan(m, plan, mesh)
-        with FakeTensorMode(allow_non_fake_inputs=True):
-            m.to_empty(device="cpu")
-            opt = (torch.optim.AdamW(m.parameters(), lr=1e-3) if optimizer == "adamw"
-                   else torch.optim.SGD(m.parameters(), lr=1e-2))
-            fmt = FSDPMemTracker(m, opt)
-            fmt.track_inputs((x, y))
-            with fmt:
-                for i in range(2):
-                    loss_fn(m(x), y).backward()
-                    opt.step()
-                    opt.zero_grad()
-                    if i == 0: fmt.reset_mod_stats()
-            return int(sum(d["Total"] for d in fmt.get_tracker_snapshot("peak").values()))
-    finally:
-        dist.destroy_process_group()
+    "FSDPMemTracker's peak for the plan, on meta-built Llama(CFG) materialised under fake tensors."
+    def build():
+        with torch.device("meta"): return Llama(CFG)
+    return memtracker_fsdp_peak(build, plan, (x,), y, get_model("tiny").loss, optimizer)
 
 
 def cases(quick: bool):
