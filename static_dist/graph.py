@@ -159,6 +159,8 @@ class _Recorder(TorchDispatchMode):
         self._tid = WeakIdKeyDictionary()   # tensor object -> id
         self._sid = WeakIdKeyDictionary()   # storage object -> id
         self._finalizers: list[weakref.finalize] = []
+        self.saves: list[tuple[int, int]] = []     # (index of the next op, tensor id) per pack, in call order
+        self.unpacks: list[tuple[int, int]] = []
         self._closed = False
         self.failed_in: str | None = None
 
@@ -225,9 +227,16 @@ class _Recorder(TorchDispatchMode):
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         "saved_tensors_hooks pack: mark what autograd keeps for backward."
-        s = self.storages[self.storage_id(t, "temporary", "saved")]
+        tid = self.tensor_id(t, "temporary", "saved")
+        s = self.storages[self.tensors[tid].storage]
         if s["role"] == "temporary": s["role"] = "activation"
         if s["saved_in"] is None: s["saved_in"] = self.module()
+        self.saves.append((len(self.ops), tid))
+        return t
+
+    def unpack(self, t: torch.Tensor) -> torch.Tensor:
+        "saved_tensors_hooks unpack: note when backward asks for a saved tensor."
+        self.unpacks.append((len(self.ops), self._tid.get(t, -1)))
         return t
 
     def close(self) -> list[StorageRecord]:
@@ -341,7 +350,7 @@ def capture(
         if isinstance(x, torch.Tensor): rec.tensor_id(x, "input", f"inputs[{i}]")
     if targets is not None: rec.tensor_id(targets, "input", "targets")
 
-    with fake_mode, tracker, rec, torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t):
+    with fake_mode, tracker, rec, torch.autograd.graph.saved_tensors_hooks(rec.pack, rec.unpack):
         if progress: progress("forward", 0)
         try:
             out = work(*inputs)
@@ -368,7 +377,7 @@ def capture(
                 optimizer=type(opt).__name__ if opt is not None else None,
                 inputs=[list(x.shape) if isinstance(x, torch.Tensor) else repr(x) for x in inputs],
                 seconds=round(time.perf_counter() - t0, 4))
-    return StaticGraph(tuple(rec.ops), tuple(rec.tensors), tuple(storages), meta)
+    return StaticGraph(tuple(rec.ops), tuple(rec.tensors), tuple(storages), meta, tuple(rec.saves), tuple(rec.unpacks))
 
 def _model_device(model: nn.Module) -> torch.device:
     "The device of the model's first parameter or buffer; cpu for meta (or no tensors)."
@@ -437,6 +446,10 @@ class StaticGraph:
     tensors: tuple[TensorRecord, ...]
     storages: tuple[StorageRecord, ...]
     meta: dict = field(default_factory=dict)
+    saves: tuple[tuple[int, int], ...] = ()
+    "(op index, tensor id) for each autograd pack (save for backward), in call order; the op is the next one to run."
+    unpacks: tuple[tuple[int, int], ...] = ()
+    "(op index, tensor id) for each unpack in backward, in call order (-1: a tensor no op touched)."
 
     def __repr__(self):
         n = {p: sum(o.phase == p for o in self.ops) for p in PHASES}
@@ -619,7 +632,8 @@ def summary_markdown(self: StaticGraph, top: int = 5) -> str:
     return "| | |\n|---|---|\n" + "\n".join(f"| {k} | {v} |" for k, v in rows)
 
 # %% ../nbs/00_graph.ipynb
-GRAPH_SCHEMA = "static_dist.graph/1"
+GRAPH_SCHEMA = "static_dist.graph/2"
+_READABLE = (GRAPH_SCHEMA, "static_dist.graph/1")
 
 @_method
 def to_dict(self: StaticGraph) -> dict:
@@ -634,7 +648,9 @@ def to_dict(self: StaticGraph) -> dict:
                  outputs=[list(o.outputs) for o in self.ops], flops=cols(self.ops, "flops")),
         tensors={f.name: [list(v) if isinstance(v, tuple) else v for v in cols(self.tensors, f.name)]
                  for f in dataclasses.fields(TensorRecord)},
-        storages={f.name: cols(self.storages, f.name) for f in dataclasses.fields(StorageRecord)})
+        storages={f.name: cols(self.storages, f.name) for f in dataclasses.fields(StorageRecord)},
+        saves=dict(op=[o for o, _ in self.saves], tensor=[t for _, t in self.saves]),
+        unpacks=dict(op=[o for o, _ in self.unpacks], tensor=[t for _, t in self.unpacks]))
 
 @_method
 def save(self: StaticGraph, path) -> Path:
@@ -648,7 +664,7 @@ def _rows(table: dict, n: int) -> list[dict]:
 
 def graph_from_dict(d: dict) -> StaticGraph:
     "Rebuild a StaticGraph from `StaticGraph.to_dict()` output."
-    if not isinstance(d, dict) or d.get("schema") != GRAPH_SCHEMA:
+    if not isinstance(d, dict) or d.get("schema") not in _READABLE:
         found = d.get("schema") if isinstance(d, dict) else type(d).__name__
         raise ValueError(f"not a static_dist graph: expected schema {GRAPH_SCHEMA!r}, found {found!r}")
     names, o = d["op_names"], d["ops"]
@@ -657,7 +673,8 @@ def graph_from_dict(d: dict) -> StaticGraph:
     tensors = tuple(TensorRecord(**{**r, "shape": tuple(r["shape"])})
                     for r in _rows(d["tensors"], len(d["tensors"]["id"])))
     storages = tuple(StorageRecord(**r) for r in _rows(d["storages"], len(d["storages"]["id"])))
-    return StaticGraph(ops, tensors, storages, d["meta"])
+    hooks = lambda k: tuple(zip(d[k]["op"], d[k]["tensor"])) if k in d else ()
+    return StaticGraph(ops, tensors, storages, d["meta"], hooks("saves"), hooks("unpacks"))
 
 def load_graph(path) -> StaticGraph:
     "Read a graph written by `StaticGraph.save`."

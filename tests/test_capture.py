@@ -20,6 +20,7 @@ def test_fake_and_real_capture_agree(name):
     real = capture(model, inputs, loss_fn=zm.loss, targets=targets, optimizer="adamw", mode="real")
     assert fake.ops == real.ops
     assert fake.tensors == real.tensors
+    assert fake.saves == real.saves and fake.unpacks == real.unpacks   # the offload executor's clock
     assert storage_differences(fake, real) == []
     assert fake.peak() == real.peak()
 

@@ -1,4 +1,5 @@
 "Offload executor and planner: faults, mismatches, activation checkpointing, properties, CLI."
+import dataclasses
 import errno
 import json
 import math
@@ -110,16 +111,41 @@ def test_backward_after_exit_is_an_error(tiny):
 def test_other_model_or_dtype_is_refused(tiny):
     zm = get_model("mlp")
     m = zm.build("cpu"); (x,), y = zm.batch(4)
-    with pytest.raises(OffloadMismatchError, match=r"left the captured step at op 0"):
+    with pytest.raises(OffloadMismatchError, match=r"left the captured step at save #0 \(captured before op 0: "
+                                                   r"aten.embedding.default .*saved \(4, 32\) torch.float32, captured "
+                                                   r"\(4, 128\) torch.int64"):
         with OffloadExecutor(tiny.g, tiny.disk): _step(m, zm, x, y)()
     m64 = tiny.zm.build("cpu", dtype=torch.float64)
     with pytest.raises(OffloadMismatchError, match=r"torch.float64, captured .* torch.float32"):
         with OffloadExecutor(tiny.g, tiny.disk): _step(m64, tiny.zm, tiny.x, tiny.y)()
 
 
+def test_fewer_saves_than_captured_is_refused(tiny):
+    "A step that stops early (here: forward only, no loss) saved fewer tensors than the captured one."
+    with pytest.raises(OffloadMismatchError, match=r"the step ended after \d+ saves for backward, the captured one makes"):
+        with OffloadExecutor(tiny.g, tiny.disk): tiny.m(tiny.x)
+
+
+def test_graph_without_hook_record_is_refused(tiny):
+    "A graph read from a schema-1 file has no save/unpack record: the executor asks for a new capture."
+    old = dataclasses.replace(tiny.g, saves=(), unpacks=())
+    with pytest.raises(ValueError, match="no record of autograd's saves"):
+        OffloadExecutor(old, tiny.disk)
+
+
+def test_schedule_points_are_hook_calls(tiny):
+    "Every planned point is an op before which autograd packs or unpacks: the executor can act exactly there."
+    ticks = {o for o, _ in tiny.g.saves} | {o for o, _ in tiny.g.unpacks}
+    assert tiny.disk.offloaded
+    for d in tiny.disk.offloaded:
+        assert d.release_op in ticks and d.prefetch_at in ticks, d
+
+
 def test_late_prefetch_still_exact(tiny):
-    "With no lookahead some prefetches are issued after autograd already asked: loaded on demand, same gradients."
-    p = plan_offload(tiny.g, (DISK,), min_bytes=0, lookahead=0)
+    """Prefetches moved to the first op that reads the tensor come after autograd already asked for some of them (it unpacks
+    a node's saved tensors before the node's first op): those are loaded on demand, with the same gradients."""
+    p = dataclasses.replace(tiny.disk, decisions=tuple(
+        dataclasses.replace(d, prefetch_at=d.first_backward_use) if d.tier else d for d in tiny.disk.decisions))
     ex = OffloadExecutor(tiny.g, p)
     with ex: got = tiny.step()
     assert ex.stats["late_prefetches"] >= 1
