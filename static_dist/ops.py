@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+import torch.autograd.forward_ad as _forward_ad   # its _current_level: is a dual level (forward AD) open?
 
 # %% auto 0
 __all__ = ['TOLERANCES', 'REGISTRY', 'softmax_backward', 'softmax', 'add_relu', 'rms_norm_backward', 'rms_norm', 'KERNEL_OPS',
@@ -103,13 +104,21 @@ def _fresh(out, args):
 # %% ../nbs/20_ops.ipynb
 class BridgedOp:
     "A declaration registered as a torch.library op; call it like the reference."
-    def __init__(self, decl: OpDecl, op):
+    def __init__(self, decl: OpDecl, op, fast: dict | None = None):
         self.decl, self.op = decl, op
         ns, n = decl.name.split("::")
         self.overload = getattr(getattr(torch.ops, ns), n).default
         "The `OpOverload` (`torch.ops.<ns>.<name>.default`) that graphs contain."
+        self._fast = fast or {}     # {device type: (kernel, autograd.Function or None)}: the plain-eager shortcut
 
-    def __call__(self, *args): return self.op(*args)
+    def __call__(self, *args):
+        if torch.compiler.is_compiling() or not _plain_eager(args): return self.op(*args)
+        dev = next((a.device.type for a in args if isinstance(a, torch.Tensor)), None)
+        kernel, fn = self._fast.get(dev, (None, None))
+        if kernel is None: return self.op(*args)
+        if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            return fn.apply(*args) if fn is not None else self.op(*args)
+        return kernel(*args)
     def __repr__(self):
         k = [n for n in ("triton", "cuda") if getattr(self.decl, n)]
         return f"BridgedOp({self.decl.name}, kernels={k or 'reference only'})"
@@ -149,6 +158,32 @@ def _dispatch(decl: OpDecl, device: str):
             out = _restride_like(out, decl.reference(*(a.to("meta") if isinstance(a, torch.Tensor) else a for a in args)))
         return _fresh(out, args)
     return run
+
+def _plain_eager(args) -> bool:
+    "Would the dispatcher do nothing but call the kernel (and autograd)? Dense plain tensors; no mode, tracer, transform, profiler."
+    if (torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled()
+            or torch._C._get_tracing_state() is not None or torch._C._autograd._profiler_enabled()
+            or torch._C._functorch.peek_interpreter_stack() is not None or _forward_ad._current_level >= 0):
+        return False
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            if type(a) not in _PLAIN or a.layout != torch.strided or a.is_nested or a.is_meta: return False
+        elif not isinstance(a, _SCALARS): return False          # e.g. an fx Proxy: let the op handle it
+    return True
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_SCALARS = (int, float, bool, str, type(None))
+
+def _autograd_function(decl: OpDecl, kernel, setup, backward):
+    "The op's autograd as a plain `torch.autograd.Function` over `kernel` (the same setup_context and backward)."
+    def forward(ctx, *args):
+        out = kernel(*args)
+        setup(ctx, args, out)
+        return out
+    # setup_context is called from forward, not declared: with a declared one, every `apply` binds the arguments
+    # with inspect.signature (~6 µs)
+    return type(f"{decl.name.replace('::', '_')}_fast", (torch.autograd.Function,),
+                dict(forward=staticmethod(forward), backward=staticmethod(backward)))
 
 def _restride_like(out, meta):
     "Kernel outputs copied into the strides the reference (hence the fake) gives, where they differ."
@@ -204,13 +239,14 @@ def bridge(decl: OpDecl, check: bool = True) -> BridgedOp:
     "Register `decl` as a torch.library custom op (fake, autograd, CPU/CUDA kernels) and return the callable op."
     if decl.name in REGISTRY: raise ValueError(f"{decl.name} is already bridged in this process; pick another name")
     op = torch.library.custom_op(decl.name, mutates_args=())(decl.reference)   # schema from the annotations
-    op.register_kernel("cpu", _dispatch(decl, "cpu"))
-    op.register_kernel("cuda", _dispatch(decl, "cuda"))
+    kernels = {d: _dispatch(decl, d) for d in ("cpu", "cuda")}
+    for d, k in kernels.items(): op.register_kernel(d, k)
     op.register_fake(decl.fake or _fake_from(decl.reference))
+    setup = bwd = None
     if decl.differentiable:
         setup, bwd = (decl.setup_context, decl.backward) if decl.backward else _vjp_autograd(decl.reference)
         op.register_autograd(bwd, setup_context=setup)
-    bop = BridgedOp(decl, op)
+    bop = BridgedOp(decl, op, {d: (k, _autograd_function(decl, k, setup, bwd) if bwd else None) for d, k in kernels.items()})
     if check and decl.examples is not None:
         for dt in (torch.float32, torch.float16):
             check_fake(bop, bop.examples(dt))
@@ -422,7 +458,7 @@ _FIXES = {
     "script": "call the op as torch.ops.<ns>.<name>(...) inside TorchScript; Python wrappers are not scriptable",
     "trace": "trace a function that calls the op with tensors only; non-tensor arguments are baked in as constants",
     "onnx": "declare OpDecl.onnx as an onnxscript function, or rely on the decomposition into the reference (needs every aten op it uses to be exportable)",
-    "overhead": "per-call overhead is the dispatcher + Python wrapper; batch work into fewer, larger calls",
+    "overhead": "per-call overhead is Python (and, under modes or tracing, the dispatcher); batch work into fewer, larger calls",
 }
 
 @dataclass(frozen=True)
@@ -662,11 +698,13 @@ def _per_call(fn, args, n: int) -> float:
     return best
 
 def _c_overhead(ctx):
-    bop, args = ctx["bop"], ctx["args"]
+    bop, args, n = ctx["bop"], ctx["args"], ctx["overhead_calls"]
     with torch.no_grad():
-        op_s, ref_s = _per_call(bop, args, ctx["overhead_calls"]), _per_call(bop.decl.reference, args, ctx["overhead_calls"])
-    ctx["data"] = dict(op_us=op_s * 1e6, reference_us=ref_s * 1e6, overhead_us=(op_s - ref_s) * 1e6)
-    return f"{op_s * 1e6:.1f} µs per call vs {ref_s * 1e6:.1f} µs calling the reference (+{(op_s - ref_s) * 1e6:.1f} µs)"
+        op_s, via_s, ref_s = _per_call(bop, args, n), _per_call(bop.op, args, n), _per_call(bop.decl.reference, args, n)
+    ctx["data"] = dict(op_us=op_s * 1e6, dispatcher_us=via_s * 1e6, reference_us=ref_s * 1e6,
+                       overhead_us=(op_s - ref_s) * 1e6, dispatcher_overhead_us=(via_s - ref_s) * 1e6)
+    return (f"{op_s * 1e6:.1f} µs per call in plain eager, {via_s * 1e6:.1f} µs through the dispatcher, vs "
+            f"{ref_s * 1e6:.1f} µs calling the reference (+{(op_s - ref_s) * 1e6:.1f} / +{(via_s - ref_s) * 1e6:.1f} µs)")
 
 _CELLS = {p: globals()[f"_c_{p}"] for p in PATHS}
 
