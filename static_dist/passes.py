@@ -49,38 +49,77 @@ def _match_softmax(sm: fx.Node):
 
 _CASTS = (_A.to.dtype, _A._to_copy.default, _A.type_as.default)
 
-def _match_rms_norm(rsqrt: fx.Node):
-    "The zoo's RMSNorm: rsqrt(mean(pow(xf, 2), [-1], True) + eps) · xf [→ type_as x] · weight, xf = x cast to float32 or wider."
-    if rsqrt.target != _A.rsqrt.default: return None
-    add = rsqrt.args[0]
+_ASSERT = _A._assert_tensor_metadata.default     # export's dtype checks after `.to()`: not uses of the value
+
+def _users(n: fx.Node) -> list[fx.Node]: return [u for u in n.users if u.target != _ASSERT]
+
+def _cast_chain(n, dtype) -> tuple:
+    "(source, casts): `n` with the casts to `dtype` it was made by stripped (`x.float()`, `x.float().float()`)."
+    casts = []
+    while getattr(n, "target", None) in (_A.to.dtype, _A._to_copy.default) and _val(n).dtype == dtype \
+            and set(n.kwargs) <= {"dtype"}:
+        casts.append(n); n = n.args[0]
+    return n, casts
+
+def _square_of(n) -> fx.Node | None:
+    "`x` if `n` computes x² (`pow(x, 2)` or `mul(x, x)`)."
+    t = getattr(n, "target", None)
+    if t == _A.pow.Tensor_Scalar and n.args[1] == 2 and isinstance(n.args[0], fx.Node): return n.args[0]
+    if t == _A.mul.Tensor and len(n.args) == 2 and n.args[0] is n.args[1] and isinstance(n.args[0], fx.Node): return n.args[0]
+    return None
+
+def _match_aten_rms_norm(n: fx.Node):
+    "`aten.rms_norm(x, [D], weight, eps)` (nn.RMSNorm, F.rms_norm): bitwise the bridged op's function in float32/float64."
+    x, shape, w, eps = (list(n.args) + [None, None])[:4]
+    eps = n.kwargs.get("eps", eps)
+    vx, vw = _val(x), _val(w)
+    if not (isinstance(vx, torch.Tensor) and isinstance(vw, torch.Tensor)) or list(shape) != [vx.shape[-1]]: return None
+    # in 16-bit aten rounds once, after the weight; the bridged op (like the zoo's RMSNorm) before it too
+    if vx.dtype not in (torch.float32, torch.float64) or vw.dtype != vx.dtype: return None
+    return (x, w, float(torch.finfo(vx.dtype).eps if eps is None else eps)), [n]
+
+def _match_rms_norm(anchor: fx.Node):
+    """RMSNorm over the last dim, as one aten op or spelled out: xf · rsqrt(v) or xf / sqrt(v), v = mean(xf², [-1], True)
+    + eps, [→ cast back to x's dtype], · weight (either side); xf = x, or x cast to float32 or wider; xf² = pow or mul."""
+    if anchor.target == _A.rms_norm.default: return _match_aten_rms_norm(anchor)
+    if anchor.target not in (_A.rsqrt.default, _A.sqrt.default): return None
+    add = anchor.args[0]
     if getattr(add, "target", None) != _A.add.Tensor or not isinstance(add.args[1], float) or add.kwargs: return None
     mean = add.args[0]
     if getattr(mean, "target", None) != _A.mean.dim or mean.kwargs.get("dtype") is not None: return None
-    pw, dims, keep = (list(mean.args) + [False])[:3]
-    if getattr(pw, "target", None) != _A.pow.Tensor_Scalar or pw.args[1] != 2 or not keep: return None
-    xf = pw.args[0]
+    sq, dims, keep = (list(mean.args) + [False])[:3]
+    xf = _square_of(sq)
+    if xf is None or not keep: return None
     vxf = _val(xf)
     if not isinstance(vxf, torch.Tensor) or list(dims) not in ([-1], [vxf.dim() - 1]): return None
-    if len(rsqrt.users) != 1: return None
-    mul = next(iter(rsqrt.users))
-    if mul.target != _A.mul.Tensor or set(mul.args) != {xf, rsqrt}: return None
-    x = xf.args[0] if getattr(xf, "target", None) in (_A.to.dtype, _A._to_copy.default) else xf
+    if len(_users(anchor)) != 1: return None
+    norm = _users(anchor)[0]
+    if anchor.target == _A.rsqrt.default:
+        if norm.target != _A.mul.Tensor or len(norm.args) != 2 or anchor not in norm.args: return None
+        other = norm.args[1] if norm.args[0] is anchor else norm.args[0]
+    elif norm.target != _A.div.Tensor or len(norm.args) != 2 or norm.args[1] is not anchor or norm.kwargs: return None
+    else: other = norm.args[0]
+    # the normalised tensor and the squared one: x itself or x cast up, possibly by separate `.float()` calls
+    x, casts = _cast_chain(xf, vxf.dtype)
+    x2, casts2 = _cast_chain(other, vxf.dtype)
+    if x2 is not x or _val(other) is None or _val(other).dtype != vxf.dtype: return None
     vx = _val(x)
-    if vxf.dtype != torch.promote_types(vx.dtype, torch.float32): return None
-    cur, covered = mul, [mul, rsqrt, add, mean, pw]
-    if len(cur.users) == 1 and next(iter(cur.users)).target in _CASTS:          # .type_as(x) / .to(x.dtype)
-        cast = next(iter(cur.users))
+    if not isinstance(vx, torch.Tensor) or vxf.dtype != torch.promote_types(vx.dtype, torch.float32): return None
+    cur, covered = norm, [norm, anchor, add, mean, sq]
+    if len(_users(cur)) == 1 and _users(cur)[0].target in _CASTS:            # .type_as(x) / .to(x.dtype)
+        cast = _users(cur)[0]
         if _val(cast).dtype != vx.dtype: return None
         cur, covered = cast, [cast] + covered
     elif vx.dtype != vxf.dtype: return None
-    if len(cur.users) != 1: return None
-    wmul = next(iter(cur.users))
+    if len(_users(cur)) != 1: return None
+    wmul = _users(cur)[0]
     if wmul.target != _A.mul.Tensor or len(wmul.args) != 2 or cur not in wmul.args: return None
     w = wmul.args[1] if wmul.args[0] is cur else wmul.args[0]
     vw = _val(w)
     if not isinstance(vw, torch.Tensor) or tuple(vw.shape) != (vx.shape[-1],): return None
-    if xf is not x and all(u in covered for u in xf.users): covered.append(xf)   # the cast dies with the match
-    return (x, w, add.args[1]), [wmul] + covered
+    covered += casts + [c for c in casts2 if c not in casts]                 # erased if nothing else uses them
+    checks = [a for c in [wmul] + covered for a in c.users if a.target == _ASSERT]
+    return (x, w, add.args[1]), [wmul] + checks + covered
 
 PATTERNS = {"add_relu": (_match_add_relu, "static_dist::add_relu"), "softmax": (_match_softmax, "static_dist::softmax"),
             "rms_norm": (_match_rms_norm, "static_dist::rms_norm")}
@@ -143,8 +182,9 @@ def rewrite_ops(ep: torch.export.ExportedProgram, example_inputs: tuple | None =
             new_node.meta = {k: v for k, v in out.meta.items() if k in ("val", "tensor_meta", "stack_trace", "nn_module_stack")}
             out.replace_all_uses_with(new_node)
             _rename_output(new, out.name, new_node.name)
-            for n in covered:                                                    # outermost first: users go before inputs
-                if not n.users: g.erase_node(n)
+            pending = list(covered)          # the output first; erase whatever the replacement left without users
+            while dead := [n for n in pending if not n.users]:
+                for n in dead: g.erase_node(n); pending.remove(n)
             counts[name] += 1
             replaced.append((name, new_node.name, out.name))
     g.lint()
@@ -341,7 +381,7 @@ def audit_section(model_name: str, out_dir: Path) -> dict:
     for n in ep.graph.nodes:
         if n.op == "call_function": aten[str(n.target)] += 1
     anchors = {"add_relu": ("aten.relu.default",), "softmax": ("aten.softmax.int", "aten._softmax.default"),
-               "rms_norm": ("aten.rsqrt.default",)}                     # the op each pattern is anchored on
+               "rms_norm": ("aten.rsqrt.default", "aten.sqrt.default", "aten.rms_norm.default")}   # ops a match starts from
     rows = ["| bridged op | kernels on CUDA | anchor ops in the model | rewritten to the bridged op |", "|---|---|---:|---:|"]
     for p, (_, opname) in PATTERNS.items():
         bop = sdops.REGISTRY[opname]
