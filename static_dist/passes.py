@@ -31,8 +31,9 @@ def _val(n): return n.meta.get("val") if isinstance(n, fx.Node) else None
 def _only_user(n: fx.Node, user: fx.Node) -> bool: return list(n.users) == [user]
 
 def _match_add_relu(relu: fx.Node):
-    "relu(add(a, b)) with add used only by relu, both operands tensors, no alpha → (args, covered nodes)."
-    if relu.target != _A.relu.default: return None
+    """relu(add(a, b)) with add used only by relu, both operands tensors, no alpha → (args, covered nodes). An in-place
+    relu (`nn.ReLU(inplace=True)`) counts: nothing else sees the sum it overwrites."""
+    if relu.target not in (_A.relu.default, _A.relu_.default): return None
     add = relu.args[0]
     if not isinstance(add, fx.Node) or add.target != _A.add.Tensor or add.kwargs or len(add.args) != 2: return None
     a, b = add.args
@@ -380,7 +381,7 @@ def audit_section(model_name: str, out_dir: Path) -> dict:
     aten = defaultdict(int)
     for n in ep.graph.nodes:
         if n.op == "call_function": aten[str(n.target)] += 1
-    anchors = {"add_relu": ("aten.relu.default",), "softmax": ("aten.softmax.int", "aten._softmax.default"),
+    anchors = {"add_relu": ("aten.relu.default", "aten.relu_.default"), "softmax": ("aten.softmax.int", "aten._softmax.default"),
                "rms_norm": ("aten.rsqrt.default", "aten.sqrt.default", "aten.rms_norm.default")}   # ops a match starts from
     rows = ["| bridged op | kernels on CUDA | anchor ops in the model | rewritten to the bridged op |", "|---|---|---:|---:|"]
     for p, (_, opname) in PATTERNS.items():
