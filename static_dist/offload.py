@@ -202,18 +202,9 @@ def classify(s: SavedTensor, tiers: Sequence[Tier], safety: float = 2.0, min_byt
     return "conditionally_offloadable", f"fits without the {safety:g}× margin: needs an early prefetch", ok
 
 # %% ../nbs/50_offload.ipynb
-@dataclass(frozen=True)
-class OffloadDecision:
-    "What the plan does with one saved tensor."
-    storage: int
-    name: str
-    saved_in: str | None
-    nbytes: int
-    shape: tuple[int, ...]
-    dtype: str
-    offload_after: int
-    first_backward_use: int | None
-    idle_s: float
+@dataclass(frozen=True, kw_only=True)
+class OffloadDecision(SavedTensor):
+    "What the plan does with one saved tensor: its record (`SavedTensor`), the class, and where and when it goes."
     klass: str
     "must_retain, safe_to_offload or conditionally_offloadable."
     reason: str
@@ -223,8 +214,6 @@ class OffloadDecision:
     "Predicted first op without it on the device."
     prefetch_at: int | None = None
     "Op at whose start the copy back is issued."
-    life_s: float = 0.0
-    "Estimated seconds from creation to release."
 
 @dataclass(frozen=True)
 class OffloadPlan:
@@ -370,9 +359,9 @@ def plan_offload(graph: StaticGraph, tiers: Sequence[Tier] = (TIER_PRESETS["pcie
         useless = [k for k, v in release.items() if v >= prefetch[k]]
         if not useless: break
         for k in useless: chosen[k] = (chosen[k][0], chosen[k][1] + "; kept: the copy would not finish before its prefetch", None)
-    decisions = tuple(OffloadDecision(s.storage, s.name, s.saved_in, s.nbytes, s.shape, s.dtype, s.offload_after,
-                                      s.first_backward_use, s.idle_s, *chosen[s.storage],
-                                      release.get(s.storage), prefetch.get(s.storage), s.life_s) for s in rows)
+    decisions = tuple(OffloadDecision(**vars(s), klass=chosen[s.storage][0], reason=chosen[s.storage][1],
+                                      tier=chosen[s.storage][2], release_op=release.get(s.storage),
+                                      prefetch_at=prefetch.get(s.storage)) for s in rows)
     per_tier = {x.name: 2 * sum(d.nbytes for d in decisions if d.tier == x.name) for x in tiers}
     base = int(graph.peak().bytes)
     plan = OffloadPlan(decisions, tiers, device, len(graph.ops), graph_signature(graph), base, base, per_tier,
@@ -381,7 +370,8 @@ def plan_offload(graph: StaticGraph, tiers: Sequence[Tier] = (TIER_PRESETS["pcie
     return dataclasses.replace(plan, planned_peak_bytes=int(after.max()) if len(after) else 0)
 
 # %% ../nbs/50_offload.ipynb
-OFFLOAD_SCHEMA = "static_dist.offload/1"
+OFFLOAD_SCHEMA = "static_dist.offload/2"
+"Version 2: points on autograd's hook calls, each decision carries its whole `SavedTensor` record."
 
 def plan_to_dict(plan: OffloadPlan) -> dict:
     "A JSON-ready dict of the plan."
@@ -392,6 +382,10 @@ def plan_to_dict(plan: OffloadPlan) -> dict:
 
 def plan_from_dict(d: dict) -> OffloadPlan:
     "Rebuild an OffloadPlan from `plan_to_dict` output (validating the schema)."
+    if isinstance(d, dict) and d.get("schema") == "static_dist.offload/1":
+        raise ValueError("this offload plan was written by an older static_dist (schema static_dist.offload/1, whose "
+                         "points are not on the executor's clock): make it again with plan_offload or "
+                         "`static-dist plan-offload --save`")
     if not isinstance(d, dict) or d.get("schema") != OFFLOAD_SCHEMA:
         raise ValueError(f"not an offload plan: expected schema {OFFLOAD_SCHEMA!r}, found "
                          f"{d.get('schema') if isinstance(d, dict) else type(d).__name__!r}")
