@@ -95,11 +95,15 @@ def _merge(template, positions, tensors) -> tuple:
 
 def _as_tuple(x): return tuple(x) if isinstance(x, (tuple, list)) else (x,)
 
+def _unaliased(t, args):
+    if isinstance(t, torch.Tensor):
+        for a in args:
+            if isinstance(a, torch.Tensor) and torch._C._is_alias_of(t, a): return t.clone()
+    return t
+
 def _fresh(out, args):
     "Custom ops may not return an input or a view of one: clone any output sharing storage with a tensor argument."
-    ins = [a for a in args if isinstance(a, torch.Tensor)]
-    def fix(t): return t.clone() if isinstance(t, torch.Tensor) and any(torch._C._is_alias_of(t, a) for a in ins) else t
-    return tuple(fix(t) for t in out) if isinstance(out, tuple) else fix(out)
+    return tuple(_unaliased(t, args) for t in out) if isinstance(out, tuple) else _unaliased(out, args)
 
 # %% ../nbs/20_ops.ipynb
 class BridgedOp:
