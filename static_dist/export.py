@@ -34,14 +34,21 @@ def require(module: str):
 
 @contextlib.contextmanager
 def quiet():
-    "Capture stdout, stderr, warnings and logging inside a stage; yields the text buffer."
-    buf, prev = io.StringIO(), logging.root.manager.disable
-    logging.disable(logging.CRITICAL)
+    "Capture stdout, stderr, warnings and the console's log output inside a stage; yields the text buffer."
+    # Logging stays on: torch 2.11's draft_export collects its report from log records (logging.disable empties it),
+    # so the console handlers are pointed at the buffer instead.
+    buf = io.StringIO()
+    loggers = [logging.root, *(l for l in logging.root.manager.loggerDict.values() if isinstance(l, logging.Logger))]
+    console = [h for l in loggers for h in l.handlers
+               if type(h) is logging.StreamHandler and h.stream in (sys.stderr, sys.stdout, sys.__stderr__, sys.__stdout__)]
+    old = [h.setStream(buf) for h in console]
     try:
         with warnings.catch_warnings(), contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
             warnings.simplefilter('ignore')
             yield buf
-    finally: logging.disable(prev)
+    finally:
+        for h, stream in zip(console, old):
+            if stream is not None: h.setStream(stream)
 
 # %% ../nbs/10_export.ipynb
 @dataclass(frozen=True)
@@ -690,7 +697,11 @@ def _stage(report: ExportReport, name: str, fn: Callable, target: str = 'export'
 def _draft_findings(ep) -> list[Finding]:
     "Findings from draft_export's report (data-dependent errors with their user stack)."
     rep, out = getattr(ep, '_report', None), []
-    files = getattr(rep, 'str_to_filename', {}) or {}
+    files = dict(getattr(rep, 'str_to_filename', {}) or {})
+    # The report only maps the file names torch interned during this call (once per process): a second draft_export
+    # of the same code finds them in torch's intern table
+    table = getattr(getattr(torch._logging, 'structured', None), 'INTERN_TABLE', {})
+    files = {**{i: name for name, i in table.items()}, **files}
     for f in getattr(rep, 'failures', []):
         data = f.data if isinstance(f.data, dict) else {}
         locs = [SourceLoc(files[s.get('filename')], s.get('line', 0), s.get('loc', '')) for s in data.get('user_stack', []) if s.get('filename') in files]

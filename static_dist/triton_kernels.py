@@ -37,7 +37,8 @@ __all__ = ['interpreting', 'launch_config', 'acc_type', 'softmax_fwd_kernel', 's
 
 # %% ../nbs/20a_triton_kernels.ipynb
 @triton.jit
-def softmax_fwd_kernel(X, Y, n_cols, stride_x, stride_y, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr, ACC: tl.constexpr):
+def softmax_fwd_kernel(X, Y, n_cols, stride_x, stride_y, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr, ACC: tl.constexpr,
+                       N_BLOCKS: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     x_ptr, y_ptr = X + row * stride_x, Y + row * stride_y
     if ONE_PASS:
@@ -49,20 +50,23 @@ def softmax_fwd_kernel(X, Y, n_cols, stride_x, stride_y, BLOCK: tl.constexpr, ON
     else:
         m = tl.full((), -float("inf"), ACC)
         s = tl.zeros((), ACC)
-        for start in range(0, n_cols, BLOCK):             # online max and rescaled sum
-            cols = start + tl.arange(0, BLOCK)
+        if N_BLOCKS > 0: n_iter = N_BLOCKS
+        else: n_iter = tl.cdiv(n_cols, BLOCK)
+        for i in range(0, n_iter):                        # online max and rescaled sum
+            cols = i * BLOCK + tl.arange(0, BLOCK)
             x = tl.load(x_ptr + cols, mask=cols < n_cols, other=-float("inf")).to(ACC)
             m_new = tl.maximum(m, tl.max(x, 0))
             s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), 0)
             m = m_new
-        for start in range(0, n_cols, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
+        for i in range(0, n_iter):
+            cols = i * BLOCK + tl.arange(0, BLOCK)
             mask = cols < n_cols
             x = tl.load(x_ptr + cols, mask=mask, other=-float("inf")).to(ACC)
             tl.store(y_ptr + cols, (tl.exp(x - m) / s).to(Y.dtype.element_ty), mask=mask)
 
 @triton.jit
-def softmax_bwd_kernel(Y, G, DX, n_cols, stride_y, stride_g, stride_dx, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr, ACC: tl.constexpr):
+def softmax_bwd_kernel(Y, G, DX, n_cols, stride_y, stride_g, stride_dx, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr, ACC: tl.constexpr,
+                       N_BLOCKS: tl.constexpr):
     "dx = y * (g - sum(g * y)) per row."
     row = tl.program_id(0).to(tl.int64)
     y_ptr, g_ptr, dx_ptr = Y + row * stride_y, G + row * stride_g, DX + row * stride_dx
@@ -74,24 +78,31 @@ def softmax_bwd_kernel(Y, G, DX, n_cols, stride_y, stride_g, stride_dx, BLOCK: t
         tl.store(dx_ptr + cols, (y * (g - tl.sum(y * g, 0))).to(DX.dtype.element_ty), mask=mask)
     else:
         dot = tl.zeros((), ACC)
-        for start in range(0, n_cols, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
+        if N_BLOCKS > 0: n_iter = N_BLOCKS
+        else: n_iter = tl.cdiv(n_cols, BLOCK)
+        for i in range(0, n_iter):
+            cols = i * BLOCK + tl.arange(0, BLOCK)
             mask = cols < n_cols
             y = tl.load(y_ptr + cols, mask=mask, other=0.0).to(ACC)
             dot += tl.sum(y * tl.load(g_ptr + cols, mask=mask, other=0.0).to(ACC), 0)
-        for start in range(0, n_cols, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
+        for i in range(0, n_iter):
+            cols = i * BLOCK + tl.arange(0, BLOCK)
             mask = cols < n_cols
             y = tl.load(y_ptr + cols, mask=mask, other=0.0).to(ACC)
             g = tl.load(g_ptr + cols, mask=mask, other=0.0).to(ACC)
             tl.store(dx_ptr + cols, (y * (g - dot)).to(DX.dtype.element_ty), mask=mask)
+
+def _trip_count(n: int, block: int, one_pass: bool) -> int:
+    "N_BLOCKS for the softmax kernels: the loop's trip count under the interpreter, else 0 (a runtime bound)."
+    return triton.cdiv(n, block) if interpreting() and not one_pass else 0
 
 def softmax_fwd(x: torch.Tensor, max_block: int = 32768) -> torch.Tensor:
     "Softmax over the last dim of a 2-D tensor with unit column stride."
     rows, n = x.shape
     y = torch.empty_like(x)
     block, warps, one = launch_config(n, max_block)
-    softmax_fwd_kernel[(rows,)](x, y, n, x.stride(0), y.stride(0), BLOCK=block, ONE_PASS=one, ACC=acc_type(x.dtype), num_warps=warps)
+    softmax_fwd_kernel[(rows,)](x, y, n, x.stride(0), y.stride(0), BLOCK=block, ONE_PASS=one, ACC=acc_type(x.dtype),
+                                N_BLOCKS=_trip_count(n, block, one), num_warps=warps)
     return y
 
 def softmax_bwd(y: torch.Tensor, g: torch.Tensor, max_block: int = 32768) -> torch.Tensor:
@@ -100,7 +111,7 @@ def softmax_bwd(y: torch.Tensor, g: torch.Tensor, max_block: int = 32768) -> tor
     dx = torch.empty_like(y)
     block, warps, one = launch_config(n, max_block)
     softmax_bwd_kernel[(rows,)](y, g, dx, n, y.stride(0), g.stride(0), dx.stride(0), BLOCK=block, ONE_PASS=one,
-                                ACC=acc_type(y.dtype), num_warps=warps)
+                                ACC=acc_type(y.dtype), N_BLOCKS=_trip_count(n, block, one), num_warps=warps)
     return dx
 
 # %% ../nbs/20a_triton_kernels.ipynb
