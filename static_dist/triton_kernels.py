@@ -50,15 +50,13 @@ def softmax_fwd_kernel(X, Y, n_cols, stride_x, stride_y, BLOCK: tl.constexpr, ON
     else:
         m = tl.full((), -float("inf"), ACC)
         s = tl.zeros((), ACC)
-        if N_BLOCKS > 0: n_iter = N_BLOCKS
-        else: n_iter = tl.cdiv(n_cols, BLOCK)
-        for i in range(0, n_iter):                        # online max and rescaled sum
+        for i in range(0, N_BLOCKS if N_BLOCKS > 0 else tl.cdiv(n_cols, BLOCK)):                        # online max and rescaled sum
             cols = i * BLOCK + tl.arange(0, BLOCK)
             x = tl.load(x_ptr + cols, mask=cols < n_cols, other=-float("inf")).to(ACC)
             m_new = tl.maximum(m, tl.max(x, 0))
             s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), 0)
             m = m_new
-        for i in range(0, n_iter):
+        for i in range(0, N_BLOCKS if N_BLOCKS > 0 else tl.cdiv(n_cols, BLOCK)):
             cols = i * BLOCK + tl.arange(0, BLOCK)
             mask = cols < n_cols
             x = tl.load(x_ptr + cols, mask=mask, other=-float("inf")).to(ACC)
@@ -78,14 +76,12 @@ def softmax_bwd_kernel(Y, G, DX, n_cols, stride_y, stride_g, stride_dx, BLOCK: t
         tl.store(dx_ptr + cols, (y * (g - tl.sum(y * g, 0))).to(DX.dtype.element_ty), mask=mask)
     else:
         dot = tl.zeros((), ACC)
-        if N_BLOCKS > 0: n_iter = N_BLOCKS
-        else: n_iter = tl.cdiv(n_cols, BLOCK)
-        for i in range(0, n_iter):
+        for i in range(0, N_BLOCKS if N_BLOCKS > 0 else tl.cdiv(n_cols, BLOCK)):
             cols = i * BLOCK + tl.arange(0, BLOCK)
             mask = cols < n_cols
             y = tl.load(y_ptr + cols, mask=mask, other=0.0).to(ACC)
             dot += tl.sum(y * tl.load(g_ptr + cols, mask=mask, other=0.0).to(ACC), 0)
-        for i in range(0, n_iter):
+        for i in range(0, N_BLOCKS if N_BLOCKS > 0 else tl.cdiv(n_cols, BLOCK)):
             cols = i * BLOCK + tl.arange(0, BLOCK)
             mask = cols < n_cols
             y = tl.load(y_ptr + cols, mask=mask, other=0.0).to(ACC)
@@ -156,13 +152,13 @@ def rmsnorm_fwd_kernel(X, W, Y, n_cols, stride_x, stride_y, eps, BLOCK: tl.const
 
 @triton.jit
 def rmsnorm_bwd_kernel(G, X, W, DX, DW_PART, n_rows, n_cols, stride_g, stride_x, stride_dx, eps, rows_per_program,
-                       BLOCK: tl.constexpr, ACC: tl.constexpr):
+                       BLOCK: tl.constexpr, ACC: tl.constexpr, ROWS: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     cmask = cols < n_cols
     w = tl.load(W + cols, mask=cmask, other=0.0).to(ACC)
     dw = tl.zeros((BLOCK,), ACC)
-    for i in range(0, rows_per_program):
+    for i in range(0, ROWS if ROWS > 0 else rows_per_program):   # ROWS: the interpreter's constant trip count
         row = pid * rows_per_program + i
         mask = cmask & ((cols * 0 + row) < n_rows)        # the row mask broadcast to the block
         x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(ACC)
@@ -198,5 +194,5 @@ def rms_norm_bwd(g: torch.Tensor, x: torch.Tensor, w: torch.Tensor, eps: float) 
     dx = torch.empty_like(x)
     part = torch.empty((progs, n), dtype=torch.float64 if x.dtype == torch.float64 else torch.float32, device=x.device)
     rmsnorm_bwd_kernel[(progs,)](g, x, w, dx, part, rows, n, g.stride(0), x.stride(0), dx.stride(0), eps, rpp,
-                                 BLOCK=block, ACC=acc_type(x.dtype), num_warps=warps)
+                                 BLOCK=block, ACC=acc_type(x.dtype), ROWS=rpp if interpreting() else 0, num_warps=warps)
     return dx, part.sum(0).to(w.dtype)

@@ -1,6 +1,7 @@
 "Offload executor and planner: faults, mismatches, activation checkpointing, properties, CLI."
 import dataclasses
 import errno
+from collections import Counter
 import json
 import math
 import os
@@ -169,7 +170,8 @@ def test_activation_checkpointing(tiny, reentrant):
     bwd0 = min(o.index for o in g.ops if o.phase == "backward")
     fwd = lambda g: [o for o in g.ops if o.phase == "forward"]
     bwd = lambda g: [o for o in g.ops if o.phase == "backward"]
-    assert len(bwd(g)) > len(bwd(tiny.g)) and len(fwd(g)) == len(fwd(tiny.g))   # the blocks' forward re-runs in backward
+    compute = lambda g: Counter(o.op for o in fwd(g) if not o.op.startswith("aten.empty"))   # (torch 2.11's checkpoint
+    assert len(bwd(g)) > len(bwd(tiny.g)) and compute(g) == compute(tiny.g)  # allocates a few) the blocks re-run in backward
     assert all(d.offload_after < bwd0 for d in plan.offloaded)                  # nothing made in backward is moved
     rec = [s for s in saved_tensors(g) if s.recomputed]
     if reentrant:   # the re-run saves through the outer hooks: the graph sees those tensors, marked recomputed
