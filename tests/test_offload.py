@@ -1,10 +1,10 @@
 "Offload executor and planner: faults, mismatches, activation checkpointing, properties, CLI."
 import dataclasses
 import errno
-from collections import Counter
 import json
 import math
 import os
+from collections import Counter
 from types import SimpleNamespace
 
 import pytest
