@@ -140,7 +140,9 @@ def test_gloo_calibration_four_ranks():
     # The CPU is shared, single timings can be 10x off, so the median of the 10 held-out ratios is what is checked.
     held = []
     for kind in COLLECTIVES:
-        a, b = fit_alpha_beta([by[(kind, 2**12)], by[(kind, 2**22)]])
+        try: a, b = fit_alpha_beta([by[(kind, 2**12)], by[(kind, 2**22)]])
+        except ValueError: continue   # its 4 KiB call stalled past its 4 MiB one (seen once): nothing to fit
         held += [alpha_beta(kind, n, 4, a, b) / by[(kind, n)].measured for n in (2**16, 2**20)]
     print("held-out predicted/measured:", np.round(held, 2).tolist())
+    assert len(held) >= 6                                    # at least 3 of the 5 collectives fit
     assert 1 / 3 < float(np.median(held)) < 3
