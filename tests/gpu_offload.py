@@ -156,10 +156,10 @@ def main():
         except Exception as e: report[name] = dict(error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()[-3000:])
         report[name + "_seconds"] = round(time.perf_counter() - t0, 1)
         torch.cuda.empty_cache()
-    text = json.dumps(report, indent=1, default=str)
+        text = json.dumps(report, indent=1, default=str)
+        if os.environ.get("OUT"):                              # after every part: a time limit keeps what ran
+            with open(os.path.join(os.environ["OUT"], "gpu_offload.json"), "w") as f: f.write(text)
     print(text)
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "gpu_offload.json"), "w") as f: f.write(text)
     return 0
 
 

@@ -24,6 +24,8 @@ def section(name, fn, report):
     except Exception as e:
         report[name] = dict(error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()[-3000:])
     print(f"[{time.perf_counter() - T0:6.1f}s] {name}: {time.perf_counter() - t:.1f}s", flush=True)
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    OUT.write_text(json.dumps(report, indent=2, default=str))      # after every section: a time limit keeps what ran
 
 
 def correctness():
@@ -84,10 +86,9 @@ def main():
     from static_dist.ops import _environment
     report = dict(script="tests/gpu_ops.py", environment=_environment(), triton=__import__("triton").__version__)
     section("correctness", correctness, report)
+    section("bench_kernels", bench, report)                # the targets before the (compile-heavy) matrices
     section("compat_matrix_cuda", matrices, report)
-    section("bench_kernels", bench, report)
     report["seconds"] = round(time.perf_counter() - T0, 1)
-    OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps(report, indent=2, default=str))
     c = report["correctness"]
     print("correctness:", c.get("error") or f"{c['passed']} passed, {len(c['failed'])} failed")
