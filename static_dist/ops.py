@@ -163,11 +163,19 @@ def _dispatch(decl: OpDecl, device: str):
         return _fresh(out, args)
     return run
 
+try:   # torch's (private) checks for modes, tracing, profiling, transforms; a torch without one: always the dispatcher
+    _C = torch._C
+    _EAGER_PROBES = (_C._len_torch_dispatch_stack, _C._is_torch_function_mode_enabled, _C._get_tracing_state,
+                     _C._autograd._profiler_enabled, _C._functorch.peek_interpreter_stack)
+    _forward_ad._current_level
+except AttributeError: _EAGER_PROBES = None
+
 def _plain_eager(args) -> bool:
     "Would the dispatcher do nothing but call the kernel (and autograd)? Dense plain tensors; no mode, tracer, transform, profiler."
-    if (torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled()
-            or torch._C._get_tracing_state() is not None or torch._C._autograd._profiler_enabled()
-            or torch._C._functorch.peek_interpreter_stack() is not None or _forward_ad._current_level >= 0):
+    if _EAGER_PROBES is None: return False
+    modes, fn_mode, tracing, profiling, transforms = _EAGER_PROBES
+    if (modes() or fn_mode() or tracing() is not None or profiling() or transforms() is not None
+            or _forward_ad._current_level >= 0):
         return False
     for a in args:
         if isinstance(a, torch.Tensor):
