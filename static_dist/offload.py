@@ -32,7 +32,7 @@ __all__ = ['GB', 'TIER_PRESETS', 'DEVICE_PRESETS', 'Klass', 'CLASSES', 'OFFLOAD_
            'planned_live_bytes', 'plan_offload', 'plan_to_dict', 'plan_from_dict', 'save_plan', 'load_plan',
            'check_plan', 'plan_summary', 'plan_markdown', 'OffloadError', 'OffloadMismatchError', 'OffloadExecutor',
            'measure_peak', 'step_peak', 'plot_lifetimes', 'plot_offload_memory', 'parse_bytes', 'register_cli',
-           'audit_section', 'disk_bandwidth', 'bench_offload', 'offload_report', 'offload_widget']
+           'audit_section', 'disk_bandwidth', 'compare_offload', 'bench_offload', 'offload_report', 'offload_widget']
 
 # %% ../nbs/50_offload.ipynb
 @dataclass(frozen=True)
@@ -467,7 +467,7 @@ def _label(d: OffloadDecision) -> str:
 
 class _Entry:
     "One planned storage during a step: where its bytes are."
-    __slots__ = ("dec", "tier", "src", "host", "path", "dev", "device", "write", "read", "event", "state", "__weakref__")
+    __slots__ = ("dec", "tier", "src", "host", "path", "dev", "device", "write", "read", "event", "state")
     def __init__(self, dec: OffloadDecision, tier: Tier, src: torch.Tensor):
         self.dec, self.tier, self.src, self.device = dec, tier, src, src.device
         self.host = self.path = self.dev = self.write = self.read = self.event = None
@@ -931,9 +931,52 @@ def disk_bandwidth(directory: str | os.PathLike | None = None, nbytes: int = 256
     finally: os.remove(path)
     return res
 
+def compare_offload(model: torch.nn.Module, step: Callable[[], object], executor: OffloadExecutor, *, repeat: int = 5,
+                    progress=None) -> list[dict]:
+    """`step()` (zero_grad, forward, loss, backward of `model`) three ways, side by side: without offload, under
+    `torch.autograd.graph.save_on_cpu`, under `executor`. Per variant: median seconds of `repeat` interleaved runs, peak
+    bytes above the start (`max_memory_allocated` on a GPU, `measure_peak` on a CPU), gradients against no offload."""
+    from statistics import median
+    say = progress or (lambda s: None)
+    cuda = next(model.parameters()).is_cuda
+    def with_ex():
+        with executor: step()
+    def with_soc():
+        with torch.autograd.graph.save_on_cpu(pin_memory=cuda): step()
+    variants = {"none": step, "save_on_cpu": with_soc, "executor": with_ex}
+    def grads():
+        return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    def timed(fn):
+        if cuda: torch.cuda.synchronize()
+        t0 = time.perf_counter(); fn()
+        if cuda: torch.cuda.synchronize()
+        return time.perf_counter() - t0
+    def peak(fn):
+        if not cuda: return measure_peak(fn)
+        torch.cuda.synchronize(); base = torch.cuda.memory_allocated(); torch.cuda.reset_peak_memory_stats()
+        fn(); torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+    for fn in variants.values(): fn()                     # warm up every path once
+    times = {k: [] for k in variants}
+    for r in range(repeat):                               # interleaved, so drift hits all three alike
+        for k, fn in variants.items():
+            say(f"{k} run {r + 1}/{repeat}"); times[k].append(timed(fn))
+    out, ref = [], None
+    for k, fn in variants.items():
+        say(f"{k}: peak"); pk = peak(fn)
+        gr = grads()
+        if ref is None: ref = gr
+        out.append(dict(variant=k, step_s=median(times[k]), peak_bytes=pk,
+                        grads_bitwise_equal=all(torch.equal(gr[n], ref[n]) for n in ref),
+                        grads_max_abs_diff=max((gr[n].double() - ref[n].double()).abs().max().item() for n in ref)))
+    base = out[0]
+    for o in out:
+        o["overhead"] = o["step_s"] / base["step_s"] - 1
+        o["peak_reduction"] = 1 - o["peak_bytes"] / base["peak_bytes"] if base["peak_bytes"] else 0.0
+    return out
+
 def bench_offload(progress=None, model: str = "tiny", batch: int = 8, seq: int = 256, repeat: int = 5) -> dict:
     "No offload vs torch.autograd.graph.save_on_cpu vs OffloadExecutor on one step: time, peak, gradients, disk rate."
-    from statistics import median
     from static_dist.bench import environment
     from static_dist.graph import capture
     from static_dist.zoo import get_model
@@ -952,40 +995,7 @@ def bench_offload(progress=None, model: str = "tiny", batch: int = 8, seq: int =
     else: tiers, dm = (Tier("nvme", disk["write_Bps"], 1e-4, math.inf, "disk"),), calibrate_device()
     plan = plan_offload(g, tiers, device=dm, min_bytes=0 if not cuda else 16384)
     ex = OffloadExecutor(g, plan)
-    def with_ex():
-        with ex: step()
-    def with_soc():
-        with torch.autograd.graph.save_on_cpu(pin_memory=cuda): step()
-    variants = {"none": step, "save_on_cpu": with_soc, "executor": with_ex}
-    def grads():
-        return {n: p.grad.detach().clone() for n, p in m.named_parameters()}
-    def timed(fn):
-        if cuda: torch.cuda.synchronize()
-        t0 = time.perf_counter(); fn()
-        if cuda: torch.cuda.synchronize()
-        return time.perf_counter() - t0
-    def peak(fn):
-        if not cuda: return measure_peak(fn)
-        torch.cuda.synchronize(); base = torch.cuda.memory_allocated(); torch.cuda.reset_peak_memory_stats()
-        fn(); torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - base
-    for fn in variants.values(): fn()                     # warm up every path once
-    ref = None
-    times = {k: [] for k in variants}
-    for r in range(repeat):                               # interleaved, so drift hits all three alike
-        for k, fn in variants.items():
-            say(f"{k} run {r + 1}/{repeat}"); times[k].append(timed(fn))
-    out = []
-    for k, fn in variants.items():
-        say(f"{k}: peak"); pk = peak(fn)
-        gr = grads()
-        if ref is None: ref = gr
-        out.append(dict(variant=k, step_s=median(times[k]), peak_bytes=pk,
-                        grads_bitwise_equal=all(torch.equal(gr[n], ref[n]) for n in ref)))
-    base = out[0]
-    for o in out:
-        o["overhead"] = o["step_s"] / base["step_s"] - 1
-        o["peak_reduction"] = 1 - o["peak_bytes"] / base["peak_bytes"] if base["peak_bytes"] else 0.0
+    out = compare_offload(m, step, ex, repeat=repeat, progress=say)
     st = ex.stats
     io_rate = dict(executor_write_Bps=st["written_bytes"] / st["write_s"] if st["write_s"] else None,
                    executor_read_Bps=st["read_bytes"] / st["read_s"] if st["read_s"] else None, **{f"disk_{k}": v for k, v in disk.items()})

@@ -193,7 +193,7 @@ def _autograd_function(decl: OpDecl, kernel, setup, backward):
         setup(ctx, args, out)
         return out
     # setup_context is called from forward, not declared: with a declared one, every `apply` binds the arguments
-    # with inspect.signature (~6 µs)
+    # with inspect.signature (~7 µs per call on this CPU: 12.6 vs 5.3 µs per apply)
     return type(f"{decl.name.replace('::', '_')}_fast", (torch.autograd.Function,),
                 dict(forward=staticmethod(forward), backward=staticmethod(backward)))
 

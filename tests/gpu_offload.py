@@ -13,7 +13,6 @@ import argparse
 import json
 import math
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -21,8 +20,8 @@ import traceback
 import torch
 
 from static_dist.graph import capture
-from static_dist.offload import (DEVICE_PRESETS, OffloadExecutor, Tier, calibrate_device, plan_offload, plan_summary,
-                                 step_peak, tier)
+from static_dist.offload import (DEVICE_PRESETS, OffloadExecutor, Tier, compare_offload, plan_offload, plan_summary, step_peak,
+                                 tier)
 from static_dist.zoo import Llama, LlamaConfig, get_model
 
 
@@ -42,14 +41,6 @@ def peak_of(fn):
     fn()
     torch.cuda.synchronize()
     return torch.cuda.max_memory_allocated() - base
-
-
-def timed(fn):
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    return time.perf_counter() - t0
 
 
 def pick_graph(fake_thunk, m, x, loss, y):
@@ -115,24 +106,10 @@ def check_big(layers, seq, batch):
     dm = DEVICE_PRESETS["h200-fp32"]
     plan = plan_offload(g, (tier("pcie5-pinned"), tier("nvme-gen4")), device=dm)
     ex = OffloadExecutor(g, plan)
-    def with_ex():
-        with ex: step()
-    def with_soc():
-        with torch.autograd.graph.save_on_cpu(pin_memory=True): step()
-    variants = {"none": step, "save_on_cpu": with_soc, "executor": with_ex}
-    for fn in variants.values(): fn()
-    step(); ref = grads(m)
-    times = {k: [] for k in variants}
-    for _ in range(3):
-        for k, fn in variants.items(): times[k].append(timed(fn))
+    res = compare_offload(m, step, ex, repeat=3)
     param_grad_bytes = sum(p.numel() * p.element_size() for p in m.parameters())
-    res = []
-    for k, fn in variants.items():
-        pk = peak_of(fn)
-        res.append(dict(variant=k, step_s=statistics.median(times[k]), peak_bytes=pk,
-                        activation_peak_bytes=pk - param_grad_bytes, grads=compare(grads(m), ref)))
     for r in res:
-        r["overhead"] = r["step_s"] / res[0]["step_s"] - 1
+        r["activation_peak_bytes"] = r["peak_bytes"] - param_grad_bytes
         r["activation_peak_reduction"] = 1 - r["activation_peak_bytes"] / res[0]["activation_peak_bytes"]
     return dict(config=dict(layers=layers, seq=seq, batch=batch, dim=cfg.dim), capture=how, capture_s=cap_s,
                 variants=res, plan=plan_summary(plan), executor_stats=ex.stats,
