@@ -5,10 +5,8 @@ import io
 from dataclasses import asdict, replace
 
 import pytest
-
-torch = pytest.importorskip("torch")
-cbor2 = pytest.importorskip("cbor2")
-pytest.importorskip("cryptography")
+import torch
+import cbor2
 from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey  # noqa: E402
 

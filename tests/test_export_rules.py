@@ -5,10 +5,9 @@ import inspect
 import warnings
 
 import pytest
-
-torch = pytest.importorskip("torch")
-pytest.importorskip("onnxruntime")
-pytest.importorskip("onnxscript")
+import torch
+import onnxruntime  # noqa: F401  (dev dependencies: missing them must fail, not skip)
+import onnxscript  # noqa: F401
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
