@@ -15,7 +15,6 @@ import sys
 import time
 from pathlib import Path
 
-import psutil
 import torch
 
 import static_dist
@@ -24,11 +23,16 @@ import static_dist
 __all__ = ['BENCHES', 'environment', 'capture_once', 'bench_capture', 'write_result']
 
 # %% ../nbs/91_bench.ipynb
+def _memory_bytes() -> int | None:
+    "Physical memory (POSIX sysconf: no psutil needed, so the GPU machine, which lacks it, gets it too)."
+    try: return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError): return None
+
 def environment() -> dict:
     "The machine and versions a measurement ran on."
     env = dict(python=platform.python_version(), torch=torch.__version__, static_dist=static_dist.__version__,
                platform=platform.platform(), machine=platform.machine(), processor=platform.processor(),
-               cpu_count=os.cpu_count(), memory_bytes=psutil.virtual_memory().total,
+               cpu_count=os.cpu_count(), memory_bytes=_memory_bytes(),
                torch_threads=torch.get_num_threads(),
                cuda=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)
     return env

@@ -760,8 +760,13 @@ def _remove_dir(path: str | None, pool: ThreadPoolExecutor | None):
 for _f in (_offload, _poll_writes, _prefetch, _finish_load): setattr(OffloadExecutor, _f.__name__, _f)
 
 # %% ../nbs/50_offload.ipynb
-def measure_peak(fn: Callable[[], object]) -> int:
-    "Peak bytes of CPU memory allocated by torch while `fn()` runs, above the level when it started (torch.profiler)."
+def measure_peak(fn: Callable[[], object], device: str = "cpu") -> int:
+    """Peak bytes torch allocated on `device` while `fn()` runs, above the level when it started: the CUDA caching
+    allocator's `max_memory_allocated` on a GPU, the running sum of torch.profiler's memory events on a CPU."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(); base = torch.cuda.memory_allocated(); torch.cuda.reset_peak_memory_stats()
+        fn(); torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof: fn()
     cpu = torch._C._autograd.DeviceType.CPU
@@ -935,7 +940,7 @@ def compare_offload(model: torch.nn.Module, step: Callable[[], object], executor
                     progress=None) -> list[dict]:
     """`step()` (zero_grad, forward, loss, backward of `model`) three ways, side by side: without offload, under
     `torch.autograd.graph.save_on_cpu`, under `executor`. Per variant: median seconds of `repeat` interleaved runs, peak
-    bytes above the start (`max_memory_allocated` on a GPU, `measure_peak` on a CPU), gradients against no offload."""
+    bytes above the start (`measure_peak`), gradients against no offload."""
     from statistics import median
     say = progress or (lambda s: None)
     cuda = next(model.parameters()).is_cuda
@@ -951,11 +956,6 @@ def compare_offload(model: torch.nn.Module, step: Callable[[], object], executor
         t0 = time.perf_counter(); fn()
         if cuda: torch.cuda.synchronize()
         return time.perf_counter() - t0
-    def peak(fn):
-        if not cuda: return measure_peak(fn)
-        torch.cuda.synchronize(); base = torch.cuda.memory_allocated(); torch.cuda.reset_peak_memory_stats()
-        fn(); torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - base
     for fn in variants.values(): fn()                     # warm up every path once
     times = {k: [] for k in variants}
     for r in range(repeat):                               # interleaved, so drift hits all three alike
@@ -963,7 +963,7 @@ def compare_offload(model: torch.nn.Module, step: Callable[[], object], executor
             say(f"{k} run {r + 1}/{repeat}"); times[k].append(timed(fn))
     out, ref = [], None
     for k, fn in variants.items():
-        say(f"{k}: peak"); pk = peak(fn)
+        say(f"{k}: peak"); pk = measure_peak(fn, "cuda" if cuda else "cpu")
         gr = grads()
         if ref is None: ref = gr
         out.append(dict(variant=k, step_s=median(times[k]), peak_bytes=pk,

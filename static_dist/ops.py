@@ -749,16 +749,6 @@ def compat_matrix(op: BridgedOp | str, *, device: str = "cpu", dtype: torch.dtyp
     return CompatReport(bop.name, device, str(dtype).replace("torch.", ""), torch.__version__, tuple(cells))
 
 # %% ../nbs/20_ops.ipynb
-def _environment() -> dict:
-    "static_dist.bench.environment(), or its essentials where its optional dependencies (psutil) are missing."
-    try:
-        from static_dist.bench import environment
-        return environment()
-    except ImportError as e:
-        import platform
-        return dict(python=platform.python_version(), torch=torch.__version__, platform=platform.platform(),
-                    cuda=torch.cuda.get_device_name(0) if torch.cuda.is_available() else None, note=f"partial: {e}")
-
 def _cuda_time(fn, iters: int = 30, warmup: int = 5) -> float:
     "Median seconds per call of `fn()` on the current CUDA stream (events around each call)."
     for _ in range(warmup): fn()
@@ -817,6 +807,7 @@ def bench_kernels(progress=None, cases=_BENCH_CASES) -> dict:
     if not torch.cuda.is_available():
         from static_dist.cli import UsageError
         raise UsageError("bench kernels needs a CUDA GPU (none found); run it on a GPU machine, e.g. python tests/gpu_ops.py")
+    from static_dist.bench import environment
     copy_bw = copy_bandwidth()
     results = []
     for op, pas, shape, units, dtypes in cases:
@@ -835,7 +826,7 @@ def bench_kernels(progress=None, cases=_BENCH_CASES) -> dict:
                 for other in ("eager", "compile"):
                     if f"{other}_us" in row: row[f"triton_speedup_vs_{other}"] = round(row[f"{other}_us"] / row["triton_us"], 3)
             results.append(row)
-    return dict(bench="kernels", environment=_environment(), copy_bandwidth_GBps=round(copy_bw / 1e9, 1), results=results)
+    return dict(bench="kernels", environment=environment(), copy_bandwidth_GBps=round(copy_bw / 1e9, 1), results=results)
 
 BENCHES = {"kernels": bench_kernels}
 

@@ -20,8 +20,8 @@ import traceback
 import torch
 
 from static_dist.graph import capture
-from static_dist.offload import (DEVICE_PRESETS, OffloadExecutor, Tier, compare_offload, plan_offload, plan_summary, step_peak,
-                                 tier)
+from static_dist.offload import (DEVICE_PRESETS, OffloadExecutor, Tier, compare_offload, measure_peak, plan_offload, plan_summary,
+                                 step_peak, tier)
 from static_dist.zoo import Llama, LlamaConfig, get_model
 
 
@@ -32,15 +32,6 @@ def grads(m):
 def compare(a, b):
     diff = max((a[k].float() - b[k].float()).abs().max().item() for k in a)
     return dict(bitwise_equal=all(torch.equal(a[k], b[k]) for k in a), max_abs_diff=diff)
-
-
-def peak_of(fn):
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    fn()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - base
 
 
 def pick_graph(fake_thunk, m, x, loss, y):
@@ -71,7 +62,7 @@ def check_tiny():
     step = setup(m, zm.loss, x, y)
     step(); ref = grads(m)
     step(); again = grads(m)
-    out = dict(capture=how, none_repeat=compare(again, ref), measured_none=peak_of(step), predicted_none=step_peak(g))
+    out = dict(capture=how, none_repeat=compare(again, ref), measured_none=measure_peak(step, "cuda"), predicted_none=step_peak(g))
     step()
     for name, tiers in (("cpu", (tier("pcie5-pinned"),)), ("disk", (Tier("nvme", 2e9, 1e-4, math.inf, "disk"),))):
         p = plan_offload(g, tiers, device="h200-fp32", min_bytes=0)
@@ -80,7 +71,7 @@ def check_tiny():
             with ex: step()
         run()
         res = dict(offloaded=len(p.offloaded), grads=compare(grads(m), ref))
-        res.update(measured=peak_of(run), predicted=step_peak(g, p), stats={k: v for k, v in ex.stats.items()})
+        res.update(measured=measure_peak(run, "cuda"), predicted=step_peak(g, p), stats={k: v for k, v in ex.stats.items()})
         res["measured_over_predicted"] = res["measured"] / res["predicted"] if res["predicted"] else None
         out[name] = res
     out["none_measured_over_predicted"] = out["measured_none"] / out["predicted_none"]
