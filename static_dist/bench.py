@@ -18,9 +18,10 @@ from pathlib import Path
 import torch
 
 import static_dist
+from .util import atomic_write
 
 # %% auto 0
-__all__ = ['BENCHES', 'environment', 'capture_once', 'bench_capture', 'write_result']
+__all__ = ['environment', 'capture_once', 'bench_capture', 'write_result']
 
 # %% ../nbs/91_bench.ipynb
 def _memory_bytes() -> int | None:
@@ -39,15 +40,12 @@ def environment() -> dict:
 
 # %% ../nbs/91_bench.ipynb
 def capture_once(model: str, batch: int, seq: int, optimizer: str = "adamw") -> dict:
-    "Build and capture one zoo model in this process; time and memory of each part."
-    from static_dist.graph import capture
-    from static_dist.zoo import get_model
+    "Resolve and capture one workload (a zoo name, file.py:NAME, hf:CONFIG) in this process; time and memory of each part."
+    from static_dist.workload import load_workload
     t0 = time.perf_counter()
-    zm = get_model(model)
-    m = zm.build(device="meta")
-    inputs, targets = zm.batch(batch, seq)
+    w = load_workload(model, batch=batch, seq=seq, optimizer=optimizer)
     t1 = time.perf_counter()
-    g = capture(m, inputs, loss_fn=zm.loss, targets=targets, optimizer=optimizer)
+    g = w.graph()
     t2 = time.perf_counter()
     s = g.summary()
     return dict(model=model, batch=batch, seq=seq, optimizer=optimizer, build_seconds=round(t1 - t0, 3),
@@ -75,8 +73,6 @@ def bench_capture(cases=_CAPTURE_CASES, repeat: int = 1, progress=None) -> dict:
     return dict(bench="capture", environment=environment(), results=results)
 
 # %% ../nbs/91_bench.ipynb
-BENCHES = {"capture": bench_capture}
-
 def _strict(x):
     "NaN and infinities (a diverged run's loss) as None: strict JSON has no NaN."
     if isinstance(x, float) and not math.isfinite(x): return None
@@ -88,5 +84,4 @@ def write_result(result: dict, path) -> Path:
     "Write a bench result as indented, strict JSON (folders created; NaN becomes null)."
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(_strict(result), indent=2, allow_nan=False))
-    return path
+    return atomic_write(path, json.dumps(_strict(result), indent=2, allow_nan=False))
