@@ -8,12 +8,14 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import logging
 import math
 import os
+import re
 import time
 import traceback
 import weakref
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Literal, Sequence
@@ -25,16 +27,19 @@ from torch._subclasses.fake_tensor import (DataDependentOutputException, Dynamic
                                            FakeTensorMode, UnsupportedOperatorException)
 from torch.distributed._tools.mod_tracker import ModTracker
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 from torch.utils.weak import WeakIdKeyDictionary
+
+from .structure import ModelStructure, StructureError, find_structure
+from .util import StaticDistError, atomic_write
 
 # %% auto 0
 __all__ = ['PHASES', 'ROLES', 'Phase', 'Role', 'GRAPH_SCHEMA', 'ROLE_COLORS', 'OpRecord', 'TensorRecord', 'StorageRecord',
            'CaptureError', 'CaptureTypeError', 'op_flops', 'capture', 'Lifetime', 'ModuleStats', 'StaticGraph',
            'fmt_bytes', 'fmt_flops', 'lifetimes', 'Peak', 'live_bytes', 'peak', 'storage_differences',
-           'memtracker_peak', 'module_stats', 'summary', 'summary_markdown', 'to_dict', 'save', 'graph_from_dict',
-           'load_graph', 'pyplot', 'plot_memory']
+           'memtracker_peak', 'module_stats', 'summary', 'summary_markdown', 'to_dict', 'save', 'GraphFileError',
+           'graph_from_dict', 'load_graph', 'pyplot', 'plot_memory']
 
 # %% ../nbs/00_graph.ipynb
 PHASES = ("forward", "backward", "optimizer")
@@ -87,8 +92,8 @@ class StorageRecord:
     "For tensors saved for backward: the module whose forward saved it first."
 
 # %% ../nbs/00_graph.ipynb
-class CaptureError(RuntimeError):
-    "Capturing the training step failed; the message says why and what to do."
+class CaptureError(StaticDistError, RuntimeError):
+    "Capturing the training step failed; the message names the module, the source line, why, and what to do."
 
 class CaptureTypeError(CaptureError, TypeError):
     "An argument to `capture` has the wrong type."
@@ -96,33 +101,67 @@ class CaptureTypeError(CaptureError, TypeError):
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _THIS_FILE = globals().get("__file__", "")   # unset when this code runs in the notebook
 
-def _user_frame(tb) -> str:
-    "'file:line in fn' of the innermost frame outside torch and this module, or ''."
+def _user_line(frames) -> str:
+    "'file:line in fn: `code`' of the innermost frame outside torch and this module, or ''."
     where = ""
-    for fs in traceback.extract_tb(tb):
+    for fs in frames:
         if fs.filename.startswith(_TORCH_DIR) or "/torch/" in fs.filename: continue
-        if fs.filename == _THIS_FILE or fs.name == "__torch_dispatch__": continue
-        where = f"{fs.filename}:{fs.lineno} in {fs.name}"
-        if fs.line: where += f"\n    {fs.line.strip()}"
+        if fs.filename == _THIS_FILE or fs.name in ("__torch_dispatch__", "pack", "unpack", "_note_write"): continue
+        if "/contextlib.py" in fs.filename: continue
+        where = f"{fs.filename}:{fs.lineno} in {fs.name}" + (f": `{fs.line.strip()}`" if fs.line else "")
     return where
 
+# %% ../nbs/00_graph.ipynb
+_DTYPE_WORDS = {"bfloat16": "bfloat16", "half": "float16", "float16": "float16", "float32": "float32",
+                "float": "float32", "float64": "float64", "double": "float64"}
+_DTYPE_RE = re.compile(r"\b(" + "|".join(sorted(_DTYPE_WORDS, key=len, reverse=True)) + r")\b", re.I)
+
+def _dtype_fix(msg: str) -> str | None:
+    "The dtype to capture in when `msg` is a kernel's dtype-mismatch error, else None."
+    if not re.search(r"dtype|scalar type|should be the same|same type", msg, re.I): return None
+    found = {_DTYPE_WORDS[w.lower()] for w in _DTYPE_RE.findall(msg)}
+    if len(found) < 2: return None
+    return next((d for d in ("bfloat16", "float16", "float32") if d in found), sorted(found)[0])
+
+# %% ../nbs/00_graph.ipynb
+def _where(module: str, frames) -> str:
+    at = _user_line(frames)
+    return (f" in module '{module}'" if module else " outside any submodule") + (f" at {at}" if at else "")
+
 def _explain(e: BaseException, stage: str, module: str = "") -> CaptureError:
-    "Turn an exception raised while running `stage` (in `module`) into a CaptureError with a fix."
-    at = _user_frame(e.__traceback__)
-    at = (f"\n  in module '{module}'" if module else "") + (f"\n  at {at}" if at else "")
+    "Turn an exception raised while running `stage` (in `module`) into a one-line CaptureError with a fix."
+    at = _where(module, traceback.extract_tb(e.__traceback__))
     msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     if isinstance(e, (DataDependentOutputException, DynamicOutputShapeException)):
         return CaptureError(
-            f"{stage} depends on tensor *values* ({msg}){at}\n"
-            "Fake tensors have shapes but no data, so a Python branch on a tensor value, `.item()`, or an op whose "
-            "output shape depends on data (nonzero, boolean masks) cannot be captured. Make the step static "
-            "(torch.where, torch.cond, fixed-capacity routing) or capture on real tensors with mode='real'.")
-    if isinstance(e, UnsupportedOperatorException) or "no fake impl" in msg or "fake impl" in msg:
+            f"{stage} depends on tensor *values*{at} ({msg}). Fake tensors have shapes but no data, so a Python branch "
+            "on a tensor value, `.item()`, or an op whose output shape depends on data (nonzero, boolean masks) cannot "
+            "be captured. Fix: make the step static (torch.where, torch.cond, fixed-capacity routing) or capture on "
+            "real tensors with mode='real'.")
+    if isinstance(e, UnsupportedOperatorException) or "fake impl" in msg:
         return CaptureError(
-            f"an op in the {stage} has no fake (meta) kernel: {msg}{at}\n"
-            "Register one with @torch.library.register_fake('ns::op') (or `op.register_fake` for a custom_op) "
-            "returning empty tensors of the right shape, or capture on real tensors with mode='real'.")
-    return CaptureError(f"{stage} failed: {type(e).__name__}: {msg}{at}")
+            f"an op in {stage} has no fake (meta) kernel{at}: {msg}. Fix: register one with "
+            "@torch.library.register_fake('ns::op') (or `op.register_fake` for a custom_op) returning empty tensors "
+            "of the right shape, or capture on real tensors with mode='real'.")
+    if (dt := _dtype_fix(msg)) is not None:
+        return CaptureError(
+            f"a kernel in {stage} got tensors of another dtype than it needs{at}: {msg}. Fix: capture in the dtype "
+            f"the kernel needs (e.g. --dtype {dt} / dtype='{dt}'), or cast the tensors it gets so that they agree.")
+    return CaptureError(f"{stage} failed{at}: {type(e).__name__}: {msg}. Fix: run the same step eagerly on small "
+                        "real tensors; if it fails there too the model is at fault, if not capture with mode='real'.")
+
+# %% ../nbs/00_graph.ipynb
+_NOISY_LOGGERS = ("torch._subclasses.fake_tensor", "torch._subclasses.fake_tensor.not_implemented")
+
+@contextmanager
+def _quiet_torch_logs():
+    "Disable torch's fake-tensor error logs for the duration of the block."
+    loggers = [logging.getLogger(n) for n in _NOISY_LOGGERS]
+    before = [l.disabled for l in loggers]
+    for l in loggers: l.disabled = True
+    try: yield
+    finally:
+        for l, b in zip(loggers, before): l.disabled = b
 
 # %% ../nbs/00_graph.ipynb
 def _sdpa_cpu_flops(q, k, v, *args, **kwargs) -> int:
@@ -163,6 +202,8 @@ class _Recorder(TorchDispatchMode):
         self.unpacks: list[tuple[int, int]] = []
         self._closed = False
         self.failed_in: str | None = None
+        self._packed: set[int] = set()          # storage ids of tensors saved for backward
+        self._writes: dict[int, tuple] = {}     # storage id -> (op, module, source line) of the first in-place write after its save
 
     def module(self) -> str:
         "FQN (relative to the captured model) of the innermost module running now."
@@ -215,6 +256,7 @@ class _Recorder(TorchDispatchMode):
             if self.failed_in is None: self.failed_in = self.module()
             raise
         if func.namespace in _SKIP_NAMESPACES: return out
+        if self._packed and self.phase != "optimizer" and func._schema.is_mutable: self._note_write(func, args, kwargs)
         # `torch.tensor(...)` makes its constant outside dispatch and then calls lift_fresh: the constant is
         # the op's output, not a pre-existing input (fake mode returns a new fake for it, real mode the same tensor).
         ins = () if func is _aten.lift_fresh.default else tuple(
@@ -225,18 +267,22 @@ class _Recorder(TorchDispatchMode):
         if self.progress is not None and len(self.ops) % 2000 == 0: self.progress(self.phase, len(self.ops))
         return out
 
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
-        "saved_tensors_hooks pack: mark what autograd keeps for backward."
+    def pack(self, t: torch.Tensor):
+        "saved_tensors_hooks pack: mark what autograd keeps for backward, and its version (see `unpack`)."
         tid = self.tensor_id(t, "temporary", "saved")
-        s = self.storages[self.tensors[tid].storage]
+        sid = self.tensors[tid].storage
+        s = self.storages[sid]
         if s["role"] == "temporary": s["role"] = "activation"
         if s["saved_in"] is None: s["saved_in"] = self.module()
         self.saves.append((len(self.ops), tid))
-        return t
+        self._packed.add(sid)
+        return t, t._version, self.ops[-1].op if self.ops else "?", self.module()
 
-    def unpack(self, t: torch.Tensor) -> torch.Tensor:
-        "saved_tensors_hooks unpack: note when backward asks for a saved tensor."
+    def unpack(self, packed) -> torch.Tensor:
+        "saved_tensors_hooks unpack: note when backward asks for a saved tensor; refuse one changed in place since."
+        t, version, saver, module = packed
         self.unpacks.append((len(self.ops), self._tid.get(t, -1)))
+        if t._version != version: raise self._modified(t, version, saver, module)
         return t
 
     def close(self) -> list[StorageRecord]:
@@ -244,6 +290,36 @@ class _Recorder(TorchDispatchMode):
         self._closed = True
         for f in self._finalizers: f.detach()
         return [StorageRecord(**s) for s in self.storages]
+
+def _recorder_method(f):
+    "Attach `f` to _Recorder (methods defined next to their explanation)."
+    setattr(_Recorder, f.__name__, f)
+    return f
+
+# %% ../nbs/00_graph.ipynb
+def _written(func, args, kwargs) -> list[torch.Tensor]:
+    "The tensors an in-place/out= op writes (schema arguments marked as written)."
+    named = {**dict(zip((a.name for a in func._schema.arguments), args)), **kwargs}
+    return [named[a.name] for a in func._schema.arguments
+            if a.alias_info is not None and a.alias_info.is_write and isinstance(named.get(a.name), torch.Tensor)]
+
+@_recorder_method
+def _note_write(self: _Recorder, func, args, kwargs) -> None:
+    for t in _written(func, args, kwargs):
+        sid = self._sid.get(t.untyped_storage())
+        if sid in self._packed and sid not in self._writes:
+            self._writes[sid] = (str(func), self.module(), _user_line(traceback.extract_stack()))
+
+@_recorder_method
+def _modified(self: _Recorder, t: torch.Tensor, version: int, saver: str, module: str) -> CaptureError:
+    op, where, line = self._writes.get(self._sid.get(t.untyped_storage()), ("an in-place op", "", ""))
+    by = f"{op}" + (f" in module '{where}'" if where else "") + (f" at {line}" if line else "")
+    module = f"module '{module}'" if module else "the model's top-level forward"
+    return CaptureError(
+        "one of the variables needed for gradient computation has been modified by an inplace operation: "
+        f"[{str(t.dtype).removeprefix('torch.')} {list(t.shape)}], saved by {saver} in {module}, is at version "
+        f"{t._version}; expected version {version} instead. It was changed by {by}. Fix: use the out-of-place op "
+        "(`x = x.relu()` instead of `x.relu_()`, `x = x + y` instead of `x += y`) or `.clone()` the tensor first.")
 
 # %% ../nbs/00_graph.ipynb
 _OPTIMIZERS = {"sgd": lambda ps: torch.optim.SGD(ps, lr=1e-2), "adam": lambda ps: torch.optim.Adam(ps),
@@ -297,24 +373,82 @@ def _check_inputs(example_inputs) -> tuple:
     if not isinstance(example_inputs, (tuple, list)):
         raise CaptureTypeError(f"example_inputs must be a Tensor or a tuple of positional arguments, "
                                f"not {type(example_inputs).__name__}; e.g. capture(model, (tokens,))")
-    for i, leaf in enumerate(tree_flatten(tuple(example_inputs))[0]):
-        if not isinstance(leaf, (torch.Tensor, int, float, bool, type(None))):
-            raise CaptureTypeError(f"example_inputs leaf {i} is a {type(leaf).__name__}; only tensors and "
-                                   "int/float/bool/None can be captured (wrap other state in the model)")
+    _check_leaves(tuple(example_inputs), "example_inputs")
     return tuple(example_inputs)
 
+def _check_leaves(tree, what: str) -> None:
+    for i, leaf in enumerate(tree_flatten(tree)[0]):
+        if not isinstance(leaf, (torch.Tensor, int, float, bool, type(None))):
+            raise CaptureTypeError(f"{what} leaf {i} is a {type(leaf).__name__}; only tensors and "
+                                   "int/float/bool/None can be captured (wrap other state in the model)")
+
+def _check_kwargs(example_kwargs) -> dict:
+    "example_kwargs as a dict of keyword arguments for the model; a clear error otherwise."
+    if example_kwargs is None: return {}
+    if not isinstance(example_kwargs, dict) or not all(isinstance(k, str) for k in example_kwargs):
+        raise CaptureTypeError(f"example_kwargs must be a dict of keyword arguments (str -> tensor), not "
+                               f"{type(example_kwargs).__name__}; e.g. capture(model, example_kwargs=dict(input_ids=x))")
+    _check_leaves(dict(example_kwargs), "example_kwargs")
+    return dict(example_kwargs)
+
 def _to_capture(x, mode: str, fake_mode, device):
-    "Move an input tensor into the capture: fake for mode='fake' (meta inputs become empty fakes)."
-    if not isinstance(x, torch.Tensor) or mode == "real": return x
-    with fake_mode:
-        if x.is_meta: return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=device)
-    return fake_mode.from_tensor(x)
+    "Move the tensors of an input (a tensor or a nested structure) into the capture: fakes for mode='fake'."
+    def one(t):
+        if not isinstance(t, torch.Tensor) or mode == "real": return t
+        with fake_mode:
+            if t.is_meta: return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+        return fake_mode.from_tensor(t)
+    return tree_map(one, x)
+
+# %% ../nbs/00_graph.ipynb
+def _check_device(device) -> torch.device:
+    "`device` as a torch.device that this process can use; CaptureError otherwise (before anything runs)."
+    try: d = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise CaptureError(f"device={device!r} is not a device torch knows ({str(e).splitlines()[0]}); "
+                           "give e.g. 'cpu', 'cuda', 'cuda:0' or 'meta'") from None
+    if d.type in ("cpu", "meta"): return d
+    backend = getattr(torch, d.type, None)
+    available = getattr(backend, "is_available", None)
+    if available is None or not available():
+        raise CaptureError(f"device={str(d)!r}: this torch ({torch.__version__}) cannot use {d.type!r} here (not built "
+                           f"in, or no device visible); capture with device='cpu' (fake tensors need no accelerator)")
+    count = getattr(backend, "device_count", lambda: 1)()
+    if d.index is not None and d.index >= count:
+        raise CaptureError(f"device={str(d)!r}: only {count} {d.type} device(s) visible (indices 0..{count - 1}); "
+                           f"use one of those or device='cpu'")
+    return d
+
+# %% ../nbs/00_graph.ipynb
+def _id_ranges(pairs) -> dict[int, tuple]:
+    "{id(storage of the capture's tensor): (storage, numel, min, max, name)} for the real integer inputs."
+    out = {}
+    for name, real, cap in pairs:
+        if (isinstance(real, torch.Tensor) and isinstance(cap, torch.Tensor) and real.numel() and not real.is_meta
+                and not real.is_floating_point() and not real.is_complex() and real.dtype != torch.bool):
+            st = cap.untyped_storage()
+            out[id(st)] = (st, cap.numel(), int(real.min()), int(real.max()), name)
+    return out
+
+def _check_token_ids(work: nn.Module, ranges: dict[int, tuple]) -> None:
+    "Forward pre-hooks on the embeddings of `work` that refuse ids outside [0, num_embeddings)."
+    def check(fqn, m, args):
+        t = args[0] if args else None
+        if not isinstance(t, torch.Tensor): return
+        st, numel, lo, hi, name = ranges.get(id(t.untyped_storage()), (None, -1, 0, 0, ""))
+        if numel == t.numel() and (lo < 0 or hi >= m.num_embeddings):
+            raise CaptureError(f"{name} holds token ids in [{lo}, {hi}] but embedding '{fqn}' has num_embeddings="
+                               f"{m.num_embeddings} (ids 0..{m.num_embeddings - 1}); eager would fail with 'index out "
+                               "of range'. Fix: give ids below the vocabulary size, or a model with a larger vocabulary.")
+    for fqn, m in work.named_modules():
+        if isinstance(m, nn.Embedding): m.register_forward_pre_hook(lambda m, args, fqn=fqn: check(fqn, m, args))
 
 # %% ../nbs/00_graph.ipynb
 def capture(
     model: nn.Module,
-    example_inputs,                      # a Tensor or tuple of positional args for `model`
+    example_inputs=(),                   # a Tensor or tuple of positional args for `model`
     *,
+    example_kwargs: dict | None = None,  # keyword args for `model` (e.g. input_ids=, labels=), moved in like the inputs
     loss_fn: Callable | None = None,     # loss_fn(output, targets) -> scalar; loss_fn(output) if targets is None
     targets=None,                        # a Tensor passed to loss_fn (moved into the capture like the inputs)
     optimizer=None,                      # None, 'sgd'|'adam'|'adamw', an Optimizer over model's params, or a factory
@@ -327,18 +461,26 @@ def capture(
         raise CaptureTypeError(f"model must be a torch.nn.Module, not {type(model).__name__}; wrap a function "
                                "in an nn.Module whose forward calls it")
     if mode not in ("fake", "real"): raise CaptureError(f"mode must be 'fake' or 'real', not {mode!r}")
-    inputs = _check_inputs(example_inputs)
+    real_inputs, real_kwargs = _check_inputs(example_inputs), _check_kwargs(example_kwargs)
     if targets is not None and not isinstance(targets, torch.Tensor):
         raise CaptureTypeError(f"targets must be a Tensor or None, not {type(targets).__name__}")
     if loss_fn is not None and not callable(loss_fn):
         raise CaptureTypeError(f"loss_fn must be callable, not {type(loss_fn).__name__}")
     t0 = time.perf_counter()
-    device = torch.device(device) if device is not None else _model_device(model)
+    device = _check_device(device) if device is not None else _model_device(model)
+    with _quiet_torch_logs():
+        return _capture(model, real_inputs, real_kwargs, loss_fn, targets, optimizer, mode, device, progress, t0)
+
+def _capture(model, real_inputs, real_kwargs, loss_fn, targets, optimizer, mode, device, progress, t0) -> "StaticGraph":
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if mode == "fake" else nullcontext()
     work, mapping = _copy_model(model, mode, fake_mode, device)
     opt = _build_optimizer(optimizer, model, mapping, work)
-    inputs = tuple(_to_capture(x, mode, fake_mode, device) for x in inputs)
+    inputs = tuple(_to_capture(x, mode, fake_mode, device) for x in real_inputs)
+    kwargs = {k: _to_capture(v, mode, fake_mode, device) for k, v in real_kwargs.items()}
     targets = _to_capture(targets, mode, fake_mode, device)
+    named = [(f"inputs[{i}]", x) for i, x in enumerate(inputs)] + [(f"kwargs[{k!r}]", v) for k, v in kwargs.items()]
+    _check_token_ids(work, _id_ranges(zip([n for n, _ in named], [*real_inputs, *real_kwargs.values()],
+                                          [x for _, x in named])))
 
     tracker = ModTracker()
     rec = _Recorder(tracker, type(work).__name__, progress)
@@ -346,37 +488,37 @@ def capture(
     bnames = {id(b): n for n, b in work.named_buffers(remove_duplicate=False)}
     for p in work.parameters(): rec.tensor_id(p, "parameter", names[id(p)])
     for b in work.buffers(): rec.tensor_id(b, "buffer", bnames[id(b)])
-    for i, x in enumerate(inputs):
-        if isinstance(x, torch.Tensor): rec.tensor_id(x, "input", f"inputs[{i}]")
+    for name, x in named:
+        if isinstance(x, torch.Tensor): rec.tensor_id(x, "input", name)
     if targets is not None: rec.tensor_id(targets, "input", "targets")
+
+    def step(stage: str, f):
+        try: return f()
+        except CaptureError: raise
+        except Exception as e: raise _explain(e, stage, rec.failed_in or "") from None
 
     with fake_mode, tracker, rec, torch.autograd.graph.saved_tensors_hooks(rec.pack, rec.unpack):
         if progress: progress("forward", 0)
-        try:
-            out = work(*inputs)
-        except CaptureError: raise
-        except Exception as e: raise _explain(e, "the model's forward", rec.failed_in or "") from None
-        try:
-            loss = out if loss_fn is None else (loss_fn(out) if targets is None else loss_fn(out, targets))
-        except Exception as e: raise _explain(e, "the loss function") from None
+        out = step("the model's forward", lambda: work(*inputs, **kwargs))
+        loss = step("the loss function",
+                    lambda: out if loss_fn is None else (loss_fn(out) if targets is None else loss_fn(out, targets)))
         del out
         _check_loss(loss, loss_fn)
         rec.phase = "backward"
         if progress: progress("backward", len(rec.ops))
-        try: loss.backward()
-        except Exception as e: raise _explain(e, "backward") from None
+        step("backward", loss.backward)
         del loss
         if opt is not None:
             rec.phase = "optimizer"
             if progress: progress("optimizer", len(rec.ops))
-            try: opt.step()
-            except Exception as e: raise _explain(e, "the optimizer step") from None
+            step("the optimizer step", opt.step)
         _settle_roles(rec, work, names, opt)
     storages = rec.close()
+    shape = lambda x: list(x.shape) if isinstance(x, torch.Tensor) else repr(x)
     meta = dict(model=type(model).__name__, mode=mode, device=str(device), torch=torch.__version__,
                 optimizer=type(opt).__name__ if opt is not None else None,
-                inputs=[list(x.shape) if isinstance(x, torch.Tensor) else repr(x) for x in inputs],
-                seconds=round(time.perf_counter() - t0, 4))
+                inputs=[shape(x) for x in inputs], kwargs={k: shape(v) for k, v in kwargs.items()},
+                structure=find_structure(model).to_dict(), seconds=round(time.perf_counter() - t0, 4))
     return StaticGraph(tuple(rec.ops), tuple(rec.tensors), tuple(storages), meta, tuple(rec.saves), tuple(rec.unpacks))
 
 def _model_device(model: nn.Module) -> torch.device:
@@ -473,6 +615,14 @@ def _method(f):
     "Attach `f` to StaticGraph (the class is built across cells, each method next to its tests)."
     setattr(StaticGraph, f.__name__, f)
     return f
+
+# %% ../nbs/00_graph.ipynb
+def _structure(self: StaticGraph) -> ModelStructure:
+    "The model's block stacks as found at capture (`find_structure`); empty for a graph saved without them."
+    d = self.meta.get("structure")
+    return ModelStructure.from_dict(d, "meta.structure") if d is not None else ModelStructure()
+
+StaticGraph.structure = property(_structure)
 
 # %% ../nbs/00_graph.ipynb
 @_method
@@ -653,32 +803,120 @@ def to_dict(self: StaticGraph) -> dict:
         unpacks=dict(op=[o for o, _ in self.unpacks], tensor=[t for _, t in self.unpacks]))
 
 @_method
-def save(self: StaticGraph, path) -> Path:
-    "Write the graph as JSON to `path`."
-    path = Path(path)
-    path.write_text(json.dumps(self.to_dict(), separators=(",", ":")))
-    return path
+def save(self: StaticGraph, path, *, force: bool = True) -> Path:
+    "Write the graph as JSON to `path`, atomically (a temporary file, then a rename); force=False refuses to replace a file."
+    return atomic_write(path, json.dumps(self.to_dict(), separators=(",", ":")), force=force)
 
+# %% ../nbs/00_graph.ipynb
+class GraphFileError(StaticDistError, ValueError):
+    "A graph file (or dict) is not a valid static_dist graph; the message names the bad field and its path."
+
+def _show(v) -> str: return f"{type(v).__name__} {v!r:.40}"
+def _is_int(v) -> bool: return isinstance(v, int) and not isinstance(v, bool)
+
+def _int(lo: int, hi: int | None = None, of: str = "", optional: bool = False) -> Callable:
+    "A check for integers in [lo, hi) (None allowed if `optional`); `of` names what hi counts."
+    def check(v):
+        if v is None and optional: return None
+        if not _is_int(v): return f"expected an integer, found {_show(v)}"
+        if v < lo: return f"{v} is negative" if lo == 0 else f"{v} is below {lo}"
+        if hi is not None and v >= hi: return f"{v} is out of range: must be below {hi} (the number of {of})"
+    return check
+
+# %% ../nbs/00_graph.ipynb
+def _str(optional: bool = False) -> Callable:
+    return lambda v: None if isinstance(v, str) or (v is None and optional) else f"expected a string, found {_show(v)}"
+
+def _one_of(allowed) -> Callable:
+    return lambda v: None if isinstance(v, str) and v in allowed else f"{_show(v)} is not one of {', '.join(allowed)}"
+
+def _dtype(v) -> str | None:
+    return None if isinstance(v, str) and isinstance(getattr(torch, v, None), torch.dtype) else \
+        f"{_show(v)} is not a torch dtype name (e.g. 'float32', 'bfloat16')"
+
+def _list_of(check: Callable) -> Callable:
+    "A check for a list whose items pass `check` (the error names the item)."
+    def lst(v):
+        if not isinstance(v, list): return f"expected a list, found {_show(v)}"
+        for j, x in enumerate(v):
+            if (why := check(x)) is not None: return f"[{j}]: {why}"
+    return lst
+
+# %% ../nbs/00_graph.ipynb
+def _need(d, key: str, kind: type, where: str):
+    "d[key], which must exist and be a `kind` (dict/list/str)."
+    if key not in d: raise GraphFileError(f"{where + '.' if where else ''}{key}: missing")
+    if not isinstance(d[key], kind):
+        raise GraphFileError(f"{where + '.' if where else ''}{key}: expected a {kind.__name__}, found {_show(d[key])}")
+    return d[key]
+
+def _table(d: dict, name: str, checks: dict[str, Callable], optional: tuple = ()) -> dict[str, list]:
+    "Columns of table d[name]: each a list of one length whose items pass their check."
+    t = _need(d, name, dict, "")
+    cols = {k: _need(t, k, list, name) for k in checks if k not in optional or k in t}
+    n = len(next(iter(cols.values())))
+    for k, col in cols.items():
+        if len(col) != n: raise GraphFileError(f"{name}.{k}: {len(col)} entries, but {name}.{next(iter(cols))} has {n}")
+        check = checks[k]
+        for i, v in enumerate(col):
+            if (why := check(v)) is not None:
+                raise GraphFileError(f"{name}.{k}[{i}]{'' if why.startswith('[') else ': '}{why}")
+    return cols
+
+# %% ../nbs/00_graph.ipynb
 def _rows(table: dict, n: int) -> list[dict]:
     return [{k: v[i] for k, v in table.items()} for i in range(n)]
 
-def graph_from_dict(d: dict) -> StaticGraph:
-    "Rebuild a StaticGraph from `StaticGraph.to_dict()` output."
-    if not isinstance(d, dict) or d.get("schema") not in _READABLE:
-        found = d.get("schema") if isinstance(d, dict) else type(d).__name__
-        raise ValueError(f"not a static_dist graph: expected schema {GRAPH_SCHEMA!r}, found {found!r}")
-    names, o = d["op_names"], d["ops"]
-    ops = tuple(OpRecord(i, names[o["op"][i]], PHASES[o["phase"][i]], o["module"][i], tuple(o["inputs"][i]),
-                         tuple(o["outputs"][i]), o["flops"][i]) for i in range(len(o["op"])))
-    tensors = tuple(TensorRecord(**{**r, "shape": tuple(r["shape"])})
-                    for r in _rows(d["tensors"], len(d["tensors"]["id"])))
-    storages = tuple(StorageRecord(**r) for r in _rows(d["storages"], len(d["storages"]["id"])))
-    hooks = lambda k: tuple(zip(d[k]["op"], d[k]["tensor"])) if k in d else ()
-    return StaticGraph(ops, tensors, storages, d["meta"], hooks("saves"), hooks("unpacks"))
+def _count(d: dict, table: str, column: str) -> int:
+    "Rows of a table, from one column, before the table is checked (bounds for the other tables' indices)."
+    col = _need(_need(d, table, dict, ""), column, list, table)
+    return len(col)
 
+def graph_from_dict(d: dict) -> StaticGraph:
+    "Rebuild a StaticGraph from `StaticGraph.to_dict()` output, checking every field (GraphFileError naming it)."
+    if not isinstance(d, dict): raise GraphFileError(f"expected a JSON object (a static_dist graph), found {_show(d)}")
+    if d.get("schema") not in _READABLE:
+        raise GraphFileError(f"schema: expected {GRAPH_SCHEMA!r}, found {d.get('schema')!r}; this is not a static_dist "
+                             "graph file (or one from a newer version): give a file written by capture/StaticGraph.save")
+    v1 = d["schema"] != GRAPH_SCHEMA
+    meta, names = _need(d, "meta", dict, ""), _need(d, "op_names", list, "")
+    if (why := _list_of(_str())(names)) is not None: raise GraphFileError(f"op_names{why}")
+    n_ops, n_t, n_s = _count(d, "ops", "op"), _count(d, "tensors", "id"), _count(d, "storages", "id")
+    o = _table(d, "ops", dict(op=_int(0, len(names), "op_names"), phase=_int(0, len(PHASES), "phases"), module=_str(),
+                              inputs=_list_of(_int(0, n_t, "tensors")), outputs=_list_of(_int(0, n_t, "tensors")),
+                              flops=_int(0)))
+    tensors = _table(d, "tensors", dict(id=_int(0), storage=_int(0, n_s, "storages"), shape=_list_of(_int(0)), dtype=_dtype))
+    storages = _table(d, "storages", dict(id=_int(0), nbytes=_int(0), device=_str(), role=_one_of(ROLES), name=_str(),
+                                          created=_int(-1, n_ops + 1, "ops + 1"),
+                                          freed=_int(-1, n_ops + 1, "ops + 1", optional=True),
+                                          saved_in=_str(optional=True)), optional=("saved_in",) if v1 else ())
+    for name, col in (("tensors", tensors["id"]), ("storages", storages["id"])):
+        if (i := next((i for i, v in enumerate(col) if v != i), None)) is not None:
+            raise GraphFileError(f"{name}.id[{i}]: {col[i]} is not its position {i} (rows are numbered in order)")
+    hooks = {k: _table(d, k, dict(op=_int(0, n_ops + 1, "ops + 1"), tensor=_int(-1 if k == "unpacks" else 0, n_t, "tensors")))
+             for k in ("saves", "unpacks") if not v1 or k in d}
+    if "structure" in meta:
+        try: ModelStructure.from_dict(meta["structure"], "meta.structure")
+        except StructureError as e: raise GraphFileError(str(e)) from None
+    ops = tuple(OpRecord(i, names[o["op"][i]], PHASES[o["phase"][i]], o["module"][i], tuple(o["inputs"][i]),
+                         tuple(o["outputs"][i]), o["flops"][i]) for i in range(n_ops))
+    tensors = tuple(TensorRecord(**{**r, "shape": tuple(r["shape"])}) for r in _rows(tensors, n_t))
+    storages = tuple(StorageRecord(**r) for r in _rows(storages, n_s))
+    pairs = lambda k: tuple(zip(hooks[k]["op"], hooks[k]["tensor"])) if k in hooks else ()
+    return StaticGraph(ops, tensors, storages, meta, pairs("saves"), pairs("unpacks"))
+
+# %% ../nbs/00_graph.ipynb
 def load_graph(path) -> StaticGraph:
-    "Read a graph written by `StaticGraph.save`."
-    return graph_from_dict(json.loads(Path(path).read_text()))
+    "Read a graph written by `StaticGraph.save`; GraphFileError naming the file and the bad field."
+    p = Path(path)
+    if not p.is_file():
+        raise GraphFileError(f"{p}: {'not a regular file' if p.exists() else 'no such file'}; give the path of a graph "
+                             "JSON written by capture/StaticGraph.save")
+    try: d = json.loads(p.read_bytes())
+    except OSError as e: raise GraphFileError(f"{p}: cannot read it ({e.strerror})") from None
+    except ValueError as e: raise GraphFileError(f"{p}: not a JSON graph file ({str(e).splitlines()[0]})") from None
+    try: return graph_from_dict(d)
+    except GraphFileError as e: raise GraphFileError(f"{p}: {e}") from None
 
 # %% ../nbs/00_graph.ipynb
 ROLE_COLORS = dict(parameter="#4c72b0", buffer="#64b5cd", gradient="#dd8452", optimizer_state="#8172b3",
