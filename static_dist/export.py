@@ -17,8 +17,7 @@ __all__ = ['INSTALL_HINT', 'SCHEMA', 'SCHEMA_VERSION', 'SEVERITIES', 'RULES', 'R
            'loc_from_exception', 'node_loc', 'Stage', 'Finding', 'NumericCheck', 'ExportReport', 'ReportDiff', 'Rule',
            'rules_markdown', 'resize_attrs', 'op_name', 'onnx_export', 'ort_session', 'ort_run', 'onnx_nodes',
            'MatmulResize', 'graph_findings', 'error_findings', 'compare', 'input_suite', 'cond_rewrite',
-           'apply_rewrite', 'analyze_guards', 'aoti_readiness', 'check_export', 'zoo_case', 'check_zoo', 'register_cli',
-           'audit_section']
+           'apply_rewrite', 'analyze_guards', 'aoti_readiness', 'check_export', 'zoo_case', 'check_zoo']
 
 # %% ../nbs/10_export.ipynb
 INSTALL_HINT = 'pip install "static_dist[export]"'
@@ -861,52 +860,3 @@ def check_zoo(name: str, targets: Sequence[str] = ('onnx', 'torchscript', 'aoti'
     "`check_export` on a zoo model with its dims and flags."
     model, inputs, ds, flags = zoo_case(name, batch, seq)
     return check_export(model, inputs, targets=targets, dynamic_shapes=ds, flags=flags, opset=opset, name=name)
-
-def _fail(msg: str) -> int:
-    print(f"error: {msg}", file=sys.stderr); return 2
-
-def _cmd_check_export(args) -> int:
-    "check-export: run, write, print; 0 clean, 1 problems, 2 bad input."
-    if args.rules: print(rules_markdown()); return 0
-    targets = [t.strip() for t in args.targets.split(',') if t.strip()]
-    bad = [t for t in targets if t not in ('onnx', 'torchscript', 'aoti')]
-    if bad or not targets: return _fail(f"unknown target(s) {bad or args.targets!r}: use a comma-separated list of onnx, torchscript, aoti")
-    base = None
-    if args.baseline:
-        try: base = ExportReport.from_json(Path(args.baseline).read_text())
-        except (OSError, ValueError, KeyError, TypeError) as e: return _fail(f"cannot read baseline {args.baseline}: {e}; pass a report written by check-export --out")
-    try: rep = check_zoo(args.model, targets, opset=args.opset)
-    except ValueError as e: return _fail(str(e))
-    out = Path(args.out); out.mkdir(parents=True, exist_ok=True)
-    (out / 'export_report.json').write_text(rep.to_json())
-    (out / 'export_report.md').write_text(rep.to_markdown())
-    print(rep.to_json() if args.json else rep.to_markdown())
-    if base is not None:
-        d = base.diff(rep)
-        (out / 'export_diff.md').write_text(d.to_markdown())
-        if not args.json: print('\n' + d.to_markdown())
-    return 0 if rep.ok else 1
-
-def register_cli(subparsers) -> None:
-    "Add `check-export` to the `static-dist` command."
-    p = subparsers.add_parser('check-export', help='export/ONNX/TorchScript/AOTI pre-flight report for a zoo model')
-    p.add_argument('--model', default='tiny', help='zoo model name (default: tiny)')
-    p.add_argument('--targets', default='onnx,torchscript,aoti', help='comma-separated: onnx, torchscript, aoti (default: all)')
-    p.add_argument('--out', default='export-check', help='folder for export_report.json/.md (default: ./export-check)')
-    p.add_argument('--json', action='store_true', help='print the JSON report instead of markdown')
-    p.add_argument('--baseline', help='an earlier export_report.json: print what changed')
-    p.add_argument('--opset', type=int, help='ONNX opset (default: the exporter\'s)')
-    p.add_argument('--rules', action='store_true', help='print the rule table and exit')
-    p.set_defaults(func=_cmd_check_export)
-
-def audit_section(model_name: str, out_dir: Path) -> dict:
-    "The `static-dist audit` section: the export check of the audited model."
-    try: rep = check_zoo(model_name)
-    except ValueError as e:
-        return {'title': 'Export checks', 'markdown': f"Not run: {e}.", 'data': {'skipped': str(e)}}
-    out_dir = Path(out_dir); out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / 'export_report.json').write_text(rep.to_json())
-    md = rep.to_markdown().split('\n', 1)[1]
-    verdict = '✅ clean' if rep.ok else '❌ problems found'
-    return {'title': 'Export checks', 'markdown': f"**{verdict}** in {rep.meta.get('seconds', 0):.1f} s (full report: `export_report.json`).\n{md}",
-            'data': json.loads(rep.to_json())}

@@ -23,11 +23,13 @@ from typing import Callable
 import torch
 import torch.autograd.forward_ad as _forward_ad   # its _current_level: is a dual level (forward AD) open?
 
+from .util import StaticDistError
+
 # %% auto 0
 __all__ = ['TOLERANCES', 'REGISTRY', 'softmax_backward', 'softmax', 'add_relu', 'rms_norm_backward', 'rms_norm', 'KERNEL_OPS',
-           'PATHS', 'BENCHES', 'assert_matches', 'kernel_backend', 'OpDecl', 'BridgedOp', 'check_fake', 'bridge',
-           'kernels_dir', 'compile_cuda_sources', 'CompatCell', 'CompatReport', 'compat_matrix', 'copy_bandwidth',
-           'bench_kernels', 'register_cli']
+           'PATHS', 'assert_matches', 'kernel_backend', 'OpDecl', 'BridgedOp', 'check_fake', 'bridge', 'kernels_dir',
+           'compile_cuda_sources', 'CompatCell', 'CompatReport', 'compat_matrix', 'copy_bandwidth', 'NoGPUError',
+           'bench_kernels']
 
 # %% ../nbs/20_ops.ipynb
 TOLERANCES = {torch.float64: (1e-10, 1e-7), torch.float32: (1e-5, 1.3e-6), torch.float16: (1e-3, 1e-3),
@@ -802,11 +804,13 @@ def _bench_fns(op: str, pas: str, shape, dtype):
         comp = torch.compile(_rms_norm_bwd_ref, dynamic=False); fns["compile"] = lambda: comp(g, x, w, 1e-5)
     return fns
 
+class NoGPUError(StaticDistError, RuntimeError):
+    "A GPU-only measurement asked for on a machine without CUDA."
+
 def bench_kernels(progress=None, cases=_BENCH_CASES) -> dict:
     "Time every kernel against eager and torch.compile on the GPU; bandwidth as a fraction of measured copy bandwidth."
     if not torch.cuda.is_available():
-        from static_dist.cli import UsageError
-        raise UsageError("bench kernels needs a CUDA GPU (none found); run it on a GPU machine, e.g. python tests/gpu_ops.py")
+        raise NoGPUError("bench kernels needs a CUDA GPU (none found); run it on a GPU machine, e.g. python tests/gpu_ops.py")
     from static_dist.bench import environment
     copy_bw = copy_bandwidth()
     results = []
@@ -827,35 +831,3 @@ def bench_kernels(progress=None, cases=_BENCH_CASES) -> dict:
                     if f"{other}_us" in row: row[f"triton_speedup_vs_{other}"] = round(row[f"{other}_us"] / row["triton_us"], 3)
             results.append(row)
     return dict(bench="kernels", environment=environment(), copy_bandwidth_GBps=round(copy_bw / 1e9, 1), results=results)
-
-BENCHES = {"kernels": bench_kernels}
-
-# %% ../nbs/20_ops.ipynb
-def _cmd_ops(args) -> int:
-    from static_dist.cli import UsageError
-    if args.ops_command == "list":
-        for bop in REGISTRY.values():
-            print(f"{bop.name:34} cpu: {', '.join(bop.kernels('cpu')):20} cuda: {', '.join(bop.kernels('cuda')):25} {bop.decl.doc}")
-        return 0
-    if args.op not in REGISTRY and f"static_dist::{args.op}" not in REGISTRY:
-        raise UsageError(f"unknown op {args.op!r}; bridged ops: {', '.join(b.short_name for b in REGISTRY.values())}")
-    skip = tuple(s for s in (args.skip or "").split(",") if s)
-    bad = [s for s in skip if s not in PATHS]
-    if bad: raise UsageError(f"--skip {','.join(bad)}: unknown path; choose from {','.join(PATHS)}")
-    if args.device == "cuda" and not torch.cuda.is_available(): raise UsageError("--device cuda but no CUDA device is available")
-    rep = compat_matrix(args.op, device=args.device, dtype=getattr(torch, args.dtype), skip=skip)
-    print(json.dumps(rep.to_json(), indent=2) if args.json else rep.to_markdown())
-    return 0 if rep.ok else 1
-
-def register_cli(subparsers):
-    "Add `static-dist ops list|matrix`."
-    p = subparsers.add_parser("ops", help="bridged custom ops: list them, run their compatibility matrix")
-    sub = p.add_subparsers(dest="ops_command", required=True)
-    sub.add_parser("list", help="bridged ops and their kernels").set_defaults(func=_cmd_ops)
-    m = sub.add_parser("matrix", help="run every path of an op and print the compatibility matrix")
-    m.add_argument("op", help="op name, e.g. softmax")
-    m.add_argument("--skip", help=f"comma-separated paths to skip, from: {','.join(PATHS)}")
-    m.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    m.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    m.add_argument("--json", action="store_true", help="print JSON instead of markdown")
-    m.set_defaults(func=_cmd_ops)

@@ -20,8 +20,7 @@ from . import ops as sdops
 
 # %% auto 0
 __all__ = ['RewriteReport', 'RewriteError', 'compare_programs', 'rewrite_ops', 'NodeStat', 'NodeProfile', 'profile_nodes',
-           'PruneReport', 'prune_dead', 'GuardFailed', 'GuardedProgram', 'specialise_branches', 'audit_section',
-           'register_cli']
+           'PruneReport', 'prune_dead', 'GuardFailed', 'GuardedProgram', 'specialise_branches']
 
 # %% ../nbs/21_passes.ipynb
 _A = torch.ops.aten
@@ -355,75 +354,3 @@ def specialise_branches(ep: torch.export.ExportedProgram, profile: NodeProfile, 
     gm.delete_all_unused_submodules()
     g.lint(); gm.recompile()
     return GuardedProgram(gm, full, PruneReport(specialised=tuple(done)))
-
-# %% ../nbs/21_passes.ipynb
-def audit_section(model_name: str, out_dir: Path) -> dict:
-    "Ops section of `static-dist audit`: bridged-kernel coverage of the model's forward, the rewrite and its check."
-    from static_dist.zoo import count_params, get_model
-    zm = get_model(model_name)
-    meta = zm.build(device="meta")
-    if count_params(meta) > 200_000_000:
-        return dict(title="Custom ops and graph passes", data=dict(skipped="model too large to run on CPU"),
-                    markdown=f"Skipped: `{model_name}` has {count_params(meta):,} parameters, too many to run the "
-                             "before/after check on CPU. Run the audit with `--model tiny` to see this section.")
-    model = zm.build(device="cpu").eval()
-    inputs, _ = zm.batch(2, 32)
-    t0 = time.perf_counter()
-    try: ep = torch.export.export(model, inputs)
-    except Exception as e:
-        msg = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
-        return dict(title="Custom ops and graph passes", data=dict(skipped=f"torch.export failed: {msg}"),
-                    markdown=f"Skipped: `{model_name}` does not export (`{msg}`), so there is no program to rewrite; the "
-                             "export section explains why.")
-    new, rep = rewrite_ops(ep, inputs)
-    prof = profile_nodes(new, *inputs)
-    prof.to_chrome_trace(Path(out_dir) / "ops_trace.json")
-    aten = defaultdict(int)
-    for n in ep.graph.nodes:
-        if n.op == "call_function": aten[str(n.target)] += 1
-    anchors = {"add_relu": ("aten.relu.default", "aten.relu_.default"), "softmax": ("aten.softmax.int", "aten._softmax.default"),
-               "rms_norm": ("aten.rsqrt.default", "aten.sqrt.default", "aten.rms_norm.default")}   # ops a match starts from
-    rows = ["| bridged op | kernels on CUDA | anchor ops in the model | rewritten to the bridged op |", "|---|---|---:|---:|"]
-    for p, (_, opname) in PATTERNS.items():
-        bop = sdops.REGISTRY[opname]
-        n_anchor = sum(aten.get(a, 0) for a in anchors[p])
-        rows.append(f"| `{opname}` | {', '.join(bop.kernels('cuda'))} | {n_anchor} (`{anchors[p][0].split('.')[1]}`) | "
-                    f"{rep.matches.get(p, 0)} |")
-    top = "\n".join(f"- `{s.name}` ({s.target}): {s.total_s * 1e3:.3f} ms" for s in prof.top(5))
-    if "aten.scaled_dot_product_attention.default" in aten:
-        rows.append("\nAttention runs through `scaled_dot_product_attention`, so there is no softmax to rewrite.")
-    md = "\n".join(rows + ["", f"Rewritten program: {rep.nodes_before} → {rep.nodes_after} nodes; outputs checked against "
-                           f"the original on a batch: max |diff| {rep.max_abs_diff:.2e}. Slowest nodes of the rewritten "
-                           f"program ([Chrome trace](ops_trace.json)):", "", top])
-    data = dict(rewrite=rep.to_json(), anchors={p: sum(aten.get(a, 0) for a in anchors[p]) for p in anchors}, bridged_ops=sorted(sdops.REGISTRY), seconds=round(time.perf_counter() - t0, 2),
-                aten_ops=dict(sorted(aten.items(), key=lambda kv: -kv[1])), top_nodes=[s.name for s in prof.top(5)])
-    return dict(title="Custom ops and graph passes", markdown=md, data=data)
-
-# %% ../nbs/21_passes.ipynb
-def _cmd_passes(args) -> int:
-    from static_dist.cli import UsageError
-    from static_dist.zoo import get_model
-    try: zm = get_model(args.model)
-    except ValueError as e: raise UsageError(str(e)) from None
-    model = zm.build(device="cpu").eval()
-    inputs, _ = zm.batch(args.batch, args.seq)
-    try: ep = torch.export.export(model, inputs)
-    except Exception as e: raise UsageError(f"{args.model} does not export ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
-                                            f"pick a model without data-dependent Python control flow, e.g. tiny") from None
-    new, rep = rewrite_ops(ep, inputs)
-    print(json.dumps(rep.to_json(), indent=2))
-    if args.trace:
-        prof = profile_nodes(new, *inputs)
-        print(f"wrote {prof.to_chrome_trace(args.trace)}")
-    return 0
-
-def register_cli(subparsers):
-    "Add `static-dist passes rewrite`."
-    p = subparsers.add_parser("passes", help="graph passes on exported programs")
-    sub = p.add_subparsers(dest="passes_command", required=True)
-    r = sub.add_parser("rewrite", help="rewrite a zoo model's exported forward to the bridged ops and check it")
-    r.add_argument("--model", default="tiny")
-    r.add_argument("--batch", type=int, default=2)
-    r.add_argument("--seq", type=int, default=32)
-    r.add_argument("--trace", help="also write a Chrome trace of the rewritten program's nodes to this file")
-    r.set_defaults(func=_cmd_passes)

@@ -21,12 +21,11 @@ import torch
 import torch.nn as nn
 
 # %% auto 0
-__all__ = ['FaultKind', 'Clip', 'Response', 'STRATEGIES', 'BENCH_FAULTS', 'CONFIGS', 'BENCHES', 'grad_norms', 'total_norm',
-           'WindowRule', 'WindowClipper', 'SpikeRule', 'SpikeDetector', 'clean_fqn', 'Localization', 'Localizer',
-           'Fault', 'FaultInjector', 'Strategy', 'StepRecord', 'Trainer', 'RunConfig', 'RunReport', 'train',
-           'recover_steps', 'detection', 'localized', 'measure_overhead', 'stability_bench', 'config_checks',
-           'fsdp_check', 'run_fsdp_check', 'plot_run', 'stability_widget', 'bench_markdown', 'bench_stability',
-           'register_cli', 'audit_section']
+__all__ = ['FaultKind', 'Clip', 'Response', 'STRATEGIES', 'BENCH_FAULTS', 'CONFIGS', 'grad_norms', 'total_norm', 'WindowRule',
+           'WindowClipper', 'SpikeRule', 'SpikeDetector', 'clean_fqn', 'Localization', 'Localizer', 'Fault',
+           'FaultInjector', 'Strategy', 'StepRecord', 'Trainer', 'RunConfig', 'RunReport', 'train', 'recover_steps',
+           'detection', 'localized', 'measure_overhead', 'stability_bench', 'config_checks', 'fsdp_check',
+           'run_fsdp_check', 'plot_run', 'stability_widget', 'bench_markdown', 'bench_stability']
 
 # %% ../nbs/60_stability.ipynb
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -999,6 +998,10 @@ def run_fsdp_check(nproc: int = 2, timeout: float = 300) -> dict:
         return json.loads(out.read_text())
 
 # %% ../nbs/60_stability.ipynb
+def _run_label(r: RunReport) -> str:
+    "Strategy and injected faults: two runs of one strategy stay apart in a legend."
+    return r.strategy.name + (" + " + ", ".join(f"{f.kind}@{f.step}" for f in r.faults) if r.faults else " (clean)")
+
 def plot_run(runs: RunReport | Sequence[RunReport], ax=None, faults: Sequence[Fault] | None = None):
     "Loss (top) and gradient norm (bottom, log) per step of one or more runs; faults shaded, alarms marked."
     from static_dist.graph import pyplot
@@ -1009,7 +1012,7 @@ def plot_run(runs: RunReport | Sequence[RunReport], ax=None, faults: Sequence[Fa
     faults = runs[0].faults if faults is None else faults
     for r in runs:
         steps = [x.step for x in r.records]
-        l, = ax[0].plot(steps, [x.loss for x in r.records], lw=1, label=r.strategy.name)
+        l, = ax[0].plot(steps, [x.loss for x in r.records], lw=1, label=_run_label(r))
         g = [(x.step, x.grad_norm) for x in r.records if x.grad_norm is not None and math.isfinite(x.grad_norm)]
         if g: ax[1].plot(*zip(*g), lw=1, color=l.get_color())
         al = [(x.step, x.loss) for x in r.records if x.alarms and math.isfinite(x.loss)]
@@ -1091,74 +1094,3 @@ def bench_markdown(result: dict) -> str:
 def bench_stability(progress=None) -> dict:
     "`static-dist bench stability`."
     return stability_bench(progress=progress)
-
-BENCHES = {"stability": bench_stability}
-
-# %% ../nbs/60_stability.ipynb
-def _parse_fault(text: str) -> Fault:
-    from static_dist.cli import UsageError
-    m = re.fullmatch(r"(\w+)@(\d+)(?:x(\d+))?", text)
-    if not m: raise UsageError(f"--fault {text!r}: write KIND@STEP or KIND@STEPxDURATION, e.g. lr_spike@100 or bad_batches@100x20")
-    try: return Fault(m.group(1), int(m.group(2)), duration=int(m.group(3) or 1))
-    except ValueError as e: raise UsageError(str(e)) from None
-
-def _cmd_stability(args) -> int:
-    from static_dist.cli import UsageError
-    if args.strategy not in STRATEGIES:
-        raise UsageError(f"--strategy {args.strategy!r}: choose one of {', '.join(STRATEGIES)}")
-    faults = [_parse_fault(f) for f in args.fault]
-    late = [f for f in faults if f.step >= args.steps]
-    if late: raise UsageError(f"fault at step {late[0].step} is past the end of the run (--steps {args.steps}); inject earlier")
-    try: cfg = RunConfig(steps=args.steps, lr=args.lr, seq_len=args.seq, batch_size=args.batch)
-    except ValueError as e: raise UsageError(str(e)) from None
-    clean, base, run = train(cfg, "unmonitored"), train(cfg, "unmonitored", faults), train(cfg, args.strategy, faults)
-    rows = [dict(step=r.step, alarms=list(r.alarms), action=r.action,
-                 localization=None if r.localization is None else asdict(r.localization)) for r in run.records if r.alarms]
-    out = dict(strategy=args.strategy, faults=[asdict(f) for f in faults], clean_loss=clean.eval_loss,
-               unmitigated_loss=base.eval_loss, loss=run.eval_loss, alarms=rows)
-    if args.plot:
-        plot_run([base, run]).savefig(args.plot, dpi=80)
-    if args.json: print(json.dumps(out, indent=2))
-    else:
-        print(f"{args.strategy}: held-out loss {run.eval_loss:.4f} ({_pct(run.eval_loss / clean.eval_loss - 1)} vs clean "
-              f"{clean.eval_loss:.4f}; unmitigated {_pct(base.eval_loss / clean.eval_loss - 1)})")
-        for r in rows:
-            loc = r["localization"]
-            where = f" ← {loc['module'] or '(root)'} ({loc['phase']} {loc['tensor']}, {loc['kind']})" if loc else ""
-            print(f"  step {r['step']}: {', '.join(r['alarms'])} → {r['action']}{where}")
-    return 0
-
-def register_cli(subparsers):
-    "`static-dist stability`: one strategy against injected faults, next to the unmonitored baseline."
-    p = subparsers.add_parser("stability", help="train the tiny Llama with injected faults under a mitigation strategy")
-    p.add_argument("--strategy", default="rewind", help=f"one of: {', '.join(STRATEGIES)} (default rewind)")
-    p.add_argument("--fault", action="append", default=[], help="KIND@STEP[xDURATION], repeatable; kinds: " + ", ".join(_DEFAULT_FAULT_MODULE))
-    p.add_argument("--steps", type=int, default=200); p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--seq", type=int, default=32); p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--json", action="store_true", help="print JSON"); p.add_argument("--plot", help="write loss/grad-norm plot here (png)")
-    p.set_defaults(func=_cmd_stability)
-
-# %% ../nbs/60_stability.ipynb
-def audit_section(model_name: str, out_dir) -> dict:
-    "`static-dist audit` section: a short faulted run with and without mitigation, plot included."
-    from pathlib import Path
-    cfg, faults = RunConfig(steps=80), [Fault("nan_grad", 30), Fault("lr_spike", 50)]
-    clean, base, run = train(cfg, "rewind"), train(cfg, "unmonitored", faults), train(cfg, "rewind", faults)
-    note = "" if model_name == "tiny" else f" (the audit trains `tiny`, not `{model_name}`: training is too slow on CPU)"
-    md = [f"Tiny Llama, {cfg.steps} steps of AdamW on Markov tokens{note}; faults: "
-          + ", ".join(f"{f.kind} at step {f.step}" for f in faults) + ".", "",
-          "| run | held-out loss | vs clean | alarms |", "|---|---:|---:|---|",
-          f"| clean (`rewind`, monitored) | {clean.eval_loss:.4f} | — | {len(clean.alarm_steps)} |",
-          f"| faulted, unmonitored | {base.eval_loss:.4f} | {_pct(base.eval_loss / clean.eval_loss - 1)} | — |",
-          f"| faulted, `rewind` | {run.eval_loss:.4f} | {_pct(run.eval_loss / clean.eval_loss - 1)} | "
-          + "; ".join(f"step {r.step}: {'+'.join(r.alarms)} → {r.action}" + (f" (`{r.localization.module}`)" if r.localization else "")
-                      for r in run.records if r.alarms) + " |"]
-    try:
-        plot_run([base, run]).savefig(Path(out_dir) / "stability.png", dpi=80)
-        md += ["", "![loss and gradient norm with injected faults](stability.png)"]
-    except ImportError as e: md += ["", f"(no plot: {e})"]
-    data = dict(clean_loss=clean.eval_loss, unmitigated_loss=base.eval_loss, rewind_loss=run.eval_loss,
-                clean_alarms=len(clean.alarm_steps),
-                alarms=[dict(step=r.step, alarms=list(r.alarms), action=r.action,
-                             module=r.localization.module if r.localization else None) for r in run.records if r.alarms])
-    return dict(title="Training stability", markdown="\n".join(md), data=data)

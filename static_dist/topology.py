@@ -497,8 +497,9 @@ def launch_calibration(nproc: int = 4, sizes=(2**12, 2**16, 2**20), kinds=COLLEC
         return Calibration.from_dict(json.loads(out.read_text()))
 
 # %% ../nbs/02_topology.ipynb
-#| eval: false
-if __name__ == "__main__": sys.exit(_main())
+# `python -m static_dist.topology` under torchrun. __spec__ is None in a Jupyter kernel (where __name__ is "__main__"
+# too), so running this notebook does not start a calibration.
+if __name__ == "__main__" and __spec__ is not None and __spec__.name == "static_dist.topology": sys.exit(_main())
 
 # %% ../nbs/02_topology.ipynb
 def plot_calibration(cal: Calibration, ax=None):

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from static_dist.cli import main
+from static_dist.app.cli import main
 
 
 def test_ops_list(capsys):

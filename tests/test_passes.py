@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from static_dist.passes import (GuardFailed, RewriteError, audit_section, compare_programs, profile_nodes, prune_dead,
+from static_dist.passes import (GuardFailed, RewriteError, compare_programs, profile_nodes, prune_dead,
                                 rewrite_ops, specialise_branches)
 from static_dist.zoo import get_model
 
@@ -144,29 +144,12 @@ def test_chrome_trace(tmp_path, llama):
     assert lin and all(s.calls == 2 for s in lin)                   # each node once per run
 
 
-def test_audit_section(tmp_path):
-    sec = audit_section("tiny", tmp_path)
-    assert sec["title"] and sec["data"]["rewrite"]["verified"]
-    assert sec["data"]["rewrite"]["matches"]["rms_norm"] == 5
-    assert (tmp_path / "ops_trace.json").exists()
-    json.dumps(sec["data"])
-    big = audit_section("llama3-70b", tmp_path)
-    assert "skipped" in big["data"]
-    cf = audit_section("control-flow", tmp_path)                   # data-dependent `if`: does not export
-    assert "torch.export failed" in cf["data"]["skipped"]
-
-
 def test_passes_cli(tmp_path, capsys):
-    from static_dist.cli import main
+    from static_dist.app.cli import main
     assert main(["passes", "rewrite", "--seq", "16", "--trace", str(tmp_path / "t.json")]) == 0
     out = capsys.readouterr().out
     assert json.loads(out.split("wrote")[0])["matches"]["rms_norm"] == 5 and (tmp_path / "t.json").exists()
     assert main(["passes", "rewrite", "--model", "control-flow"]) == 2
-
-
-def test_passes_is_an_audit_plugin():
-    from static_dist.cli import _plugins
-    assert any(m.__name__ == "static_dist.passes" and hasattr(m, "audit_section") for m in _plugins())
 
 
 def test_rewritten_tiny_moe_router_softmax():

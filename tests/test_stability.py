@@ -89,10 +89,7 @@ def test_bench_against_zclip_small():
 
 
 def _cli(*args):
-    # through main() as the installed `static-dist` script does (under `python -m static_dist.cli` the module is
-    # __main__, and a UsageError raised by a plugin is another class than the one main() catches)
-    code = "import sys; from static_dist.cli import main; sys.exit(main(sys.argv[1:]))"
-    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True)
+    return subprocess.run([sys.executable, "-m", "static_dist.app", *args], capture_output=True, text=True)
 
 
 def test_cli_stability_verb():

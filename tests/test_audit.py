@@ -1,0 +1,41 @@
+"""Audit sections on one graph: what each reports, and the ones that do not apply."""
+import json
+
+import pytest
+
+from static_dist.app.audit import (Context, NotApplicable, _run_section, export_section, passes_section,
+                                   placement_section, stability_section)
+from static_dist.workload import load_workload
+
+
+def ctx(source, tmp_path, **kw):
+    w = load_workload(source, **kw)
+    return Context(w, w.graph(), tmp_path)
+
+
+def test_export_section_finds_the_branch(tmp_path):
+    title, md, data = export_section(ctx("control-flow", tmp_path, batch=2))
+    assert title == "Export checks" and "data-dependent-branch" in md and not data["ok"]
+    assert json.loads((tmp_path / "export_report.json").read_text())["model"] == "control-flow"
+
+
+def test_passes_section_rewrites_tiny(tmp_path):
+    title, md, data = passes_section(ctx("tiny", tmp_path, batch=2, seq=32))
+    assert data["verified"] and data["matches"]["rms_norm"] == 5       # 2 per block x 2 blocks + the final norm
+    assert (tmp_path / "ops_trace.json").exists()
+
+
+def test_sections_that_do_not_apply(tmp_path):
+    c = ctx("mlp", tmp_path, batch=4)
+    with pytest.raises(NotApplicable, match="repeated blocks"): placement_section(c)
+    with pytest.raises(NotApplicable, match="no RMSNorm/softmax/add"): passes_section(c)
+    r = _run_section(placement_section, c, lambda s: None)
+    assert r["status"] == "not applicable" and r["markdown"].count("\n") == 0
+    big = ctx("llama3-70b", tmp_path, batch=1, seq=128)
+    with pytest.raises(NotApplicable, match="parameters"): export_section(big)
+
+
+def test_stability_section_on_the_users_model(tmp_path):
+    title, md, data = stability_section(ctx("examples/gpt.py:GPT", tmp_path, batch=2, seq=32))
+    assert data["detected"] == [data["fault"]["step"]]                   # the injected NaN gradient, and nothing else
+    assert data["localized_to"].startswith(data["fault"]["module"])
