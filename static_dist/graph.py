@@ -850,13 +850,19 @@ def _need(d, key: str, kind: type, where: str):
         raise GraphFileError(f"{where + '.' if where else ''}{key}: expected a {kind.__name__}, found {_show(d[key])}")
     return d[key]
 
-def _table(d: dict, name: str, checks: dict[str, Callable], optional: tuple = ()) -> dict[str, list]:
-    "Columns of table d[name]: each a list of one length whose items pass their check."
+def _rows_in(d: dict, name: str, keys, optional: tuple = ()) -> int:
+    "Rows of table d[name]: its columns (each required unless `optional`) must be lists of one length."
     t = _need(d, name, dict, "")
-    cols = {k: _need(t, k, list, name) for k in checks if k not in optional or k in t}
-    n = len(next(iter(cols.values())))
+    cols = {k: _need(t, k, list, name) for k in keys if k not in optional or k in t}
+    first, n = next(iter(cols)), len(next(iter(cols.values())))
     for k, col in cols.items():
-        if len(col) != n: raise GraphFileError(f"{name}.{k}: {len(col)} entries, but {name}.{next(iter(cols))} has {n}")
+        if len(col) != n: raise GraphFileError(f"{name}.{k}: {len(col)} entries, but {name}.{first} has {n}")
+    return n
+
+def _table(d: dict, name: str, checks: dict[str, Callable]) -> dict[str, list]:
+    "Columns of table d[name] (shape already checked by `_rows_in`), each item passing its check."
+    cols = {k: d[name][k] for k in checks if k in d[name]}
+    for k, col in cols.items():
         check = checks[k]
         for i, v in enumerate(col):
             if (why := check(v)) is not None:
@@ -867,21 +873,20 @@ def _table(d: dict, name: str, checks: dict[str, Callable], optional: tuple = ()
 def _rows(table: dict, n: int) -> list[dict]:
     return [{k: v[i] for k, v in table.items()} for i in range(n)]
 
-def _count(d: dict, table: str, column: str) -> int:
-    "Rows of a table, from one column, before the table is checked (bounds for the other tables' indices)."
-    col = _need(_need(d, table, dict, ""), column, list, table)
-    return len(col)
-
 def graph_from_dict(d: dict) -> StaticGraph:
     "Rebuild a StaticGraph from `StaticGraph.to_dict()` output, checking every field (GraphFileError naming it)."
     if not isinstance(d, dict): raise GraphFileError(f"expected a JSON object (a static_dist graph), found {_show(d)}")
     if d.get("schema") not in _READABLE:
         raise GraphFileError(f"schema: expected {GRAPH_SCHEMA!r}, found {d.get('schema')!r}; this is not a static_dist "
                              "graph file (or one from a newer version): give a file written by capture/StaticGraph.save")
-    v1 = d["schema"] != GRAPH_SCHEMA
     meta, names = _need(d, "meta", dict, ""), _need(d, "op_names", list, "")
     if (why := _list_of(_str())(names)) is not None: raise GraphFileError(f"op_names{why}")
-    n_ops, n_t, n_s = _count(d, "ops", "op"), _count(d, "tensors", "id"), _count(d, "storages", "id")
+    v1 = d["schema"] != GRAPH_SCHEMA
+    n_ops = _rows_in(d, "ops", ("op", "phase", "module", "inputs", "outputs", "flops"))
+    n_t = _rows_in(d, "tensors", [f.name for f in dataclasses.fields(TensorRecord)])
+    n_s = _rows_in(d, "storages", [f.name for f in dataclasses.fields(StorageRecord)], ("saved_in",) if v1 else ())
+    hook_tables = [k for k in ("saves", "unpacks") if not v1 or k in d]
+    for k in hook_tables: _rows_in(d, k, ("op", "tensor"))
     o = _table(d, "ops", dict(op=_int(0, len(names), "op_names"), phase=_int(0, len(PHASES), "phases"), module=_str(),
                               inputs=_list_of(_int(0, n_t, "tensors")), outputs=_list_of(_int(0, n_t, "tensors")),
                               flops=_int(0)))
@@ -889,12 +894,12 @@ def graph_from_dict(d: dict) -> StaticGraph:
     storages = _table(d, "storages", dict(id=_int(0), nbytes=_int(0), device=_str(), role=_one_of(ROLES), name=_str(),
                                           created=_int(-1, n_ops + 1, "ops + 1"),
                                           freed=_int(-1, n_ops + 1, "ops + 1", optional=True),
-                                          saved_in=_str(optional=True)), optional=("saved_in",) if v1 else ())
+                                          saved_in=_str(optional=True)))
     for name, col in (("tensors", tensors["id"]), ("storages", storages["id"])):
         if (i := next((i for i, v in enumerate(col) if v != i), None)) is not None:
             raise GraphFileError(f"{name}.id[{i}]: {col[i]} is not its position {i} (rows are numbered in order)")
     hooks = {k: _table(d, k, dict(op=_int(0, n_ops + 1, "ops + 1"), tensor=_int(-1 if k == "unpacks" else 0, n_t, "tensors")))
-             for k in ("saves", "unpacks") if not v1 or k in d}
+             for k in hook_tables}
     if "structure" in meta:
         try: ModelStructure.from_dict(meta["structure"], "meta.structure")
         except StructureError as e: raise GraphFileError(str(e)) from None

@@ -11,6 +11,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from .util import StaticDistError
+
 # %% auto 0
 __all__ = ['LinearInfo', 'BlockStack', 'ModelStructure', 'find_structure', 'StructureError']
 
@@ -156,7 +158,7 @@ def find_structure(model: nn.Module) -> ModelStructure:
     return ModelStructure(tuple(stacks))
 
 # %% ../nbs/01a_structure.ipynb
-class StructureError(ValueError):
+class StructureError(StaticDistError, ValueError):
     "A stored structure is malformed; the message names the field."
 
 def _get(d, key: str, kind: str, where: str) -> Any:
