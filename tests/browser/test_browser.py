@@ -1,0 +1,52 @@
+"""Browser checks (marked `browser`): the built docs, Run All in JupyterLab, and a widget harness that redraws.
+
+They need Debian's chromium and chromium-driver (installed by .ci/setup) and skip with one reason without them.
+Screenshots go to $BROWSER_OUT (default /tmp/browser-shots). Run by hand: python tests/browser/browser_check.py
+"""
+import os, subprocess, sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+import browser_check as bc  # noqa: E402
+
+if bc.MISSING_BROWSER:
+    pytest.skip(bc.MISSING_BROWSER, allow_module_level=True)
+
+pytestmark = pytest.mark.browser
+
+
+@pytest.fixture(scope="module")
+def shots():
+    return bc.out_dir()
+
+
+@pytest.fixture(scope="module")
+def docs(tmp_path_factory):
+    "The built site: $BROWSER_DOCS, else _docs/ when it is newer than every notebook, else a fresh build in a temp dir."
+    if os.environ.get("BROWSER_DOCS"): return Path(os.environ["BROWSER_DOCS"])
+    d = bc.ROOT / "_docs"
+    nbs = [bc.ROOT / "index.ipynb", *(bc.ROOT / "nbs").rglob("*.ipynb")]
+    if (d / "index.html").exists() and (d / "index.html").stat().st_mtime >= max(p.stat().st_mtime for p in nbs if p.exists()):
+        return d
+    d = tmp_path_factory.mktemp("docs")
+    subprocess.run([sys.executable, str(bc.ROOT / "tools" / "build_docs.py"), "--out", str(d)], check=True)
+    return d
+
+
+def test_docs_pages_load(docs, shots):
+    info = bc.check_docs(docs, shots)
+    n_chapters = len(list((bc.ROOT / "nbs").rglob("*.ipynb")))
+    assert len(info) == n_chapters + 1, f"{len(info)} pages for {n_chapters} notebooks and the index"
+    assert sum(v["api_entries"] for v in info.values()) > 0, "no API entries rendered"
+
+
+def test_lab_run_all_no_error(shots):
+    r = bc.check_lab_run_all(shots)
+    assert r["code_cells"] > 0
+
+
+def test_widget_redraws(shots):
+    r = bc.check_widget(shots)
+    assert r["redrawn"] and r["images_after"] >= 1, r
