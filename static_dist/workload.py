@@ -176,7 +176,8 @@ def _construct(factory: Callable, what: str, device: torch.device, seed: int = 0
 def module_builder(factory: Callable[[], nn.Module], what: str = "the model") -> Callable[..., nn.Module]:
     "A `build(device='meta', dtype=torch.float32, seed=0)` for a no-argument class or factory, in training mode."
     def build(device="meta", dtype: torch.dtype = torch.float32, seed: int = 0) -> nn.Module:
-        return _construct(factory, what, torch.device(device), seed).to(dtype).train()
+        device = torch.device(device)
+        return _construct(factory, what, device, seed).to(device=device, dtype=dtype).train()
     return build
 
 # %% ../nbs/03_workload.ipynb
@@ -402,8 +403,11 @@ def _hf_workload(source: str, path: str, batch, seq, input_shape) -> Workload:
     try:
         with torch.device("meta"): transformers.AutoModelForCausalLM.from_config(cfg)
         auto = transformers.AutoModelForCausalLM
-    except ValueError:
+    except ValueError:                       # "Unrecognized configuration class ... for AutoModelForCausalLM"
         causal, auto = False, transformers.AutoModel
+    except Exception as e:
+        raise WorkloadError(f"{source}: transformers cannot build a model from this config: {type(e).__name__}: "
+                            f"{(str(e).strip().splitlines() or [''])[0]}") from None
     build = module_builder(lambda: auto.from_config(cfg), f"{source} ({type(cfg).__name__})")
     vocab = getattr(cfg, "vocab_size", None)
     if not isinstance(vocab, int) or vocab <= 0:
