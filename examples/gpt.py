@@ -3,14 +3,16 @@
     static-dist audit --model examples/gpt.py:GPT --batch 4 --seq 256
 
 Token + learned position embeddings, pre-norm blocks in `transformer.h` (fused-qkv causal attention and a GELU MLP),
-a final LayerNorm and an lm_head tied to the token embedding. `GPT()` needs no arguments; `gpt_small()` is the same
-model through a factory function. Both are sources `static_dist.workload.load_workload` accepts.
+a final LayerNorm and an lm_head tied to the token embedding. `GPTConfig(checkpoint=(0, 2))` recomputes those blocks'
+activations in backward. `GPT()` needs no arguments; `gpt_small()` and `gpt_checkpointed()` are factories. All three
+are sources `static_dist.workload.load_workload` accepts (`examples/gpt.py:gpt_checkpointed`).
 """
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 
 @dataclass(frozen=True)
@@ -26,6 +28,8 @@ class GPTConfig:
     "Attention heads; must divide `n_embd`."
     max_seq_len: int = 256
     "Longest sequence the learned position embedding covers."
+    checkpoint: tuple[int, ...] = ()
+    "Blocks whose activations are recomputed in backward (activation checkpointing), e.g. (0, 2)."
 
     def __post_init__(self):
         if self.n_embd % self.n_head:
@@ -87,11 +91,16 @@ class GPT(nn.Module):
             raise ValueError(f"sequence length {T} exceeds max_seq_len {self.config.max_seq_len}")
         pos = torch.arange(T, device=tokens.device)
         x = self.transformer.wte(tokens) + self.transformer.wpe(pos)
-        for block in self.transformer.h:
-            x = block(x)
+        for i, block in enumerate(self.transformer.h):
+            x = checkpoint(block, x, use_reentrant=False) if i in self.config.checkpoint else block(x)
         return self.lm_head(self.transformer.ln_f(x))
 
 
 def gpt_small() -> GPT:
     "The default GPT (vocab 512, 4 layers, width 128, 4 heads, 256 positions) through a factory."
     return GPT(GPTConfig())
+
+
+def gpt_checkpointed() -> GPT:
+    "The default GPT with activation checkpointing on blocks 0 and 2 (half of them)."
+    return GPT(GPTConfig(checkpoint=(0, 2)))

@@ -138,12 +138,30 @@ def test_dtype_builds_parameters_in_that_dtype():
     assert w.graph() is g                          # memoised per dtype
 
 
-def test_real_capture_peak_matches_memtracker():
-    w = load_workload(f"{GPT}:GPT", batch=4, seq=256)
+def test_checkpointed_example_saves_less_and_computes_the_same():
+    plain = load_workload(f"{GPT}:gpt_small", batch=2, seq=64)
+    ckpt = load_workload(f"{GPT}:gpt_checkpointed", batch=2, seq=64)
+    act = lambda w: w.graph().summary()["activation_bytes"]
+    assert act(ckpt) < act(plain)
+    # eager reference: same seeded weights, same loss and gradients with and without recomputation
+    grads = []
+    for w in (plain, ckpt):
+        model = w.build("cpu")
+        args, _, targets = w.inputs()
+        w.loss(model(*args), targets).backward()
+        grads.append([p.grad for p in model.parameters()])
+    for a, b in zip(*grads): torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("name", ["GPT", "gpt_checkpointed"])
+def test_real_capture_peak_matches_memtracker(name):
+    "Seen equal to the byte on torch 2.13 CPU (44,618,760 and 28,824,584 B); 1% allowed as test_capture allows 5%."
+    w = load_workload(f"{GPT}:{name}", batch=4, seq=256)
     ours = w.graph(mode="real").peak().bytes
     args, _, targets = w.inputs()
     ref = memtracker_peak(w.build("cpu"), args, loss_fn=w.loss, targets=targets, optimizer="adamw")
-    assert abs(ours - ref) <= 0.05 * ref, (ours, ref)
+    assert abs(ours - ref) <= 0.01 * ref, (ours, ref)
+    assert w.graph().peak().bytes == ours            # the fake capture of the same workload agrees
 
 
 # --- Hugging Face configs written here, nothing downloaded --------------------------------------------------------
