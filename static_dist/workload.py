@@ -364,8 +364,10 @@ def _model_workload(source: str, factory: Callable, what: str, batch, seq, input
                         loss=square_loss, notes=notes)
     emb = _first_embedding(model)
     if emb is None:
-        raise WorkloadError(f"cannot infer the inputs of {what} (its first layer is not an nn.Embedding): give "
-                            "input_shape (--input-shape 3x32x32) or NAME a function returning a Workload")
+        has = any(isinstance(m, nn.Embedding) for m in model.modules())
+        why = "an nn.Embedding, but not as its first layer" if has else "no nn.Embedding first"
+        raise WorkloadError(f"cannot infer the inputs of {what} (it has {why}): give input_shape "
+                            "(--input-shape 3x32x32) or NAME a function returning a Workload")
     limit = max_positions(model)
     seq = seq if seq is not None else min(DEFAULT_SEQ, limit or DEFAULT_SEQ)
     _positive("seq", seq); _check_seq(seq, limit, what)
