@@ -4,7 +4,11 @@
     python tools/run_notebooks.py --write [NB ...]          # run, then save outputs into the .ipynb (paths stripped, nbdev_clean'd)
     python tools/run_notebooks.py --write --out DIR [NB ...] # save the executed copies under DIR instead (nbs/ untouched)
     options: -j N (parallel notebooks), --timeout S (per notebook), --timing FILE (JSON), --diff (run twice, report
-             outputs that differ), --harness NB [NB ...] (notebooks that must show a widget), --fail-on-stderr
+             outputs that differ), --harness NB [NB ...] (notebooks that must show a widget), --fail-on-stderr,
+             --keep-errors (--write saves a notebook even when it has an error; by default it is left as it was)
+
+Every cell runs even after an error (nbclient allow_errors), so one run lists every failing cell; JupyterLab's Run All
+would stop at the first one, and later errors are marked as such.
 
 With no NB the notebooks are index.ipynb and nbs/**/*.ipynb (folders starting with `.` or `_` skipped). Each notebook runs
 in its own worker process with its own kernel (`python3`, i.e. the ipykernel of the interpreter running this script), with
@@ -310,6 +314,7 @@ def main(argv=None) -> int:
     ap.add_argument("--diff", action="store_true", help="run each notebook twice and report outputs that differ")
     ap.add_argument("--harness", nargs="*", default=HARNESS_DEFAULT,
                     help="notebooks that must display a widget (default: %(default)s); give none to skip the check")
+    ap.add_argument("--keep-errors", action="store_true", help="with --write: save a notebook even if it has problems")
     ap.add_argument("--fail-on-stderr", action="store_true", help="also fail when a cell writes to stderr")
     ap.add_argument("--_worker", nargs=2, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -345,15 +350,16 @@ def _main(a) -> int:
             print(f"{r['seconds']:7.1f} s  {_rel(nb)}{' (run 2)' if k else ''}  {state}", flush=True)
     failures, timing = [], {}
     for nb in nbs:
-        r = results[(nb, 0)]; ex_nb = r["nb"]; name = _rel(nb)
-        errs = (cell_errors(ex_nb) + widget_errors(ex_nb)) if ex_nb else []
+        r = results[(nb, 0)]; ex_nb = r["nb"]; name = _rel(nb); n_before = len(failures)
+        errs = sorted(cell_errors(ex_nb) + widget_errors(ex_nb), key=lambda e: e["cell"]) if ex_nb else []
         entry = timing[name] = dict(seconds=round(r["seconds"], 1), errors=len(errs), problem=r["problem"],
                                     first_error=(f"cell {errs[0]['cell']}: {errs[0]['ename']}: {''.join(errs[0]['evalue'])}"
                                                  if errs else None),
                                     slowest=slowest_cells(ex_nb) if ex_nb else [])
         if r["problem"]: failures.append(f"{name}: {r['problem']}")
-        for e in errs:
-            failures.append(f"{name} cell {e['cell']} ({e['source']!r}): {e['ename']}: {''.join(e['evalue'])}\n" +
+        for k, e in enumerate(errs):
+            later = " [after an earlier error: JupyterLab's Run All stops at the first]" if k else ""
+            failures.append(f"{name} cell {e['cell']} ({e['source']!r}): {e['ename']}: {''.join(e['evalue'])}{later}\n" +
                             "\n".join("      " + l for l in e["traceback"]))
         if ex_nb and a.harness and harness_matches(a.harness, nb) and not has_widget(ex_nb):
             failures.append(f"{name}: harness notebook shows no widget (no {WIDGET_MIME} output): end the harness cell "
@@ -370,11 +376,11 @@ def _main(a) -> int:
         if a.write and ex_nb:
             inside = nb.resolve().is_relative_to(ROOT)
             dest = (a.out / (nb.resolve().relative_to(ROOT) if inside else nb.name)) if a.out else nb
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            if a.out and nb.parent != dest.parent:   # keep the data files a notebook reads next to the copy
-                for f in nb.parent.iterdir():
-                    if f.is_file() and f.suffix != ".ipynb" and not (dest.parent / f.name).exists(): shutil.copy2(f, dest.parent)
-            write_back(ex_nb, dest, name)
+            if len(failures) > n_before and not a.keep_errors:
+                print(f"not written: {name} has the problems listed below; fix them, or pass --keep-errors to save anyway")
+            else:
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                write_back(ex_nb, dest, name)
     total = time.perf_counter() - t0
     print(f"total {total:.1f} s wall; per notebook: " +
           ", ".join(f"{Path(n).stem} {v['seconds']:.0f}s" for n, v in timing.items()))

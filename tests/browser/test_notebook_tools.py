@@ -107,6 +107,9 @@ def test_run_check_and_write(tmp_path, capsys):
     outs = [o for c in saved["cells"] for o in c["outputs"]]
     assert outs[0]["text"] == ["0 module://matplotlib_inline.backend_inline\n"]   # as in JupyterLab, even under MPLBACKEND=Agg
     assert "image/png" in outs[1]["data"] and str(tmp_path) not in saved_path.read_text()
+    # a notebook with an error is not written (unless --keep-errors)
+    assert rn.main(["--write", "--harness", "--out", str(tmp_path / "o"), str(bad)]) == 1
+    assert "not written: " in capsys.readouterr().out and not (tmp_path / "o" / "bad.ipynb").exists()
     before = saved_path.read_text()
     subprocess.run([str(Path(sys.executable).parent / "nbdev_clean"), "--fname", str(saved_path)], cwd=ROOT, check=True)
     assert saved_path.read_text() == before
