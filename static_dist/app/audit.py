@@ -161,7 +161,8 @@ def stability_section(c: Context):
     loss = (lambda out, y: w.loss(out, y)) if targets is not None else (lambda out, y: w.loss(out))
     fault = Fault("nan_grad", STABILITY_STEPS // 2, module=f"model.{target}")
     tr = Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-3), loss, STRATEGIES["rewind"], [fault])
-    recs = [tr.step(i, i, [(tuple(args), targets)]) for i in range(STABILITY_STEPS)]
+    y = targets if targets is not None else kwargs.get("labels", args[0])   # the trainer counts tokens from it
+    recs = [tr.step(i, i, [(tuple(args), y)]) for i in range(STABILITY_STEPS)]
     tr.close()
     return _stability_report(recs, fault, target)
 

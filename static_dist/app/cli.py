@@ -103,15 +103,17 @@ class Parser(argparse.ArgumentParser):
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
-def _workload_args(p, batch: int | None = 2, seq: int | None = 64):
+def _workload_args(p, batch: int | None = None, seq: int | None = None):
+    "The workload options; None leaves the choice to the workload (2 x 64, adamw, float32, or what a Workload function sets)."
     g = p.add_argument_group("workload (the model and the step to analyse)")
     g.add_argument("--model", default="tiny", help="zoo name, path/to/file.py:NAME, package.module:NAME or hf:CONFIG "
                    "(default: tiny)")
-    g.add_argument("--batch", type=count("--batch"), default=batch, help=f"batch size (default {batch})")
+    g.add_argument("--batch", type=count("--batch"), default=batch, help=f"batch size (default {batch or 'the workload’s, 2'})")
     g.add_argument("--seq", type=count("--seq"), default=seq,
-                   help=f"sequence length (default {seq if seq else 'the model’s own'})")
-    g.add_argument("--optimizer", default="adamw", choices=["sgd", "adam", "adamw"])
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help=f"sequence length (default {seq or 'the workload’s: 64, at most the model’s maximum'})")
+    g.add_argument("--optimizer", default=None, choices=["sgd", "adam", "adamw", "none"],
+                   help="optimizer in the captured step (default adamw)")
+    g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="dtype the model is built and captured in (default float32)")
     g.add_argument("--input-shape", help="shape of one sample for models whose inputs cannot be inferred, e.g. 3x32x32")
 
@@ -138,7 +140,7 @@ def _capture_parser(sub):
 # %% ../../nbs/90_cli.ipynb
 def _fsdp_parser(sub):
     p = sub.add_parser("plan-fsdp", help="plan FSDP2 units, resharding, prefetch and checkpointing, or check a given plan")
-    _workload_args(p, batch=1, seq=None)
+    _workload_args(p, batch=1)
     p.add_argument("--world", type=count("--world", hi=MAX_RANKS), default=8, help="number of ranks (default 8)")
     p.add_argument("--budget", type=size("--budget"), default="80GiB", help="memory per rank (default 80GiB)")
     p.add_argument("--mesh", type=mesh, help="HSDP mesh RxS, e.g. 16x64 (default: pure FSDP over all ranks)")
