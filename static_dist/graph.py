@@ -128,10 +128,19 @@ def _where(module: str, frames) -> str:
     at = _user_line(frames)
     return (f" in module '{module}'" if module else " outside any submodule") + (f" at {at}" if at else "")
 
+def _module_in(tb, root: nn.Module) -> str:
+    "FQN of the innermost module of `root` whose method is on traceback `tb` ('' for none or the root)."
+    names, found = {id(m): n for n, m in root.named_modules()}, ""
+    while tb is not None:
+        me = tb.tb_frame.f_locals.get("self")
+        if id(me) in names: found = names[id(me)]
+        tb = tb.tb_next
+    return found
+
 def _explain(e: BaseException, stage: str, module: str = "") -> CaptureError:
     "Turn an exception raised while running `stage` (in `module`) into a one-line CaptureError with a fix."
     at = _where(module, traceback.extract_tb(e.__traceback__))
-    msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    msg = str(e).strip().splitlines()[0].rstrip(".") if str(e).strip() else type(e).__name__
     if isinstance(e, (DataDependentOutputException, DynamicOutputShapeException)):
         return CaptureError(
             f"{stage} depends on tensor *values*{at} ({msg}). Fake tensors have shapes but no data, so a Python branch "
@@ -495,7 +504,7 @@ def _capture(model, real_inputs, real_kwargs, loss_fn, targets, optimizer, mode,
     def step(stage: str, f):
         try: return f()
         except CaptureError: raise
-        except Exception as e: raise _explain(e, stage, rec.failed_in or "") from None
+        except Exception as e: raise _explain(e, stage, rec.failed_in or _module_in(e.__traceback__, work)) from None
 
     with fake_mode, tracker, rec, torch.autograd.graph.saved_tensors_hooks(rec.pack, rec.unpack):
         if progress: progress("forward", 0)
@@ -689,23 +698,27 @@ def storage_differences(a: StaticGraph, b: StaticGraph) -> list[tuple[int, str, 
             if f.name != "device" and getattr(x, f.name) != getattr(y, f.name)]
 
 # %% ../nbs/00_graph.ipynb
-def memtracker_peak(model: nn.Module, example_inputs, *, loss_fn=None, targets=None, optimizer=None) -> int:
+def memtracker_peak(model: nn.Module, example_inputs=(), *, example_kwargs: dict | None = None, loss_fn=None,
+                    targets=None, optimizer=None) -> int:
     "Peak bytes that torch's MemTracker reports for the same step `capture(..., mode='real')` runs (reference)."
     from torch.distributed._tools.mem_tracker import MemTracker
     work = copy.deepcopy(model)
     mapping = {id(p): q for p, q in zip(model.parameters(), work.parameters())}
     opt = _build_optimizer(optimizer, model, mapping, work)
-    inputs = _check_inputs(example_inputs)
+    inputs, kwargs = _check_inputs(example_inputs), _check_kwargs(example_kwargs)
     mt = MemTracker()
-    mt.track_external(work, *([opt] if opt is not None else []), *[x for x in inputs if isinstance(x, torch.Tensor)],
+    mt.track_external(work, *([opt] if opt is not None else []),
+                      *[x for x in [*inputs, *kwargs.values()] if isinstance(x, torch.Tensor)],
                       *([targets] if targets is not None else []))
-    with mt:
-        out = work(*inputs)
-        loss = out if loss_fn is None else (loss_fn(out) if targets is None else loss_fn(out, targets))
-        del out
-        loss.backward()
-        del loss
-        if opt is not None: opt.step()
+    try:
+        with mt:
+            out = work(*inputs, **kwargs)
+            loss = out if loss_fn is None else (loss_fn(out) if targets is None else loss_fn(out, targets))
+            del out
+            loss.backward()
+            del loss
+            if opt is not None: opt.step()
+    except Exception as e: raise _explain(e, "the step under MemTracker", _module_in(e.__traceback__, work)) from None
     return int(sum(d["Total"] for d in mt.get_tracker_snapshot("peak").values()))
 
 # %% ../nbs/00_graph.ipynb

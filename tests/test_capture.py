@@ -253,3 +253,18 @@ def test_hf_gpt2_with_labels_in_kwargs():
     bad = dict(input_ids=ids.clone().fill_(100), labels=labels)
     with pytest.raises(CaptureError, match=r"kwargs\['input_ids'\] holds token ids in \[100, 100\].*transformer.wte"):
         capture(_gpt2("meta"), example_kwargs=bad, loss_fn=lambda out: out.loss)
+
+
+def test_hf_gpt2_real_capture_matches_memtracker():
+    "The keyword-input path against torch's own tracker on the same Hugging Face step."
+    ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(1))
+    kw = dict(input_ids=ids, labels=ids)
+    model = _gpt2("cpu")
+    ref = memtracker_peak(model, example_kwargs=kw, loss_fn=lambda out: out.loss, optimizer="adamw")
+    ours = capture(model, example_kwargs=kw, loss_fn=lambda out: out.loss, optimizer="adamw", mode="real").peak().bytes
+    assert abs(ours - ref) <= 0.05 * ref, (ours, ref)
+
+
+def test_memtracker_peak_failure_is_a_capture_error():
+    with pytest.raises(CaptureError, match="a kernel in the step under MemTracker got tensors of another dtype than it needs in module 'expert'"):
+        memtracker_peak(_MixedMoE(), (torch.randn(4, 8),))
