@@ -4,25 +4,36 @@
 
 # %% ../nbs/11_artifact.ipynb 2
 from __future__ import annotations
-import argparse, datetime, hashlib, io, logging, os, platform, struct, sys
+import argparse, datetime, hashlib, io, logging, os, platform, stat, struct, sys
 from dataclasses import dataclass, field, asdict, replace
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 import torch
+from .util import InputError, StaticDistError, atomic_write
 
 # %% auto 0
 __all__ = ['INSTALL_HINT', 'MAGIC', 'PROTOCOL_VERSION', 'SUPPORTED_VERSIONS', 'DEFAULT_POLICY', 'ArtifactError',
+           'ArtifactUsageError', 'ArtifactFileError', 'ArtifactKeyError', 'NotExportedProgramError',
            'ArtifactFormatError', 'BadMagicError', 'UnsupportedVersionError', 'DeviceMismatchError', 'PolicyError',
            'PayloadTooLargeError', 'UntrustedKeyError', 'SignatureError', 'DigestMismatchError', 'DeserializationError',
            'Fingerprint', 'device_fingerprint', 'PlatformPolicy', 'policy_for', 'generate_key', 'key_id',
-           'save_private_key', 'save_public_key', 'load_private_key', 'load_trusted_keys', 'sign_payload',
-           'save_artifact', 'VerifiedArtifact', 'verify_artifact', 'load_artifact', 'register_cli']
+           'private_key_bytes', 'public_key_bytes', 'save_private_key', 'save_public_key', 'load_private_key',
+           'load_trusted_keys', 'sign_payload', 'check_exported_program', 'save_artifact', 'VerifiedArtifact',
+           'verify_artifact', 'load_artifact', 'register_cli']
 
 # %% ../nbs/11_artifact.ipynb
-class ArtifactError(Exception):
-    "Base class: the artifact was rejected (nothing was deserialised)."
+class ArtifactError(StaticDistError):
+    "Base class: the artifact was rejected (nothing was deserialised), or the API was misused."
+class ArtifactUsageError(ArtifactError, InputError):
+    "A wrong argument to this module's functions (a type, None, a non-string meta value); the message says what to pass."
+class ArtifactFileError(ArtifactError):
+    "The path cannot be read as an artifact: missing, not a regular file (a device, FIFO or directory), unreadable."
+class ArtifactKeyError(ArtifactError, ValueError):
+    "A key file is missing, unreadable, or not an Ed25519 key of the expected kind."
+class NotExportedProgramError(ArtifactUsageError):
+    "What was given to sign is not a torch.export program (or `torch.export.save` archive)."
 class ArtifactFormatError(ArtifactError):
-    "Not a well-formed artifact: truncated, not CBOR, wrong structure or field types, trailing bytes."
+    "Not a well-formed artifact: truncated, not CBOR, not canonical CBOR, wrong structure or field types, trailing bytes."
 class BadMagicError(ArtifactError):
     "The file does not start with the static_dist artifact magic."
 class UnsupportedVersionError(ArtifactError):
@@ -58,9 +69,28 @@ class Fingerprint:
     os: str            # platform.system()
     arch: str          # platform.machine()
     torch: str         # torch major.minor
+    def __post_init__(self):
+        for k, v in asdict(self).items():
+            if type(v) is not str: raise ArtifactUsageError(f"fingerprint field {k!r} must be a string (e.g. {_FP_EXAMPLE[k]!r}), found {v!r}")
     def mismatches(self, other: 'Fingerprint') -> list[str]:
         "Fields that differ, as 'field: expected X, found Y' (self = artifact, other = this device)."
         return [f"{k}: artifact built for {v!r}, this device has {getattr(other, k)!r}" for k, v in asdict(self).items() if getattr(other, k) != v]
+    @classmethod
+    def from_dict(cls, d) -> 'Fingerprint':
+        "From a dict with exactly the five string fields (e.g. a `--device-json` file)."
+        if not isinstance(d, Mapping) or set(d) != set(_FP_EXAMPLE):
+            raise ArtifactUsageError(f"a device fingerprint is a JSON object with exactly the string fields {list(_FP_EXAMPLE)}, found "
+                                     f"{sorted(map(str, d)) if isinstance(d, Mapping) else type(d).__name__}")
+        return cls(**d)
+    @classmethod
+    def from_json(cls, text: str) -> 'Fingerprint':
+        "From JSON text (see `from_dict`)."
+        import json
+        try: d = json.loads(text)
+        except (ValueError, TypeError) as e: raise ArtifactUsageError(f"the device fingerprint is not JSON ({e}); write an object with {list(_FP_EXAMPLE)}") from None
+        return cls.from_dict(d)
+
+_FP_EXAMPLE = dict(device_type='cuda', device_model='NVIDIA H200', os='Linux', arch='x86_64', torch='2.13')
 
 def _cpu_model() -> str:
     try:
@@ -71,9 +101,18 @@ def _cpu_model() -> str:
 
 def device_fingerprint(device: str | torch.device | None = None) -> Fingerprint:
     "Fingerprint of a device of this machine (default: the CPU)."
-    d = torch.device(device or 'cpu')
-    model = torch.cuda.get_device_name(d) if d.type == 'cuda' else _cpu_model()
+    if device is not None and not isinstance(device, (str, torch.device)):
+        raise ArtifactUsageError(f"device must be a Fingerprint, a device like 'cpu' or 'cuda:0', or None; found {type(device).__name__}")
+    try:
+        d = torch.device(device or 'cpu')
+        model = torch.cuda.get_device_name(d) if d.type == 'cuda' else _cpu_model()
+    except (RuntimeError, AssertionError, ValueError) as e:
+        raise ArtifactUsageError(f"cannot fingerprint device {device!r} on this machine ({str(e).splitlines()[0][:100]}); pass a "
+                                 "Fingerprint of the target device instead") from None
     return Fingerprint(d.type, model, platform.system(), platform.machine(), '.'.join(torch.__version__.split('+')[0].split('.')[:2]))
+
+def _fingerprint(device) -> Fingerprint:
+    return device if isinstance(device, Fingerprint) else device_fingerprint(device)
 
 # %% ../nbs/11_artifact.ipynb
 MAGIC = b'SDXA\x00\r\n\x1a'   # NUL, CRLF and ^Z catch text-mode mangling, like PNG's magic
@@ -99,6 +138,8 @@ DEFAULT_POLICY: dict = {
 def policy_for(fp: Fingerprint, policy: Mapping | None = None) -> PlatformPolicy:
     "The entry of `policy` for the fingerprint's platform (falls back to '*')."
     policy = DEFAULT_POLICY if policy is None else policy
+    if not isinstance(policy, Mapping) or not all(isinstance(v, PlatformPolicy) for v in policy.values()):
+        raise ArtifactUsageError(f"policy must map (os, arch) or '*' to PlatformPolicy, found {type(policy).__name__}; pass None for the default")
     p = policy.get((fp.os, fp.arch), policy.get('*'))
     if p is None: raise PolicyError(f"no policy entry for platform {fp.os}/{fp.arch} and no '*' default")
     return p
@@ -109,60 +150,90 @@ def generate_key():
     ed = _require('cryptography.hazmat.primitives.asymmetric.ed25519')
     return ed.Ed25519PrivateKey.generate()
 
+def _ed():
+    return _require('cryptography.hazmat.primitives.asymmetric.ed25519')
+
+def _public(key, what: str = 'key'):
+    "The Ed25519 public key of a private or public key; ArtifactUsageError for anything else."
+    ed = _ed()
+    if isinstance(key, ed.Ed25519PrivateKey): return key.public_key()
+    if isinstance(key, ed.Ed25519PublicKey): return key
+    raise ArtifactUsageError(f"{what} must be an Ed25519 private or public key (from generate_key or load_private_key), found {type(key).__name__}")
+
 def _raw_public(key) -> bytes:
     ser = _require('cryptography.hazmat.primitives.serialization')
-    pub = key.public_key() if hasattr(key, 'public_key') else key
-    return pub.public_bytes(ser.Encoding.Raw, ser.PublicFormat.Raw)
+    return _public(key).public_bytes(ser.Encoding.Raw, ser.PublicFormat.Raw)
 
 def key_id(key) -> str:
     "Id of a public (or private) key: hex of the first 16 bytes of SHA-256 of the raw public key."
     return hashlib.sha256(_raw_public(key)).digest()[:16].hex()
 
-def save_private_key(key, path) -> Path:
-    "Write a private key as unencrypted PKCS#8 PEM, readable by the owner only."
+def private_key_bytes(key) -> bytes:
+    "An Ed25519 private key as unencrypted PKCS#8 PEM."
     ser = _require('cryptography.hazmat.primitives.serialization')
-    path = Path(path)
-    data = key.private_bytes(ser.Encoding.PEM, ser.PrivateFormat.PKCS8, ser.NoEncryption())
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, 'wb') as f: f.write(data)
-    return path
+    if not isinstance(key, _ed().Ed25519PrivateKey): raise ArtifactUsageError(f"key must be an Ed25519 private key, found {type(key).__name__}")
+    return key.private_bytes(ser.Encoding.PEM, ser.PrivateFormat.PKCS8, ser.NoEncryption())
 
-def save_public_key(key, path) -> Path:
-    "Write the public key (of a private or public key) as PEM."
+def public_key_bytes(key) -> bytes:
+    "The public key (of a private or public key) as SubjectPublicKeyInfo PEM."
     ser = _require('cryptography.hazmat.primitives.serialization')
-    pub = key.public_key() if hasattr(key, 'private_bytes') else key
-    Path(path).write_bytes(pub.public_bytes(ser.Encoding.PEM, ser.PublicFormat.SubjectPublicKeyInfo))
-    return Path(path)
+    return _public(key).public_bytes(ser.Encoding.PEM, ser.PublicFormat.SubjectPublicKeyInfo)
+
+def save_private_key(key, path, *, force: bool = True) -> Path:
+    "Write a private key as PEM, atomically, readable by the owner only (`force=False` refuses to replace a file)."
+    return atomic_write(path, private_key_bytes(key), force=force)    # mkstemp made the file 0600; the rename keeps it
+
+def save_public_key(key, path, *, force: bool = True) -> Path:
+    "Write the public key (of a private or public key) as PEM, atomically."
+    p = atomic_write(path, public_key_bytes(key), force=force)
+    p.chmod(0o644); return p
+
+def _read_key_file(path, what: str) -> bytes:
+    if not isinstance(path, (str, os.PathLike)): raise ArtifactUsageError(f"{what} must be a path, found {type(path).__name__}")
+    try: return Path(path).read_bytes()
+    except OSError as e: raise ArtifactKeyError(f"cannot read {what} {path}: {e.strerror or e}") from None
 
 def load_private_key(path):
-    "Read an Ed25519 private key from PEM (ValueError with the path if it is not one)."
+    "Read an Ed25519 private key from PEM (ArtifactKeyError with the path if it is not one)."
     ser = _require('cryptography.hazmat.primitives.serialization')
-    ed = _require('cryptography.hazmat.primitives.asymmetric.ed25519')
-    try: key = ser.load_pem_private_key(Path(path).read_bytes(), password=None)
-    except (ValueError, TypeError) as e: raise ValueError(f"{path} is not an unencrypted PEM private key: {e}") from None
-    if not isinstance(key, ed.Ed25519PrivateKey): raise ValueError(f"{path} holds a {type(key).__name__}, expected an Ed25519 key")
+    data = _read_key_file(path, 'private key')
+    try: key = ser.load_pem_private_key(data, password=None)
+    except (ValueError, TypeError) as e: raise ArtifactKeyError(f"{path} is not an unencrypted PEM private key: {str(e).splitlines()[0]}") from None
+    if not isinstance(key, _ed().Ed25519PrivateKey): raise ArtifactKeyError(f"{path} holds a {type(key).__name__}, expected an Ed25519 key")
     return key
 
 def load_trusted_keys(*sources) -> dict:
     "{key id: public key} from public keys, private keys, PEM files or trusted-keys files (several PEM blocks)."
     ser = _require('cryptography.hazmat.primitives.serialization')
-    ed = _require('cryptography.hazmat.primitives.asymmetric.ed25519')
     out = {}
     for s in sources:
         if isinstance(s, (str, os.PathLike)):
-            text = Path(s).read_bytes()
+            text = _read_key_file(s, 'trusted keys file')
             blocks = [b'-----BEGIN PUBLIC KEY-----' + b.split(b'-----END PUBLIC KEY-----')[0] + b'-----END PUBLIC KEY-----\n'
                       for b in text.split(b'-----BEGIN PUBLIC KEY-----')[1:]]
-            if not blocks: raise ValueError(f"{s} holds no PEM public key ('-----BEGIN PUBLIC KEY-----' blocks)")
+            if not blocks: raise ArtifactKeyError(f"{s} holds no PEM public key ('-----BEGIN PUBLIC KEY-----' blocks)")
             keys = []
             for b in blocks:
                 try: keys.append(ser.load_pem_public_key(b))
-                except ValueError as e: raise ValueError(f"{s}: a PEM block is not a valid public key: {e}") from None
-        else: keys = [s.public_key() if hasattr(s, 'private_bytes') else s]
-        for k in keys:
-            if not isinstance(k, ed.Ed25519PublicKey): raise ValueError(f"{s}: {type(k).__name__} is not an Ed25519 public key")
-            out[key_id(k)] = k
+                except ValueError as e: raise ArtifactKeyError(f"{s}: a PEM block is not a valid public key: {str(e).splitlines()[0]}") from None
+            for k in keys:
+                if not isinstance(k, _ed().Ed25519PublicKey): raise ArtifactKeyError(f"{s}: {type(k).__name__} is not an Ed25519 public key")
+        else: keys = [_public(s, 'a trusted key')]
+        for k in keys: out[key_id(k)] = k
     return out
+
+def _trusted(trusted_keys) -> dict:
+    "The {key id: public key} a caller trusts, from any form `verify_artifact` takes; ArtifactUsageError for anything else."
+    if trusted_keys is None:
+        raise ArtifactUsageError("trusted_keys is None: pass the public keys you trust (keys, PEM paths, or load_trusted_keys(...)); "
+                                 "an artifact's own claims are never trusted")
+    if isinstance(trusted_keys, Mapping):
+        for k, v in trusted_keys.items():
+            if type(k) is not str or key_id(_public(v, 'a trusted key')) != k:
+                raise ArtifactUsageError(f"trusted_keys maps {k!r} to a key whose id is not {k!r}; build the map with load_trusted_keys")
+        return dict(trusted_keys)
+    if isinstance(trusted_keys, (str, os.PathLike, bytes)) or not isinstance(trusted_keys, Iterable): trusted_keys = [trusted_keys]
+    return load_trusted_keys(*trusted_keys)
 
 # %% ../nbs/11_artifact.ipynb
 def _cbor():
@@ -171,11 +242,23 @@ def _cbor():
 def _signed_message(version: int, header: bytes) -> bytes:
     return _DOMAIN + MAGIC + struct.pack('>I', version) + header
 
+def _check_meta(meta) -> dict:
+    if meta is None: return {}
+    if not isinstance(meta, Mapping): raise ArtifactUsageError(f"meta must be a dict of strings to strings, found {type(meta).__name__}")
+    for k, v in meta.items():
+        if type(k) is not str or type(v) is not str:
+            raise ArtifactUsageError(f"meta must map strings to strings; {k!r}: {v!r} is {type(k).__name__}: {type(v).__name__} (convert it with str())")
+    return dict(meta)
+
 def sign_payload(payload: bytes, *, signing_key, device: Fingerprint | str | torch.device | None = None,
                  policy: Mapping | None = None, meta: Mapping[str, str] | None = None, version: int = PROTOCOL_VERSION) -> bytes:
     "Artifact bytes for `payload`, bound to `device` (a Fingerprint, or a local device; default this CPU), signed with `signing_key`."
     cbor2 = _cbor()
-    fp = device if isinstance(device, Fingerprint) else device_fingerprint(device)
+    if not isinstance(payload, (bytes, bytearray, memoryview)): raise ArtifactUsageError(f"payload must be bytes, found {type(payload).__name__}")
+    if not isinstance(signing_key, _ed().Ed25519PrivateKey): raise ArtifactUsageError(f"signing_key must be an Ed25519 private key (load_private_key), found {type(signing_key).__name__}")
+    if type(version) is not int: raise ArtifactUsageError(f"version must be an int, found {type(version).__name__}")
+    meta, payload = _check_meta(meta), bytes(payload)
+    fp = _fingerprint(device)
     pol = policy_for(fp, policy)
     if version not in pol.accepted_versions: raise PolicyError(f"protocol version {version} is not accepted on {fp.os}/{fp.arch} (accepted: {sorted(pol.accepted_versions)})")
     if len(payload) > pol.max_payload_bytes:
@@ -184,18 +267,105 @@ def sign_payload(payload: bytes, *, signing_key, device: Fingerprint | str | tor
     header = cbor2.dumps({'format': 'static_dist.artifact', 'protocol': version, 'fingerprint': asdict(fp),
                           'payload_sha256': hashlib.sha256(payload).digest(), 'payload_size': len(payload), 'key_id': kid,
                           'created': datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds'),
-                          'meta': {str(k): str(v) for k, v in (meta or {}).items()}}, canonical=True)
+                          'meta': meta}, canonical=True)
     sig = signing_key.sign(_signed_message(version, header))
-    return cbor2.dumps([MAGIC, version, header, bytes(payload), kid, sig])
+    return cbor2.dumps([MAGIC, version, header, payload, kid, sig], canonical=True)
 
-def save_artifact(exported_program, path, *, signing_key, policy: Mapping | None = None, device=None, meta: Mapping[str, str] | None = None) -> Path:
-    "Write `exported_program` as a signed, device-bound artifact at `path` (atomically)."
+# %% ../nbs/11_artifact.ipynb
+def check_exported_program(payload: bytes, name: str = 'the payload') -> None:
+    "Refuse (NotExportedProgramError) bytes that are not a `torch.export.save` archive: a zip with `<root>/archive_format` = 'pt2' and a `<root>/models/*.json`."
+    import zipfile
+    try:
+        with zipfile.ZipFile(io.BytesIO(payload)) as z:
+            names = z.namelist()
+            roots = {n.split('/', 1)[0] for n in names}
+            root = roots.pop() if len(roots) == 1 else None
+            fmt = z.read(f'{root}/archive_format') if root and f'{root}/archive_format' in names else None
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError, RuntimeError, NotImplementedError) as e:
+        raise NotExportedProgramError(f"{name} is not a torch.export.save archive (not a readable zip: {e}); save one with torch.export.save(ep, path)") from None
+    if fmt != b'pt2' or not any(n.startswith(f'{root}/models/') and n.endswith('.json') for n in names):
+        raise NotExportedProgramError(f"{name} is a zip but not a torch.export.save archive (no archive_format 'pt2' and models/*.json "
+                                      "under one root folder); save one with torch.export.save(ep, path)")
+
+def save_artifact(exported_program, path, *, signing_key, policy: Mapping | None = None, device=None,
+                  meta: Mapping[str, str] | None = None, force: bool = True) -> Path:
+    "Write `exported_program` as a signed, device-bound artifact at `path`, atomically (`force=False` refuses to replace a file)."
+    if not isinstance(exported_program, torch.export.ExportedProgram):
+        raise ArtifactUsageError(f"exported_program must be a torch.export.ExportedProgram (from torch.export.export), found {type(exported_program).__name__}")
     buf = io.BytesIO()
     torch.export.save(exported_program, buf)
     data = sign_payload(buf.getvalue(), signing_key=signing_key, device=device, policy=policy, meta=meta)
-    path = Path(path); tmp = path.with_name(path.name + '.tmp')
-    tmp.write_bytes(data); os.replace(tmp, path)
-    return path
+    return atomic_write(path, data, force=force)
+
+# %% ../nbs/11_artifact.ipynb
+def _head(data: bytes, i: int) -> tuple[int, int, int]:
+    "(major type, argument, next index) of the CBOR head at `data[i]`; ArtifactFormatError if it is indefinite or not minimal."
+    mt, ai = data[i] >> 5, data[i] & 31
+    if ai < 24: return mt, ai, i + 1
+    if ai == 31: raise ArtifactFormatError(f"indefinite-length CBOR item at byte {i}; artifacts use definite lengths only")
+    if ai > 27: raise ArtifactFormatError(f"reserved CBOR head 0x{data[i]:02x} at byte {i}")
+    n = 1 << (ai - 24)
+    arg = int.from_bytes(data[i + 1:i + 1 + n], 'big')
+    if mt != 7 and arg < (24 if n == 1 else 1 << (4 * n)):
+        raise ArtifactFormatError(f"non-minimal CBOR encoding at byte {i} ({arg} in {n} bytes); artifacts use the shortest form")
+    return mt, arg, i + 1 + n
+
+def _canonical_walk(data: bytes, i: int = 0) -> int:
+    "Index after the item at `i`, checking every head (definite, minimal) and that no map repeats a key."
+    mt, arg, j = _head(data, i)
+    if mt in (2, 3): return j + arg
+    if mt == 4:
+        for _ in range(arg): j = _canonical_walk(data, j)
+    elif mt == 5:
+        seen = set()
+        for _ in range(arg):
+            k = j; j = _canonical_walk(data, j)
+            if data[k:j] in seen: raise ArtifactFormatError(f"duplicate CBOR map key {_shown(data[k:j])} at byte {k}; keys must be unique")
+            seen.add(data[k:j]); j = _canonical_walk(data, j)
+    elif mt == 6: j = _canonical_walk(data, j)
+    return j
+
+def _shown(raw: bytes) -> str:
+    try: return repr(_cbor().loads(bytes(raw)))[:40]
+    except Exception: return bytes(raw[:20]).hex()
+
+class _SameBytes:
+    "A write-only file checking that what is written is `data`, byte for byte, without copying it."
+    def __init__(self, data): self.view, self.pos, self.same = memoryview(data), 0, True
+    def writable(self) -> bool: return True
+    def write(self, b) -> int:
+        n = len(b)
+        if self.same and self.view[self.pos:self.pos + n] != b: self.same = False
+        self.pos += n
+        return n
+
+def _is_canonical(obj, data: bytes) -> bool:
+    "Does cbor2's canonical encoding of `obj` give exactly `data`?"
+    out = _SameBytes(data)
+    try: _cbor().dump(obj, out, canonical=True)
+    except Exception: return False
+    return out.same and out.pos == len(data)
+
+# %% ../nbs/11_artifact.ipynb
+def _read_bounded(path, limit: int, why: str) -> bytes:
+    "The bytes of the regular file `path`, at most `limit` of them: never a device, FIFO or directory, never an unbounded read."
+    try: st = os.stat(path)
+    except OSError as e: raise ArtifactFileError(f"cannot read artifact {path}: {e.strerror or e}") from None
+    _regular(st, path)
+    if st.st_size > limit: raise PayloadTooLargeError(f"{path} is {st.st_size:,} bytes; {why}")
+    try: fd = os.open(path, os.O_RDONLY | getattr(os, 'O_NONBLOCK', 0) | getattr(os, 'O_CLOEXEC', 0))   # a FIFO swapped in cannot block
+    except OSError as e: raise ArtifactFileError(f"cannot read artifact {path}: {e.strerror or e}") from None
+    with os.fdopen(fd, 'rb', buffering=0) as f:
+        _regular(os.fstat(fd), path)                          # what was opened, not what was stat'ed
+        data = f.read(limit + 1)
+    if data is None or len(data) > limit: raise PayloadTooLargeError(f"{path} grew past {limit:,} bytes while being read; {why}")
+    return data
+
+def _regular(st, path) -> None:
+    if not stat.S_ISREG(st.st_mode):
+        kind = ('a directory' if stat.S_ISDIR(st.st_mode) else 'a FIFO' if stat.S_ISFIFO(st.st_mode) else
+                'a device' if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) else 'a socket' if stat.S_ISSOCK(st.st_mode) else 'not a file')
+        raise ArtifactFileError(f"{path} is {kind}, not a regular file; give the path of an artifact file")
 
 # %% ../nbs/11_artifact.ipynb
 @dataclass(frozen=True)
@@ -218,6 +388,11 @@ def _decode_one(data: bytes, what: str):
     except Exception as e:  # the decoder raises many types on hostile input (ValueError, OverflowError, RecursionError, ...)
         raise ArtifactFormatError(f"{what} is not valid CBOR ({type(e).__name__}: {str(e)[:120]}); the file is truncated or corrupt") from None
     if fp.tell() != len(data): raise ArtifactFormatError(f"{what} has {len(data) - fp.tell()} trailing bytes after the CBOR item; expected none")
+    try: _canonical_walk(data)
+    except ArtifactFormatError as e: raise ArtifactFormatError(f"{what} is not canonical CBOR: {e}") from None
+    if not _is_canonical(obj, data):
+        raise ArtifactFormatError(f"{what} is not canonical CBOR: re-encoded canonically it differs (key order, float or tag "
+                                  "forms), so these are not the bytes that were signed")
     return obj
 
 def _expect(cond: bool, msg: str):
@@ -242,13 +417,14 @@ def _parse_header(raw: bytes) -> dict:
 
 def verify_artifact(data: bytes | str | os.PathLike, *, trusted_keys, device=None, policy: Mapping | None = None) -> VerifiedArtifact:
     "Run every check on artifact bytes (or a path), in order; raise the first failure's ArtifactError subclass."
-    here = device if isinstance(device, Fingerprint) else device_fingerprint(device)
+    trusted = _trusted(trusted_keys)
+    here = _fingerprint(device)
     pol = policy_for(here, policy)
     limit = pol.max_payload_bytes + _HEADER_MAX
     if isinstance(data, (str, os.PathLike)):
-        size = os.path.getsize(data)
-        if size > limit: raise PayloadTooLargeError(f"{data} is {size:,} bytes; the {here.os}/{here.arch} policy allows payloads up to {pol.max_payload_bytes:,}")
-        data = Path(data).read_bytes()
+        data = _read_bounded(data, limit, f"the {here.os}/{here.arch} policy allows payloads up to {pol.max_payload_bytes:,}")
+    elif not isinstance(data, (bytes, bytearray, memoryview)):
+        raise ArtifactUsageError(f"data must be artifact bytes or a path, found {type(data).__name__}")
     data = bytes(data)
     if len(data) > limit: raise PayloadTooLargeError(f"artifact is {len(data):,} bytes; the {here.os}/{here.arch} policy allows payloads up to {pol.max_payload_bytes:,}")
     # structure
@@ -269,8 +445,6 @@ def verify_artifact(data: bytes | str | os.PathLike, *, trusted_keys, device=Non
     if header['payload_size'] > pol.max_payload_bytes or len(payload) > pol.max_payload_bytes:
         raise PayloadTooLargeError(f"payload is {max(header['payload_size'], len(payload)):,} bytes; the {here.os}/{here.arch} policy allows at most {pol.max_payload_bytes:,}")
     # signature, by a trusted key only
-    if isinstance(trusted_keys, (str, os.PathLike)) or hasattr(trusted_keys, 'verify') or hasattr(trusted_keys, 'sign'): trusted_keys = [trusted_keys]
-    trusted = trusted_keys if isinstance(trusted_keys, dict) else load_trusted_keys(*trusted_keys)
     if kid != header['key_id']: raise SignatureError(f"unsigned key id {kid} disagrees with the signed header's {header['key_id']}")
     if kid not in trusted: raise UntrustedKeyError(f"signed by key {kid}, which is not trusted; trusted: {sorted(trusted) or 'none'}")
     try: trusted[kid].verify(sig, _signed_message(version, raw_header))

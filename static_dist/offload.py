@@ -15,6 +15,7 @@ import tempfile
 import threading
 import time
 import weakref
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,15 +25,36 @@ import numpy as np
 import torch
 
 from .graph import PHASES, StaticGraph, fmt_bytes, pyplot
+from .util import StaticDistError, atomic_write
 
 # %% auto 0
-__all__ = ['GB', 'TIER_PRESETS', 'DEVICE_PRESETS', 'Klass', 'CLASSES', 'OFFLOAD_SCHEMA', 'CLASS_COLORS', 'BENCHES', 'Tier',
-           'tier', 'tiers_from_topology', 'DeviceModel', 'op_times', 'calibrate_device', 'SavedTensor',
-           'checkpointed_modules', 'saved_tensors', 'classify', 'OffloadDecision', 'OffloadPlan', 'graph_signature',
-           'planned_live_bytes', 'plan_offload', 'plan_to_dict', 'plan_from_dict', 'save_plan', 'load_plan',
-           'check_plan', 'plan_summary', 'plan_markdown', 'OffloadError', 'OffloadMismatchError', 'OffloadExecutor',
+__all__ = ['GB', 'TIER_PRESETS', 'DEVICE_PRESETS', 'Klass', 'CLASSES', 'OFFLOAD_SCHEMA', 'CLASS_COLORS', 'BENCHES',
+           'OffloadError', 'OffloadMismatchError', 'OffloadCorruptionError', 'OffloadDiskError', 'OffloadPlanError',
+           'OffloadInplaceError', 'Tier', 'tier', 'tiers_from_topology', 'DeviceModel', 'op_times', 'calibrate_device',
+           'SavedTensor', 'checkpointed_modules', 'saved_tensors', 'classify', 'OffloadDecision', 'OffloadPlan',
+           'graph_signature', 'planned_live_bytes', 'plan_offload', 'plan_to_dict', 'plan_from_dict', 'save_plan',
+           'load_plan', 'check_plan', 'plan_summary', 'plan_markdown', 'checksum_rate', 'OffloadExecutor',
            'measure_peak', 'step_peak', 'plot_lifetimes', 'plot_offload_memory', 'parse_bytes', 'register_cli',
            'audit_section', 'disk_bandwidth', 'compare_offload', 'bench_offload', 'offload_report', 'offload_widget']
+
+# %% ../nbs/50_offload.ipynb
+class OffloadError(StaticDistError, RuntimeError):
+    "An offloaded tensor could not be stored or brought back; the message names it."
+
+class OffloadMismatchError(OffloadError):
+    "The step run under the executor is not the step the plan was made for."
+
+class OffloadCorruptionError(OffloadError):
+    "A spilled tensor's bytes came back different from the bytes written (checksum or size): refused before backward uses them."
+
+class OffloadDiskError(OffloadError):
+    "The offload directory cannot take the spill file: missing, not a directory, no permission, disk full, I/O error."
+
+class OffloadPlanError(OffloadError, ValueError):
+    "An offload plan (or plan file) is malformed or does not fit the graph; the message names the field and its path."
+
+class OffloadInplaceError(OffloadError):
+    "A tensor saved for backward was changed in place after the save; the message is the one eager autograd gives."
 
 # %% ../nbs/50_offload.ipynb
 @dataclass(frozen=True)
@@ -380,33 +402,111 @@ def plan_to_dict(plan: OffloadPlan) -> dict:
         if math.isinf(t["capacity"]): t["capacity"] = None
     return {"schema": OFFLOAD_SCHEMA, **d}
 
-def plan_from_dict(d: dict) -> OffloadPlan:
-    "Rebuild an OffloadPlan from `plan_to_dict` output (validating the schema)."
-    if isinstance(d, dict) and d.get("schema") == "static_dist.offload/1":
-        raise ValueError("this offload plan was written by an older static_dist (schema static_dist.offload/1, whose "
-                         "points are not on the executor's clock): make it again with plan_offload or "
-                         "`static-dist plan-offload --save`")
-    if not isinstance(d, dict) or d.get("schema") != OFFLOAD_SCHEMA:
-        raise ValueError(f"not an offload plan: expected schema {OFFLOAD_SCHEMA!r}, found "
-                         f"{d.get('schema') if isinstance(d, dict) else type(d).__name__!r}")
-    d = dict(d); d.pop("schema")
-    d["tiers"] = tuple(Tier(**{**t, "capacity": math.inf if t["capacity"] is None else t["capacity"]}) for t in d["tiers"])
-    d["device"] = DeviceModel(**d["device"])
-    d["decisions"] = tuple(OffloadDecision(**{**x, "shape": tuple(x["shape"])}) for x in d["decisions"])
-    return OffloadPlan(**d)
+# %% ../nbs/50_offload.ipynb
+_INT, _NUM, _POS, _STR, _BOOL = "an integer", "a finite number >= 0", "a number > 0", "a string", "true or false"
+_SHAPE, _ANY = "a list of integers >= 0", "any value (checked on its own)"
 
-def save_plan(plan: OffloadPlan, path) -> Path:
-    "Write the plan as JSON."
-    path = Path(path); path.write_text(json.dumps(plan_to_dict(plan), indent=1)); return path
+def _show(v) -> str:
+    try: return json.dumps(v)[:40]
+    except (TypeError, ValueError): return repr(v)[:40]
+
+def _bad(where: str, path: str, msg: str):
+    raise OffloadPlanError(f"{where}: field {path} {msg}; make the plan again with plan_offload or `static-dist plan-offload --save`")
+
+def _value(v, kind: str, where: str, path: str, null: bool = False, lo: int | None = None, hi: int | None = None):
+    "`v` if it is of `kind` (JSON types, no bool for numbers) and in [lo, hi]; else an OffloadPlanError naming `path`."
+    if v is None:
+        if null or kind == _ANY: return None
+        _bad(where, path, f"is null; expected {kind}")
+    ok = {_INT: type(v) is int, _STR: type(v) is str, _BOOL: type(v) is bool,
+          _NUM: type(v) in (int, float) and math.isfinite(v) and v >= 0,
+          _POS: type(v) in (int, float) and math.isfinite(v) and v > 0,
+          _ANY: True, _SHAPE: type(v) in (list, tuple) and all(type(i) is int and i >= 0 for i in v)}[kind]
+    if not ok: _bad(where, path, f"is {_show(v)}; expected {kind}")
+    if (lo is not None and v < lo) or (hi is not None and v > hi): _bad(where, path, f"is {v}; expected " + (f">= {lo}" if hi is None else f"{lo} to {hi}"))
+    return v
+
+def _object(d, spec: dict, where: str, path: str) -> dict:
+    "Check that `d` is an object with exactly the fields of `spec` ({field: args of _value}); the checked values."
+    if not isinstance(d, dict): _bad(where, path, f"is {type(d).__name__}; expected an object")
+    for k in spec:
+        if k not in d: _bad(where, f"{path}.{k}", "is missing")
+    for k in d:
+        if k not in spec: _bad(where, f"{path}.{k}", "is not a field of an offload plan")
+    return {k: _value(d[k], *spec[k][:1], where, f"{path}.{k}", *spec[k][1:]) for k in spec}
+
+# %% ../nbs/50_offload.ipynb
+def _tier_from(t, where: str, path: str) -> Tier:
+    v = _object(t, dict(name=(_STR,), bandwidth=(_POS,), latency=(_NUM,), capacity=(_NUM, True), kind=(_STR,)), where, path)
+    if v["kind"] not in ("cpu", "disk"): _bad(where, f"{path}.kind", f"is {v['kind']!r}; expected 'cpu' or 'disk'")
+    return Tier(**{**v, "capacity": math.inf if v["capacity"] is None else v["capacity"]})
+
+def _decision_from(x, n_ops: int, tiers: set, where: str, path: str) -> OffloadDecision:
+    op = lambda null=False: (_INT, null, -1, n_ops)                    # an op index of the step (-1: before it)
+    v = _object(x, dict(storage=(_INT, False, 0), name=(_STR,), saved_in=(_STR, True), nbytes=(_INT, False, 0),
+                        shape=(_SHAPE,), dtype=(_STR,), created=op(), offload_after=op(), first_backward_use=op(True),
+                        freed=op(True), idle_s=(_NUM,), recomputed=(_BOOL,), life_s=(_NUM,), klass=(_STR,), reason=(_STR,),
+                        tier=(_STR, True), release_op=op(True), prefetch_at=op(True)), where, path)
+    if not isinstance(getattr(torch, v["dtype"], None), torch.dtype): _bad(where, f"{path}.dtype", f"is {v['dtype']!r}; expected a torch dtype name like 'float32'")
+    if v["klass"] not in CLASSES: _bad(where, f"{path}.klass", f"is {v['klass']!r}; expected one of {list(CLASSES)}")
+    if v["tier"] is None:
+        for k in ("release_op", "prefetch_at"):
+            if v[k] is not None: _bad(where, f"{path}.{k}", f"is {v[k]} for a tensor kept on the device (tier null); expected null")
+    else:
+        if v["tier"] not in tiers: _bad(where, f"{path}.tier", f"is {v['tier']!r}; expected one of the plan's tiers {sorted(tiers)} or null")
+        if v["klass"] == "must_retain": _bad(where, f"{path}.tier", f"is {v['tier']!r} for a must_retain tensor; expected null")
+        chain = [v[k] for k in ("offload_after", "release_op", "prefetch_at", "first_backward_use")]
+        if None in chain or not chain[0] < chain[1] <= chain[2] <= chain[3]:
+            _bad(where, path, f"needs offload_after < release_op <= prefetch_at <= first_backward_use, found {chain}")
+    return OffloadDecision(**{**v, "shape": tuple(v["shape"])})
+
+# %% ../nbs/50_offload.ipynb
+def plan_from_dict(d: dict, where: str = "offload plan") -> OffloadPlan:
+    "Rebuild an OffloadPlan from `plan_to_dict` output; an `OffloadPlanError` names any bad field and its path (`where` prefixes it)."
+    if isinstance(d, dict) and d.get("schema") == "static_dist.offload/1":
+        raise OffloadPlanError(f"{where} was written by an older static_dist (schema static_dist.offload/1, whose "
+                               "points are not on the executor's clock): make it again with plan_offload or "
+                               "`static-dist plan-offload --save`")
+    if not isinstance(d, dict) or d.get("schema") != OFFLOAD_SCHEMA:
+        raise OffloadPlanError(f"{where} is not an offload plan: expected schema {OFFLOAD_SCHEMA!r}, found "
+                               f"{d.get('schema') if isinstance(d, dict) else type(d).__name__!r}")
+    top = dict(schema=(_STR,), decisions=(_ANY,), tiers=(_ANY,), device=(_ANY,), bytes_per_tier=(_ANY,),
+               n_ops=(_INT, False, 0), signature=(_STR,), peak_bytes=(_INT, False, 0), planned_peak_bytes=(_INT, False, 0),
+               stall_s=(_NUM,), step_s=(_NUM,), safety=(_NUM, False, 1), min_bytes=(_INT, False, 0), lookahead=(_INT, False, 0))
+    v = _object(d, top, where, "plan")
+    for k in ("tiers", "decisions"):
+        if not isinstance(d[k], (list, tuple)) or not d[k]: _bad(where, f"plan.{k}", f"is {_show(d[k])}; expected a non-empty list")
+    tiers = tuple(_tier_from(t, where, f"plan.tiers[{i}]") for i, t in enumerate(d["tiers"]))
+    names = [t.name for t in tiers]
+    if len(set(names)) != len(names): _bad(where, "plan.tiers", f"has duplicate names {names}; expected unique ones")
+    dev = _object(d["device"], dict(name=(_STR,), flops=(_POS,), bandwidth=(_POS,), overhead=(_NUM,)), where, "plan.device")
+    bpt = d["bytes_per_tier"]
+    if not isinstance(bpt, dict) or sorted(bpt) != sorted(names): _bad(where, "plan.bytes_per_tier", f"must map exactly the tiers {names} to bytes")
+    bpt = {k: _value(x, _NUM, where, f"plan.bytes_per_tier.{k}") for k, x in bpt.items()}
+    decisions, seen = [], {}
+    for i, x in enumerate(d["decisions"]):
+        dec = _decision_from(x, v["n_ops"], set(names), where, f"plan.decisions[{i}]")
+        if dec.storage in seen: _bad(where, f"plan.decisions[{i}].storage", f"is {dec.storage}, already decided in plan.decisions[{seen[dec.storage]}]; expected one decision per storage")
+        seen[dec.storage] = i; decisions.append(dec)
+    v.pop("schema")
+    return OffloadPlan(**{**v, "decisions": tuple(decisions), "tiers": tiers, "device": DeviceModel(**dev), "bytes_per_tier": bpt})
+
+def save_plan(plan: OffloadPlan, path, *, force: bool = True) -> Path:
+    "Write the plan as JSON, atomically (`force=False` refuses to replace an existing file)."
+    return atomic_write(path, json.dumps(plan_to_dict(plan), indent=1), force=force)
 
 def load_plan(path) -> OffloadPlan:
-    "Read a plan written by `save_plan`."
-    return plan_from_dict(json.loads(Path(path).read_text()))
+    "Read a plan written by `save_plan`; an `OffloadPlanError` names the file and the bad field."
+    try: d = json.loads(Path(path).read_bytes())
+    except OSError as e: raise OffloadPlanError(f"cannot read offload plan {path}: {e.strerror or e}; give the file `plan-offload --save` wrote") from None
+    except ValueError as e: raise OffloadPlanError(f"offload plan {path} is not JSON ({e}); give the file `plan-offload --save` wrote") from None
+    return plan_from_dict(d, str(path))
 
+# %% ../nbs/50_offload.ipynb
 def check_plan(plan: OffloadPlan, graph: StaticGraph) -> None:
-    "Raise a ValueError saying what is wrong if `plan` was not made for `graph` or is inconsistent (e.g. hand-edited)."
+    "Raise an OffloadPlanError saying what is wrong if `plan` was not made for `graph` or is inconsistent (e.g. hand-edited)."
     if plan.n_ops != len(graph.ops) or plan.signature != graph_signature(graph):
-        raise ValueError(f"the plan was made for another step ({plan.n_ops} ops, signature {plan.signature}) than this "
+        raise OffloadPlanError(f"the plan was made for another step ({plan.n_ops} ops, signature {plan.signature}) than this "
                          f"graph ({len(graph.ops)} ops, signature {graph_signature(graph)}): re-run plan_offload on it")
     tiers = {t.name for t in plan.tiers}
     sto = {s.id: s for s in graph.storages}
@@ -414,14 +514,14 @@ def check_plan(plan: OffloadPlan, graph: StaticGraph) -> None:
         s = sto.get(d.storage)
         what = f"decision for storage {d.storage} ({d.name!r} saved in {d.saved_in!r})"
         if s is None or s.role != "activation" or s.nbytes != d.nbytes:
-            raise ValueError(f"{what}: the graph has no saved tensor of {d.nbytes} bytes with that id")
-        if d.tier not in tiers: raise ValueError(f"{what}: tier {d.tier!r} is not one of the plan's tiers {sorted(tiers)}")
+            raise OffloadPlanError(f"{what}: the graph has no saved tensor of {d.nbytes} bytes with that id")
+        if d.tier not in tiers: raise OffloadPlanError(f"{what}: tier {d.tier!r} is not one of the plan's tiers {sorted(tiers)}")
         if not (d.offload_after < d.release_op <= d.prefetch_at <= d.first_backward_use):
-            raise ValueError(f"{what}: needs offload_after < release_op <= prefetch_at <= first_backward_use, got "
+            raise OffloadPlanError(f"{what}: needs offload_after < release_op <= prefetch_at <= first_backward_use, got "
                              f"{d.offload_after}, {d.release_op}, {d.prefetch_at}, {d.first_backward_use}")
     for t in plan.tiers:
         held = sum(d.nbytes for d in plan.offloaded if d.tier == t.name)
-        if held > t.capacity: raise ValueError(f"tier {t.name!r} holds {fmt_bytes(held)} > its capacity {fmt_bytes(t.capacity)}")
+        if held > t.capacity: raise OffloadPlanError(f"tier {t.name!r} holds {fmt_bytes(held)} > its capacity {fmt_bytes(t.capacity)}")
 
 # %% ../nbs/50_offload.ipynb
 def plan_summary(plan: OffloadPlan) -> dict:
@@ -455,46 +555,112 @@ def plan_markdown(plan: OffloadPlan) -> str:
     return "\n".join(lines)
 
 # %% ../nbs/50_offload.ipynb
-class OffloadError(RuntimeError):
-    "An offloaded tensor could not be stored or brought back; the message names it."
-
-class OffloadMismatchError(OffloadError):
-    "The step run under the executor is not the step the plan was made for."
-
 def _label(d: OffloadDecision) -> str:
     return (f"storage {d.storage} ({d.name} {tuple(d.shape)} {d.dtype}, {fmt_bytes(d.nbytes)}, saved in "
             f"{d.saved_in or 'the root module'!r})")
 
 class _Entry:
     "One planned storage during a step: where its bytes are."
-    __slots__ = ("dec", "tier", "src", "host", "path", "dev", "device", "write", "read", "event", "state")
+    __slots__ = ("dec", "tier", "src", "host", "offset", "digest", "dev", "device", "write", "read", "event", "state")
     def __init__(self, dec: OffloadDecision, tier: Tier, src: torch.Tensor):
         self.dec, self.tier, self.src, self.device = dec, tier, src, src.device
-        self.host = self.path = self.dev = self.write = self.read = self.event = None
+        self.host = self.offset = self.digest = self.dev = self.write = self.read = self.event = None
         self.state = "packed"
-
-class _Handle:
-    "What autograd keeps instead of an offloaded tensor: the entry and how to view its bytes."
-    __slots__ = ("entry", "dtype", "size", "stride", "offset")
-    def __init__(self, entry, t: torch.Tensor):
-        self.entry, self.dtype, self.size, self.stride, self.offset = entry, t.dtype, t.size(), t.stride(), t.storage_offset()
 
 def _bytes_of(t: torch.Tensor) -> torch.Tensor:
     "A 1-D uint8 tensor over the whole storage of `t`."
     return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
 
-def _file_write(f, buf) -> None:
-    "Write all of `buf` to the open file `f` (one place for fault injection in tests)."
-    f.write(buf)
-
-def _file_readinto(f, buf) -> int:
-    "Read into `buf`; return the number of bytes read."
-    n, view = 0, memoryview(buf)
+def _file_write(fd: int, buf, offset: int) -> None:
+    "Write all of `buf` at `offset` of the file `fd` (one place for fault injection in tests)."
+    view, n = memoryview(buf).cast("B"), 0
     while n < len(view):
-        k = f.readinto(view[n:])
+        k = os.pwrite(fd, view[n:], offset + n)
+        if k <= 0: raise OSError(errno.EIO, "the write made no progress")
+        n += k
+
+def _file_readinto(fd: int, buf, offset: int) -> int:
+    "Read into `buf` from `offset` of the file `fd`; return the number of bytes read."
+    view, n = memoryview(buf).cast("B"), 0
+    while n < len(view):
+        k = os.preadv(fd, [view[n:]], offset + n)
         if not k: break
         n += k
     return n
+
+# %% ../nbs/50_offload.ipynb
+try:
+    import xxhash as _xxhash
+    CHECKSUM = "xxh3_64"
+    "The hash each spilled tensor carries: xxHash's XXH3 when `xxhash` is installed (about 28 GB/s here), else CRC-32."
+    def checksum(buf) -> int:
+        "64-bit XXH3 of a bytes-like object."
+        return _xxhash.xxh3_64_intdigest(buf)
+except ImportError:
+    CHECKSUM = "crc32"
+    def checksum(buf) -> int:
+        "CRC-32 of a bytes-like object (zlib; about 2–4 GB/s here): `pip install xxhash` for a faster one."
+        return zlib.crc32(buf)
+
+def checksum_rate(nbytes: int = 64 * 2**20, repeat: int = 3) -> dict:
+    "This machine's speed of `checksum`: hash name, GB/s and seconds per GB (best of `repeat` over `nbytes` random bytes)."
+    buf = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
+    best = min(_timed(lambda: checksum(buf)) for _ in range(repeat))
+    return dict(hash=CHECKSUM, GBps=nbytes / best / 1e9, s_per_GB=best / nbytes * 1e9)
+
+def _timed(f) -> float:
+    t0 = time.perf_counter(); f(); return time.perf_counter() - t0
+
+# %% ../nbs/50_offload.ipynb
+def _open_spill(directory: str, need: int):
+    "An unnamed file in `directory` for one step's spilled tensors: the OS frees it when it is closed or the process dies."
+    d, fix = Path(directory), "or pass disk_dir= a directory you can write to (or plan without a disk tier)"
+    if not d.exists(): raise OffloadDiskError(f"offload directory {d} does not exist: create it, {fix}")
+    if not d.is_dir(): raise OffloadDiskError(f"offload directory {d} is a file, not a directory: remove it, {fix}")
+    try: f = tempfile.TemporaryFile(prefix="static_dist_spill_", dir=d, buffering=0)   # O_TMPFILE, or made and unlinked
+    except PermissionError: raise OffloadDiskError(f"offload directory {d}: no permission to create files there; fix its permissions, {fix}") from None
+    except OSError as e: raise OffloadDiskError(f"offload directory {d}: cannot create a spill file ({e.strerror or e}); {fix}") from None
+    if (free := shutil.disk_usage(d).free) < need:
+        f.close()
+        raise OffloadDiskError(f"offload directory {d} has {fmt_bytes(free)} free, the plan spills {fmt_bytes(need)} there: "
+                               f"free space, plan less onto the disk tier, {fix} on a larger disk")
+    return f
+
+# %% ../nbs/50_offload.ipynb
+def _version_alias(t: torch.Tensor) -> torch.Tensor | None:
+    "A tensor sharing `t`'s version counter but none of its memory: an in-place edit of `t` after the save stays visible."
+    if t.is_inference(): return None                          # inference tensors have no version counter
+    a = t.detach()                                            # detach shares the counter (and, until set_, the storage)
+    with torch._C._AutoDispatchBelowADInplaceOrView():        # so that the alias' own set_ does not bump the counter
+        a.set_(torch.empty(0, dtype=t.dtype, device=t.device))
+    return a
+
+class _Handle:
+    "What autograd keeps instead of an offloaded tensor: the entry, how to view its bytes, the version at the save."
+    __slots__ = ("entry", "dtype", "size", "stride", "offset", "alias", "version")
+    def __init__(self, entry, t: torch.Tensor):
+        self.entry, self.dtype, self.size, self.stride, self.offset = entry, t.dtype, t.size(), t.stride(), t.storage_offset()
+        self.alias = _version_alias(t)
+        self.version = None if self.alias is None else t._version
+
+class _Kept:
+    "A tensor left where it is, with its version at the save (autograd does not check versions when hooks pack)."
+    __slots__ = ("t", "version")
+    def __init__(self, t: torch.Tensor): self.t, self.version = t, None if t.is_inference() else t._version
+
+def _check_version(saved: int | None, now: torch.Tensor | None, dtype, device, shape, what: str) -> None:
+    "Eager autograd's in-place check, with its words: the counter of the saved tensor must not have moved since the save."
+    if saved is None or now is None or now._version == saved: return
+    kind = torch.empty(0, dtype=dtype, device=device).type()          # e.g. torch.FloatTensor, as autograd names it
+    raise OffloadInplaceError(f"one of the variables needed for gradient computation has been modified by an inplace "
+                              f"operation: [{kind} {list(shape)}], which is {what}, is at version {now._version}; expected "
+                              f"version {saved} instead. Hint: the in-place op ran between the forward that saved it and "
+                              "backward; use an out-of-place op (or clone first)")
+
+def _kept(h: _Kept) -> torch.Tensor:
+    "The kept tensor, once its version is checked."
+    _check_version(h.version, h.t, h.t.dtype, h.t.device, h.t.shape, "a tensor saved for backward under the OffloadExecutor (kept)")
+    return h.t
 
 # %% ../nbs/50_offload.ipynb
 class OffloadExecutor:
@@ -502,7 +668,7 @@ class OffloadExecutor:
     def __init__(self, graph: StaticGraph, plan: OffloadPlan, *, disk_dir: str | os.PathLike | None = None, workers: int = 2):
         check_plan(plan, graph)
         if plan.offloaded and not graph.saves:
-            raise ValueError("this graph has no record of autograd's saves (it was written by an older static_dist, "
+            raise OffloadPlanError("this graph has no record of autograd's saves (it was written by an older static_dist, "
                              "graph schema 1): capture the step again, re-plan, and run that plan")
         self.graph, self.plan, self.disk_dir, self.workers = graph, plan, disk_dir, workers
         self._dec = {d.storage: d for d in plan.offloaded}
@@ -522,7 +688,11 @@ class OffloadExecutor:
 
     # --- context ---
     def __enter__(self):
-        if self._active: raise RuntimeError("this OffloadExecutor is already running a step; use one `with` per step")
+        if self._active: raise OffloadError("this OffloadExecutor is already running a step; use one `with` per step")
+        disk = [d for d in self._dec.values() if self._tier[d.tier].kind == "disk"]
+        self.dir = str(self.disk_dir if self.disk_dir is not None else tempfile.gettempdir()) if disk else None
+        self._spill = _open_spill(self.dir, sum(d.nbytes for d in disk)) if disk else None   # typed error before anything runs
+        self._end = 0
         self._active, self._k, self._u, self._w, self._clock = True, 0, 0, 0, -1
         self._entries: dict[int, _Entry] = {}
         self._packed: set[int] = set()
@@ -530,12 +700,10 @@ class OffloadExecutor:
         self._offload_due: set[int] = set()
         self.stats = dict(packs=0, unpacks=0, packed=0, passed=0, offloaded_bytes={t: 0 for t in self._tier},
                           late_prefetches=0, wait_s=0.0, release_wait_s=0.0, write_s=0.0, read_s=0.0, written_bytes=0,
-                          read_bytes=0)
+                          read_bytes=0, checksum=CHECKSUM, checksum_s=0.0)
         self._side = None
-        needs_disk = any(self._tier[d.tier].kind == "disk" for d in self._dec.values())
-        self.dir = tempfile.mkdtemp(prefix="static_dist_offload_", dir=self.disk_dir) if needs_disk else None
-        self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="offload") if needs_disk else None
-        self._cleanup = weakref.finalize(self, _remove_dir, self.dir, self._pool)   # even if __exit__ never runs
+        self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="offload") if disk else None
+        self._cleanup = weakref.finalize(self, _close_spill, self._spill, self._pool)   # even if __exit__ never runs
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
         return self
@@ -555,7 +723,7 @@ class OffloadExecutor:
         finally:
             self.stats.update(packs=self._k, unpacks=self._u)
             self._entries.clear(); self._writing.clear(); self._active = False
-            self._cleanup()                       # waits for workers, removes the directory and every file in it
+            self._cleanup()                       # waits for the workers, then closes (and so frees) the spill file
         return False
 
     # --- the clock: autograd's pack and unpack calls, at the ops the capture saw them ---
@@ -603,7 +771,7 @@ class OffloadExecutor:
         self._k = k + 1
         if k >= len(self._saves):                       # past the captured step (e.g. a second forward): nothing planned
             self.stats["passed"] += 1
-            return t
+            return _Kept(t)
         op, sid, shape, dtype = self._saves[k]
         if t.shape != shape or str(t.dtype) != dtype:
             raise self._mismatch(k, f"saved {tuple(t.shape)} {t.dtype}, captured {shape} {dtype}")
@@ -611,7 +779,7 @@ class OffloadExecutor:
         d = self._dec.get(sid)
         if d is None:
             self.stats["passed"] += 1
-            return t
+            return _Kept(t)
         st = t.untyped_storage()
         if st.nbytes() != d.nbytes:
             raise OffloadMismatchError(f"{_label(d)}: the tensor saved before op {op} has a {st.nbytes()}-byte "
@@ -620,7 +788,7 @@ class OffloadExecutor:
         if e is None:
             if sid in self._packed:  # saved again after it was brought back (e.g. twice in one step): keep it
                 self.stats["passed"] += 1
-                return t
+                return _Kept(t)
             e = self._entries[sid] = _Entry(d, self._tier[d.tier], t)
             self._packed.add(sid)
             if sid in self._offload_due:
@@ -631,14 +799,16 @@ class OffloadExecutor:
 
     def _unpack(self, h):
         if not self._active:
-            if not isinstance(h, _Handle): return h
+            if isinstance(h, _Kept): return _kept(h)
             raise OffloadError(f"{_label(h.entry.dec)} is needed by backward after the OffloadExecutor's `with` block ended, "
                                "which removed its offloaded copy: run backward inside the block")
         u = self._u
         self._u = u + 1
         if u < len(self._unpack_ops): self._advance(self._unpack_ops[u])
-        if not isinstance(h, _Handle): return h
+        if isinstance(h, _Kept): return _kept(h)
         e = h.entry
+        _check_version(h.version, h.alias, h.dtype, e.device, h.size,
+                       f"{_label(e.dec)}, offloaded to {e.tier.name!r} by the OffloadExecutor")
         if e.state == "packed": base = e.src                          # never left (unpacked before its offload point)
         else:
             if e.state in ("away", "offloading"):                      # its prefetch has not been issued: late
@@ -672,33 +842,34 @@ def _offload(self, e: _Entry):
         e.host, e.src = src, None                 # CPU device, disk tier: write straight from the tensor's memory
     self.stats["offloaded_bytes"][e.tier.name] += e.dec.nbytes
     if e.tier.kind == "disk":
-        e.path = os.path.join(self.dir, f"{e.dec.storage}.bin")
-        e.write = self._pool.submit(_write_entry, e)
+        e.offset, self._end = self._end, self._end + e.dec.nbytes      # its region of the step's one spill file
+        e.write = self._pool.submit(_write_entry, e, self._spill.fileno(), self.dir)
         self._writing.append(e)
         e.state = "offloading"
     else: e.state = "away"
 
-def _write_entry(e: _Entry) -> float:
-    "Worker thread: write the entry's host bytes to its file."
+def _write_entry(e: _Entry, fd: int, directory: str) -> tuple[float, float]:
+    "Worker thread: checksum the entry's host bytes and write them to its region; (seconds in all, seconds hashing)."
     t0 = time.perf_counter()
     if e.event is not None: e.event.synchronize()
-    try:
-        with open(e.path, "wb") as f: _file_write(f, e.host.numpy())
+    buf = e.host.numpy()
+    t1 = time.perf_counter(); e.digest = checksum(buf); dh = time.perf_counter() - t1
+    try: _file_write(fd, buf, e.offset)
     except OSError as err:
-        full = " — the disk is full: free space, pass disk_dir= on another disk, or plan less onto this tier" \
-            if err.errno == errno.ENOSPC else ""
-        raise OffloadError(f"{_label(e.dec)}: writing {e.dec.nbytes} bytes to {e.path} failed: "
-                           f"{err.strerror or err}{full}") from err
-    return time.perf_counter() - t0
+        fix = ("the disk is full: free space, pass disk_dir= on another disk, or plan less onto this tier"
+               if err.errno in (errno.ENOSPC, errno.EDQUOT) else "check the disk, or pass disk_dir= another directory")
+        raise OffloadDiskError(f"{_label(e.dec)}: writing {e.dec.nbytes} bytes to the spill file in {directory} failed: "
+                               f"{err.strerror or err} — {fix}") from err
+    return time.perf_counter() - t0, dh
 
 def _poll_writes(self, wait: bool = False):
     "Release the device copies whose files are written; raise the first write error."
     keep = []
     for e in self._writing:
         if not (wait or e.write.done()): keep.append(e); continue
-        try: dt = e.write.result()
+        try: dt, dh = e.write.result()
         finally: e.host = None
-        self.stats["write_s"] += dt; self.stats["written_bytes"] += e.dec.nbytes
+        self.stats["write_s"] += dt; self.stats["checksum_s"] += dh; self.stats["written_bytes"] += e.dec.nbytes
         e.write, e.state = None, "away"
     self._writing = keep
 
@@ -720,31 +891,33 @@ def _prefetch(self, e: _Entry):
     else:
         if cuda: e.host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
         else: e.dev = torch.empty(n, dtype=torch.uint8)
-        e.read = self._pool.submit(_read_entry, e)
+        e.read = self._pool.submit(_read_entry, e, self._spill.fileno(), self.dir)
     e.state = "loading"
 
-def _read_entry(e: _Entry) -> float:
-    "Worker thread: read the entry's file into its buffer, checking its size; delete the file."
+def _read_entry(e: _Entry, fd: int, directory: str) -> tuple[float, float]:
+    "Worker thread: read the entry's region back and check its size and checksum; (seconds in all, seconds hashing)."
     t0 = time.perf_counter()
     n, arr = e.dec.nbytes, (e.host if e.host is not None else e.dev).numpy()
-    try: size = os.path.getsize(e.path)
-    except FileNotFoundError:
-        raise OffloadError(f"{_label(e.dec)}: its offload file {e.path} is missing (removed while the step ran?)") from None
-    if size != n:
-        raise OffloadError(f"{_label(e.dec)}: its offload file {e.path} has {size} bytes, expected {n} "
-                           f"({'truncated' if size < n else 'overwritten'}): refusing to use it")
-    with open(e.path, "rb") as f: got = _file_readinto(f, arr)
-    if got != n: raise OffloadError(f"{_label(e.dec)}: read {got} of {n} bytes from {e.path}: refusing to use it")
-    os.remove(e.path)
-    return time.perf_counter() - t0
+    where = f"its spill file in {directory} (unlinked, bytes {e.offset} to {e.offset + n})"
+    if (size := os.fstat(fd).st_size) < e.offset + n:
+        raise OffloadCorruptionError(f"{_label(e.dec)}: {where} was truncated to {size} bytes: refusing to use it")
+    if (got := _file_readinto(fd, arr, e.offset)) != n:
+        raise OffloadCorruptionError(f"{_label(e.dec)}: read {got} of {n} bytes from {where}: refusing to use it")
+    t1 = time.perf_counter(); digest = checksum(arr); dh = time.perf_counter() - t1
+    if digest != e.digest:
+        raise OffloadCorruptionError(f"{_label(e.dec)}: {where} does not hold the bytes written ({CHECKSUM} {digest:016x}, "
+                                     f"written {e.digest:016x}): it was changed while the step ran; refused before "
+                                     "backward used it")
+    return time.perf_counter() - t0, dh
 
 @torch.no_grad()
 def _finish_load(self, e: _Entry):
     "Wait until the entry's bytes are on the device (the only blocking point of the executor)."
     if e.state == "back": return
     if e.read is not None:
-        try: self.stats["read_s"] += e.read.result()
+        try: dt, dh = e.read.result()
         finally: e.read = None
+        self.stats["read_s"] += dt; self.stats["checksum_s"] += dh
         self.stats["read_bytes"] += e.dec.nbytes
         if e.device.type == "cuda":
             e.dev = torch.empty(e.dec.nbytes, dtype=torch.uint8, device=e.device)
@@ -752,10 +925,10 @@ def _finish_load(self, e: _Entry):
     if e.event is not None: torch.cuda.current_stream(e.device).wait_event(e.event); e.event = None
     e.host, e.state = None, "back"
 
-def _remove_dir(path: str | None, pool: ThreadPoolExecutor | None):
-    "Wait for the workers, then delete the offload directory and everything in it."
+def _close_spill(spill, pool: ThreadPoolExecutor | None):
+    "Wait for the workers, then close the spill file (it has no name: closing frees its space)."
     if pool is not None: pool.shutdown(wait=True)
-    if path is not None: shutil.rmtree(path, ignore_errors=True)
+    if spill is not None: spill.close()
 
 for _f in (_offload, _poll_writes, _prefetch, _finish_load): setattr(OffloadExecutor, _f.__name__, _f)
 
@@ -976,7 +1149,7 @@ def compare_offload(model: torch.nn.Module, step: Callable[[], object], executor
     return out
 
 def bench_offload(progress=None, model: str = "tiny", batch: int = 8, seq: int = 256, repeat: int = 5) -> dict:
-    "No offload vs torch.autograd.graph.save_on_cpu vs OffloadExecutor on one step: time, peak, gradients, disk rate."
+    "No offload vs torch.autograd.graph.save_on_cpu vs OffloadExecutor on one step: time, peak, gradients, disk rate, checksum cost."
     from static_dist.bench import environment
     from static_dist.graph import capture
     from static_dist.zoo import get_model
@@ -1002,8 +1175,12 @@ def bench_offload(progress=None, model: str = "tiny", batch: int = 8, seq: int =
     if io_rate["executor_write_Bps"]:   # per worker: bytes over the summed time the workers spent writing
         io_rate["write_vs_disk_buffered"] = io_rate["executor_write_Bps"] / disk["write_Bps"]
         io_rate["write_vs_disk_fsync"] = io_rate["executor_write_Bps"] / disk["write_fsync_Bps"]
+    hashed, io_s = st["written_bytes"] + st["read_bytes"], st["write_s"] + st["read_s"]
+    check = dict(**checksum_rate(), executor_checksum_s=st["checksum_s"], executor_hashed_bytes=hashed,
+                 executor_s_per_GB=st["checksum_s"] / hashed * 1e9 if hashed else None,
+                 share_of_io_s=st["checksum_s"] / io_s if io_s else None)   # of the workers' time, hashing
     return dict(bench="offload", environment=environment(), model=model, batch=batch, seq=seq, device=dev, repeat=repeat,
-                results=dict(variants=out, io=io_rate, predicted=dict(step_peak=step_peak(g), step_peak_with_plan=step_peak(g, plan),
+                results=dict(variants=out, io=io_rate, checksum=check, predicted=dict(step_peak=step_peak(g), step_peak_with_plan=step_peak(g, plan),
                              stall_ms=plan.stall_s * 1e3), plan=plan_summary(plan), executor_stats=st))
 
 BENCHES = {"offload": bench_offload}

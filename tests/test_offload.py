@@ -56,48 +56,52 @@ def _run_faulty(t, fault=lambda ex: None):
             fault(ex)
             loss.backward()
     finally:
-        assert ex.dir is None or not os.path.exists(ex.dir), "offload directory left behind"
+        assert ex._spill is None or ex._spill.closed, "spill file left open"
     return ex
 
 
 def test_short_read_names_tensor(tiny, monkeypatch):
-    monkeypatch.setattr(off, "_file_readinto", lambda f, buf: len(memoryview(buf)) - 1)
+    monkeypatch.setattr(off, "_file_readinto", lambda fd, buf, offset: len(memoryview(buf)) - 1)
     with pytest.raises(OffloadError, match=r"storage \d+ \(.*: read (\d+) of \d+ bytes"):
         _run_faulty(tiny)
 
 
 def test_write_error_names_tensor(tiny, monkeypatch):
-    def broken(f, buf): raise OSError(errno.EIO, "Input/output error")
+    def broken(fd, buf, offset): raise OSError(errno.EIO, "Input/output error")
     monkeypatch.setattr(off, "_file_write", broken)
-    with pytest.raises(OffloadError, match=r"storage \d+ .*writing \d+ bytes to .* failed: Input/output error"):
+    with pytest.raises(off.OffloadDiskError, match=r"storage \d+ .*writing \d+ bytes to the spill file in .* failed: "
+                                                   r"Input/output error — check the disk"):
         _run_faulty(tiny)
 
 
-def test_oversized_file_refused(tiny):
-    victim = tiny.disk.offloaded[0]
-    def grow(ex):
-        with open(os.path.join(ex.dir, f"{victim.storage}.bin"), "ab") as f: f.write(b"\0" * 8)
-    with pytest.raises(OffloadError, match=rf"storage {victim.storage} .*has {victim.nbytes + 8} bytes, expected "
-                                           rf"{victim.nbytes} \(overwritten\)"):
-        _run_faulty(tiny, grow)
+def test_truncated_spill_file_refused(tiny):
+    victim = max(tiny.disk.offloaded, key=lambda d: d.nbytes)
+    def cut(ex): os.ftruncate(ex._spill.fileno(), ex._entries[victim.storage].offset + 1)
+    with pytest.raises(off.OffloadCorruptionError, match=r"storage \d+ .*its spill file in .* was truncated to \d+ bytes"):
+        _run_faulty(tiny, cut)
 
 
-def test_user_exception_removes_files(tiny):
-    ex = OffloadExecutor(tiny.g, tiny.disk)
+def test_user_exception_closes_spill_file(tiny, tmp_path):
+    ex = OffloadExecutor(tiny.g, tiny.disk, disk_dir=tmp_path)
     with pytest.raises(ZeroDivisionError):
         with ex:
             tiny.zm.loss(tiny.m(tiny.x), tiny.y)
             ex._poll_writes(wait=True)
-            assert len(os.listdir(ex.dir)) == len(tiny.disk.offloaded)   # the files did exist
+            assert os.fstat(ex._spill.fileno()).st_size == sum(d.nbytes for d in tiny.disk.offloaded)   # it was written
             1 / 0
-    assert not os.path.exists(ex.dir)
+    assert ex._spill.closed and os.listdir(tmp_path) == []
 
 
-def test_each_file_deleted_once_read(tiny):
-    with OffloadExecutor(tiny.g, tiny.disk) as ex:
-        got = tiny.step()
-        assert os.listdir(ex.dir) == []
-    assert _same(got, tiny.ref)
+def test_spill_file_has_no_name(tiny, tmp_path):
+    "The step's spill file is never visible in the directory, during or after the step; gradients are exact."
+    with OffloadExecutor(tiny.g, tiny.disk, disk_dir=tmp_path) as ex:
+        tiny.m.zero_grad(set_to_none=True)
+        loss = tiny.zm.loss(tiny.m(tiny.x), tiny.y)
+        ex._poll_writes(wait=True)
+        assert os.listdir(tmp_path) == [] and ex.stats["written_bytes"] > 0
+        loss.backward()
+    assert os.listdir(tmp_path) == [] and ex._spill.closed
+    assert _same({n: p.grad for n, p in tiny.m.named_parameters()}, tiny.ref)
 
 
 def test_backward_after_exit_is_an_error(tiny):
@@ -225,14 +229,17 @@ def test_random_plans_give_identical_gradients(tiny, host, nvme_bw):
 
 
 def test_cli_plan_offload_save(tmp_path, capsys):
-    from static_dist.cli import capture_zoo, main
+    from static_dist.app.cli import main
+    from static_dist.workload import load_workload
     path = tmp_path / "plan.json"
     assert main(["plan-offload", "--seq", "32", "--host-limit", "1MiB", "--save", str(path), "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     plan = load_plan(path)
-    check_plan(plan, capture_zoo("tiny", 2, 32, "adamw"))
+    check_plan(plan, load_workload("tiny", batch=2, seq=32).graph())
     assert summary["offloaded"]["cpu"] <= 2**20 and summary["saved_tensors"] == len(plan.decisions)
-    assert main(["plan-offload", "--host-limit", "lots"]) == 2
+    with pytest.raises(SystemExit) as e:                # argparse refuses the size, with exit status 2
+        main(["plan-offload", "--host-limit", "lots"])
+    assert e.value.code == 2
 
 
 @pytest.mark.slow
