@@ -1,0 +1,79 @@
+"""GPU check (run by tests/gpu_all.sh on a CUDA machine, < 3 min): compiled against eager FSDP2 on one GPU.
+
+    python tests/gpu_compile.py [OUT.json]
+
+One process, NCCL with world size 1, a Llama of width 1024 and 8 blocks, bf16 parameters, SGD. For eager and for
+per-block Inductor (with and without the plan's Inductor comm settings): first-step seconds (compile), median step
+seconds over 5 steady steps, CUDA time of NCCL kernels and of all kernels (profiler), collectives per step (profiler
+c10d events) against `predict_comms`, graphs compiled after step 1. The JSON is written after every part.
+"""
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from static_dist.compile import CompileOptions, apply_compiled, compile_record, count_collectives, graphs_compiled, step_once
+from static_dist.fsdp import FSDPPlan, FSDPUnit, predict_comms, profile_graph
+from static_dist.graph import capture
+from static_dist.zoo import Llama, LlamaConfig, get_model
+
+
+def kernel_times(fn) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+        fn(); torch.cuda.synchronize()
+    nccl = allk = 0.0
+    for e in p.key_averages():
+        t = getattr(e, "device_time_total", getattr(e, "cuda_time_total", 0.0)) or 0.0
+        if e.device_type is not None and "CUDA" in str(e.device_type):
+            allk += t
+            if "nccl" in e.key.lower(): nccl += t
+    return dict(nccl_kernel_s=nccl / 1e6, all_kernels_s=allk / 1e6)
+
+
+def main(out_path):
+    assert torch.cuda.is_available(), "needs a CUDA device"
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1"); os.environ.setdefault("MASTER_PORT", "29534")
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    torch.cuda.set_device(0)
+    cfg = LlamaConfig(dim=1024, n_layers=8, n_heads=16, n_kv_heads=8, ffn_dim=2816, vocab_size=8192, max_seq_len=1024)
+    zm = get_model("tiny")
+    B, T = 4, 1024
+    batch = lambda s: ((torch.randint(0, cfg.vocab_size, (B, T), device="cuda", generator=torch.Generator("cuda").manual_seed(s)),),
+                       torch.randint(0, cfg.vocab_size, (B, T), device="cuda", generator=torch.Generator("cuda").manual_seed(s + 1)))
+    with torch.device("meta"): m0 = Llama(cfg)
+    x0, y0 = batch(0)
+    prof = profile_graph(capture(m0, (x0[0].cpu(),), loss_fn=zm.loss, targets=y0.cpu(), optimizer="sgd"))
+    plan = FSDPPlan(1, (1,), (FSDPUnit(""), *(FSDPUnit(f"layers.{i}") for i in range(cfg.n_layers))),
+                    param_dtype="bfloat16", reduce_dtype="float32", forward_prefetch=1)
+    res = dict(device=torch.cuda.get_device_name(0), torch=torch.__version__, predicted_counts=predict_comms(prof, plan), runs=[])
+    for name, opts in [("eager", CompileOptions(enabled=False)), ("inductor", CompileOptions(inductor_comm=False)),
+                       ("inductor+comm", CompileOptions(inductor_comm=True))]:
+        torch._dynamo.reset(); torch.cuda.empty_cache()
+        torch.manual_seed(0)
+        with torch.device("cuda"): m = Llama(cfg)
+        apply_compiled(m, plan, None, opts, example_inputs=x0)
+        opt = torch.optim.SGD(m.parameters(), lr=1e-3)
+        times, losses = [], []
+        for s in range(6):
+            torch.cuda.synchronize(); t0 = time.perf_counter()
+            losses.append(step_once(m, opt, [batch(10 + s)], zm.loss))
+            torch.cuda.synchronize(); times.append(time.perf_counter() - t0)
+        g1 = graphs_compiled(m)
+        with count_collectives() as counts: step_once(m, opt, [batch(99)], zm.loss)
+        kt = kernel_times(lambda: step_once(m, opt, [batch(98)], zm.loss))
+        res["runs"].append(dict(config=name, first_step_s=times[0], step_s=statistics.median(times[1:]), losses=losses,
+                                counts=counts, recompiles_after_step1=graphs_compiled(m) - g1, **kt,
+                                record=compile_record(m).to_dict() if opts.enabled else None))
+        print({k: v for k, v in res["runs"][-1].items() if k != "record"}, flush=True)
+        json.dump(res, open(out_path, "w"), indent=1)
+        del m, opt
+    dist.barrier(); dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "gpu_compile.json")
