@@ -20,19 +20,29 @@ import torch
 import torch.nn as nn
 
 from .graph import StaticGraph, fmt_bytes, pyplot
+from .util import StaticDistError
 
 # %% auto 0
-__all__ = ['CATEGORIES', 'BENCHES', 'PlanError', 'ParamInfo', 'GraphProfile', 'profile_graph', 'expand_blocks', 'FSDPUnit',
-           'FSDPPlan', 'innermost', 'unit_of', 'validate', 'shard_numel', 'UnitLayout', 'layout', 'MemoryPrediction',
-           'predict_memory', 'Span', 'StepPrediction', 'CostModel', 'default_cost_model', 'predict_comms',
-           'predict_step', 'apply_plan', 'train_step', 'Overrides', 'candidate_unit_sets', 'Evaluated', 'PlanReport',
-           'evaluate', 'plan_fsdp', 'baseline_plans', 'reduce_scatter_order', 'plot_fsdp_memory', 'plot_fsdp_timeline',
-           'memtracker_fsdp_peak', 'parse_bytes', 'zoo_profile', 'register_cli', 'bench_fsdp', 'audit_section',
-           'fsdp_widget']
+__all__ = ['PLAN_SCHEMA', 'MAX_WORLD', 'CATEGORIES', 'BENCHES', 'PlanError', 'BlockMismatchError', 'ParamInfo', 'GraphProfile',
+           'profile_graph', 'block_mismatch', 'expand_blocks', 'profile_expanded', 'FSDPUnit', 'FSDPPlan', 'innermost',
+           'unit_of', 'validate', 'shard_numel', 'UnitLayout', 'layout', 'MemoryPrediction', 'predict_memory', 'Span',
+           'StepPrediction', 'CostModel', 'default_cost_model', 'predict_comms', 'predict_step', 'apply_plan',
+           'train_step', 'Overrides', 'candidate_unit_sets', 'Evaluated', 'PlanReport', 'evaluate', 'predict_plan',
+           'plan_fsdp', 'baseline_plans', 'reduce_scatter_order', 'plot_fsdp_memory', 'plot_fsdp_timeline',
+           'memtracker_fsdp_peak', 'Verification', 'verify_plan', 'verify_workload', 'parse_bytes', 'zoo_profile',
+           'register_cli', 'bench_fsdp', 'audit_section', 'fsdp_widget']
 
 # %% ../nbs/40_fsdp.ipynb
-class PlanError(ValueError):
+class PlanError(StaticDistError, ValueError):
     "An FSDP plan, override or input is invalid; the message says what to change."
+
+class BlockMismatchError(PlanError):
+    "`expand_blocks` refused: the captured blocks differ, so one cannot stand for the others; `.reasons` says how."
+    def __init__(self, reasons):
+        self.reasons = list(reasons)
+        super().__init__(f"expand_blocks: the captured blocks are not identical ({'; '.join(self.reasons)}), so "
+                         "copying one would mispredict; capture the full model instead (expand_blocks is only a "
+                         "shortcut, and profile_expanded falls back to the full capture for you)")
 
 _DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -82,6 +92,12 @@ class GraphProfile:
     "Bytes per element the step was captured in, when parameters are kept in a wider master dtype (0: same)."
     tokens: int = 0
     "Elements of the first input (tokens per micro-batch for a language model)."
+    blocks: tuple[str, ...] = ()
+    "FQNs of the main stack's repeated blocks, in order (from the graph's structure; () when it has none)."
+    stack: str = ""
+    "FQN of the container of `blocks`: `layers`, `model.layers`, `transformer.h` ('' = the root itself)."
+    op_names: tuple[str, ...] = ()
+    "The aten op of each op (`aten.mm.default`): what `expand_blocks` compares between blocks."
 
 def _under(name: str, unit: str) -> bool:
     "Is module/param `name` inside module `unit` ('' is the root)."
@@ -97,6 +113,26 @@ def _module_order(first_op: dict[str, int], extra, n: int) -> tuple[str, ...]:
             if not a: break
             a = a.rpartition(".")[0]
     return tuple(sorted(first, key=lambda m: (first[m], m.count("."), m)))
+
+def _main_stack(g: StaticGraph) -> tuple[str, tuple[str, ...]]:
+    "(container, block FQNs) of the graph's main block stack; read from parameter names when it has no structure."
+    main = getattr(getattr(g, "structure", None), "main", None)
+    if main is not None: return main.path, tuple(main.blocks)
+    return _stack_from_names([s.name for s in g.storages if s.role == "parameter"])
+
+def _stack_from_names(params: Sequence[str]) -> tuple[str, tuple[str, ...]]:
+    "The container `C` whose numbered children `C.0, C.1, ...` (>= 2) hold the most parameters, with its blocks."
+    kids: dict[str, set] = {}
+    count: dict[str, int] = {}
+    for p in params:
+        parts = p.split(".")
+        for i, t in enumerate(parts[:-1]):
+            if t.isdigit():
+                c = ".".join(parts[:i]); kids.setdefault(c, set()).add(int(t)); count[c] = count.get(c, 0) + 1
+    ok = [c for c, k in kids.items() if len(k) >= 2 and k == set(range(len(k)))]
+    if not ok: return "", ()
+    c = max(ok, key=lambda c: (count[c], -c.count(".")))
+    return c, tuple(f"{c}.{i}" if c else str(i) for i in range(len(kids[c])))
 
 def profile_graph(g: StaticGraph, master_dtype: str | None = None) -> GraphProfile:
     """Reduce a captured training step to the FSDP planner's inputs.
@@ -140,57 +176,132 @@ def profile_graph(g: StaticGraph, master_dtype: str | None = None) -> GraphProfi
         native[opt] += extra
         live = dict(live, temporary=live["temporary"].copy()); live["temporary"][opt] += extra
     else: cap = 0
+    stack, blocks = _main_stack(g)
     return GraphProfile(tuple(params), tuple(order), tuple(o.module for o in g.ops), phase,
                         np.array([o.flops for o in g.ops], dtype=np.float64), native,
                         live["temporary"].astype(np.int64), saved, int(opt_temp),
-                        tuple(tuple(v) for v in by_storage.values() if len(v) > 1), g.meta.get("model", ""),
-                        cap, math.prod(g.meta["inputs"][0]) if g.meta.get("inputs") else 0)
+                        _shared_params(g, by_storage), g.meta.get("model", ""),
+                        cap, _tokens(g), blocks, stack, tuple(o.op for o in g.ops))
+
+def _shared_params(g: StaticGraph, by_storage: dict) -> tuple[tuple[str, ...], ...]:
+    """Groups of names of one parameter storage: its names, plus `M.weight` for each module M (not around its owner)
+    whose forward ops read it, as a tied embedding/output weight is read by both modules under one name."""
+    groups = {sid: list(v) for sid, v in by_storage.items()}
+    for o in g.ops:
+        if o.phase != "forward" or not o.module: continue
+        for t in o.inputs:
+            sid = g.tensors[t].storage
+            if sid not in groups: continue
+            name = groups[sid][0]
+            owner, leaf = name.rpartition(".")[0], name.rpartition(".")[2]
+            if not _under(o.module, owner) and not _under(owner, o.module) and f"{o.module}.{leaf}" not in groups[sid]:
+                groups[sid].append(f"{o.module}.{leaf}")
+    return tuple(tuple(v) for v in groups.values() if len(v) > 1)
+
+def _tokens(g: StaticGraph) -> int:
+    "Elements of the first tensor input (positional, else keyword), 0 when there is none."
+    shapes = [s for s in (g.meta.get("inputs") or []) if isinstance(s, list)]
+    kw = [s for s in (g.meta.get("kwargs") or {}).values() if isinstance(s, list)] if isinstance(g.meta.get("kwargs"), dict) else []
+    return math.prod((shapes or kw or [[0]])[0])
 
 # %% ../nbs/40_fsdp.ipynb
 def _block_of(module: str, container: str) -> int | None:
-    m = re.match(rf"^{re.escape(container)}\.(\d+)(\.|$)", module)
+    "Number of the block of `container` that holds `module`, else None."
+    pre = re.escape(container) + r"\." if container else ""
+    m = re.match(rf"^{pre}(\d+)(\.|$)", module)
     return int(m.group(1)) if m else None
 
-def expand_blocks(profile: GraphProfile, n_blocks: int, container: str = "layers") -> GraphProfile:
-    "The profile of the same model with `n_blocks` identical blocks, from one captured with 3 (block 1 is the template)."
-    P = profile
-    ob = np.array([-1 if (b := _block_of(m, container)) is None else b for m in P.op_module])
+def _rename_block(name: str, container: str, k: int) -> str:
+    pre = re.escape(container) + r"\." if container else ""
+    return re.sub(rf"^({pre})\d+", lambda m: f"{m.group(1)}{k}", name)
+
+def _natural_key(s: str): return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", s)]
+
+def _op_blocks(P: GraphProfile) -> np.ndarray:
+    "Block number of each op (-1 outside the main stack)."
+    return np.array([-1 if (b := _block_of(m, P.stack)) is None else b for m in P.op_module], dtype=np.int64)
+
+# %% ../nbs/40_fsdp.ipynb
+def block_mismatch(profile: GraphProfile) -> list[str]:
+    "Why the captured blocks cannot stand for each other: op sequences, saved bytes, interleaving, what each leaves alive."
+    P, out = profile, []
+    ob, k = _op_blocks(profile), len(profile.blocks)
+    ix = {(b, ph): np.flatnonzero((ob == b) & (P.op_phase == ph)) for b in range(k) for ph in (0, 1)}
+    name = lambda i: P.op_names[i] if P.op_names else ""
+    for b in range(k):
+        for ph, what in ((0, "forward"), (1, "backward")):
+            a, t = ix[b, ph], ix[min(1, k - 1), ph]
+            if len(a) != len(t): out.append(f"block {b} runs {len(a)} {what} ops, block 1 runs {len(t)}")
+            elif (j := next((j for j in range(len(a)) if name(a[j]) != name(t[j])), None)) is not None:
+                out.append(f"{what} op {j} of block {b} is {name(a[j])}, of block 1 {name(t[j])}")
+    saved = [sum(nb for nb, w, _, _ in P.saved if _block_of(w, P.stack) == b) for b in range(k)]
+    out += [f"block {b} saves {fmt_bytes(s)} for backward, block 1 {fmt_bytes(saved[1])}"
+            for b, s in enumerate(saved) if s != saved[min(1, k - 1)]]
+    for ph, what in ((0, "forward"), (1, "backward")):
+        span = {b: (ix[b, ph][0], ix[b, ph][-1]) for b in range(k) if len(ix[b, ph])}
+        for b, (lo, hi) in span.items():
+            other = [c for c, (l2, h2) in span.items() if c != b and lo < l2 < hi]
+            if other: out.append(f"block {b}'s {what} ops interleave with block(s) {other}")
+    starts = [int(P.native[ix[b, 0][0]]) for b in range(k) if len(ix[b, 0])]
+    left = np.diff(starts)
+    out += [f"block {b} leaves {fmt_bytes(d)} alive for the next block, block 1 {fmt_bytes(left[1])}"
+            for b, d in enumerate(left) if len(left) > 1 and d != left[1]]
+    return out
+
+# %% ../nbs/40_fsdp.ipynb
+def expand_blocks(profile: GraphProfile, n_blocks: int) -> GraphProfile:
+    """The profile of the same model with `n_blocks` blocks, from a capture of k >= 3 (block 1 is the template).
+    Refuses (BlockMismatchError) when the captured blocks differ: then capture the full model."""
+    P, c = profile, profile.stack
+    ob = _op_blocks(P)
     have = sorted(set(ob[ob >= 0].tolist()))
-    if have != [0, 1, 2]:
-        raise PlanError(f"expand_blocks needs a capture with exactly 3 blocks {container}.0-2 (got {have}): build "
-                        f"the model with n_layers=3 and capture that.")
-    if n_blocks < 3: raise PlanError(f"n_blocks={n_blocks}: capture the model itself when it has fewer than 3 blocks.")
-    extra = n_blocks - 3
+    k = len(P.blocks)
+    if k < 3 or have != list(range(k)):
+        raise PlanError(f"expand_blocks needs a capture with at least 3 blocks of one stack, all of them run (found "
+                        f"{k} blocks {c!r}, ops in {have}): build the model with 3 blocks and capture that.")
+    if n_blocks < k: raise PlanError(f"n_blocks={n_blocks} is fewer than the {k} captured: capture the model itself.")
+    if n_blocks == k: return P
+    reasons = block_mismatch(P)
+    if reasons: raise BlockMismatchError(reasons)
+    return _expand(P, n_blocks)
+
+# %% ../nbs/40_fsdp.ipynb
+def _expand(P: GraphProfile, n_blocks: int) -> GraphProfile:
+    "Repeat block 1's ops, parameters and saved activations `n_blocks - k` more times (checked by `expand_blocks`)."
+    container, k = P.stack, len(P.blocks)
+    ob = _op_blocks(P)
+    extra = n_blocks - k
     n = len(P.op_module)
     idx_f = lambda b: np.flatnonzero((ob == b) & (P.op_phase == 0))
     idx_b = lambda b: np.flatnonzero((ob == b) & (P.op_phase == 1))
     f1, b1 = idx_f(1), idx_b(1)
     delta = int(P.native[idx_f(2)[0]] - P.native[f1[0]])          # activations one block leaves behind
     # new op order: everything up to block 1's forward end, block 1 repeated, the rest; same in backward
-    pieces, shift = [], []            # (old index array, native offset, block rename or None)
+    pieces = []            # (old index array, native offset, block rename or None)
     cut_f, cut_b = f1[-1] + 1, b1[0]
     pieces.append((np.arange(0, cut_f), 0, None))
     for j in range(extra): pieces.append((f1, (j + 1) * delta, j + 2))
     pieces.append((np.arange(cut_f, cut_b), extra * delta, "shift"))
     for j in reversed(range(extra)): pieces.append((b1, (j + 1) * delta, j + 2))
     pieces.append((np.arange(cut_b, n), 0, "shift"))
-    rename = lambda m, k: m if k is None or k == "shift" else _rename_block(m, container, k)
+    rename = lambda m, blk: m if blk is None or blk == "shift" else _rename_block(m, container, blk)
     def ren_old(m):                                   # blocks >= 2 in the original become block + extra
         b = _block_of(m, container)
         return _rename_block(m, container, b + extra) if b is not None and b >= 2 else m
-    mods, phase, flops, native, temp, where = [], [], [], [], [], {}
-    for k, (ix, off, blk) in enumerate(pieces):
+    mods, names, phase, flops, native, temp, where = [], [], [], [], [], [], {}
+    for kk, (ix, off, blk) in enumerate(pieces):
         start = len(mods)
         for t, i in enumerate(ix):
             mods.append(ren_old(P.op_module[i]) if blk in (None, "shift") else rename(P.op_module[i], blk))
-            where.setdefault((k, int(i)), start + t)
+            where.setdefault((kk, int(i)), start + t)
+        if P.op_names: names += [P.op_names[i] for i in ix]
         phase.append(P.op_phase[ix]); flops.append(P.op_flops[ix])
         native.append(P.native[ix] + off); temp.append(P.temporary[ix])
     native, temp, phase = np.concatenate(native), np.concatenate(temp), np.concatenate(phase)
     total_old = sum(p.numel * p.itemsize for p in P.params)
     def newpos(i, piece_kinds):
-        for k in piece_kinds:
-            if (k, int(i)) in where: return where[(k, int(i))]
+        for kk in piece_kinds:
+            if (kk, int(i)) in where: return where[(kk, int(i))]
         return None
     base_pieces = [0, extra + 1, 2 * extra + 2]        # the three pieces that keep the original ops
     params, saved = [], []
@@ -200,17 +311,16 @@ def expand_blocks(profile: GraphProfile, n_blocks: int, container: str = "layers
         params.append(dataclasses.replace(p, name=ren_old(p.name), grad_created=-1 if gc is None else gc))
         if b == 1:
             for j in range(extra):
-                kf, kb = 1 + j, 2 * extra + 1 - j
-                g2 = newpos(p.grad_created, [kb]) if p.grad_created >= 0 else None
+                g2 = newpos(p.grad_created, [2 * extra + 1 - j]) if p.grad_created >= 0 else None
                 params.append(dataclasses.replace(p, name=_rename_block(p.name, container, j + 2),
                                                   grad_created=-1 if g2 is None else g2))
-    for nb, w, c, f in P.saved:
+    for nb, w, cr, f in P.saved:
         b = _block_of(w, container)
-        c2, f2 = newpos(c, base_pieces), newpos(min(f, n - 1), base_pieces)
+        c2, f2 = newpos(cr, base_pieces), newpos(min(f, n - 1), base_pieces)
         if c2 is not None and f2 is not None: saved.append((nb, ren_old(w), c2, f2))
         if b == 1:
             for j in range(extra):
-                c3, f3 = newpos(c, [1 + j]), newpos(min(f, n - 1), [2 * extra + 1 - j])
+                c3, f3 = newpos(cr, [1 + j]), newpos(min(f, n - 1), [2 * extra + 1 - j])
                 if c3 is not None and f3 is not None: saved.append((nb, _rename_block(w, container, j + 2), c3, f3))
     params.sort(key=lambda p: (_natural_key(p.name)))
     total_new = sum(p.numel * p.itemsize for p in params)
@@ -221,13 +331,21 @@ def expand_blocks(profile: GraphProfile, n_blocks: int, container: str = "layers
     for i, m in enumerate(mods):
         if phase[i] == 0: seen.setdefault(m, i)
     order = _module_order(seen, [p.module for p in params], len(mods))
+    blocks = tuple(f"{container}.{i}" if container else str(i) for i in range(n_blocks))
     return dataclasses.replace(P, params=tuple(params), modules=tuple(order), op_module=tuple(mods), op_phase=phase,
-                               op_flops=np.concatenate(flops), native=native, temporary=temp, saved=tuple(saved))
+                               op_flops=np.concatenate(flops), native=native, temporary=temp, saved=tuple(saved),
+                               blocks=blocks, op_names=tuple(names))
 
-def _rename_block(name: str, container: str, k: int) -> str:
-    return re.sub(rf"^{re.escape(container)}\.\d+", f"{container}.{k}", name)
-
-def _natural_key(s: str): return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", s)]
+# %% ../nbs/40_fsdp.ipynb
+def profile_expanded(small, full, n_blocks: int, progress=None) -> tuple[GraphProfile, str]:
+    """The profile of a model with `n_blocks` blocks and how it was made: `small()` (a profile of a few blocks)
+    expanded when its blocks match, else `full()` (the full capture), with the reason."""
+    p = small()
+    try: return expand_blocks(p, n_blocks), f"expanded {len(p.blocks)} captured blocks to {n_blocks}"
+    except BlockMismatchError as e:
+        how = "fell back to full capture: " + "; ".join(e.reasons)
+        if progress: progress(how)
+        return full(), how
 
 # %% ../nbs/40_fsdp.ipynb
 @dataclass(frozen=True)
@@ -276,31 +394,111 @@ class FSDPPlan:
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
-        d["schema"] = "static_dist.fsdp_plan/1"
+        d["schema"] = PLAN_SCHEMA
         return d
 
     def to_json(self, path=None) -> str:
+        "The plan as JSON; written atomically to `path` when given."
         s = json.dumps(self.to_dict(), indent=1)
-        if path is not None: Path(path).write_text(s)
+        if path is not None:
+            from static_dist.util import atomic_write
+            atomic_write(path, s)
         return s
 
     @classmethod
     def from_dict(cls, d: dict) -> "FSDPPlan":
-        d = {k: v for k, v in d.items() if k != "schema"}
-        d["units"] = tuple(FSDPUnit(**u) for u in d["units"])
-        d["mesh_shape"] = tuple(d["mesh_shape"])
-        d["ignored"] = tuple(d.get("ignored", ()))
-        d["reasons"] = tuple(tuple(r) for r in d.get("reasons", ()))
-        return cls(**d)
+        "From `to_dict()` output, every field checked (PlanError naming the field's path)."
+        return _plan_from_dict(d)
 
     @classmethod
     def from_json(cls, s) -> "FSDPPlan":
-        "From a JSON string or a path to a .json file."
-        if isinstance(s, Path) or (isinstance(s, str) and not s.lstrip().startswith("{")): s = Path(s).read_text()
-        return cls.from_dict(json.loads(s))
+        "From a JSON string or a path to a .json file, every field checked (PlanError naming the field's path)."
+        return _plan_from_json(s)
+
+PLAN_SCHEMA = "static_dist.fsdp_plan/1"
 
 # %% ../nbs/40_fsdp.ipynb
-def _tied_groups(model: nn.Module | None, profile: GraphProfile) -> list[tuple[str, ...]]:
+MAX_WORLD = 2**24
+_MISSING = object()
+_is_int = lambda v: isinstance(v, int) and not isinstance(v, bool)
+_seq = lambda v: isinstance(v, (list, tuple))
+
+def _get(d: dict, key: str, where: str, ok, what: str, default=_MISSING):
+    "d[key] if `ok(value)`, the default when it is absent; PlanError naming `where + key` and what to give otherwise."
+    if key not in d:
+        if default is _MISSING: raise PlanError(f"{where}{key}: missing; give {what}")
+        return default
+    if not ok(d[key]): raise PlanError(f"{where}{key}: {d[key]!r:.60} is not valid; give {what}")
+    return d[key]
+
+def _extra_keys(d: dict, known, where: str):
+    bad = sorted(set(d) - set(known))
+    if bad: raise PlanError(f"{where}{bad[0]}: unknown field; an FSDP plan has {sorted(known)}")
+
+# %% ../nbs/40_fsdp.ipynb
+def _unit_from(u, where: str) -> FSDPUnit:
+    "One `units[i]` entry of a plan file, checked."
+    if not isinstance(u, dict): raise PlanError(f"{where}: {u!r:.40} is not an object; give {{\"module\": \"layers.0\"}}")
+    _extra_keys(u, [f.name for f in dataclasses.fields(FSDPUnit)], where + ".")
+    r = _get(u, "reshard_after_forward", where + ".", lambda v: isinstance(v, bool) or _is_int(v) and 2 <= v <= MAX_WORLD,
+             "true, false or a group size >= 2 that divides the shard size", True)
+    return FSDPUnit(_get(u, "module", where + ".", lambda v: isinstance(v, str), "a module FQN ('' is the root)"), r,
+                    _get(u, "activation_checkpointing", where + ".", lambda v: isinstance(v, bool), "true or false", False),
+                    _get(u, "reason", where + ".", lambda v: isinstance(v, str), "a string", ""))
+
+# %% ../nbs/40_fsdp.ipynb
+def _schema_check(d) -> None:
+    "PlanError unless `d` is an FSDP plan of this schema (a graph or report file says what it is)."
+    if not isinstance(d, dict): raise PlanError(f"an FSDP plan is a JSON object, not a {type(d).__name__}")
+    s = d.get("schema")
+    if isinstance(s, str) and s.startswith("static_dist.graph") or (s is None and "ops" in d and "tensors" in d):
+        raise PlanError("this is a static_dist.graph file, not an FSDP plan: write a plan with "
+                        "plan_fsdp(...).plan.to_json(path) (static-dist plan-fsdp --out PATH) and pass that")
+    if isinstance(s, str) and s.startswith("static_dist.fsdp_report"):
+        raise PlanError("this is an FSDP report, not a plan: its plan is the report's 'plan' field")
+    if s != PLAN_SCHEMA:
+        raise PlanError(f"schema: {'missing' if s is None else repr(s)[:60]}; an FSDP plan file this version reads has "
+                        f"\"schema\": \"{PLAN_SCHEMA}\"")
+
+# %% ../nbs/40_fsdp.ipynb
+def _plan_from_dict(d) -> FSDPPlan:
+    "An FSDPPlan from a plan dict, every field's type and range checked."
+    _schema_check(d)
+    _extra_keys(d, [f.name for f in dataclasses.fields(FSDPPlan)] + ["schema"], "")
+    W = _get(d, "world_size", "", lambda v: _is_int(v) and 1 <= v <= MAX_WORLD, f"the number of ranks, 1 to {MAX_WORLD}")
+    ms = _get(d, "mesh_shape", "", lambda v: _seq(v) and len(v) in (1, 2) and all(_is_int(x) and x >= 1 for x in v),
+              "[world] for FSDP or [replicate, shard] for HSDP")
+    if math.prod(ms) != W: raise PlanError(f"mesh_shape: {list(ms)} multiplies to {math.prod(ms)}, not world_size {W}: "
+                                           f"use [{W}] for FSDP or [replicate, shard] with replicate*shard == {W}")
+    us = _get(d, "units", "", lambda v: _seq(v) and len(v) > 0, "a non-empty list of units, the root {\"module\": \"\"} first")
+    dt = lambda v: v is None or isinstance(v, str) and v in _DTYPES
+    count = lambda lo, hi: lambda v: _is_int(v) and lo <= v <= hi
+    return FSDPPlan(W, tuple(ms), tuple(_unit_from(u, f"units[{i}]") for i, u in enumerate(us)),
+        tuple(_get(d, "ignored", "", lambda v: _seq(v) and all(isinstance(x, str) for x in v), "a list of module FQNs", ())),
+        _get(d, "param_dtype", "", dt, f"null or one of {sorted(_DTYPES)}", None),
+        _get(d, "reduce_dtype", "", dt, f"null or one of {sorted(_DTYPES)}", None),
+        _get(d, "forward_prefetch", "", count(0, 1024), "an int from 0 (none) to 1024", 1),
+        _get(d, "backward_prefetch", "", count(0, 1024), "an int from 0 to 1024", 1),
+        _get(d, "accumulation_steps", "", count(1, 2**20), "an int >= 1", 1),
+        _get(d, "sync_every_microbatch", "", lambda v: isinstance(v, bool), "true or false", False),
+        _get(d, "name", "", lambda v: isinstance(v, str), "a string", "plan"),
+        tuple(tuple(r) for r in _get(d, "reasons", "", lambda v: _seq(v) and all(
+            _seq(r) and len(r) == 2 and all(isinstance(x, str) for x in r) for r in v), "a list of [decision, why] pairs", ())))
+
+# %% ../nbs/40_fsdp.ipynb
+def _plan_from_json(s) -> FSDPPlan:
+    "From a JSON string or a path; unreadable files and bad JSON are PlanErrors too."
+    src = "plan"
+    if isinstance(s, Path) or (isinstance(s, str) and not s.lstrip().startswith("{")):
+        src = str(s)
+        try: s = Path(s).read_text()
+        except (OSError, UnicodeDecodeError) as e: raise PlanError(f"{src}: cannot read the plan file ({e})") from None
+    try: d = json.loads(s)
+    except json.JSONDecodeError as e: raise PlanError(f"{src}: not JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+    return _plan_from_dict(d)
+
+# %% ../nbs/40_fsdp.ipynb
+def _tied_groups(model: nn.Module | None, profile: GraphProfile | None) -> list[tuple[str, ...]]:
     if model is None: return [g for g in profile.tied]
     by_id: dict[int, list[str]] = {}
     for n, p in model.named_parameters(remove_duplicate=False): by_id.setdefault(id(p), []).append(n)
@@ -322,14 +520,13 @@ def unit_of(param: str, plan: FSDPPlan) -> str | None:
     if plan.ignored and innermost(param, set(plan.ignored)) is not None: return None
     return innermost(param, {u.module for u in plan.units})
 
-def validate(plan: FSDPPlan, profile: GraphProfile, model: nn.Module | None = None,
+def validate(plan: FSDPPlan, profile: GraphProfile | None = None, model: nn.Module | None = None,
              *, require_divisible: bool = False) -> FSDPPlan:
-    "Raise PlanError if `plan` cannot be applied as written; return it unchanged otherwise."
-    if plan.world_size < 1: raise PlanError(f"world_size={plan.world_size}: must be at least 1.")
-    if len(plan.mesh_shape) not in (1, 2) or math.prod(plan.mesh_shape) != plan.world_size:
-        raise PlanError(f"mesh_shape {plan.mesh_shape} multiplies to {math.prod(plan.mesh_shape)}, not world_size "
-                        f"{plan.world_size}: use (world,) for FSDP or (replicate, shard) with replicate*shard == world.")
-    mods = set(profile.modules)
+    "Raise PlanError if `plan` cannot be applied to the model (or its profile) as written; return it unchanged otherwise."
+    if profile is None and model is None: raise PlanError("validate needs the model or its profile to check module names")
+    if not isinstance(plan, FSDPPlan): raise PlanError(f"expected an FSDPPlan, got a {type(plan).__name__}")
+    _plan_from_dict(plan.to_dict())                      # the types and ranges a plan file is checked for
+    mods = set(dict(model.named_modules())) if model is not None else set(profile.modules)
     names = [u.module for u in plan.units]
     if "" not in names: raise PlanError("the root module ('') must be an FSDP unit: FSDP2 needs a root to run its "
                                         "lazy init and to own the parameters no other unit takes. Add FSDPUnit('').")
@@ -350,11 +547,6 @@ def validate(plan: FSDPPlan, profile: GraphProfile, model: nn.Module | None = No
                 raise PlanError(f"unit {u.module!r}: reshard_after_forward={r!r} must be True, False or an int that "
                                 f"divides the shard group size {plan.shard_size} (e.g. the GPUs per node).")
             if r == 1: raise PlanError(f"unit {u.module!r}: reshard_after_forward=1 keeps a full copy; use False.")
-    if plan.param_dtype not in (None, *_DTYPES) or plan.reduce_dtype not in (None, *_DTYPES):
-        raise PlanError(f"param_dtype/reduce_dtype must be one of {sorted(_DTYPES)} or None, got "
-                        f"{plan.param_dtype!r}/{plan.reduce_dtype!r}.")
-    if plan.accumulation_steps < 1 or plan.forward_prefetch < 0 or plan.backward_prefetch < 0:
-        raise PlanError("accumulation_steps must be >= 1 and prefetch depths >= 0.")
     for group in _tied_groups(model, profile):
         owners = {unit_of(p, plan) for p in group}
         if len(owners) > 1:
@@ -362,11 +554,13 @@ def validate(plan: FSDPPlan, profile: GraphProfile, model: nn.Module | None = No
                             f"module) but would be managed by units {sorted(map(repr, owners))}; one storage cannot "
                             f"be sharded twice. Put the modules in one unit (e.g. the root or their common parent).")
     if require_divisible:
-        for p in profile.params:
-            if unit_of(p.name, plan) is not None and p.shape and p.shape[0] % plan.shard_size:
-                raise PlanError(f"{p.name}: dim 0 = {p.shape[0]} is not divisible by the shard group "
+        shapes = ([(p.name, p.shape) for p in profile.params] if profile is not None else
+                  [(n, tuple(p.shape)) for n, p in model.named_parameters()])
+        for name, shape in shapes:
+            if unit_of(name, plan) is not None and shape and shape[0] % plan.shard_size:
+                raise PlanError(f"{name}: dim 0 = {shape[0]} is not divisible by the shard group "
                                 f"{plan.shard_size}; FSDP2 pads it (wasting memory), but this check was asked to be "
-                                f"strict. Pick a shard size dividing {p.shape[0]} or ignore the module.")
+                                f"strict. Pick a shard size dividing {shape[0]} or ignore the module.")
     return plan
 
 # %% ../nbs/40_fsdp.ipynb
@@ -736,17 +930,13 @@ def predict_step(profile: GraphProfile, plan: FSDPPlan, cost: CostModel, *, _seg
                           predict_comms(profile, plan))
 
 # %% ../nbs/40_fsdp.ipynb
-def _modules(model: nn.Module, plan: FSDPPlan) -> dict[str, nn.Module]:
-    mods = dict(model.named_modules())
-    for n in [u.module for u in plan.units] + list(plan.ignored):
-        if n not in mods: raise PlanError(f"plan names module {n!r}, which this model does not have.")
-    return mods
-
 def apply_plan(model: nn.Module, plan: FSDPPlan, mesh=None) -> nn.Module:
-    "Shard `model` in place as `plan` says (mesh: a DeviceMesh of plan.mesh_shape; default: init one on CPU/CUDA)."
+    """Shard `model` in place as `plan` says (mesh: a DeviceMesh of plan.mesh_shape; default: init one on CPU/CUDA).
+    The plan is validated against the model first; nothing is sharded when it does not fit."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed._composable import checkpoint
-    mods = _modules(model, plan)
+    validate(plan, None, model)
+    mods = dict(model.named_modules())
     if mesh is None:
         from torch.distributed.device_mesh import init_device_mesh
         names = ("replicate", "shard")[-len(plan.mesh_shape):]
@@ -804,6 +994,8 @@ class Overrides:
     "Modules that must be FSDP units, whatever the search prefers."
     pinned: dict = field(default_factory=dict)
     "{module: {'reshard_after_forward': ..., 'activation_checkpointing': ...}}; a pinned module is also a forced unit."
+    plan: FSDPPlan | None = None
+    "A whole plan, evaluated exactly as written: nothing is searched (the other fields must then be empty)."
 
     def to_dict(self) -> dict: return dataclasses.asdict(self)
 
@@ -811,6 +1003,10 @@ _PIN_KEYS = {"reshard_after_forward", "activation_checkpointing"}
 
 def _check_overrides(ov: Overrides, profile: GraphProfile):
     mods = set(profile.modules)
+    if ov.plan is not None and (ov.ignored or ov.units or ov.pinned):
+        raise PlanError("Overrides(plan=...) pins the whole plan; leave ignored/units/pinned empty (edit the plan instead)")
+    if ov.plan is not None and not isinstance(ov.plan, FSDPPlan):
+        raise PlanError(f"Overrides(plan=...) takes an FSDPPlan, not a {type(ov.plan).__name__}; load a file with FSDPPlan.from_json")
     for n in [*ov.ignored, *ov.units, *ov.pinned]:
         if n not in mods: raise PlanError(f"override names module {n!r}, which is not in the model; known modules "
                                           f"include {sorted(mods)[:8]}...")
@@ -819,10 +1015,17 @@ def _check_overrides(ov: Overrides, profile: GraphProfile):
         if bad: raise PlanError(f"pinned settings for {n!r} have unknown keys {sorted(bad)}; use {sorted(_PIN_KEYS)}.")
 
 def _blocks(profile: GraphProfile) -> list[str]:
-    "The outermost numbered modules that hold parameters (e.g. `layers.0`), in forward order."
+    "The main stack's blocks (from the structure); else the outermost numbered modules that hold parameters."
+    if profile.blocks: return list(profile.blocks)
     owners = {p.module for p in profile.params}
     cand = [m for m in profile.modules if re.search(r"(^|\.)\d+$", m) and any(_under(o, m) for o in owners)]
     return [m for m in cand if not any(c != m and _under(m, c) for c in cand)]
+
+def _ends(profile: GraphProfile, blocks: list[str]) -> list[str]:
+    "Children of the stack's ancestors that hold no block (embeddings, final norm, head), wherever the stack sits."
+    parent = blocks[0].rpartition(".")[0] if blocks else ""
+    anc = set(_prefixes(parent.rpartition(".")[0])) | {parent} if parent else {""}
+    return [m for m in profile.modules if m and m.rpartition(".")[0] in anc and not any(_under(b, m) for b in blocks)]
 
 def _param_bytes(profile: GraphProfile, m: str) -> int:
     return sum(p.numel * p.itemsize for p in profile.params if _under(p.name, m))
@@ -831,8 +1034,7 @@ def candidate_unit_sets(profile: GraphProfile, ov: Overrides = Overrides()) -> d
     "{name: unit modules in forward order ('' first)} for the planner's unit-set search."
     blocks = _blocks(profile)
     total = _param_bytes(profile, "") or 1
-    top = [m for m in profile.modules if m and "." not in m and not any(_under(b, m) for b in blocks)]
-    ends = [m for m in top if _param_bytes(profile, m) >= 0.01 * total]
+    ends = [m for m in _ends(profile, blocks) if _param_bytes(profile, m) >= 0.01 * total]
     subs = [m for b in blocks for m in profile.modules
             if m.startswith(b + ".") and m.count(".") == b.count(".") + 1 and _param_bytes(profile, m) >= 0.1 * _param_bytes(profile, b)]
     sets = {"whole": [""]}
@@ -842,7 +1044,9 @@ def candidate_unit_sets(profile: GraphProfile, ov: Overrides = Overrides()) -> d
         if subs: sets["sub-blocks+ends"] = ["", *subs, *ends]
     elif ends: sets["top-level"] = ["", *ends]
     out = {}
+    splits = lambda m: any(len({_under(n, m) for n in grp}) > 1 for grp in profile.tied)   # a unit may not cut a tie
     for name, s in sets.items():
+        s = [m for m in s if not m or not splits(m)]
         s = [m for m in dict.fromkeys([*s, *ov.units, *ov.pinned]) if not any(_under(m, ig) for ig in ov.ignored)]
         order = {m: i for i, m in enumerate(profile.modules)}
         out[name] = tuple(sorted(s, key=lambda m: (m != "", order.get(m, 0))))
@@ -877,12 +1081,14 @@ class PlanReport:
     evaluated: int
     "Plans evaluated by the search."
     seconds: float
+    notes: tuple[str, ...] = ()
+    "How the plan was obtained when not by the search (e.g. pinned by the user)."
 
     def to_dict(self) -> dict:
         return dict(schema="static_dist.fsdp_report/1", plan=self.plan.to_dict(), memory=self.memory.to_dict(),
                     step={k: v for k, v in self.step.to_dict().items() if k != "spans"},
                     budget_bytes=self.budget_bytes, fits=self.fits, baselines=[b.row() for b in self.baselines],
-                    evaluated=self.evaluated, seconds=round(self.seconds, 3))
+                    evaluated=self.evaluated, seconds=round(self.seconds, 3), notes=list(self.notes))
 
     def table(self) -> str:
         "Markdown: the chosen plan next to the baselines."
@@ -899,6 +1105,18 @@ def evaluate(profile: GraphProfile, plan: FSDPPlan, cost: CostModel, budget: int
     s = predict_step(profile, plan, cost)
     return Evaluated(name or plan.name, plan, m.peak_bytes, s.step_seconds, s.tokens_per_second,
                      m.peak_bytes <= budget, s.counts)
+
+# %% ../nbs/40_fsdp.ipynb
+def predict_plan(profile: GraphProfile, plan: FSDPPlan, *, cost: CostModel | None = None, budget: int | None = None,
+                 model: nn.Module | None = None) -> PlanReport:
+    "Memory, collectives and timeline of `plan` exactly as written (validated, not searched); fits: peak <= budget."
+    t0 = time.perf_counter()
+    validate(plan, profile, model)
+    cost = cost or default_cost_model(plan.world_size)
+    mem, step = predict_memory(profile, plan), predict_step(profile, plan, cost)
+    fits = budget is None or mem.peak_bytes <= budget
+    return PlanReport(plan, mem, step, None if budget is None else int(budget), fits, (), 1, time.perf_counter() - t0,
+                      ("evaluated as given: nothing searched",))
 
 # %% ../nbs/40_fsdp.ipynb
 def _units(mods, blocks, *, reshard, ac_first: int, ov: Overrides, why: dict) -> tuple[FSDPUnit, ...]:
@@ -926,9 +1144,10 @@ def plan_fsdp(graph: StaticGraph | GraphProfile, *, world_size: int, budget: int
     prof = graph if isinstance(graph, GraphProfile) else profile_graph(graph)
     if not isinstance(world_size, int) or world_size < 1: raise PlanError(f"world_size={world_size!r}: must be a positive int.")
     if budget <= 0: raise PlanError(f"budget={budget}: must be a positive number of bytes per rank.")
-    mesh_shape = tuple(mesh_shape or (world_size,))
+    if overrides.plan is None: mesh_shape = tuple(mesh_shape or (world_size,))
     cost = cost or default_cost_model(world_size)
     _check_overrides(overrides, prof)
+    if overrides.plan is not None: return _pinned(prof, overrides.plan, world_size, mesh_shape, cost, budget, model)
     base = FSDPPlan(world_size, mesh_shape, (FSDPUnit(""),), overrides.ignored, param_dtype, reduce_dtype,
                     accumulation_steps=accumulation_steps)
     validate(base, prof, model)
@@ -969,6 +1188,18 @@ def plan_fsdp(graph: StaticGraph | GraphProfile, *, world_size: int, budget: int
     mem, step = predict_memory(prof, plan), predict_step(prof, plan, cost)
     return PlanReport(plan, mem, step, int(budget), mem.peak_bytes <= budget, baselines, n_eval,
                       time.perf_counter() - t0)
+
+# %% ../nbs/40_fsdp.ipynb
+def _pinned(prof, plan: FSDPPlan, world_size, mesh_shape, cost, budget, model) -> PlanReport:
+    "plan_fsdp with Overrides(plan=...): the given plan, evaluated and explained, nothing added."
+    if plan.world_size != world_size or mesh_shape is not None and tuple(mesh_shape) != plan.mesh_shape:
+        raise PlanError(f"the pinned plan is for world_size {plan.world_size}, mesh {plan.mesh_shape}, but "
+                        f"world_size={world_size}, mesh_shape={mesh_shape} were asked; make them agree")
+    rep = predict_plan(prof, plan, cost=cost, budget=budget, model=model)
+    why = (f"the whole plan was pinned by the user (Overrides(plan=...)): evaluated as written, nothing searched; "
+           f"predicted peak {fmt_bytes(rep.memory.peak_bytes)} per rank "
+           f"{'within' if rep.fits else 'over'} the budget {fmt_bytes(budget)}")
+    return dataclasses.replace(rep, notes=(why,))
 
 # %% ../nbs/40_fsdp.ipynb
 def baseline_plans(profile: GraphProfile, base: FSDPPlan) -> dict[str, FSDPPlan]:
@@ -1072,35 +1303,132 @@ def plot_fsdp_timeline(step: StepPrediction, ax=None, title: str | None = None):
     return fig
 
 # %% ../nbs/40_fsdp.ipynb
-def memtracker_fsdp_peak(build, plan: FSDPPlan, inputs: tuple, targets, loss_fn, optimizer: str = "adamw") -> int:
-    "FSDPMemTracker's peak bytes on rank 0 of a fake process group of `plan.world_size` (the independent reference)."
+def _one_step(m, opt, inputs, kwargs, targets, loss_fn, plan: FSDPPlan):
+    "One optimizer step of `plan.accumulation_steps` micro-batches; the output is dropped once the loss is made."
+    k = plan.accumulation_steps
+    for j in range(k):
+        if k > 1 and not plan.sync_every_microbatch: m.set_requires_gradient_sync(j == k - 1)
+        out = m(*inputs, **kwargs)
+        loss = out if loss_fn is None else (loss_fn(out) if targets is None else loss_fn(out, targets))
+        del out
+        loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+def _comm_counts(mode) -> dict:
+    "CommDebugMode's counts in predict_comms' keys."
+    out = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
+    for op, n in mode.get_comm_counts().items():
+        s = str(op)
+        key = next((k for k, pat in (("reduce_scatter", "reduce_scatter"), ("all_gather", "all_gather"),
+                                     ("all_gather", "allgather"), ("all_reduce", "all_reduce"),
+                                     ("all_reduce", "allreduce")) if pat in s), None)
+        if key: out[key] += n
+    return out
+
+# %% ../nbs/40_fsdp.ipynb
+class _Where:
+    "Context: the FQN of the innermost module whose forward raised (global module hooks; `.failed_in`)."
+    def __init__(self, model: nn.Module):
+        self.names, self.stack, self.failed_in = {id(m): n for n, m in model.named_modules()}, [], ""
+    def __enter__(self):
+        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+        self.h = [register_module_forward_pre_hook(lambda m, a: self._push(m)),
+                  register_module_forward_hook(lambda m, a, o: self._pop())]
+        return self
+    def _push(self, m): self.stack.append(self.names.get(id(m), ""))
+    def _pop(self):
+        if self.stack: self.stack.pop()
+    def __exit__(self, *exc):
+        for h in self.h: h.remove()
+        if exc[0] is not None and self.stack: self.failed_in = self.stack[-1]
+
+def _tracked(build, plan: FSDPPlan, inputs, kwargs, targets, loss_fn, optimizer: str) -> tuple[int, dict]:
+    "(FSDPMemTracker's peak on rank 0, CommDebugMode's counts) of the second (steady) step under a fake process group."
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.debug import CommDebugMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
-    if dist.is_initialized(): raise RuntimeError("a process group is already initialised: run this in a fresh process.")
+    from static_dist.graph import _explain
+    if optimizer not in ("adamw", "adam", "sgd"): raise PlanError(f"optimizer {optimizer!r}: use 'adamw', 'adam' or 'sgd'")
+    if dist.is_initialized(): raise PlanError("a process group is already initialised: verify in a fresh process "
+                                              "(this creates its own fake group of plan.world_size ranks)")
     dist.init_process_group("fake", rank=0, world_size=plan.world_size, store=FakeStore())
     try:
-        names = ("replicate", "shard")[-len(plan.mesh_shape):]
-        mesh = init_device_mesh("cpu", plan.mesh_shape, mesh_dim_names=names)
         m = build()
-        apply_plan(m, plan, mesh)
+        apply_plan(m, plan, init_device_mesh("cpu", plan.mesh_shape, mesh_dim_names=("replicate", "shard")[-len(plan.mesh_shape):]))
+        where = _Where(m)
         with FakeTensorMode(allow_non_fake_inputs=True):
             m.to_empty(device="cpu")
-            opt = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}[optimizer](
-                m.parameters(), lr=1e-3)
+            opt = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}[optimizer](m.parameters(), lr=1e-3)
             fmt = FSDPMemTracker(m, opt)
-            fmt.track_inputs((*inputs, targets))
-            with fmt:
-                for i in range(2):
-                    loss_fn(m(*inputs), targets).backward()
-                    opt.step()
-                    opt.zero_grad()
-                    if i == 0: fmt.reset_mod_stats()
-            return int(sum(d["Total"] for d in fmt.get_tracker_snapshot("peak").values()))
+            fmt.track_inputs(tuple(t for t in (*inputs, *kwargs.values(), targets) if isinstance(t, torch.Tensor)))
+            try:
+                with fmt:
+                    with where: _one_step(m, opt, inputs, kwargs, targets, loss_fn, plan)
+                    fmt.reset_mod_stats()
+                    with CommDebugMode() as cdm, where: _one_step(m, opt, inputs, kwargs, targets, loss_fn, plan)
+            except PlanError: raise
+            except Exception as e: raise _explain(e, "the FSDP step under FSDPMemTracker", where.failed_in) from None
+        return int(sum(d["Total"] for d in fmt.get_tracker_snapshot("peak").values())), _comm_counts(cdm)
     finally:
         dist.destroy_process_group()
+
+# %% ../nbs/40_fsdp.ipynb
+def memtracker_fsdp_peak(build, plan: FSDPPlan, inputs: tuple, targets, loss_fn, optimizer: str = "adamw",
+                         kwargs: dict | None = None) -> int:
+    "FSDPMemTracker's peak bytes on rank 0 of a fake process group of `plan.world_size` (the independent reference)."
+    return _tracked(build, plan, tuple(inputs), dict(kwargs or {}), targets, loss_fn, optimizer)[0]
+
+# %% ../nbs/40_fsdp.ipynb
+@dataclass(frozen=True)
+class Verification:
+    "A plan's predicted rank-0 peak and collectives next to FSDPMemTracker's and CommDebugMode's (fake process group)."
+    world_size: int
+    predicted_bytes: int
+    measured_bytes: int
+    predicted_counts: dict
+    measured_counts: dict
+    "Collectives of one steady-state optimizer step."
+    seconds: float
+
+    @property
+    def ratio(self) -> float: return self.predicted_bytes / self.measured_bytes if self.measured_bytes else math.inf
+    @property
+    def counts_match(self) -> bool: return self.predicted_counts == self.measured_counts
+    def to_dict(self) -> dict: return dict(dataclasses.asdict(self), ratio=self.ratio, counts_match=self.counts_match)
+    def line(self) -> str:
+        return (f"world {self.world_size}: predicted {fmt_bytes(self.predicted_bytes)} / measured "
+                f"{fmt_bytes(self.measured_bytes)} = {self.ratio:.4f}; collectives "
+                f"{'match' if self.counts_match else f'differ: {self.predicted_counts} vs {self.measured_counts}'}")
+
+# %% ../nbs/40_fsdp.ipynb
+def verify_plan(build, plan: FSDPPlan, profile: GraphProfile, inputs=(), *, kwargs: dict | None = None, targets=None,
+                loss_fn=None, optimizer: str = "adamw") -> Verification:
+    """Measure `plan` on `build()` (a meta-device model) with FSDPMemTracker and CommDebugMode under a fake process
+    group, next to `profile`'s prediction. Build the model in the master dtype (fp32 under a bf16 param_dtype)."""
+    t0 = time.perf_counter()
+    validate(plan, profile)
+    inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+    peak, counts = _tracked(build, plan, inputs, dict(kwargs or {}), targets, loss_fn, optimizer)
+    return Verification(plan.world_size, predict_memory(profile, plan).peak_bytes, peak, predict_comms(profile, plan),
+                        counts, time.perf_counter() - t0)
+
+# %% ../nbs/40_fsdp.ipynb
+def verify_workload(w, plan: FSDPPlan, profile: GraphProfile | None = None) -> Verification:
+    """`verify_plan` for a `static_dist.workload.Workload`: built in its dtype (the master dtype), its inputs and loss.
+    Without `profile`, the prediction profiles the workload's graph in the plan's param_dtype (fp32 masters)."""
+    from static_dist.workload import DTYPES
+    if w.optimizer not in ("adamw", "adam", "sgd"):
+        raise PlanError(f"optimizer {w.optimizer!r}: verifying needs the step's optimizer ('adamw', 'adam' or 'sgd')")
+    if profile is None:
+        dt = plan.param_dtype or w.dtype
+        profile = profile_graph(w.graph(dtype=dt), w.dtype if dt != w.dtype else None)
+    args, kwargs, targets = w.inputs()
+    return verify_plan(lambda: w.build(device="meta", dtype=DTYPES[w.dtype]), plan, profile, args, kwargs=kwargs,
+                       targets=targets, loss_fn=w.loss, optimizer=w.optimizer)
 
 # %% ../nbs/40_fsdp.ipynb
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30,

@@ -15,11 +15,13 @@ from pathlib import Path
 import numpy as np
 
 from .topology import MeshSpec, Topology, check_mesh, collective_bytes, collective_time, preset
+from .util import StaticDistError
 
 # %% auto 0
-__all__ = ['STYLES', 'LAYOUT_NAMES', 'MEGATRON', 'BENCHES', 'ModuleGroups', 'module_groups', 'Placement', 'placement_cost',
-           'place_ilp', 'place_greedy', 'place_brute_force', 'Violation', 'LayoutError', 'check_pipeline',
-           'parallel_style', 'LinearSpec', 'BlockSpec', 'llama_block_spec', 'Choice', 'choice_cost', 'ShardingPlan',
+__all__ = ['STYLES', 'LAYOUT_NAMES', 'MEGATRON', 'BENCHES', 'PlacementError', 'NoRepeatedBlocksError', 'ModuleGroups',
+           'module_groups', 'Placement', 'placement_cost', 'place_ilp', 'place_greedy', 'place_brute_force',
+           'Violation', 'LayoutError', 'check_pipeline', 'parallel_style', 'LinearSpec', 'BlockSpec',
+           'llama_block_spec', 'block_spec', 'Choice', 'choice_cost', 'ShardingPlan', 'megatron_styles',
            'evaluate_plan', 'search_plan', 'brute_force_plan', 'check_plan', 'validate_plan', 'apply_plan',
            'plan_report', 'plot_plans', 'solve_case', 'bench_placement', 'load_topology_arg', 'register_cli',
            'audit_section', 'placement_widget']
@@ -32,10 +34,29 @@ def _tensor_bytes(g, tid: int) -> int:
     t = g.tensors[tid]
     return math.prod(t.shape) * _ITEMSIZE.get(t.dtype.replace("torch.", ""), 4)
 
-def _group_of(fqn: str, depth: int) -> str:
+class PlacementError(StaticDistError, ValueError):
+    "A placement or sharding question that has no answer as asked; the message says what to change."
+
+class NoRepeatedBlocksError(PlacementError):
+    "The model has no stack of identical blocks, so there is no repeated block to shard or to split into stages."
+
+def _group_of(fqn: str, depth: int, stack=None) -> str:
+    "The group of module `fqn`: its block of the main stack, else `depth` names below the stack's nearest ancestor."
+    if stack is not None:
+        b = stack.index_of(fqn)
+        if b is not None: return stack.blocks[b]
+        anchor = next((a for a in _ancestors(stack.path) if a == "" or fqn == a or fqn.startswith(a + ".")), "")
+        if fqn == anchor: return fqn
+        rest = fqn[len(anchor) + 1:] if anchor else fqn
+        return ".".join(filter(None, [anchor, ".".join(rest.split(".")[:depth])]))
     parts = fqn.split(".")
     if parts[0] in ("layers", "blocks", "h") and len(parts) > 1: return ".".join(parts[:2])
     return ".".join(parts[:depth]) if fqn else ""
+
+def _ancestors(path: str) -> list[str]:
+    "'a.b.c' -> ['a.b', 'a', ''] (the containers above a stack, innermost first)."
+    parts = path.split(".") if path else []
+    return [".".join(parts[:i]) for i in range(len(parts) - 1, -1, -1)]
 
 @dataclass(frozen=True)
 class ModuleGroups:
@@ -49,11 +70,18 @@ class ModuleGroups:
     "(producer group, consumer group, bytes per step: the forward tensor plus its gradient)."
 
 def module_groups(graph, depth: int = 1) -> ModuleGroups:
-    "Group the graph's forward ops by top-level module (`layers.i` kept apart); edges from tensors crossing groups."
+    """Group the graph's forward ops: each block of the main stack (`graph.structure`, at any depth) is a group, other
+    modules group `depth` names below the stack's container; edges from tensors crossing groups."""
     order, flops, producer = {}, {}, {}
+    stack = _main(graph)
     for o in graph.ops:
-        if o.phase != "forward" or not o.module: continue
-        gname = _group_of(o.module, depth)
+        if o.phase != "forward": continue
+        if not o.module:          # the root's own ops (an add, a slice) pass their input's group on
+            src = next((producer[t] for t in o.inputs if t in producer), None)
+            for t in o.outputs:
+                if src is not None: producer.setdefault(t, src)
+            continue
+        gname = _group_of(o.module, depth, stack)
         order.setdefault(gname, len(order))
         for t in o.outputs: producer.setdefault(t, gname)
     stats = graph.module_stats()
@@ -66,12 +94,16 @@ def module_groups(graph, depth: int = 1) -> ModuleGroups:
     cross: dict[tuple[int, int], set] = {}
     for o in graph.ops:
         if o.phase != "forward" or not o.module: continue
-        gname = _group_of(o.module, depth)
+        gname = _group_of(o.module, depth, stack)
         for t in o.inputs:
             src = producer.get(t)
             if src is not None and src != gname: cross.setdefault((order[src], order[gname]), set()).add(t)
     edges = tuple((a, b, 2 * sum(_tensor_bytes(graph, t) for t in ts)) for (a, b), ts in sorted(cross.items()))
     return ModuleGroups(names, tuple(flops[n] for n in names), memory, edges)
+
+def _main(graph):
+    "The graph's main block stack (None when it has none, or was saved without its structure)."
+    return getattr(getattr(graph, "structure", None), "main", None)
 
 def _state_factor(graph) -> float:
     "Bytes per parameter byte of parameter + gradient + optimizer state, as captured."
@@ -198,11 +230,11 @@ class Violation:
     fix: str
     def __str__(self): return f"{self.module}: {self.check}: found {self.found}, expected {self.expected}. Fix: {self.fix}"
 
-class LayoutError(ValueError):
+class LayoutError(PlacementError):
     "A plan that would run with inconsistent layouts; `.violations` lists them."
     def __init__(self, violations):
         self.violations = list(violations)
-        super().__init__("plan has layout violations:\n" + "\n".join(f"- {v}" for v in self.violations))
+        super().__init__(f"plan has {len(self.violations)} layout violation(s): " + "; ".join(map(str, self.violations)))
 
 def check_pipeline(mg: ModuleGroups, devices) -> list:
     "Violations of pipeline order in a group -> device assignment (empty: every stage follows the previous one)."
@@ -249,6 +281,8 @@ class LinearSpec:
     in_heads: int = 0
     "Heads its input dim is made of (0: not head-structured)."
     out_heads: int = 0
+    fused: int = 1
+    "Projections concatenated in its output (a fused qkv: 3): column sharding would mix them, so it stays whole."
 
 @dataclass(frozen=True)
 class BlockSpec:
@@ -277,7 +311,7 @@ class BlockSpec:
 def _linear_io(graph, fqn: str) -> tuple[int, int]:
     "Bytes of a module's activation input and output, read from its forward ops."
     ops = [o for o in graph.ops if o.phase == "forward" and o.module == fqn]
-    if not ops: raise ValueError(f"module {fqn!r} ran no forward op in the captured graph")
+    if not ops: raise PlacementError(f"module {fqn!r} ran no forward op in the captured graph")
     made = {t for o in ops for t in o.outputs}
     ins = [t for o in ops for t in o.inputs if t not in made
            and graph.storages[graph.tensors[t].storage].role not in ("parameter", "buffer")]
@@ -309,6 +343,75 @@ def llama_block_spec(graph, cfg, prefix: str = "layers") -> BlockSpec:
                      sf, int(total - lin_bytes), sum(s.nbytes for s in graph.storages if s.role == "activation"))
 
 # %% ../nbs/30_placement.ipynb
+def _dataflow(graph, block: str, names: list[str]) -> tuple[dict, set]:
+    "({linear: tags of its input}, linears feeding attention) from block 0's forward ops; tags: linears and 'x' (hidden input)."
+    ops = [o for o in graph.ops if o.phase == "forward" and (o.module == block or o.module.startswith(block + "."))]
+    made = {t for o in ops for t in o.outputs}
+    shape = graph.tensors[ops[-1].outputs[0]].shape                 # the block's output: same shape as its hidden input
+    tags: dict[int, frozenset] = {t: frozenset({"x"}) for o in ops for t in o.inputs if t not in made
+                                  and graph.tensors[t].shape == shape}
+    owner = lambda m: next((n for n in names if m == f"{block}.{n}" or m.startswith(f"{block}.{n}.")), None)
+    reads, attn = {}, set()
+    for o in ops:
+        seen = frozenset().union(*(tags.get(t, frozenset()) for t in o.inputs))
+        lin = owner(o.module)
+        if lin is not None: reads[lin] = reads.get(lin, frozenset()) | seen - {lin}
+        if "scaled_dot_product" in o.op or "_softmax" in o.op: attn |= seen
+        for t in o.outputs: tags[t] = frozenset({lin}) if lin is not None else seen
+    return reads, attn - {"x"}
+
+# %% ../nbs/30_placement.ipynb
+def _chains(names: list[str], reads: dict) -> tuple:
+    "((producers), consumer) pairs: producers read the hidden input, the consumer reads their outputs."
+    producers = [n for n in names if "x" in reads.get(n, ())]
+    out = []
+    for c in names:
+        ps = tuple(p for p in producers if p in reads.get(c, ()))
+        if ps: out.append((ps, c))
+    return tuple(out)
+
+# %% ../nbs/30_placement.ipynb
+def _heads(l, stack, attn: set, consumers: set) -> tuple[int, int, int]:
+    "(in_heads, out_heads, fused) of a linear from the stack's head counts, for linears around attention only."
+    H, K, D = stack.n_heads, stack.n_kv_heads or stack.n_heads, stack.head_dim
+    if not (H and D): return 0, 0, 1
+    out_h, fused = 0, 1
+    if l.name in attn:
+        if l.out_features == H * D: out_h = H
+        elif l.out_features == K * D: out_h = K
+        elif l.out_features == (H + 2 * K) * D: out_h, fused = H + 2 * K, 3
+    return (H if l.name in consumers and l.in_features == H * D else 0), out_h, fused
+
+# %% ../nbs/30_placement.ipynb
+def block_spec(graph) -> BlockSpec:
+    "BlockSpec of any captured model's repeated block (`graph.structure`'s main stack; block 0 stands for all)."
+    st = _main(graph)
+    if st is None: raise NoRepeatedBlocksError("no repeated blocks: placement needs a model with a stack of identical "
+                                               "blocks (a ModuleList or Sequential of identical modules)")
+    if not st.linears: raise NoRepeatedBlocksError(f"the repeated blocks {st.path}.* hold no linear layer to shard")
+    stats, b = graph.module_stats(), st.blocks[0]
+    first = {}
+    for o in graph.ops:
+        if o.phase == "forward" and o.module.startswith(b + "."): first.setdefault(o.module, o.index)
+    key = lambda l: min((i for m, i in first.items() if m == f"{b}.{l.name}" or m.startswith(f"{b}.{l.name}.")), default=1 << 62)
+    infos = sorted((l for l in st.linears if l.name), key=key)       # forward order
+    names = [l.name for l in infos]
+    reads, attn = _dataflow(graph, b, names)
+    chains = _chains(names, reads)
+    consumers = {c for ps, c in chains if set(ps) & attn}
+    lins = []
+    for l in infos:
+        s = stats[f"{b}.{l.name}"]
+        ib, ob = _linear_io(graph, f"{b}.{l.name}")
+        lins.append(LinearSpec(l.name, l.in_features, l.out_features, ib, ob,
+                               s.forward_flops + (s.backward_flops or 2 * s.forward_flops), s.param_bytes,
+                               *_heads(l, st, attn, consumers)))
+    sf, L = _state_factor(graph), len(st.blocks)
+    total = sum(s.nbytes for s in graph.storages if s.role in ("parameter", "gradient", "optimizer_state"))
+    return BlockSpec(st.path, L, tuple(lins), chains, sf, int(total - L * sum(l.param_bytes for l in lins) * sf),
+                     sum(s.nbytes for s in graph.storages if s.role == "activation"))
+
+# %% ../nbs/30_placement.ipynb
 @dataclass(frozen=True)
 class Choice:
     "Predicted cost of one (style, dp_shard) for one linear, per layer and step."
@@ -333,7 +436,7 @@ def _mesh_dims(mesh: MeshSpec, tp_dim: str) -> tuple[int, int]:
 
 def _divisible(l: LinearSpec, style: str, tp: int) -> bool:
     _, _, _, _ = STYLES[style]
-    if style in ("colwise", "colwise_gather"): return l.out_features % tp == 0 and (l.out_heads % tp == 0)
+    if style in ("colwise", "colwise_gather"): return l.fused == 1 and l.out_features % tp == 0 and (l.out_heads % tp == 0)
     if style in ("rowwise", "rowwise_scatter"): return l.in_features % tp == 0 and (l.in_heads % tp == 0)
     return True
 
@@ -379,7 +482,7 @@ class ShardingPlan:
     def style(self, name: str) -> str: return {n: s for n, s, _ in self.styles}[name]
     def parallelize_plan(self) -> dict:
         "module FQN -> ParallelStyle for `parallelize_module` (replicated linears omitted)."
-        return {f"{self.prefix}.{i}.{n}": parallel_style(s) for i in range(self.n_layers)
+        return {f"{self.prefix}.{i}.{n}" if self.prefix else f"{i}.{n}": parallel_style(s) for i in range(self.n_layers)
                 for n, s, _ in self.styles if s != "replicate"}
     def to_dict(self) -> dict:
         d = asdict(self); d["mesh"] = self.mesh.to_dict(); return d
@@ -391,6 +494,13 @@ class ShardingPlan:
 
 MEGATRON = {"attention.wq": "colwise", "attention.wk": "colwise", "attention.wv": "colwise", "attention.wo": "rowwise",
             "feed_forward.w1": "colwise", "feed_forward.w3": "colwise", "feed_forward.w2": "rowwise"}
+
+def megatron_styles(spec: BlockSpec) -> dict:
+    "Megatron's hand-written plan for any block: chain producers column-parallel, consumers row-parallel, the rest replicated."
+    out = {l.name: "replicate" for l in spec.linears}
+    for producers, consumer in spec.chains:
+        out.update({p: "colwise" for p in producers}, **{consumer: "rowwise"})
+    return out
 
 def _options(spec: BlockSpec, tp: int, dp: int, allow_dp_shard: bool):
     return [(l, s, f) for l in spec.linears for s in STYLES if _divisible(l, s, tp)
@@ -476,6 +586,10 @@ def check_plan(spec: BlockSpec, styles: dict, mesh: MeshSpec, tp_dim: str = "tp"
         s = styles.get(l.name, "replicate")
         if s not in STYLES:
             v.append(Violation(l.name, "style", repr(s), f"one of {tuple(STYLES)}", "use a known style")); continue
+        if s.startswith("colwise") and l.fused > 1:
+            v.append(Violation(f"{spec.prefix}.*.{l.name}", "fused projections", f"{l.fused} projections in one output",
+                               "one projection per linear", "replicate it, or split it into separate q/k/v linears to "
+                               "shard its columns")); continue
         if not _divisible(l, s, tp):
             dim = ("out_features", l.out_features, l.out_heads) if s.startswith("colwise") else ("in_features", l.in_features, l.in_heads)
             v.append(Violation(f"{spec.prefix}.*.{l.name}", "divisibility", f"{dim[0]}={dim[1]}" + (f", heads={dim[2]}" if dim[2] else ""),
@@ -522,7 +636,7 @@ def apply_plan(model, device_mesh, spec: BlockSpec, plan: ShardingPlan):
         dp = [n for n in names if n != plan.tp_dim]
         dp_mesh = device_mesh[dp[0]] if len(dp) == 1 else device_mesh[tuple(dp)]._flatten()
         for i in range(plan.n_layers):
-            for n in sharded: fully_shard(model.get_submodule(f"{plan.prefix}.{i}.{n}"), mesh=dp_mesh, reshard_after_forward=True)
+            for n in sharded: fully_shard(model.get_submodule(f"{plan.prefix}.{i}.{n}" if plan.prefix else f"{i}.{n}"), mesh=dp_mesh, reshard_after_forward=True)
     return model
 
 # %% ../nbs/30_placement.ipynb
@@ -534,7 +648,7 @@ def plan_report(spec: BlockSpec, topo: Topology, mesh: MeshSpec, tp_dim: str = "
     rows = {}
     for label, plan in (("found", found), ("megatron", None)):
         try:
-            if plan is None: plan = evaluate_plan(spec, MEGATRON, topo, mesh, tp_dim, efficiency=eff, method="megatron")
+            if plan is None: plan = evaluate_plan(spec, megatron_styles(spec), topo, mesh, tp_dim, efficiency=eff, method="megatron")
         except Exception as e:
             rows[label] = dict(error=str(e)); continue
         per = {n: asdict(choice_cost(spec.linear(n), s, f, topo, mesh, tp_dim, eff, spec.state_factor))

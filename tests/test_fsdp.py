@@ -50,7 +50,7 @@ def test_cli_plan_fsdp_70b(tmp_path):
     "The issue's command runs and writes a plan that fits (its wall time is recorded by `static-dist bench fsdp`)."
     out = tmp_path / "plan.json"
     t0 = time.perf_counter()
-    p = subprocess.run([sys.executable, "-m", "static_dist.cli", "plan-fsdp", "--model", "llama3-70b", "--world",
+    p = subprocess.run([sys.executable, "-m", "static_dist.app", "plan-fsdp", "--model", "llama3-70b", "--world",
                         "1024", "--budget", "80GiB", "--out", str(out)], capture_output=True, text=True, cwd=ROOT,
                        timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
@@ -62,6 +62,6 @@ def test_cli_plan_fsdp_70b(tmp_path):
 
 
 def test_cli_usage_errors():
-    from static_dist.cli import main
+    from static_dist.app.cli import main
     assert main(["plan-fsdp", "--model", "tiny", "--mesh", "3x3", "--world", "8"]) == 2
     assert main(["plan-fsdp", "--model", "tiny", "--ignore", "nonexistent"]) == 2

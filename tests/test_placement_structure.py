@@ -1,0 +1,103 @@
+"""Placement on models nobody here wrote: the block spec and module groups read from the module tree and the
+captured dataflow (GPT-style blocks at `transformer.h` with a fused qkv; Hugging Face Llama at `model.layers`)."""
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from static_dist.graph import capture
+from static_dist.placement import (MEGATRON, NoRepeatedBlocksError, block_spec, brute_force_plan, check_plan,
+                                   llama_block_spec, megatron_styles, module_groups, search_plan)
+from static_dist.topology import MeshSpec, preset
+from static_dist.util import StaticDistError
+from static_dist.zoo import get_model
+
+sys.path.insert(0, str(Path(__file__).parent))
+from gpt_model import build_gpt, gpt_loss  # noqa: E402
+
+X = torch.randint(0, 512, (2, 64))
+TOPO, MESH = preset("cpu-2socket", ranks_per_socket=2), MeshSpec((2, 2), ("dp", "tp"))
+
+
+@pytest.fixture(scope="module")
+def gpt_graph():
+    return capture(build_gpt(3), X, loss_fn=gpt_loss, targets=X, optimizer="adamw")
+
+
+@pytest.fixture(scope="module")
+def hf_graph():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=512, max_position_embeddings=256, use_cache=False)
+    with torch.device("meta"): m = transformers.LlamaForCausalLM(cfg)
+    return capture(m, example_kwargs=dict(input_ids=X, labels=X), loss_fn=lambda o: o.loss, optimizer="adamw")
+
+
+def test_zoo_llama_spec_equals_the_config_one():
+    zm = get_model("tiny")
+    m = zm.build(device="meta")
+    x, y = zm.batch(2, 64)
+    g = capture(m, x, loss_fn=zm.loss, targets=y, optimizer="adamw")
+    spec = block_spec(g)
+    assert spec == llama_block_spec(g, m.cfg)
+    assert megatron_styles(spec) == MEGATRON
+
+
+def test_gpt_fused_qkv_at_transformer_h(gpt_graph):
+    spec = block_spec(gpt_graph)
+    assert (spec.prefix, spec.n_layers) == ("transformer.h", 3)
+    assert spec.chains == ((("attn.c_attn",), "attn.c_proj"), (("mlp.c_fc",), "mlp.c_proj"))
+    qkv, proj, fc, out = (spec.linear(n) for n in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"))
+    d, B, T = 128, 2, 64
+    assert (qkv.in_features, qkv.out_features, qkv.fused, qkv.out_heads) == (d, 3 * d, 3, 12)
+    assert (proj.in_heads, fc.out_heads, fc.out_features, out.in_features) == (4, 0, 4 * d, 4 * d)
+    assert (qkv.in_bytes, qkv.out_bytes, fc.out_bytes) == (B * T * d * 4, B * T * 3 * d * 4, B * T * 4 * d * 4)
+    assert qkv.flops == 3 * 2 * (B * T) * d * (3 * d)          # forward 2·tokens·in·out, backward twice that
+    vs = check_plan(spec, megatron_styles(spec), MESH)          # Megatron's plan would split q, k and v apart
+    assert [v.check for v in vs] == ["fused projections"]
+    found = search_plan(spec, TOPO, MESH, allow_dp_shard=False)
+    assert found.style("attn.c_attn") not in ("colwise", "colwise_gather")
+    assert check_plan(spec, {n: s for n, s, _ in found.styles}, MESH) == []
+    assert found.seconds == pytest.approx(brute_force_plan(spec, TOPO, MESH).seconds, rel=1e-9)
+    assert set(found.parallelize_plan()) <= {f"transformer.h.{i}.{l.name}" for i in range(3) for l in spec.linears}
+
+
+def test_hf_llama_at_model_layers(hf_graph):
+    spec = block_spec(hf_graph)
+    assert (spec.prefix, spec.n_layers) == ("model.layers", 3)
+    assert spec.chains == ((("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "self_attn.o_proj"),
+                           (("mlp.gate_proj", "mlp.up_proj"), "mlp.down_proj"))
+    heads = {l.name: (l.in_heads, l.out_heads) for l in spec.linears}
+    assert heads == {"self_attn.q_proj": (0, 4), "self_attn.k_proj": (0, 2), "self_attn.v_proj": (0, 2),
+                     "self_attn.o_proj": (4, 0), "mlp.gate_proj": (0, 0), "mlp.up_proj": (0, 0), "mlp.down_proj": (0, 0)}
+    assert check_plan(spec, megatron_styles(spec), MESH) == []
+    found = search_plan(spec, TOPO, MESH, allow_dp_shard=False)
+    assert found.seconds == pytest.approx(brute_force_plan(spec, TOPO, MESH).seconds, rel=1e-9)
+    # 2 kv heads over tp=4 cannot be split: column-sharding k/v is refused
+    vs = check_plan(spec, megatron_styles(spec), MeshSpec((1, 4), ("dp", "tp")))
+    assert {v.module for v in vs if v.check == "divisibility"} == {"model.layers.*.self_attn.k_proj",
+                                                                     "model.layers.*.self_attn.v_proj"}
+
+
+def test_module_groups_split_nested_stacks(gpt_graph, hf_graph):
+    mg = module_groups(gpt_graph)
+    assert mg.names == ("transformer.wte", "transformer.wpe", "transformer.h.0", "transformer.h.1", "transformer.h.2",
+                        "transformer.ln_f", "lm_head")
+    hidden = 2 * (2 * 64 * 128 * 4)                               # the hidden state and its gradient
+    assert [(a, b) for a, b, _ in mg.edges][1:] == [(2, 3), (3, 4), (4, 5), (5, 6)]
+    assert {n for *_, n in mg.edges} == {hidden}
+    hf = module_groups(hf_graph)
+    assert [n for n in hf.names if n.startswith("model.layers")] == [f"model.layers.{i}" for i in range(3)]
+    assert len(hf.names) > 5
+
+
+def test_no_repeated_blocks_is_a_typed_one_line_error():
+    zm = get_model("mlp")
+    x, y = zm.batch(4)
+    g = capture(zm.build(device="meta"), x, loss_fn=zm.loss, targets=y)
+    with pytest.raises(NoRepeatedBlocksError) as e:
+        block_spec(g)
+    assert isinstance(e.value, StaticDistError) and isinstance(e.value, ValueError)
+    assert str(e.value).startswith("no repeated blocks: placement needs a model with a stack of identical blocks")
+    assert "\n" not in str(e.value)
