@@ -22,8 +22,8 @@ from .util import StaticDistError
 # %% auto 0
 __all__ = ['COLLECTIVE_OPS', 'CompileError', 'CompileOptions', 'BlockChoice', 'KnobChoice', 'CompileRecord', 'compile_targets',
            'block_inputs', 'check_block', 'inductor_comm_settings', 'fsdp_knobs', 'apply_compiled', 'compile_record',
-           'graphs_compiled', 'compiled_step', 'count_collectives', 'init_single_process_group', 'process_group',
-           'step_once', 'RecompileFinding', 'preflight', 'cpu_cost_model', 'bench_compile', 'TrainConfig', 'train']
+           'graphs_compiled', 'count_collectives', 'init_single_process_group', 'process_group', 'step_once',
+           'RecompileFinding', 'preflight', 'cpu_cost_model', 'bench_compile', 'TrainConfig', 'train']
 
 # %% ../nbs/42_compile.ipynb
 class CompileError(StaticDistError, ValueError):
@@ -41,7 +41,7 @@ class CompileOptions:
     dynamic: bool | None = False
     "False: static shapes (a new sequence length recompiles, see `preflight`); None: automatic dynamic; True: symbolic."
     compiled_autograd: bool = False
-    "Trace backward with compiled autograd inside `compiled_step` (a scoped `torch._dynamo.config` patch)."
+    "Compiled autograd: refused by `apply_compiled` (with FSDP2's eager hooks it changed the losses here; see the chapter)."
     inductor_comm: bool = True
     "Carry the plan's bucketing/prefetch into Inductor's collective passes (the names this torch has), per compile."
     blocks: tuple[str, ...] | None = None
@@ -262,6 +262,9 @@ def apply_compiled(model: nn.Module, plan: FSDPPlan, mesh=None, compile: Compile
     "Shard `model` as `plan` says (`fsdp.apply_plan`), then `torch.compile` each block in place; the record: `compile_record(model)`. With example_inputs each block is explained first (this resets Dynamo's caches)."
     say = progress or (lambda s: None)
     opts = compile
+    if opts.enabled and opts.compiled_autograd:
+        raise CompileError("CompileOptions(compiled_autograd=True) does not compose with FSDP2's eager hooks here (torch "
+                           f"{torch.__version__}: losses differed from step 2 and every step recompiled): use compiled_autograd=False.")
     targets = compile_targets(model, plan, opts.blocks) if opts.enabled else ()
     ins = block_inputs(model, targets, example_inputs, example_kwargs) if (targets and example_inputs is not None) else {}
     mods = dict(model.named_modules())
@@ -303,17 +306,6 @@ def graphs_compiled(model: nn.Module) -> int:
     "Graphs compiled so far for `model`'s blocks (first compiles plus recompiles)."
     c = getattr(model, "_static_dist_compile", None)
     return c.backend.graphs if c is not None and c.backend is not None else 0
-
-@contextlib.contextmanager
-def compiled_step(model: nn.Module):
-    "Around forward+backward of one micro-batch: compiled autograd, when the options ask for it, scoped to this block."
-    c = getattr(model, "_static_dist_compile", None)
-    if c is None or not c.options.enabled or not c.options.compiled_autograd:
-        yield; return
-    from torch._dynamo import compiled_autograd
-    backend = c.backend
-    with compiled_autograd._enable(torch.compile(backend=backend, fullgraph=False, dynamic=c.options.dynamic)):
-        yield
 
 _COLL = (("all_gather", ("allgather", "all_gather")), ("reduce_scatter", ("reduce_scatter",)),
          ("all_reduce", ("allreduce", "all_reduce")))
@@ -369,9 +361,8 @@ def step_once(model: nn.Module, opt, micro_batches, loss_fn) -> float:
     k, total = len(micro_batches), 0.0
     for i, (x, y) in enumerate(micro_batches):
         model.set_requires_gradient_sync(i == k - 1)
-        with compiled_step(model):
-            loss = loss_fn(model(*x), y) / k
-            loss.backward()
+        loss = loss_fn(model(*x), y) / k
+        loss.backward()
         total += float(loss.detach())
     opt.step(); opt.zero_grad(set_to_none=True)
     return total

@@ -21,8 +21,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from static_dist.compile import (CompileOptions, apply_compiled, compile_record, compiled_step, count_collectives,
-                                 graphs_compiled)
+from static_dist.compile import CompileOptions, apply_compiled, compile_record, count_collectives, graphs_compiled
 from static_dist.fsdp import FSDPPlan, FSDPUnit, predict_comms, profile_graph
 from static_dist.graph import capture
 from static_dist.zoo import TransformerBlock, get_model
@@ -89,7 +88,7 @@ def run(name, opts, plan, rank, world, eager_check=False):
             for i, (x, y) in enumerate(mbs):
                 m.set_requires_gradient_sync(i == ACCUM - 1)
                 mode = CommDebugMode() if debug else contextlib.nullcontext()
-                with compiled_step(m), mode:
+                with mode:
                     l = loss_fn(m(x), y) / ACCUM
                     l.backward()
                 if debug: cdm.append(comm_debug_counts(mode))

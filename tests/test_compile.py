@@ -104,6 +104,13 @@ def test_train_writes_step_log(tmp_path):
     assert s["peak_predicted_bytes"] > 0 and s["grad_norm_variance"] >= 0
     assert r["compile"]["blocks"] and all(b["fullgraph"] for b in r["compile"]["blocks"])
     json.dumps(r)
+    # the stability monitors see the same step on the compiled model as on the eager one
+    from static_dist.compile import CompileOptions
+    e = train(TrainConfig(steps=3, seq=16, compile=CompileOptions(enabled=False)))
+    for a, b in zip(r["steps"], e["steps"]):
+        assert a["action"] == b["action"] == "update" and a["alarms"] == b["alarms"] == []
+        assert abs(a["loss"] - b["loss"]) <= 1e-6 * abs(b["loss"]), (a, b)
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-5 * b["grad_norm"], (a, b)
 
 
 def test_bench_compile_json():
@@ -118,3 +125,15 @@ def test_bench_compile_json():
     pred = [r for r in b["rows"] if not r["calibration_run"]]
     assert all(r["predicted_step_s"] > 0 and math.isfinite(r["predicted_over_measured"]) for r in pred)
     assert all(r["recompiles_after_step1"] == 0 and r["step_s"] > 0 for r in b["rows"])
+
+
+def test_compiled_autograd_is_refused():
+    "Measured on torch 2.13 CPU: compiled autograd over FSDP2's eager hooks changed the step-2 loss; refused, one line."
+    from static_dist.compile import CompileError, CompileOptions, apply_compiled
+    from static_dist.fsdp import FSDPPlan, FSDPUnit
+    from static_dist.zoo import get_model
+    plan = FSDPPlan(1, (1,), (FSDPUnit(""),))
+    with pytest.raises(CompileError, match="use compiled_autograd=False"):
+        apply_compiled(get_model("tiny").build(device="cpu"), plan, None, CompileOptions(compiled_autograd=True))
+    with pytest.raises(CompileError, match="'inductor', 'aot_eager' or 'eager'"):
+        CompileOptions(backend="tvm")
