@@ -112,8 +112,8 @@ def _user_line(frames) -> str:
     return where
 
 # %% ../nbs/00_graph.ipynb
-_DTYPE_WORDS = {"bfloat16": "bfloat16", "half": "float16", "float16": "float16", "float32": "float32",
-                "float": "float32", "float64": "float64", "double": "float64"}
+_DTYPE_WORDS = {"bfloat16": "bfloat16", "bf16": "bfloat16", "half": "float16", "float16": "float16", "fp16": "float16",
+                "float32": "float32", "float": "float32", "fp32": "float32", "float64": "float64", "double": "float64"}
 _DTYPE_RE = re.compile(r"\b(" + "|".join(sorted(_DTYPE_WORDS, key=len, reverse=True)) + r")\b", re.I)
 
 def _dtype_fix(msg: str) -> str | None:
@@ -331,8 +331,9 @@ def _modified(self: _Recorder, t: torch.Tensor, version: int, saver: str, module
         "(`x = x.relu()` instead of `x.relu_()`, `x = x + y` instead of `x += y`) or `.clone()` the tensor first.")
 
 # %% ../nbs/00_graph.ipynb
-_OPTIMIZERS = {"sgd": lambda ps: torch.optim.SGD(ps, lr=1e-2), "adam": lambda ps: torch.optim.Adam(ps),
-               "adamw": lambda ps: torch.optim.AdamW(ps)}
+_OPTIMIZERS = {"sgd": lambda ps, **kw: torch.optim.SGD(ps, lr=1e-2, **kw),
+               "adam": lambda ps, **kw: torch.optim.Adam(ps, **kw),
+               "adamw": lambda ps, **kw: torch.optim.AdamW(ps, **kw)}
 
 def _copy_model(model: nn.Module, mode: str, fake_mode, device) -> tuple[nn.Module, dict[int, torch.Tensor]]:
     "A copy of `model` to capture, and {id(original param or buffer): copy}."
@@ -352,13 +353,14 @@ def _copy_model(model: nn.Module, mode: str, fake_mode, device) -> tuple[nn.Modu
     mapping = dict(memo)
     return copy.deepcopy(model, memo), mapping
 
-def _build_optimizer(optimizer, model: nn.Module, mapping: dict[int, torch.Tensor], work: nn.Module):
+def _build_optimizer(optimizer, model: nn.Module, mapping: dict[int, torch.Tensor], work: nn.Module,
+                     foreach: bool | None = None):
     if optimizer is None: return None
     if isinstance(optimizer, str):
         if optimizer.lower() not in _OPTIMIZERS:
             raise CaptureError(f"unknown optimizer {optimizer!r}; use one of {sorted(_OPTIMIZERS)}, a factory "
                                "`params -> torch.optim.Optimizer`, or an optimizer instance")
-        return _OPTIMIZERS[optimizer.lower()]([p for p in work.parameters() if p.requires_grad])
+        return _OPTIMIZERS[optimizer.lower()]([p for p in work.parameters() if p.requires_grad], foreach=foreach)
     if isinstance(optimizer, torch.optim.Optimizer):
         groups = []
         for g in optimizer.param_groups:
@@ -368,7 +370,9 @@ def _build_optimizer(optimizer, model: nn.Module, mapping: dict[int, torch.Tenso
                                    "model; build it over model.parameters() or pass a factory")
             groups.append({**{k: v for k, v in g.items() if k != "params"},
                            "params": [mapping[id(p)] for p in g["params"]]})
-        return type(optimizer)(groups, **optimizer.defaults)
+        defaults = dict(optimizer.defaults)
+        if foreach is not None and defaults.get("foreach", False) is None: defaults["foreach"] = foreach
+        return type(optimizer)(groups, **defaults)
     if callable(optimizer):
         opt = optimizer([p for p in work.parameters() if p.requires_grad])
         if not isinstance(opt, torch.optim.Optimizer):
@@ -401,13 +405,16 @@ def _check_kwargs(example_kwargs) -> dict:
     return dict(example_kwargs)
 
 def _to_capture(x, mode: str, fake_mode, device):
-    "Move the tensors of an input (a tensor or a nested structure) into the capture: fakes for mode='fake'."
+    "Move the tensors of an input (a tensor or a nested structure) into the capture: fakes on `device` for mode='fake'."
     def one(t):
         if not isinstance(t, torch.Tensor) or mode == "real": return t
-        with fake_mode:
-            if t.is_meta: return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
-        return fake_mode.from_tensor(t)
+        if not t.is_meta and _same_device(t.device, device): return fake_mode.from_tensor(t)
+        with fake_mode:   # meta inputs, and inputs on another device than the capture's: an empty fake there
+            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device).requires_grad_(t.requires_grad)
     return tree_map(one, x)
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
 
 # %% ../nbs/00_graph.ipynb
 def _check_device(device) -> torch.device:
@@ -483,7 +490,7 @@ def capture(
 def _capture(model, real_inputs, real_kwargs, loss_fn, targets, optimizer, mode, device, progress, t0) -> "StaticGraph":
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if mode == "fake" else nullcontext()
     work, mapping = _copy_model(model, mode, fake_mode, device)
-    opt = _build_optimizer(optimizer, model, mapping, work)
+    opt = _build_optimizer(optimizer, model, mapping, work, _foreach_default(mode, device))
     inputs = tuple(_to_capture(x, mode, fake_mode, device) for x in real_inputs)
     kwargs = {k: _to_capture(v, mode, fake_mode, device) for k, v in real_kwargs.items()}
     targets = _to_capture(targets, mode, fake_mode, device)
@@ -529,6 +536,12 @@ def _capture(model, real_inputs, real_kwargs, loss_fn, targets, optimizer, mode,
                 inputs=[shape(x) for x in inputs], kwargs={k: shape(v) for k, v in kwargs.items()},
                 structure=find_structure(model).to_dict(), seconds=round(time.perf_counter() - t0, 4))
     return StaticGraph(tuple(rec.ops), tuple(rec.tensors), tuple(storages), meta, tuple(rec.saves), tuple(rec.unpacks))
+
+def _foreach_default(mode: str, device: torch.device) -> bool | None:
+    "The implementation torch's optimizers pick on real tensors of `device` (foreach on CUDA), for a fake capture."
+    # torch picks foreach only for plain Tensor/Parameter types; fake parameters are FakeTensors, so a fake capture on
+    # CUDA would record the per-tensor loop while the real step runs the foreach kernels. Ask for what the real step gets.
+    return (device.type in ("cuda", "xpu")) if mode == "fake" else None
 
 def _model_device(model: nn.Module) -> torch.device:
     "The device of the model's first parameter or buffer; cpu for meta (or no tensors)."

@@ -1,4 +1,5 @@
 """Capture checked against independent references on zoo models: MemTracker, eager real runs, published sizes."""
+import copy
 import math
 
 import pytest
@@ -119,13 +120,14 @@ def test_structure_survives_save_and_load(tmp_path):
     assert len(g2.structure.main.blocks) == 2
 
 
-class _BF16Expert(nn.Module):
-    def __init__(self): super().__init__(); self.w = nn.Parameter(torch.randn(2, 8, 8, dtype=torch.bfloat16))
-    def forward(self, x): return torch.bmm(x.expand(2, -1, -1), self.w)
+class _GroupedExperts(nn.Module):
+    "Experts through torch._grouped_mm, whose meta and CUDA kernels take bfloat16 only (the CPU kernel takes float32 too)."
+    def __init__(self): super().__init__(); self.w = nn.Parameter(torch.randn(2, 8, 8))
+    def forward(self, x): return torch._grouped_mm(x.expand(2, -1, -1), self.w)
 
 
 class _MixedMoE(nn.Module):
-    def __init__(self): super().__init__(); self.lin = nn.Linear(8, 8); self.expert = _BF16Expert()
+    def __init__(self): super().__init__(); self.lin = nn.Linear(8, 8); self.expert = _GroupedExperts()
     def forward(self, x): return self.expert(self.lin(x)).float().sum()
 
 
@@ -136,13 +138,13 @@ def test_dtype_mismatch_is_one_quiet_line(capfd):
     msg = str(e.value)
     assert isinstance(e.value, StaticDistError)
     assert len(msg.splitlines()) == 1
-    assert "in module 'expert'" in msg and "test_capture.py" in msg and "torch.bmm(x.expand(2, -1, -1), self.w)" in msg
+    assert "in module 'expert'" in msg and "test_capture.py" in msg and "torch._grouped_mm(x.expand(2, -1, -1), self.w)" in msg
     assert "dtype='bfloat16'" in msg and "--dtype bfloat16" in msg
     out, err = capfd.readouterr()
     assert "failed while attempting to run meta" not in out + err and out + err == "", out + err
     assert logging.getLogger("torch._subclasses.fake_tensor").disabled is False   # restored after the error
-    with pytest.raises(RuntimeError, match="expected scalar type|same dtype"):   # eager fails on the same model too
-        _MixedMoE()(torch.randn(4, 8))
+    g = capture(_MixedMoE().to(torch.bfloat16), (torch.randn(4, 8, dtype=torch.bfloat16),), optimizer="adamw")  # the fix
+    assert any(o.op.startswith("aten._grouped_mm") for o in g.ops)
 
 
 def test_value_dependent_code_suggests_real_mode():
@@ -229,14 +231,17 @@ def test_token_ids_out_of_range(mode):
             model(tokens.clone().fill_(V))
 
 
-transformers = pytest.importorskip("transformers", reason="transformers is the optional 'hf' extra")
+def _transformers():
+    "The optional 'hf' extra (a dev dependency: imported, so a missing one fails rather than skips)."
+    import transformers
+    return transformers
 
 
 def _gpt2(device):
-    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=100, n_positions=64,
+    cfg = _transformers().GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=100, n_positions=64,
                                   bos_token_id=0, eos_token_id=0)
     torch.manual_seed(0)
-    with torch.device(device): return transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.device(device): return _transformers().AutoModelForCausalLM.from_config(cfg).eval()
 
 
 def test_hf_gpt2_with_labels_in_kwargs():
@@ -266,5 +271,47 @@ def test_hf_gpt2_real_capture_matches_memtracker():
 
 
 def test_memtracker_peak_failure_is_a_capture_error():
-    with pytest.raises(CaptureError, match="a kernel in the step under MemTracker got tensors of another dtype than it needs in module 'expert'"):
-        memtracker_peak(_MixedMoE(), (torch.randn(4, 8),))
+    class BF16Bmm(nn.Module):      # eager bmm refuses float32 @ bfloat16
+        def __init__(self): super().__init__(); self.w = nn.Parameter(torch.randn(2, 8, 8, dtype=torch.bfloat16))
+        def forward(self, x): return torch.bmm(x.expand(2, -1, -1), self.w)
+    model = nn.Sequential(nn.Linear(8, 8), BF16Bmm())
+    with pytest.raises(CaptureError, match="a kernel in the step under MemTracker got tensors of another dtype than it "
+                                           "needs in module '1'.*dtype='bfloat16'"):
+        memtracker_peak(model, (torch.randn(4, 8),), loss_fn=lambda o: o.float().sum())
+
+
+# --- on a CUDA device (skipped without one; tests/gpu_all.sh runs them on the GPU machine) ---------------------------
+_cuda = pytest.mark.gpu   # skipped where no CUDA device exists (conftest)
+
+
+@_cuda
+def test_fake_capture_on_cuda_matches_a_real_cuda_step():
+    "A CPU model and CPU inputs captured as fakes on device='cuda' give the step a real CUDA run records."
+    zm, model, inputs, targets = _step("tiny", 2, 64, device="cpu")
+    fake = capture(model, inputs, loss_fn=zm.loss, targets=targets, optimizer="adamw", device="cuda")
+    cm, ci, ct = copy.deepcopy(model).cuda(), tuple(x.cuda() for x in inputs), targets.cuda()
+    real = capture(cm, ci, loss_fn=zm.loss, targets=ct, optimizer="adamw", mode="real")
+    assert [(o.op, o.inputs, o.outputs) for o in fake.ops] == [(o.op, o.inputs, o.outputs) for o in real.ops]
+    assert storage_differences(fake, real) == []
+    ref = memtracker_peak(cm, ci, loss_fn=zm.loss, targets=ct, optimizer="adamw")
+    print(f"cuda peak: fake {fake.peak().bytes} real {real.peak().bytes} MemTracker {ref}")
+    assert abs(real.peak().bytes - ref) <= 0.05 * ref, (real.peak().bytes, ref)
+
+
+@_cuda
+def test_cuda_errors():
+    n = torch.cuda.device_count()
+    with pytest.raises(CaptureError, match=f"only {n} cuda device"):
+        capture(nn.Linear(4, 4), (torch.randn(2, 4),), loss_fn=lambda o: o.sum(), device=f"cuda:{n}")
+    x = torch.randn(4, 8, device="cuda")
+    with pytest.raises(CaptureError, match="modified by an inplace operation"):
+        capture(_SigmoidInPlace().cuda(), (x,), mode="real")
+    with pytest.raises(CaptureError, match="modified by an inplace operation"):
+        capture(_SigmoidInPlace(), (x.cpu(),), device="cuda")
+    zm = get_model("tiny")
+    model = zm.build(device="cuda")
+    (tokens,), targets = zm.batch(2, 16)
+    with pytest.raises(CaptureError, match="num_embeddings=256"):
+        capture(model, (tokens.cuda() + 256,), loss_fn=zm.loss, targets=targets.cuda(), mode="real")
+    with pytest.raises(CaptureError, match="dtype='bfloat16'"):
+        capture(_MixedMoE().cuda(), (x,))                 # fake tensors on CUDA: the same meta kernel refuses float32

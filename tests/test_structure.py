@@ -90,15 +90,18 @@ def test_structure_round_trip_and_errors():
 
 
 # --- Hugging Face transformers (an optional extra): built from tiny configs on the meta device --------------------
-transformers = pytest.importorskip("transformers", reason="transformers is the optional 'hf' extra")
+def _transformers():
+    "The optional 'hf' extra (a dev dependency: imported, so a missing one fails rather than skips)."
+    import transformers
+    return transformers
 
 
 def _hf(cfg):
-    with torch.device("meta"): return transformers.AutoModelForCausalLM.from_config(cfg)
+    with torch.device("meta"): return _transformers().AutoModelForCausalLM.from_config(cfg)
 
 
 def test_hf_gpt2():
-    cfg = transformers.GPT2Config(n_layer=3, n_embd=32, n_head=4, vocab_size=100, n_positions=64)
+    cfg = _transformers().GPT2Config(n_layer=3, n_embd=32, n_head=4, vocab_size=100, n_positions=64)
     model = _hf(cfg)
     st = find_structure(model)
     m = st.main
@@ -113,7 +116,7 @@ def test_hf_gpt2():
 
 
 def test_hf_llama_gqa():
-    cfg = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=8, num_key_value_heads=2,
+    cfg = _transformers().LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=8, num_key_value_heads=2,
                                    intermediate_size=96, vocab_size=100)
     st = find_structure(_hf(cfg))
     m = st.main
