@@ -19,7 +19,7 @@ __all__ = ['INSTALL_HINT', 'MAGIC', 'PROTOCOL_VERSION', 'SUPPORTED_VERSIONS', 'D
            'Fingerprint', 'device_fingerprint', 'PlatformPolicy', 'policy_for', 'generate_key', 'key_id',
            'private_key_bytes', 'public_key_bytes', 'save_private_key', 'save_public_key', 'load_private_key',
            'load_trusted_keys', 'sign_payload', 'check_exported_program', 'save_artifact', 'VerifiedArtifact',
-           'verify_artifact', 'load_artifact', 'register_cli']
+           'verify_artifact', 'load_artifact']
 
 # %% ../nbs/11_artifact.ipynb
 class ArtifactError(StaticDistError):
@@ -463,68 +463,3 @@ def load_artifact(path, *, trusted_keys, device=None, policy: Mapping | None = N
     try: return torch.export.load(io.BytesIO(v.payload))
     except Exception as e: raise DeserializationError(f"the verified payload is not a torch.export archive this torch can read ({type(e).__name__}: {str(e)[:160]})") from None
     finally: log.setLevel(prev)
-
-# %% ../nbs/11_artifact.ipynb
-def _err(msg: str, code: int = 2) -> int:
-    print(f"error: {msg}", file=sys.stderr); return code
-
-def _cmd_keygen(args) -> int:
-    key, out = generate_key(), Path(args.out)
-    priv, pub = out.with_name(out.name + '.key'), out.with_name(out.name + '.pub')
-    if priv.exists() and not args.force: return _err(f"{priv} exists; pass --force to overwrite it")
-    save_private_key(key, priv); save_public_key(key, pub)
-    print(f"key id {key_id(key)}: private key {priv} (keep secret), public key {pub} (give to verifiers)")
-    return 0
-
-def _cmd_sign(args) -> int:
-    try: payload = Path(args.program).read_bytes()
-    except OSError as e: return _err(f"cannot read program {args.program}: {e.strerror}")
-    if not payload.startswith(b'PK\x03\x04'): return _err(f"{args.program} is not a torch.export.save archive (.pt2 zip); save one with torch.export.save(ep, path)")
-    try: key = load_private_key(args.key)
-    except (OSError, ValueError) as e: return _err(f"cannot use signing key {args.key}: {e}")
-    device = None
-    if args.device_json:
-        import json
-        try: device = Fingerprint(**json.loads(Path(args.device_json).read_text()))
-        except (OSError, ValueError, TypeError) as e: return _err(f"--device-json {args.device_json} must hold a JSON object with {list(_FP_FIELDS)}: {e}")
-    meta = dict(kv.split('=', 1) for kv in args.meta or [] if '=' in kv)
-    try: data = sign_payload(payload, signing_key=key, device=device, meta=meta)
-    except PolicyError as e: return _err(str(e), 1)
-    out = Path(args.out or Path(args.program).with_suffix('.sdxa'))
-    tmp = out.with_name(out.name + '.tmp'); tmp.write_bytes(data); os.replace(tmp, out)
-    print(f"signed {args.program} with key {key_id(key)} → {out}")
-    return 0
-
-def _cmd_verify(args) -> int:
-    sources = list(args.trusted_key or []) + list(args.trusted_keys or [])
-    if not sources: return _err("no trusted keys: pass --trusted-key PUB.pem or --trusted-keys FILE (the artifact's own claims are never trusted)")
-    try: trusted = load_trusted_keys(*sources)
-    except (OSError, ValueError) as e: return _err(f"cannot read trusted keys: {e}")
-    if not Path(args.artifact).is_file(): return _err(f"{args.artifact} does not exist or is not a file")
-    try:
-        v = verify_artifact(args.artifact, trusted_keys=trusted)
-        if args.load: load_artifact(args.artifact, trusted_keys=trusted)
-    except ArtifactError as e:
-        print(f"REJECTED ({type(e).__name__}): {e}", file=sys.stderr); return 1
-    print(f"OK: {args.artifact} signed by {v.key_id}, built for {v.fingerprint.device_model} ({v.fingerprint.os}/{v.fingerprint.arch}, torch {v.fingerprint.torch}), payload {len(v.payload):,} bytes")
-    return 0
-
-def register_cli(subparsers) -> None:
-    "Add `keygen`, `sign` and `verify` to the `static-dist` command."
-    k = subparsers.add_parser('keygen', help='generate an Ed25519 signing key pair for artifacts')
-    k.add_argument('--out', required=True, help='path prefix: writes PREFIX.key (private) and PREFIX.pub')
-    k.add_argument('--force', action='store_true', help='overwrite an existing key')
-    k.set_defaults(func=_cmd_keygen)
-    s = subparsers.add_parser('sign', help='sign a torch.export .pt2 archive into a device-bound artifact')
-    s.add_argument('program', help='a file written by torch.export.save')
-    s.add_argument('--key', required=True, help='PEM Ed25519 private key (from keygen)')
-    s.add_argument('--out', help='artifact path (default: PROGRAM with .sdxa)')
-    s.add_argument('--device-json', help='JSON fingerprint of the target device (default: this machine\'s CPU)')
-    s.add_argument('--meta', action='append', metavar='KEY=VALUE', help='metadata to sign into the header (repeatable)')
-    s.set_defaults(func=_cmd_sign)
-    v = subparsers.add_parser('verify', help='verify an artifact against trusted public keys')
-    v.add_argument('artifact')
-    v.add_argument('--trusted-key', action='append', help='PEM public key to trust (repeatable)')
-    v.add_argument('--trusted-keys', action='append', help='file of PEM public keys to trust (repeatable)')
-    v.add_argument('--load', action='store_true', help='also deserialise the program')
-    v.set_defaults(func=_cmd_verify)

@@ -34,8 +34,8 @@ __all__ = ['GB', 'TIER_PRESETS', 'DEVICE_PRESETS', 'Klass', 'CLASSES', 'OFFLOAD_
            'SavedTensor', 'checkpointed_modules', 'saved_tensors', 'classify', 'OffloadDecision', 'OffloadPlan',
            'graph_signature', 'planned_live_bytes', 'plan_offload', 'plan_to_dict', 'plan_from_dict', 'save_plan',
            'load_plan', 'check_plan', 'plan_summary', 'plan_markdown', 'checksum_rate', 'OffloadExecutor',
-           'measure_peak', 'step_peak', 'plot_lifetimes', 'plot_offload_memory', 'parse_bytes', 'register_cli',
-           'audit_section', 'disk_bandwidth', 'compare_offload', 'bench_offload', 'offload_report', 'offload_widget']
+           'measure_peak', 'step_peak', 'plot_lifetimes', 'plot_offload_memory', 'disk_bandwidth', 'compare_offload',
+           'bench_offload', 'offload_report', 'offload_widget']
 
 # %% ../nbs/50_offload.ipynb
 class OffloadError(StaticDistError, RuntimeError):
@@ -1021,75 +1021,6 @@ def plot_offload_memory(graph: StaticGraph, plan: OffloadPlan, ax=None):
     return fig
 
 # %% ../nbs/50_offload.ipynb
-_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9, "t": 1e12, "tb": 1e12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-def parse_bytes(text: str) -> float:
-    "'64GiB', '512 MB', '1e9', 'inf' -> bytes."
-    import re
-    t = str(text).strip().lower()
-    if t in ("inf", "none", "unlimited"): return math.inf
-    m = re.fullmatch(r"([0-9.]+(?:e[0-9]+)?)\s*([a-z]*)", t)
-    if not m or m.group(2) not in _UNITS:
-        raise ValueError(f"cannot read {text!r} as a size: use e.g. 64GiB, 512MB, 1e9 or inf")
-    return float(m.group(1)) * _UNITS[m.group(2)]
-
-def _cmd_plan_offload(args) -> int:
-    from static_dist.cli import UsageError, capture_zoo
-    try:
-        tiers = tuple(tier(t) for t in args.tier)
-        host = parse_bytes(args.host_limit) if args.host_limit is not None else None
-    except ValueError as e: raise UsageError(str(e)) from None
-    if args.device not in DEVICE_PRESETS: raise UsageError(f"unknown --device {args.device!r}; choose one of {sorted(DEVICE_PRESETS)}")
-    g = capture_zoo(args.model, args.batch, args.seq, args.optimizer)
-    try:
-        plan = plan_offload(g, tiers, host_limit=host, device=args.device, recomputed=args.recompute or (),
-                            min_bytes=int(parse_bytes(args.min_bytes)))
-    except ValueError as e: raise UsageError(str(e)) from None
-    if args.save: save_plan(plan, args.save)
-    if args.json: print(json.dumps(plan_summary(plan), indent=2))
-    else:
-        from rich.console import Console
-        from rich.markdown import Markdown
-        Console().print(Markdown(plan_markdown(plan)))
-    return 0
-
-def register_cli(subparsers) -> None:
-    "Add `plan-offload` to the static-dist command."
-    p = subparsers.add_parser("plan-offload", help="plan which saved tensors go to CPU/NVMe and when")
-    p.add_argument("--model", default="tiny", help="zoo model name (default: tiny)")
-    p.add_argument("--batch", type=int, default=2); p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--optimizer", default="adamw", choices=["sgd", "adam", "adamw"])
-    p.add_argument("--tier", action="append", default=None, help=f"tier preset, repeatable: {', '.join(TIER_PRESETS)} "
-                   "(default: pcie5-pinned and nvme-gen4)")
-    p.add_argument("--host-limit", default=None, help="host memory the CPU tier may use, e.g. 64GiB (default: no limit)")
-    p.add_argument("--device", default="cpu", help=f"device timing model: {', '.join(DEVICE_PRESETS)} (default: cpu)")
-    p.add_argument("--recompute", action="append", help="module FQN under activation checkpointing (repeatable)")
-    p.add_argument("--min-bytes", default="16KiB", help="keep tensors smaller than this (default 16KiB)")
-    p.add_argument("--json", action="store_true", help="print the summary as JSON")
-    p.add_argument("--save", help="write the full plan as JSON to this file")
-    def run(args):
-        if args.tier is None: args.tier = ["pcie5-pinned", "nvme-gen4"]
-        return _cmd_plan_offload(args)
-    p.set_defaults(func=run)
-
-# %% ../nbs/50_offload.ipynb
-def audit_section(model_name: str, out_dir: Path) -> dict:
-    "The offload section of `static-dist audit`: plan for this machine's timing (CPU device model), table and plots."
-    from static_dist.cli import capture_zoo
-    g = capture_zoo(model_name, 2, 64, "adamw")
-    plan = plan_offload(g, device="cpu")
-    md = [f"Saved tensors classified and placed with the CPU device model and tiers "
-          f"{', '.join(f'`{t.name}` ({t.bandwidth / 1e9:.3g} GB/s)' for t in plan.tiers)}.", "", plan_markdown(plan)]
-    try:
-        out_dir = Path(out_dir)
-        plot_lifetimes(g, plan).savefig(out_dir / "offload_lifetimes.png", dpi=80)
-        plot_offload_memory(g, plan).savefig(out_dir / "offload_memory.png", dpi=80)
-        md += ["", "![saved tensor lifetimes](offload_lifetimes.png)", "", "![device memory](offload_memory.png)"]
-    except ImportError as e: md += ["", f"(no plots: {e})"]
-    return dict(title="Offload plan", markdown="\n".join(md), data=plan_summary(plan))
-
-# %% ../nbs/50_offload.ipynb
 def disk_bandwidth(directory: str | os.PathLike | None = None, nbytes: int = 256 * 2**20, chunk: int = 8 * 2**20) -> dict:
     "Sequential write (buffered, and with fsync) and read bandwidth of the disk under `directory`, bytes/s."
     buf = np.random.default_rng(0).integers(0, 256, chunk, dtype=np.uint8).tobytes()
@@ -1188,17 +1119,18 @@ BENCHES = {"offload": bench_offload}
 # %% ../nbs/50_offload.ipynb
 _GRAPHS: dict = {}
 
-def _zoo_graph(model: str, batch: int, seq: int) -> StaticGraph:
+def _graph_at(model: str, batch: int, seq: int) -> StaticGraph:
+    "The captured step of workload `model` (any source `load_workload` takes) at batch x seq, captured once per shape."
     key = (model, batch, seq)
     if key not in _GRAPHS:
-        from static_dist.cli import capture_zoo
-        _GRAPHS[key] = capture_zoo(model, batch, seq, "adamw")
+        from static_dist.workload import load_workload
+        _GRAPHS[key] = load_workload(model, batch=batch, seq=seq).graph()
     return _GRAPHS[key]
 
 def offload_report(seq: int = 128, cpu_gbps: float = 1.0, nvme_gbps: float = 0.5, host_limit_mib: float = 4.0,
                    model: str = "tiny", batch: int = 4, device: str = "cpu") -> tuple[StaticGraph, OffloadPlan]:
     "The graph of `model` at `seq` and its plan for the given tier bandwidths (GB/s) and host limit (MiB)."
-    g = _zoo_graph(model, batch, seq)
+    g = _graph_at(model, batch, seq)
     tiers = (Tier("cpu", cpu_gbps * 1e9, 10e-6, math.inf, "cpu"), Tier("nvme", nvme_gbps * 1e9, 100e-6, math.inf, "disk"))
     return g, plan_offload(g, tiers, host_limit=host_limit_mib * 2**20, device=device)
 
@@ -1215,7 +1147,8 @@ def offload_widget(model: str = "tiny", batch: int = 4, seqs: Sequence[int] = (3
         display(Markdown(plan_markdown(plan)))
         fig, axs = plt.subplots(2, 1, figsize=(9, 7), dpi=80)
         plot_offload_memory(g, plan, ax=axs[0]); plot_lifetimes(g, plan, ax=axs[1], top=30)
-        plt.show()
+        fig.tight_layout()
+        display(fig); plt.close(fig)   # displayed explicitly: the inline backend's implicit show drew a blank first figure
         return plan
     style = dict(continuous_update=False)
     return W.interactive(show, seq=W.SelectionSlider(options=list(seqs), value=list(seqs)[-2], description="seq len", **style),

@@ -346,7 +346,8 @@ def cmd_sign(args) -> int:
 
 def cmd_verify(args) -> int:
     "`static-dist verify ARTIFACT --trusted-key PUB`: exit 0 verified, 1 rejected."
-    from static_dist.artifact import ArtifactError, load_artifact, load_trusted_keys, verify_artifact
+    from static_dist.artifact import (ArtifactError, ArtifactFileError, ArtifactUsageError, load_artifact, load_trusted_keys,
+                                      verify_artifact)
     sources = list(args.trusted_key or []) + list(args.trusted_keys or [])
     if not sources: raise UsageError("no trusted keys: pass --trusted-key PUB.pem or --trusted-keys FILE (the artifact's "
                                      "own claims are never trusted)")
@@ -354,6 +355,7 @@ def cmd_verify(args) -> int:
     try:
         v = verify_artifact(args.artifact, trusted_keys=trusted)
         if args.load: load_artifact(args.artifact, trusted_keys=trusted)
+    except (ArtifactFileError, ArtifactUsageError): raise          # bad input (exit 2), not a rejected artifact
     except ArtifactError as e:
         print(f"REJECTED ({type(e).__name__}): {e}", file=sys.stderr); return 1
     fp = v.fingerprint
