@@ -253,3 +253,28 @@ def test_llama3_8b_per_block_within_5_percent(world):
           f"{r['capture_seconds']:.0f} s, total {time.perf_counter() - t0:.0f} s")
     assert r["blocks"] == 32 and r["stack"] == "model.layers"
     assert abs(v["ratio"] - 1) < 0.05 and v["counts_match"], v
+
+
+def _examples_gpt(n_layer, checkpoint=()):
+    "examples/gpt.py (the chapter's model: tied embeddings, optional model-level activation checkpointing)."
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("examples_gpt", ROOT / "examples" / "gpt.py")
+    mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)
+    with torch.device("meta"): m = mod.GPT(mod.GPTConfig(n_layer=n_layer, checkpoint=checkpoint))
+    return profile_graph(capture(m, X, loss_fn=gpt_loss, targets=Y, optimizer="adamw"))
+
+
+def test_expand_blocks_on_examples_gpt():
+    """The example model, 3 vs 8 blocks: expansion agrees within 1% with AC plans; with checkpoint=(0,) inside the
+    model the captured blocks differ, so it refuses and the fallback is the full capture."""
+    p3, p8 = _examples_gpt(3), _examples_gpt(8)
+    e8, how = profile_expanded(lambda: p3, lambda: p8, 8)
+    assert how.startswith("expanded")
+    for ac, plan in ac_plans("transformer.h", 8, 64):
+        a, b = predict_memory(e8, plan).peak_bytes, predict_memory(p8, plan).peak_bytes
+        print(f"examples/gpt.py ac={ac}: expanded {a:,} vs full {b:,} ({a / b - 1:+.4%})")
+        assert abs(a / b - 1) < 0.01
+    c3, c8 = _examples_gpt(3, (0,)), _examples_gpt(8, (0,))
+    got, how = profile_expanded(lambda: c3, lambda: c8, 8)
+    assert got is c8 and how.startswith("fell back to full capture: block 0"), how
+    print(how)
