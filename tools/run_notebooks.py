@@ -122,7 +122,8 @@ def run_one(nb_path: Path, timeout: int, python: str = sys.executable) -> dict:
         if nb is None and problem is None:
             problem = f"worker failed (exit {proc.returncode}): {log.strip().splitlines()[-1] if log.strip() else 'no output'}"
         if nb is not None and nb.get("metadata", {}).get("run_notebooks_error"):
-            problem = nb["metadata"].pop("run_notebooks_error")
+            err = nb["metadata"].pop("run_notebooks_error")
+            problem = f"{problem} ({err})" if problem else err
         return dict(path=nb_path, seconds=secs, nb=nb, problem=problem)
 
 
