@@ -123,10 +123,11 @@ def _heads(block: nn.Module, root: nn.Module, linears: tuple[LinearInfo, ...]) -
     h = _heads_in(_with_configs(block.modules()))
     if h:   # the block shows attention: let the model's own config fill the gaps where it fits the block
         widths = {l.out_features for l in linears} | {l.in_features for l in linears}
-        for k, v in _heads_in(_with_configs([root])).items():
-            hd = h.get("head_dim", v if k == "head_dim" else 0)
-            if k not in h and (k == "head_dim" and h.get("n_heads", 0) * v in widths or k != "head_dim" and v * hd in widths):
-                h[k] = v
+        root_h = _heads_in(_with_configs([root]))
+        for k in ("head_dim", "n_heads", "n_kv_heads"):   # head_dim first: the other two are checked with it
+            if k in h or k not in root_h: continue
+            v = root_h[k]
+            if (h.get("n_heads", 0) if k == "head_dim" else h.get("head_dim", 0)) * v in widths: h[k] = v
     if h.get("n_heads") and not h.get("n_kv_heads"): h["n_kv_heads"] = h["n_heads"]
     return {k: h.get(k, 0) for k in _HEAD_ATTRS}
 
