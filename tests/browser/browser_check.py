@@ -120,6 +120,8 @@ def check_docs(docs: Path, shots: Path) -> dict:
                 drv.save_screenshot(str(shots / f"docs_api_{name.removesuffix('.html')}.png")); shot_done.add("api")
                 drv.execute_script("window.scrollTo(0, 0)")
             if name == "index.html" or (len(r["imgs"]) and "chapter" not in shot_done):
+                if name != "index.html":   # show the first plot of the chapter
+                    drv.execute_script("document.querySelector('.jp-OutputArea-output img, main img').scrollIntoView()")
                 drv.save_screenshot(str(shots / f"docs_{name.removesuffix('.html')}.png"))
                 if name != "index.html": shot_done.add("chapter")
         for name, r in seen.items():
