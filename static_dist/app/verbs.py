@@ -18,7 +18,9 @@ from .cli import UsageError
 from ..util import atomic_write, check_writable
 
 # %% auto 0
-__all__ = ['status', 'workload_of', 'print_markdown', 'cmd_capture', 'cmd_plan_fsdp']
+__all__ = ['status', 'workload_of', 'print_markdown', 'cmd_capture', 'cmd_plan_fsdp', 'topology_arg', 'mesh_spec',
+           'cmd_plan_placement', 'cmd_plan_offload', 'export_case', 'cmd_check_export', 'cmd_passes', 'cmd_ops',
+           'parse_fault', 'cmd_stability', 'cmd_keygen', 'cmd_sign', 'cmd_verify', 'cmd_train']
 
 # %% ../../nbs/92_verbs.ipynb
 @contextmanager
@@ -104,3 +106,273 @@ def _verify(args, w, rep, prof):
     with status(f"FSDPMemTracker, fake process group of {rep.plan.world_size}"): v = verify_workload(w, rep.plan, prof)
     print(f"verify: {v.line()}")
     return v
+
+# %% ../../nbs/92_verbs.ipynb
+def topology_arg(name: str, n: int):
+    "A topology preset sized to `n` devices where the preset allows it, or a topology JSON file."
+    from static_dist.topology import load_topology, preset
+    if name.endswith(".json"): return load_topology(name)
+    sized = {"cpu-2socket": dict(ranks_per_socket=max(1, n // 2)), "pcie-box": dict(n_gpus=n),
+             "cluster": dict(n_nodes=max(1, n // 8))}
+    try: return preset(name, **sized.get(name, {}))
+    except (KeyError, ValueError) as e: raise UsageError(f"--topology {name!r}: {e}") from None
+
+def mesh_spec(shape: tuple, names: str | None):
+    "MeshSpec with tp last; default names dp,tp (2-D), dp,fsdp,tp (3-D)."
+    from static_dist.topology import MeshSpec
+    default = {1: ("tp",), 2: ("dp", "tp"), 3: ("dp", "fsdp", "tp")}
+    nm = tuple(names.split(",")) if names else default.get(len(shape), tuple(f"d{i}" for i in range(len(shape) - 1)) + ("tp",))
+    try: return MeshSpec(tuple(shape), nm)
+    except ValueError as e: raise UsageError(f"--mesh/--names: {e}") from None
+
+# %% ../../nbs/92_verbs.ipynb
+def _placement_lines(rep: dict) -> list[str]:
+    f, m = rep["found"], rep["megatron"]
+    rows = [f"{'linear':<26}{'found':<26}{'megatron':<12}"]
+    for (n, s, d), (_, ms, _) in zip(f["plan"]["styles"], m.get("plan", {}).get("styles", f["plan"]["styles"])):
+        rows.append(f"{n:<26}{s + (' +dp_shard' if d else ''):<26}{ms:<12}")
+    for k in ("seconds", "comm_bytes", "memory"):
+        rows.append(f"{k:<26}{f['plan'][k]:<26.6g}{m.get('plan', {}).get(k, float('nan')):<12.6g}")
+    return rows
+
+def cmd_plan_placement(args) -> int:
+    "`static-dist plan-placement`: TP styles for the repeated block on a mesh, next to Megatron's."
+    from static_dist.placement import block_spec, plan_report
+    from static_dist.topology import check_mesh
+    mesh = mesh_spec(args.mesh, args.names)
+    topo = topology_arg(args.topology, mesh.size)
+    try: check_mesh(topo, mesh)
+    except ValueError as e: raise UsageError(str(e)) from None
+    w = workload_of(args)
+    with status(f"capturing {w.source}") as update: g = w.graph(progress=update)
+    try: rep = plan_report(block_spec(g), topo, mesh, memory_budget=args.memory, allow_dp_shard=not args.no_dp_shard)
+    except ValueError as e: raise UsageError(str(e)) from None
+    if args.json: print(json.dumps(rep, indent=2, default=str)); return 0
+    print(f"{w.source} (batch {w.batch}, seq {w.seq}) on {topo.name}, mesh {dict(zip(mesh.names, mesh.shape))}")
+    print("\n".join(_placement_lines(rep)))
+    return 0
+
+# %% ../../nbs/92_verbs.ipynb
+def cmd_plan_offload(args) -> int:
+    "`static-dist plan-offload`: which saved tensors go to which tier, and when."
+    from static_dist.offload import DEVICE_PRESETS, TIER_PRESETS, plan_markdown, plan_offload, plan_summary, plan_to_dict, tier
+    if args.save: check_writable(args.save, force=args.force)
+    names = args.tier or ["pcie5-pinned", "nvme-gen4"]
+    bad = [t for t in names if t not in TIER_PRESETS]
+    if bad: raise UsageError(f"--tier {bad[0]!r}: choose from {', '.join(TIER_PRESETS)}")
+    if args.device not in DEVICE_PRESETS: raise UsageError(f"--device {args.device!r}: choose from {', '.join(DEVICE_PRESETS)}")
+    w = workload_of(args)
+    with status(f"capturing {w.source}") as update: g = w.graph(progress=update)
+    known = {o.module for o in g.ops}
+    miss = [m for m in args.recompute or () if m not in known]
+    if miss: raise UsageError(f"--recompute {miss[0]!r} is not a module of {w.source}; e.g. {sorted(known - {''})[:3]}")
+    try: plan = plan_offload(g, tuple(tier(t) for t in names), host_limit=args.host_limit, device=args.device,
+                             recomputed=tuple(args.recompute or ()), min_bytes=args.min_bytes)
+    except ValueError as e: raise UsageError(str(e)) from None
+    if args.save: atomic_write(args.save, json.dumps(plan_to_dict(plan), indent=2), force=args.force)
+    if args.json: print(json.dumps(dict(workload=w.describe(), **plan_summary(plan)), indent=2))
+    else: print_markdown(plan_markdown(plan))
+    return 0
+
+# %% ../../nbs/92_verbs.ipynb
+def export_case(w):
+    "(model in eval mode on CPU with real weights, positional inputs, dynamic shapes, flags) for the export checks."
+    from static_dist.export import MAX_CHECK_PARAMS, zoo_case
+    n = sum(p.numel() for p in w.build(device="meta").parameters())
+    if n > MAX_CHECK_PARAMS:
+        raise UsageError(f"{w.source} has {n / 1e9:.1f}B parameters; the export checks run real forward passes on CPU "
+                         f"and are limited to {MAX_CHECK_PARAMS / 1e6:.0f}M: check a smaller config of the same architecture")
+    args, kwargs, _ = w.inputs()
+    model = w.build(device="cpu").eval()
+    if kwargs:                           # export takes positional inputs: bind the keyword ones into a wrapper
+        keys = tuple(k for k, v in kwargs.items() if k not in ("labels",))
+        model, args = _KwargsCall(model, keys), (*args, *(kwargs[k] for k in keys))
+    if w.source in _zoo_names():
+        _, _, ds, flags = zoo_case(w.source, w.batch, w.seq or 16)
+        return model, tuple(args), ds, flags
+    return model, tuple(args), None, None
+
+def _zoo_names():
+    from static_dist.zoo import ZOO
+    return set(ZOO)
+
+class _KwargsCall(nn.Module):
+    "model(*args, **dict(zip(keys, rest))): keyword inputs as positional ones, for torch.export."
+    def __init__(self, model, keys): super().__init__(); self.model, self.keys, self.n = model, keys, len(keys)
+    def forward(self, *xs):
+        pos, kw = xs[:len(xs) - self.n], dict(zip(self.keys, xs[len(xs) - self.n:]))
+        out = self.model(*pos, **kw)
+        return getattr(out, "logits", out)
+
+# %% ../../nbs/92_verbs.ipynb
+def cmd_check_export(args) -> int:
+    "`static-dist check-export`: the export pre-flight report; exit 0 clean, 1 problems found."
+    from static_dist.export import ExportReport, check_export, rules_markdown
+    if args.rules: print(rules_markdown()); return 0
+    targets = [t.strip() for t in args.targets.split(",") if t.strip()]
+    bad = [t for t in targets if t not in ("onnx", "torchscript", "aoti")]
+    if bad or not targets: raise UsageError(f"--targets {args.targets!r}: use a comma-separated list of onnx, torchscript, aoti")
+    base = None
+    if args.baseline:
+        try: base = ExportReport.from_json(Path(args.baseline).read_text())
+        except (ValueError, KeyError, TypeError) as e:
+            raise UsageError(f"--baseline {args.baseline}: not a report written by check-export ({e})") from None
+    args.out.mkdir(parents=True, exist_ok=True)
+    w = workload_of(args)
+    model, inputs, ds, flags = export_case(w)
+    with status(f"checking export of {w.source}"):
+        rep = check_export(model, inputs, targets=targets, dynamic_shapes=ds, flags=flags, opset=args.opset, name=w.source)
+    atomic_write(args.out / "export_report.json", rep.to_json())
+    atomic_write(args.out / "export_report.md", rep.to_markdown())
+    print(rep.to_json() if args.json else rep.to_markdown())
+    if base is not None:
+        d = base.diff(rep)
+        atomic_write(args.out / "export_diff.md", d.to_markdown())
+        if not args.json: print("\n" + d.to_markdown())
+    return 0 if rep.ok else 1
+
+def cmd_passes(args) -> int:
+    "`static-dist passes rewrite`: the exported forward rewritten to the bridged ops, checked against the original."
+    from static_dist.passes import profile_nodes, rewrite_ops
+    if args.trace: check_writable(args.trace, force=args.force)
+    w = workload_of(args)
+    model, inputs, _, _ = export_case(w)
+    try: ep = torch.export.export(model, inputs)
+    except Exception as e:
+        raise UsageError(f"{w.source} does not export ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+                         "`static-dist check-export` explains why") from None
+    new, rep = rewrite_ops(ep, inputs)
+    print(json.dumps(dict(workload=w.describe(), **rep.to_json()), indent=2))
+    if args.trace: print(f"wrote {profile_nodes(new, *inputs).to_chrome_trace(args.trace)}")
+    return 0
+
+# %% ../../nbs/92_verbs.ipynb
+def cmd_ops(args) -> int:
+    "`static-dist ops list|matrix`: the bridged ops, or one op's compatibility matrix (exit 1 if a cell fails)."
+    from static_dist.ops import PATHS, REGISTRY, compat_matrix
+    if args.ops_command == "list":
+        for b in REGISTRY.values():
+            print(f"{b.name:34} cpu: {', '.join(b.kernels('cpu')):20} cuda: {', '.join(b.kernels('cuda')):25} {b.decl.doc}")
+        return 0
+    if args.op not in REGISTRY and f"static_dist::{args.op}" not in REGISTRY:
+        raise UsageError(f"unknown op {args.op!r}; bridged ops: {', '.join(b.short_name for b in REGISTRY.values())}")
+    skip = tuple(s for s in (args.skip or "").split(",") if s)
+    bad = [s for s in skip if s not in PATHS]
+    if bad: raise UsageError(f"--skip {','.join(bad)}: unknown path; choose from {','.join(PATHS)}")
+    if args.device == "cuda" and not torch.cuda.is_available(): raise UsageError("--device cuda: no CUDA device here")
+    rep = compat_matrix(args.op, device=args.device, dtype=getattr(torch, args.dtype), skip=skip)
+    print(json.dumps(rep.to_json(), indent=2) if args.json else rep.to_markdown())
+    return 0 if rep.ok else 1
+
+# %% ../../nbs/92_verbs.ipynb
+def parse_fault(text: str):
+    "`KIND@STEP[xDURATION]` → a stability `Fault`."
+    import re
+    from static_dist.stability import Fault
+    m = re.fullmatch(r"(\w+)@(\d+)(?:x(\d+))?", text)
+    if not m: raise UsageError(f"--fault {text!r}: write KIND@STEP or KIND@STEPxDURATION, e.g. lr_spike@100 or bad_batches@100x20")
+    try: return Fault(m.group(1), int(m.group(2)), duration=int(m.group(3) or 1))
+    except ValueError as e: raise UsageError(f"--fault {text!r}: {e}") from None
+
+def cmd_stability(args) -> int:
+    "`static-dist stability`: one strategy against injected faults, next to the clean and unmitigated runs."
+    from dataclasses import asdict
+    from static_dist.stability import STRATEGIES, RunConfig, plot_run, train
+    if args.plot: check_writable(args.plot, force=args.force)
+    if args.strategy not in STRATEGIES: raise UsageError(f"--strategy {args.strategy!r}: choose one of {', '.join(STRATEGIES)}")
+    faults = [parse_fault(f) for f in args.fault]
+    late = [f for f in faults if f.step >= args.steps]
+    if late: raise UsageError(f"--fault at step {late[0].step} is past the end of the run (--steps {args.steps})")
+    try:
+        cfg = RunConfig(model=args.model, steps=args.steps, lr=args.lr, seq_len=args.seq, batch_size=args.batch)
+        with status("clean run") as update:
+            clean, base = train(cfg, "unmonitored", progress=update), train(cfg, "unmonitored", faults, progress=update)
+            run = train(cfg, args.strategy, faults, progress=update)
+    except ValueError as e: raise UsageError(str(e).rstrip(".")) from None
+    rows = [dict(step=r.step, alarms=list(r.alarms), action=r.action,
+                 localization=None if r.localization is None else asdict(r.localization)) for r in run.records if r.alarms]
+    out = dict(strategy=args.strategy, faults=[asdict(f) for f in faults], clean_loss=clean.eval_loss,
+               unmitigated_loss=base.eval_loss, loss=run.eval_loss, alarms=rows)
+    if args.plot:
+        import io
+        buf = io.BytesIO(); plot_run([base, run]).savefig(buf, format="png", dpi=80)
+        atomic_write(args.plot, buf.getvalue(), force=args.force)
+    if args.json: print(json.dumps(out, indent=2)); return 0
+    pct = lambda v: f"{100 * v:+.1f}%"
+    print(f"{args.strategy}: held-out loss {run.eval_loss:.4f} ({pct(run.eval_loss / clean.eval_loss - 1)} vs clean "
+          f"{clean.eval_loss:.4f}; unmitigated {pct(base.eval_loss / clean.eval_loss - 1)})")
+    for r in rows:
+        loc = r["localization"]
+        where = f" <- {loc['module'] or '(root)'} ({loc['phase']} {loc['tensor']}, {loc['kind']})" if loc else ""
+        print(f"  step {r['step']}: {', '.join(r['alarms'])} -> {r['action']}{where}")
+    return 0
+
+# %% ../../nbs/92_verbs.ipynb
+def cmd_keygen(args) -> int:
+    "`static-dist keygen --out PREFIX`: PREFIX.key (private, mode 600) and PREFIX.pub."
+    from static_dist.artifact import generate_key, key_id, private_key_bytes, public_key_bytes
+    priv, pub = args.out.with_name(args.out.name + ".key"), args.out.with_name(args.out.name + ".pub")
+    for p in (priv, pub): check_writable(p, force=args.force)
+    key = generate_key()
+    atomic_write(priv, private_key_bytes(key), force=args.force); priv.chmod(0o600)
+    atomic_write(pub, public_key_bytes(key), force=args.force)
+    print(f"key id {key_id(key)}: private key {priv} (keep secret), public key {pub} (give to verifiers)")
+    return 0
+
+def _meta(pairs) -> dict:
+    out = {}
+    for kv in pairs or ():
+        k, sep, v = kv.partition("=")
+        if not sep or not k: raise UsageError(f"--meta {kv!r}: write KEY=VALUE")
+        out[k] = v
+    return out
+
+# %% ../../nbs/92_verbs.ipynb
+def cmd_sign(args) -> int:
+    "`static-dist sign PROGRAM --key KEY`: a device-bound, signed artifact (default PROGRAM.sdxa)."
+    from static_dist.artifact import Fingerprint, check_exported_program, key_id, load_private_key, sign_payload
+    out = args.out or args.program.with_suffix(".sdxa")
+    inputs = [args.program, args.key, args.device_json]
+    check_writable(out, force=args.force, inputs=inputs)
+    payload = args.program.read_bytes()
+    check_exported_program(payload, str(args.program))
+    key = load_private_key(args.key)
+    device = None
+    if args.device_json: device = Fingerprint.from_json(args.device_json.read_text())
+    data = sign_payload(payload, signing_key=key, device=device, meta=_meta(args.meta))
+    atomic_write(out, data, force=args.force, inputs=inputs)
+    print(f"signed {args.program} with key {key_id(key)} -> {out}")
+    return 0
+
+def cmd_verify(args) -> int:
+    "`static-dist verify ARTIFACT --trusted-key PUB`: exit 0 verified, 1 rejected."
+    from static_dist.artifact import (ArtifactError, ArtifactFileError, ArtifactUsageError, load_artifact, load_trusted_keys,
+                                      verify_artifact)
+    sources = list(args.trusted_key or []) + list(args.trusted_keys or [])
+    if not sources: raise UsageError("no trusted keys: pass --trusted-key PUB.pem or --trusted-keys FILE (the artifact's "
+                                     "own claims are never trusted)")
+    trusted = load_trusted_keys(*sources)
+    try:
+        v = verify_artifact(args.artifact, trusted_keys=trusted)
+        if args.load: load_artifact(args.artifact, trusted_keys=trusted)
+    except (ArtifactFileError, ArtifactUsageError): raise          # bad input (exit 2), not a rejected artifact
+    except ArtifactError as e:
+        print(f"REJECTED ({type(e).__name__}): {e}", file=sys.stderr); return 1
+    fp = v.fingerprint
+    print(f"OK: {args.artifact} signed by {v.key_id}, built for {fp.device_model} ({fp.os}/{fp.arch}, torch {fp.torch}), "
+          f"payload {len(v.payload):,} bytes")
+    return 0
+
+# %% ../../nbs/92_verbs.ipynb
+def cmd_train(args) -> int:
+    "`static-dist train`: plan, apply and compile FSDP on one process, train with the monitors on, write the step log."
+    from static_dist.compile import TrainConfig, train
+    check_writable(args.log, force=args.force)
+    w = workload_of(args)
+    with status(f"training {w.source}") as update:
+        log = train(TrainConfig(steps=args.steps, budget=args.budget, compile=not args.no_compile), workload=w,
+                    progress=update)
+    atomic_write(args.log, json.dumps(log, indent=2, default=str), force=args.force)
+    print(json.dumps(log.get("summary", {}), indent=2))
+    print(f"step log written to {args.log}")
+    return 0
