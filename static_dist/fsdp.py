@@ -138,6 +138,9 @@ def profile_graph(g: StaticGraph, master_dtype: str | None = None) -> GraphProfi
     """Reduce a captured training step to the FSDP planner's inputs.
     `master_dtype`: for a step captured in the compute dtype (e.g. a bf16 model, as FSDP's MixedPrecisionPolicy
     computes), the dtype FSDP keeps the sharded parameters and optimizer state in (e.g. 'float32')."""
+    bad = next((s for s in g.storages if s.nbytes < 0), None)
+    if bad is not None: raise PlanError(f"storage {bad.id} ({bad.name or bad.role}) has nbytes={bad.nbytes}: the graph "
+                                        f"is corrupt; capture the model again")
     shapes = {}
     for t in g.tensors: shapes.setdefault(t.storage, t)
     grads = {s.name.removesuffix(".grad"): s.created for s in g.storages if s.role == "gradient"}
@@ -1351,7 +1354,7 @@ def _tracked(build, plan: FSDPPlan, inputs, kwargs, targets, loss_fn, optimizer:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.debug import CommDebugMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
-    from static_dist.graph import _explain
+    from static_dist.graph import _explain, _quiet_torch_logs
     if optimizer not in ("adamw", "adam", "sgd"): raise PlanError(f"optimizer {optimizer!r}: use 'adamw', 'adam' or 'sgd'")
     if dist.is_initialized(): raise PlanError("a process group is already initialised: verify in a fresh process "
                                               "(this creates its own fake group of plan.world_size ranks)")
@@ -1366,7 +1369,7 @@ def _tracked(build, plan: FSDPPlan, inputs, kwargs, targets, loss_fn, optimizer:
             fmt = FSDPMemTracker(m, opt)
             fmt.track_inputs(tuple(t for t in (*inputs, *kwargs.values(), targets) if isinstance(t, torch.Tensor)))
             try:
-                with fmt:
+                with fmt, _quiet_torch_logs():                   # the error below says it in one line
                     with where: _one_step(m, opt, inputs, kwargs, targets, loss_fn, plan)
                     fmt.reset_mod_stats()
                     with CommDebugMode() as cdm, where: _one_step(m, opt, inputs, kwargs, targets, loss_fn, plan)

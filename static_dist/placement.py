@@ -5,6 +5,7 @@
 # %% ../nbs/30_placement.ipynb 3
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -488,9 +489,8 @@ class ShardingPlan:
         d = asdict(self); d["mesh"] = self.mesh.to_dict(); return d
     @classmethod
     def from_dict(cls, d: dict) -> ShardingPlan:
-        return cls(d["prefix"], d["n_layers"], MeshSpec.from_dict(d["mesh"]), d["tp_dim"],
-                   tuple((n, s, bool(f)) for n, s, f in d["styles"]), d["seconds"], d["comm_bytes"], d["memory"],
-                   d.get("method", "ilp"), d.get("solve_seconds", 0.0))
+        "From `to_dict()` output, every field checked (PlacementError naming the field)."
+        return _sharding_from_dict(d)
 
 MEGATRON = {"attention.wq": "colwise", "attention.wk": "colwise", "attention.wv": "colwise", "attention.wo": "rowwise",
             "feed_forward.w1": "colwise", "feed_forward.w3": "colwise", "feed_forward.w2": "rowwise"}
@@ -571,6 +571,39 @@ def brute_force_plan(spec: BlockSpec, topo: Topology, mesh: MeshSpec, tp_dim: st
         if p.memory + spec.overhead(tp) <= budget and (best is None or p.seconds < best.seconds - 1e-15): best = p
     if best is None: raise ValueError("no valid plan fits the memory budget")
     return best
+
+# %% ../nbs/30_placement.ipynb
+def _sharding_from_dict(d) -> ShardingPlan:
+    "A ShardingPlan from a dict, types and ranges checked; PlacementError naming the bad field."
+    if not isinstance(d, dict): raise PlacementError(f"a sharding plan is a JSON object, not a {type(d).__name__}")
+    names = [f.name for f in dataclasses.fields(ShardingPlan)]
+    bad = sorted(set(d) - set(names))
+    if bad: raise PlacementError(f"{bad[0]}: unknown field; a sharding plan has {names}")
+    def get(k, ok, what, default=_NO):
+        if k not in d:
+            if default is _NO: raise PlacementError(f"{k}: missing; give {what}")
+            return default
+        if not ok(d[k]): raise PlacementError(f"{k}: {d[k]!r:.60} is not valid; give {what}")
+        return d[k]
+    num = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+    m = get("mesh", lambda v: isinstance(v, dict) and set(v) == {"shape", "names"} and isinstance(v["shape"], (list, tuple))
+            and isinstance(v["names"], (list, tuple)) and len(v["shape"]) == len(v["names"]) >= 1
+            and all(isinstance(s, int) and not isinstance(s, bool) and s >= 1 for s in v["shape"])
+            and all(isinstance(n, str) for n in v["names"]), '{"shape": [2, 4], "names": ["dp", "tp"]}')
+    try: mesh = MeshSpec.from_dict(m)
+    except (KeyError, TypeError, ValueError) as e: raise PlacementError(f"mesh: {e}") from None
+    tp = get("tp_dim", lambda v: isinstance(v, str) and v in mesh.names, f"one of the mesh dims {mesh.names}")
+    styles = get("styles", lambda v: isinstance(v, (list, tuple)) and v and all(isinstance(x, (list, tuple)) and len(x) == 3 and
+                 isinstance(x[0], str) and x[1] in STYLES and isinstance(x[2], bool) for x in v),
+                 f"a list of [linear, style, dp_shard] with style in {tuple(STYLES)}")
+    return ShardingPlan(get("prefix", lambda v: isinstance(v, str), "the stack's FQN"),
+                        get("n_layers", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "an int >= 1"),
+                        mesh, tp, tuple(tuple(x) for x in styles), get("seconds", num, "a number >= 0"),
+                        get("comm_bytes", lambda v: num(v) and isinstance(v, int), "an int >= 0"),
+                        get("memory", num, "a number >= 0"), get("method", lambda v: isinstance(v, str), "a string", "ilp"),
+                        get("solve_seconds", num, "a number >= 0", 0.0))
+
+_NO = object()
 
 # %% ../nbs/30_placement.ipynb
 def check_plan(spec: BlockSpec, styles: dict, mesh: MeshSpec, tp_dim: str = "tp", dp_dims=None) -> list[Violation]:

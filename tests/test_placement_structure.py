@@ -101,3 +101,45 @@ def test_no_repeated_blocks_is_a_typed_one_line_error():
     assert isinstance(e.value, StaticDistError) and isinstance(e.value, ValueError)
     assert str(e.value).startswith("no repeated blocks: placement needs a model with a stack of identical blocks")
     assert "\n" not in str(e.value)
+
+
+# ---- sharding plan files: a typed error or exactly what the file says
+from hypothesis import Phase, given, settings, strategies as st  # noqa: E402
+
+from static_dist.placement import PlacementError, ShardingPlan  # noqa: E402
+
+_VALID = dict(prefix="model.layers", n_layers=3, mesh=dict(shape=[2, 2], names=["dp", "tp"]), tp_dim="tp",
+              styles=[["self_attn.q_proj", "colwise", False], ["self_attn.o_proj", "rowwise", True]], seconds=0.5,
+              comm_bytes=1024, memory=2048.0, method="ilp", solve_seconds=0.01)
+_VALUES = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=True, allow_infinity=True),
+                    st.text(max_size=8), st.sampled_from(["tp", "dp", "colwise", "diagonal"]), st.just([]), st.just({}),
+                    st.lists(st.integers(-1, 4), max_size=3), st.just([["a", "colwise", 1]]),
+                    st.just(dict(shape=[4], names=["tp"])), st.just(dict(shape=[2.0, 2], names=["dp", "tp"])))
+
+
+def _same(given, loaded, path=""):
+    if isinstance(given, dict):
+        for k, v in given.items(): _same(v, loaded[k], f"{path}.{k}")
+    elif isinstance(given, (list, tuple)):
+        assert len(given) == len(loaded), path
+        for i, (a, b) in enumerate(zip(given, loaded)): _same(a, b, f"{path}[{i}]")
+    else:
+        assert given == loaded and type(given) is type(loaded), (path, given, loaded)
+
+
+@settings(max_examples=300, deadline=None, phases=[Phase.explicit, Phase.reuse, Phase.generate])
+@given(data=st.data())
+def test_mutated_sharding_plans(data):
+    import json
+    d = json.loads(json.dumps(_VALID))
+    for _ in range(data.draw(st.integers(1, 3))):
+        target = d["mesh"] if isinstance(d.get("mesh"), dict) and data.draw(st.booleans()) else d
+        key = data.draw(st.sampled_from(sorted(target) + ["extra"]))
+        if data.draw(st.integers(0, 4)) == 0: target.pop(key, None)
+        else: target[key] = data.draw(_VALUES)
+    try:
+        plan = ShardingPlan.from_dict(d)
+    except PlacementError as e:
+        assert str(e) and isinstance(e, StaticDistError)
+        return
+    _same(d, json.loads(json.dumps(plan.to_dict())))
