@@ -27,7 +27,7 @@ def gpt_graph():
 
 @pytest.fixture(scope="module")
 def hf_graph():
-    transformers = pytest.importorskip("transformers")
+    import transformers   # the `hf` extra (a dev dependency)
     cfg = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
                                    num_key_value_heads=2, vocab_size=512, max_position_embeddings=256, use_cache=False)
     with torch.device("meta"): m = transformers.LlamaForCausalLM(cfg)
