@@ -117,17 +117,20 @@ class CompileRecord:
 
 # %% ../nbs/42_compile.ipynb
 def compile_targets(model: nn.Module, plan: FSDPPlan | None, blocks: Sequence[str] | None = None) -> tuple[str, ...]:
-    "FQNs to compile: `blocks`, else the plan's units that repeat one class (the transformer blocks), else all non-root units."
+    "FQNs to compile: `blocks`, else the plan's units that repeat one class, else the model's repeated blocks (`find_structure`), else the plan's units."
     mods = dict(model.named_modules())
     if blocks is not None:
         bad = [b for b in blocks if b not in mods]
         if bad: raise CompileError(f"CompileOptions.blocks names {bad}, which this model does not have: use module FQNs such as {next(iter(n for n in mods if n), '')!r}.")
         return tuple(blocks)
-    units = [u.module for u in plan.units if u.module]
+    units = [u.module for u in plan.units if u.module] if plan is not None else []
     by_cls: dict = {}
     for u in units: by_cls.setdefault(type(mods[u]), []).append(u)
     rep = [u for u in units if len(by_cls[type(mods[u])]) >= 2]
-    return tuple(rep or units)
+    if rep: return tuple(rep)
+    from static_dist.structure import find_structure       # the plan keeps the blocks whole: compile the model's own
+    main = find_structure(model).main
+    return tuple(main.blocks) if main is not None else tuple(units)
 
 def block_inputs(model: nn.Module, names: Sequence[str], example_inputs: tuple, example_kwargs: dict | None = None) -> dict:
     "The (args, kwargs) each module in `names` receives on its first call in one no-grad forward of `model`."
@@ -338,9 +341,11 @@ def count_collectives():
 
 # %% ../nbs/42_compile.ipynb
 def init_single_process_group() -> bool:
-    "Make a one-rank gloo process group when none is initialised (a notebook, the single-process CLI); True if it made one."
-    import socket, torch.distributed as dist
+    "Make a gloo process group when none is initialised: torchrun's (env://) under torchrun, else one rank; True if it made one."
+    import os, socket, torch.distributed as dist
     if dist.is_initialized(): return False
+    if "TORCHELASTIC_RUN_ID" in os.environ:               # launched by torchrun: join its group
+        dist.init_process_group("gloo"); return True
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
     store = dist.TCPStore("127.0.0.1", port, 1, is_master=True)
