@@ -1349,6 +1349,7 @@ class _Where:
 def _tracked(build, plan: FSDPPlan, inputs, kwargs, targets, loss_fn, optimizer: str) -> tuple[int, dict]:
     "(FSDPMemTracker's peak on rank 0, CommDebugMode's counts) of the second (steady) step under a fake process group."
     import torch.distributed as dist
+    import warnings
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed.device_mesh import init_device_mesh
@@ -1369,7 +1370,8 @@ def _tracked(build, plan: FSDPPlan, inputs, kwargs, targets, loss_fn, optimizer:
             fmt = FSDPMemTracker(m, opt)
             fmt.track_inputs(tuple(t for t in (*inputs, *kwargs.values(), targets) if isinstance(t, torch.Tensor)))
             try:
-                with fmt, _quiet_torch_logs():                   # the error below says it in one line
+                with fmt, _quiet_torch_logs(), warnings.catch_warnings():  # the error below says it in one line
+                    warnings.filterwarnings("ignore", message="(FSDP2-wrapped module|Full backward hook)")  # notes on the fake step
                     with where: _one_step(m, opt, inputs, kwargs, targets, loss_fn, plan)
                     fmt.reset_mod_stats()
                     with CommDebugMode() as cdm, where: _one_step(m, opt, inputs, kwargs, targets, loss_fn, plan)
