@@ -21,4 +21,10 @@ for check in "gpu_ops.py" "gpu_offload.py" "gpu_fsdp.py $OUT/gpu_fsdp.json" "gpu
   tail -n 4 "$OUT/${name%.py}.log"
   [ "$rc" -eq 0 ] || failed=$((failed + 1))
 done
+# capture on CUDA (fake vs real op for op, peaks vs MemTracker); the GPU machine has no transformers: skip the HF cases
+start=$(date +%s)
+timeout "${GPU_CHECK_TIMEOUT:-190}" "$PY" -m pytest -q -p no:cacheprovider -m gpu -k "not hf" tests/test_capture.py > "$OUT/gpu_capture.log" 2>&1
+rc=$?
+echo "== gpu capture tests: exit $rc after $(( $(date +%s) - start )) s"; tail -n 2 "$OUT/gpu_capture.log"
+[ "$rc" -eq 0 ] || failed=$((failed + 1))
 exit "$failed"
