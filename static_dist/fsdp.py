@@ -1371,7 +1371,7 @@ def _tracked(build, plan: FSDPPlan, inputs, kwargs, targets, loss_fn, optimizer:
             fmt.track_inputs(tuple(t for t in (*inputs, *kwargs.values(), targets) if isinstance(t, torch.Tensor)))
             try:
                 with fmt, _quiet_torch_logs(), warnings.catch_warnings():  # the error below says it in one line
-                    warnings.filterwarnings("ignore", message="(FSDP2-wrapped module|Full backward hook)")  # notes on the fake step
+                    warnings.filterwarnings("ignore", message="(FSDP2-wrapped module|Full backward hook|For backward hooks to be called)")  # torch's notes
                     with where: _one_step(m, opt, inputs, kwargs, targets, loss_fn, plan)
                     fmt.reset_mod_stats()
                     with CommDebugMode() as cdm, where: _one_step(m, opt, inputs, kwargs, targets, loss_fn, plan)
