@@ -10,8 +10,8 @@ import dataclasses
 import json
 import re
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Sequence
 
 import torch
 from torch import nn
@@ -20,10 +20,10 @@ from .fsdp import FSDPPlan, apply_plan
 from .util import StaticDistError
 
 # %% auto 0
-__all__ = ['COLLECTIVE_OPS', 'CompileError', 'CompileOptions', 'BlockChoice', 'KnobChoice', 'CompileRecord', 'compile_targets',
-           'block_inputs', 'check_block', 'inductor_comm_settings', 'fsdp_knobs', 'apply_compiled', 'compile_record',
-           'graphs_compiled', 'count_collectives', 'init_single_process_group', 'process_group', 'step_once',
-           'RecompileFinding', 'preflight', 'cpu_cost_model', 'bench_compile', 'TrainConfig', 'train']
+__all__ = ['CompileError', 'CompileOptions', 'BlockChoice', 'KnobChoice', 'CompileRecord', 'compile_targets', 'block_inputs',
+           'check_block', 'inductor_comm_settings', 'fsdp_knobs', 'apply_compiled', 'compile_record', 'graphs_compiled',
+           'count_collectives', 'init_single_process_group', 'process_group', 'step_once', 'RecompileFinding',
+           'preflight', 'cpu_cost_model', 'bench_compile', 'TrainConfig', 'train']
 
 # %% ../nbs/42_compile.ipynb
 class CompileError(StaticDistError, ValueError):
@@ -227,8 +227,6 @@ def fsdp_knobs(model: nn.Module, plan: FSDPPlan) -> tuple[KnobChoice, ...]:
     return tuple(out)
 
 # %% ../nbs/42_compile.ipynb
-COLLECTIVE_OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast")
-
 def _collective_nodes(gm) -> int:
     n = 0
     for node in gm.graph.nodes:
