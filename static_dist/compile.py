@@ -562,8 +562,25 @@ class TrainConfig:
             if int(getattr(self, f)) < 1: raise CompileError(f"TrainConfig.{f}={getattr(self, f)!r}: give a positive integer.")
         if self.optimizer not in ("sgd", "adamw"): raise CompileError(f"TrainConfig.optimizer={self.optimizer!r}: use 'sgd' or 'adamw'.")
 
-def train(config: TrainConfig = TrainConfig(), progress=None) -> dict:
-    "Plan (fsdp.plan_fsdp) → pre-flight recompile check → apply + compile → train with the monitors → step log and summary."
+def _source(c: TrainConfig, workload):
+    "(build, loss, data(step, micro, rank) -> (inputs, targets), graph()) for the config's zoo model or a given Workload."
+    if workload is None:
+        from static_dist.workload import load_workload
+        workload = load_workload(c.model, batch=c.batch, seq=c.seq, optimizer=c.optimizer)
+    args, kwargs, targets = workload.inputs()
+    if kwargs: raise CompileError(f"train feeds positional inputs; {workload.source} takes keyword inputs "
+                                  f"({', '.join(kwargs)}): wrap the model in a module whose forward takes them in order")
+    if targets is None: raise CompileError(f"train needs targets for the loss; {workload.source} computes its own loss")
+    seeded = getattr(workload, "make_inputs", None)
+    def data(step, j, rank):                  # a different batch per step, micro-batch and rank where the source can
+        try: a, _, t = seeded(workload.batch, workload.seq, "cpu", seed=10_000 * step + 100 * rank + j)
+        except TypeError: a, t = args, targets
+        return tuple(a), t
+    return (lambda: workload.build(device="cpu")), workload.loss, data, workload.graph
+
+def train(config: TrainConfig = TrainConfig(), progress=None, workload=None) -> dict:
+    """Plan (fsdp.plan_fsdp) → pre-flight recompile check → apply + compile → train with the monitors → step log and summary.
+    `workload`: a `static_dist.workload.Workload` to train instead of `config.model` (its batch and seq are used)."""
     import statistics
     import torch.distributed as dist
     from static_dist.fsdp import plan_fsdp, predict_memory, profile_graph
@@ -575,21 +592,23 @@ def train(config: TrainConfig = TrainConfig(), progress=None) -> dict:
     c = config
     if c.strategy not in STRATEGIES: raise CompileError(f"TrainConfig.strategy={c.strategy!r}: use one of {', '.join(STRATEGIES)}.")
     budget = parse_bytes(c.budget, "budget")
-    zm = get_model(c.model)
+    build, loss_fn, batches, graph = _source(c, workload)
     with process_group() as world:
         rank = dist.get_rank()
-        data = lambda step, j: zm.batch(c.batch, c.seq, seed=10_000 * step + 100 * rank + j)
+        data = lambda step, j: batches(step, j, rank)
         x, y = data(0, 0)
-        say("capture"); prof = profile_graph(capture(zm.build(device="meta"), x, loss_fn=zm.loss, targets=y, optimizer=c.optimizer))
+        say("capture"); prof = profile_graph(graph())
         say("plan"); plan = plan_fsdp(prof, world_size=world, budget=budget, param_dtype=None, reduce_dtype=None,
                                       accumulation_steps=c.accumulation).plan
-        model = zm.build(device="cpu", seed=0)
+        model = build()
         say("preflight")
-        longer = zm.batch(c.batch, c.seq + 8, seed=1)[0]
-        findings = preflight(model, plan, x, changes={f"seq {c.seq} → {c.seq + 8}": longer}) if c.compile.enabled else ()
+        changes = {}
+        if x and x[0].dim() >= 2 and not x[0].is_floating_point():      # token inputs: what a longer sequence would do
+            changes[f"seq {x[0].shape[1]} → {x[0].shape[1] + 8}"] = (torch.cat([x[0], x[0][:, :8]], 1), *x[1:])
+        findings = preflight(model, plan, x, changes=changes) if c.compile.enabled else ()
         say("apply + compile"); apply_compiled(model, plan, None, c.compile, example_inputs=x)
         opt = (torch.optim.SGD if c.optimizer == "sgd" else torch.optim.AdamW)(model.parameters(), lr=c.lr)
-        tr = Trainer(model, opt, zm.loss, STRATEGIES[c.strategy])
+        tr = Trainer(model, opt, loss_fn, STRATEGIES[c.strategy])
         log = []
         try:
             for i in range(c.steps):

@@ -23,14 +23,13 @@ from .graph import StaticGraph, fmt_bytes, pyplot
 from .util import StaticDistError
 
 # %% auto 0
-__all__ = ['PLAN_SCHEMA', 'MAX_WORLD', 'CATEGORIES', 'BENCHES', 'PlanError', 'BlockMismatchError', 'ParamInfo', 'GraphProfile',
+__all__ = ['PLAN_SCHEMA', 'MAX_WORLD', 'CATEGORIES', 'PlanError', 'BlockMismatchError', 'ParamInfo', 'GraphProfile',
            'profile_graph', 'block_mismatch', 'expand_blocks', 'profile_expanded', 'FSDPUnit', 'FSDPPlan', 'innermost',
            'unit_of', 'validate', 'shard_numel', 'UnitLayout', 'layout', 'MemoryPrediction', 'predict_memory', 'Span',
            'StepPrediction', 'CostModel', 'default_cost_model', 'predict_comms', 'predict_step', 'apply_plan',
            'train_step', 'Overrides', 'candidate_unit_sets', 'Evaluated', 'PlanReport', 'evaluate', 'predict_plan',
            'plan_fsdp', 'baseline_plans', 'reduce_scatter_order', 'plot_fsdp_memory', 'plot_fsdp_timeline',
-           'memtracker_fsdp_peak', 'Verification', 'verify_plan', 'verify_workload', 'parse_bytes', 'zoo_profile',
-           'register_cli', 'bench_fsdp', 'audit_section', 'fsdp_widget']
+           'memtracker_fsdp_peak', 'Verification', 'verify_plan', 'verify_workload', 'bench_fsdp', 'fsdp_widget']
 
 # %% ../nbs/40_fsdp.ipynb
 class PlanError(StaticDistError, ValueError):
@@ -1436,100 +1435,6 @@ def verify_workload(w, plan: FSDPPlan, profile: GraphProfile | None = None) -> V
                        targets=targets, loss_fn=w.loss, optimizer=w.optimizer)
 
 # %% ../nbs/40_fsdp.ipynb
-_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
-          "tib": 2**40}
-
-def parse_bytes(s: str | int) -> int:
-    "'80GiB', '80 GB', '1.5TiB', 123 -> bytes."
-    if isinstance(s, int): return s
-    m = re.fullmatch(r"\s*([\d.]+)\s*([kmgt]i?b|b)?\s*", str(s), re.I)
-    if not m: raise PlanError(f"cannot read {s!r} as a size: write e.g. 80GiB, 80GB or a number of bytes.")
-    return int(float(m.group(1)) * _UNITS[(m.group(2) or "b").lower()])
-
-def zoo_profile(name: str, batch: int, seq: int, optimizer: str = "adamw", precision: str = "bf16") -> GraphProfile:
-    """Capture a zoo model's step (3 blocks of a deep Llama, then `expand_blocks`) and profile it.
-    precision 'bf16' captures the model in bf16 (what FSDP's MixedPrecisionPolicy computes in) with fp32 masters."""
-    from static_dist.graph import capture
-    from static_dist.zoo import PRESETS, Llama, get_model
-    if precision not in ("bf16", "fp32"): raise PlanError(f"precision {precision!r}: use 'bf16' or 'fp32'.")
-    dt, master = (torch.bfloat16, "float32") if precision == "bf16" else (torch.float32, None)
-    zm = get_model(name)
-    x, y = zm.batch(batch, seq)
-    if name in PRESETS and PRESETS[name].n_layers > 3:
-        cfg = PRESETS[name]
-        with torch.device("meta"): m = Llama(dataclasses.replace(cfg, n_layers=3)).to(dt)
-        prof = profile_graph(capture(m, x, loss_fn=zm.loss, targets=y, optimizer=optimizer), master)
-        return dataclasses.replace(expand_blocks(prof, cfg.n_layers), model=name)
-    g = capture(zm.build(device="meta", dtype=dt), x, loss_fn=zm.loss, targets=y, optimizer=optimizer)
-    return dataclasses.replace(profile_graph(g, master), model=name)
-
-def _summary_units(plan: FSDPPlan) -> list[str]:
-    "Units grouped into runs with equal settings (`layers.0-39: reshard=True ac=True`)."
-    out, run = [], []
-    def flush():
-        if not run: return
-        a, b = run[0].module, run[-1].module
-        name = a if a == b else f"{a}-{b.rsplit('.', 1)[-1]}"
-        out.append(f"{name or '<root>'}: reshard={run[0].reshard_after_forward} ac={run[0].activation_checkpointing}")
-    for u in plan.units:
-        same = run and (u.reshard_after_forward, u.activation_checkpointing) == (run[-1].reshard_after_forward,
-                        run[-1].activation_checkpointing) and _block_of(u.module, "layers") is not None and \
-               _block_of(run[-1].module, "layers") is not None
-        if not same: flush(); run = []
-        run.append(u)
-    flush()
-    return out
-
-def _cmd_plan_fsdp(args) -> int:
-    from static_dist.cli import UsageError
-    from rich.console import Console
-    from rich.markdown import Markdown
-    try:
-        budget = parse_bytes(args.budget)
-        mesh = tuple(int(v) for v in args.mesh.lower().split("x")) if args.mesh else (args.world,)
-        ov = Overrides(ignored=tuple(args.ignore or ()), units=tuple(args.unit or ()))
-        t0 = time.perf_counter()
-        prof = zoo_profile(args.model, args.batch, args.seq, args.optimizer, args.precision)
-        t1 = time.perf_counter()
-        dt = None if args.precision == "fp32" else "bfloat16"
-        rep = plan_fsdp(prof, world_size=args.world, budget=budget, mesh_shape=mesh, param_dtype=dt,
-                        reduce_dtype=None if dt is None else "float32", accumulation_steps=args.accumulation,
-                        overrides=ov)
-    except (PlanError, ValueError) as e: raise UsageError(str(e)) from None
-    con = Console()
-    con.print(Markdown(f"**{args.model}**, world {args.world}, mesh {mesh}, budget {fmt_bytes(budget)}: "
-                       f"capture+profile {t1 - t0:.1f} s, search {rep.seconds:.1f} s ({rep.evaluated} plans)\n\n"
-                       + rep.table()))
-    for k, v in rep.plan.reasons: con.print(f"- [bold]{k}[/]: {v}", highlight=False)
-    for line in _summary_units(rep.plan): con.print(f"  {line}", highlight=False)
-    if args.out: rep.plan.to_json(args.out); con.print(f"plan written to {args.out}")
-    if not rep.fits: con.print(f"[red]no plan fits {fmt_bytes(budget)}[/]: the smallest found needs "
-                               f"{fmt_bytes(rep.memory.peak_bytes)}; raise the budget or the world size")
-    return 0 if rep.fits else 3
-
-def register_cli(subparsers) -> None:
-    "The `plan-fsdp` verb."
-    p = subparsers.add_parser("plan-fsdp", help="plan FSDP2 units, resharding, prefetch, checkpointing for a zoo model")
-    p.add_argument("--model", default="tiny")
-    p.add_argument("--world", type=int, default=8, help="number of ranks (default 8)")
-    p.add_argument("--budget", default="80GiB", help="memory per rank, e.g. 80GiB (default)")
-    p.add_argument("--mesh", help="HSDP mesh RxS, e.g. 16x64 (default: pure FSDP over all ranks)")
-    p.add_argument("--batch", type=int, default=1, help="micro-batch per rank (default 1)")
-    p.add_argument("--seq", type=int, default=None, help="sequence length (default: min(4096, max_seq_len))")
-    p.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
-    p.add_argument("--accumulation", type=int, default=1, help="micro-batches per optimizer step")
-    p.add_argument("--optimizer", choices=["sgd", "adam", "adamw"], default="adamw")
-    p.add_argument("--ignore", action="append", help="module to leave unsharded (repeatable)")
-    p.add_argument("--unit", action="append", help="module that must be its own unit (repeatable)")
-    p.add_argument("--out", help="write the plan as JSON here")
-    def run(args):
-        if args.seq is None:
-            from static_dist.zoo import PRESETS
-            args.seq = min(4096, PRESETS[args.model].max_seq_len) if args.model in PRESETS else 64
-        return _cmd_plan_fsdp(args)
-    p.set_defaults(func=run)
-
-# %% ../nbs/40_fsdp.ipynb
 _BENCH_PLANS = (("tiny", 2, 64, 8), ("llama3-8b", 1, 4096, 64), ("llama3-70b", 1, 4096, 1024),
                 ("llama3-405b", 1, 4096, 1024))
 
@@ -1537,12 +1442,13 @@ def bench_fsdp(progress=None) -> dict:
     "Planning time for zoo models, and predicted vs FSDPMemTracker peak for a small Llama at world 8..1024."
     from static_dist.bench import environment
     from static_dist.graph import capture
+    from static_dist.workload import load_workload
     from static_dist.zoo import Llama, LlamaConfig, get_model
     plans = []
     for name, b, s, w in _BENCH_PLANS:
         if progress: progress(f"bench fsdp: planning {name} world {w}")
         t0 = time.perf_counter()
-        prof = zoo_profile(name, b, s)
+        prof = profile_graph(load_workload(name, batch=b, seq=s, dtype="bfloat16").graph(), "float32")   # bf16 compute, fp32 masters
         t1 = time.perf_counter()
         rep = plan_fsdp(prof, world_size=w, budget=80 * 2**30)
         plans.append(dict(model=name, batch=b, seq=s, world=w, capture_seconds=round(t1 - t0, 2),
@@ -1570,41 +1476,41 @@ def bench_fsdp(progress=None) -> dict:
                                tracker_seconds=round(time.perf_counter() - t0, 2)))
     return dict(bench="fsdp", environment=environment(), results=dict(planning=plans, memory_error=errors))
 
-BENCHES = {"fsdp": bench_fsdp}
-
-def audit_section(model_name: str, out_dir: Path) -> dict:
-    "The FSDP section of `static-dist audit`: a plan for 8 ranks, baselines, reasons, both plots."
-    prof = zoo_profile(model_name, 2, 64)
-    budget = 80 * 2**30
-    rep = plan_fsdp(prof, world_size=8, budget=budget)
-    md = [f"Plan for 8 ranks, {fmt_bytes(budget)} per rank, bf16 params / fp32 reductions "
-          f"({rep.evaluated} plans searched in {rep.seconds:.2f} s):", "", rep.table(), ""]
-    md += [f"- **{k}**: {v}" for k, v in rep.plan.reasons]
-    try:
-        plot_fsdp_memory(rep.memory, budget=None).savefig(Path(out_dir) / "fsdp_memory.png", dpi=80)
-        plot_fsdp_timeline(rep.step).savefig(Path(out_dir) / "fsdp_timeline.png", dpi=80)
-        md += ["", "![FSDP memory per op](fsdp_memory.png)", "", "![FSDP step timeline](fsdp_timeline.png)"]
-    except ImportError as e: md += ["", f"(no plots: {e})"]
-    return dict(title="FSDP plan", markdown="\n".join(md), data=rep.to_dict())
+def _default_budget_mib(profile: GraphProfile) -> float:
+    "A power of two about 1.5x the whole-model plan's predicted peak at world 8: the curve fills the plot."
+    peak = predict_memory(profile, FSDPPlan(8, (8,), (FSDPUnit(""),))).peak_bytes
+    return 2.0 ** math.ceil(math.log2(max(1.5 * peak / 2**20, 1.0)))
 
 def fsdp_widget(profile: GraphProfile):
-    "ipywidgets harness: budget, world size, replicas, precision, accumulation -> plan, memory plot, timeline."
-    try: from ipywidgets import interactive, widgets
+    "ipywidgets harness: budget, world size, replicas, precision, accumulation -> the plan's table, fit, memory and timeline."
+    try:
+        from ipywidgets import interactive, widgets
+        from IPython.display import Markdown, display
     except ImportError: raise ImportError("the widget needs ipywidgets: pip install ipywidgets") from None
-    def show(budget_gib=80.0, world=8, replicas=1, precision="bf16", accumulation=1):
-        if world % replicas: return f"{replicas} replicas do not divide world {world}"
+    def show(budget_mib=64.0, world=8, replicas=1, precision="bf16", accumulation=1):
+        if world % replicas:
+            display(Markdown(f"**Not a valid mesh**: {replicas} replicas do not divide world {world}; pick another."))
+            return f"{replicas} replicas do not divide world {world}"
         dt = None if precision == "fp32" else "bfloat16"
-        rep = plan_fsdp(profile, world_size=world, budget=int(budget_gib * 2**30),
+        budget = int(budget_mib * 2**20)
+        rep = plan_fsdp(profile, world_size=world, budget=budget,
                         mesh_shape=(replicas, world // replicas) if replicas > 1 else (world,), param_dtype=dt,
                         reduce_dtype=dt and "float32", accumulation_steps=accumulation)
+        verdict = "fits" if rep.fits else "**does not fit**"
+        display(Markdown(f"Planned peak {fmt_bytes(rep.memory.peak_bytes)} per rank: {verdict} in {fmt_bytes(budget)}.\n\n"
+                         + rep.table()))
         plt = pyplot("the FSDP plots")
-        fig, axs = plt.subplots(2, 1, figsize=(6, 5), dpi=80)
-        plot_fsdp_memory(rep.memory, axs[0], budget=int(budget_gib * 2**30))
+        fig, axs = plt.subplots(2, 1, figsize=(7, 5.5), dpi=80)
+        plot_fsdp_memory(rep.memory, axs[0], budget=budget)
         plot_fsdp_timeline(rep.step, axs[1])
-        plt.show()
+        fig.tight_layout()
+        display(fig); plt.close(fig)
         return rep
-    return interactive(show, budget_gib=widgets.FloatLogSlider(value=80, base=2, min=-4, max=8, continuous_update=False),
+    b0 = _default_budget_mib(profile)
+    wide = dict(style={"description_width": "initial"}, continuous_update=False)
+    return interactive(show, budget_mib=widgets.FloatLogSlider(value=b0, base=2, min=math.log2(b0) - 6,
+                                                               max=math.log2(b0) + 6, description="budget MiB", **wide),
                        world=widgets.Dropdown(options=[8, 16, 64, 256, 1024], value=8),
                        replicas=widgets.Dropdown(options=[1, 2, 4, 8], value=1),
                        precision=widgets.ToggleButtons(options=["bf16", "fp32"]),
-                       accumulation=widgets.IntSlider(value=1, min=1, max=8, continuous_update=False))
+                       accumulation=widgets.IntSlider(value=1, min=1, max=8, description="accumulation", **wide))

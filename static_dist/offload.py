@@ -28,8 +28,8 @@ from .graph import PHASES, StaticGraph, fmt_bytes, pyplot
 from .util import StaticDistError, atomic_write
 
 # %% auto 0
-__all__ = ['GB', 'TIER_PRESETS', 'DEVICE_PRESETS', 'Klass', 'CLASSES', 'OFFLOAD_SCHEMA', 'CLASS_COLORS', 'BENCHES',
-           'OffloadError', 'OffloadMismatchError', 'OffloadCorruptionError', 'OffloadDiskError', 'OffloadPlanError',
+__all__ = ['GB', 'TIER_PRESETS', 'DEVICE_PRESETS', 'Klass', 'CLASSES', 'OFFLOAD_SCHEMA', 'CLASS_COLORS', 'OffloadError',
+           'OffloadMismatchError', 'OffloadCorruptionError', 'OffloadDiskError', 'OffloadPlanError',
            'OffloadInplaceError', 'Tier', 'tier', 'tiers_from_topology', 'DeviceModel', 'op_times', 'calibrate_device',
            'SavedTensor', 'checkpointed_modules', 'saved_tensors', 'classify', 'OffloadDecision', 'OffloadPlan',
            'graph_signature', 'planned_live_bytes', 'plan_offload', 'plan_to_dict', 'plan_from_dict', 'save_plan',
@@ -1113,8 +1113,6 @@ def bench_offload(progress=None, model: str = "tiny", batch: int = 8, seq: int =
     return dict(bench="offload", environment=environment(), model=model, batch=batch, seq=seq, device=dev, repeat=repeat,
                 results=dict(variants=out, io=io_rate, checksum=check, predicted=dict(step_peak=step_peak(g), step_peak_with_plan=step_peak(g, plan),
                              stall_ms=plan.stall_s * 1e3), plan=plan_summary(plan), executor_stats=st))
-
-BENCHES = {"offload": bench_offload}
 
 # %% ../nbs/50_offload.ipynb
 _GRAPHS: dict = {}

@@ -19,13 +19,12 @@ from .topology import MeshSpec, Topology, check_mesh, collective_bytes, collecti
 from .util import StaticDistError
 
 # %% auto 0
-__all__ = ['STYLES', 'LAYOUT_NAMES', 'MEGATRON', 'BENCHES', 'PlacementError', 'NoRepeatedBlocksError', 'ModuleGroups',
-           'module_groups', 'Placement', 'placement_cost', 'place_ilp', 'place_greedy', 'place_brute_force',
-           'Violation', 'LayoutError', 'check_pipeline', 'parallel_style', 'LinearSpec', 'BlockSpec',
-           'llama_block_spec', 'block_spec', 'Choice', 'choice_cost', 'ShardingPlan', 'megatron_styles',
-           'evaluate_plan', 'search_plan', 'brute_force_plan', 'check_plan', 'validate_plan', 'apply_plan',
-           'plan_report', 'plot_plans', 'solve_case', 'bench_placement', 'load_topology_arg', 'register_cli',
-           'audit_section', 'placement_widget']
+__all__ = ['STYLES', 'LAYOUT_NAMES', 'MEGATRON', 'PlacementError', 'NoRepeatedBlocksError', 'ModuleGroups', 'module_groups',
+           'Placement', 'placement_cost', 'place_ilp', 'place_greedy', 'place_brute_force', 'Violation', 'LayoutError',
+           'check_pipeline', 'parallel_style', 'LinearSpec', 'BlockSpec', 'llama_block_spec', 'block_spec', 'Choice',
+           'choice_cost', 'ShardingPlan', 'megatron_styles', 'evaluate_plan', 'search_plan', 'brute_force_plan',
+           'check_plan', 'validate_plan', 'apply_plan', 'plan_report', 'plot_plans', 'solve_case', 'bench_placement',
+           'load_topology_arg', 'placement_widget']
 
 # %% ../nbs/30_placement.ipynb
 _ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4, "bool": 1, "uint8": 1,
@@ -716,16 +715,13 @@ _BENCH_CASES = (("llama3-8b", "dgx-h100", {}, (2, 4), ("dp", "tp")),
                 ("llama3-70b", "cluster", {"n_nodes": 8}, (4, 2, 8), ("dp", "fsdp", "tp")))
 
 def solve_case(model: str, topo_name: str, topo_kw: dict, shape, names, batch: int = 1, seq: int = 4096) -> dict:
-    "Capture `model` (bf16, on meta) and search its plan; capture and solve timed apart."
-    import torch
-    from static_dist.graph import capture
-    from static_dist.zoo import get_model
+    "Capture workload `model` (bf16, on meta) and search its plan; capture and solve timed apart."
+    from static_dist.workload import load_workload
     t0 = time.perf_counter()
-    zm = get_model(model); m = zm.build(device="meta", dtype=torch.bfloat16); x, y = zm.batch(batch, seq)
-    g = capture(m, x, loss_fn=zm.loss, targets=y, optimizer="adamw")
+    g = load_workload(model, batch=batch, seq=seq, dtype="bfloat16").graph()
     t1 = time.perf_counter()
     topo, mesh = preset(topo_name, **topo_kw), MeshSpec(tuple(shape), tuple(names))
-    spec = llama_block_spec(g, m.cfg)
+    spec = block_spec(g)
     rep = plan_report(spec, topo, mesh)
     t2 = time.perf_counter()
     f, mg = rep["found"]["plan"], rep["megatron"]["plan"]
@@ -745,41 +741,7 @@ def bench_placement(progress=None, cases=_BENCH_CASES) -> dict:
         res.append(solve_case(*c))
     return dict(bench="placement", environment=environment(), results=res)
 
-BENCHES = {"placement": bench_placement}
-
 # %% ../nbs/30_placement.ipynb
-def _parse_mesh(s: str, names: str | None):
-    from static_dist.cli import UsageError
-    try: shape = tuple(int(x) for x in s.lower().split("x"))
-    except ValueError: raise UsageError(f"--mesh {s!r} is not like 2x4 (dims separated by x)") from None
-    nm = tuple(names.split(",")) if names else (("dp", "fsdp", "tp") if len(shape) == 3 else ("dp", "tp")[-len(shape):] if len(shape) <= 2 else tuple(f"d{i}" for i in range(len(shape) - 1)) + ("tp",))
-    try: return MeshSpec(shape, nm)
-    except ValueError as e: raise UsageError(str(e)) from None
-
-def _cmd_plan(args) -> int:
-    from static_dist.cli import UsageError, capture_zoo
-    from static_dist.zoo import get_model
-    mesh = _parse_mesh(args.mesh, args.names)
-    try:
-        topo = load_topology_arg(args.topology, mesh.size)
-        check_mesh(topo, mesh)
-    except ValueError as e: raise UsageError(str(e)) from None
-    g = capture_zoo(args.model, args.batch, args.seq, "adamw")
-    cfg = get_model(args.model).build(device="meta").cfg
-    try:
-        spec = llama_block_spec(g, cfg)
-        rep = plan_report(spec, topo, mesh, memory_budget=args.memory, allow_dp_shard=not args.no_dp_shard)
-    except ValueError as e: raise UsageError(str(e)) from None
-    if args.json: print(json.dumps(rep, indent=2, default=str)); return 0
-    f, m = rep["found"], rep["megatron"]
-    print(f"{args.model} on {topo.name}, mesh {dict(zip(mesh.names, mesh.shape))}")
-    print(f"{'linear':<18}{'found':<26}{'megatron':<12}")
-    for (n, s, d), (_, ms, _) in zip(f["plan"]["styles"], m.get("plan", {}).get("styles", f["plan"]["styles"])):
-        print(f"{n:<18}{s + (' +dp_shard' if d else ''):<26}{ms:<12}")
-    for k in ("seconds", "comm_bytes", "memory"):
-        print(f"{k:<18}{f['plan'][k]:<26.6g}{m.get('plan', {}).get(k, float('nan')):<12.6g}")
-    return 0
-
 def load_topology_arg(name: str, n: int) -> Topology:
     "A preset name (sized to n devices where the preset allows) or a topology JSON path."
     if name.endswith(".json"):
@@ -790,52 +752,32 @@ def load_topology_arg(name: str, n: int) -> Topology:
     if name == "cluster": return preset(name, n_nodes=max(1, n // 8))
     return preset(name)
 
-def register_cli(sub):
-    "Add `plan-placement` to the static-dist command."
-    p = sub.add_parser("plan-placement", help="search tensor-parallel styles for a zoo Llama on a mesh")
-    p.add_argument("--model", default="tiny"); p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--topology", default="dgx-h100", help="preset name or topology JSON (default dgx-h100)")
-    p.add_argument("--mesh", default="2x4", help="mesh shape, tp last, e.g. 2x4 (default)")
-    p.add_argument("--names", help="comma-separated mesh dim names (default dp,tp / dp,fsdp,tp)")
-    p.add_argument("--memory", type=float, help="memory budget per device in bytes (default: the device's)")
-    p.add_argument("--no-dp-shard", action="store_true", help="never shard weights over the dp dims")
-    p.add_argument("--json", action="store_true", help="print the full report as JSON")
-    p.set_defaults(func=_cmd_plan)
-
-def audit_section(model_name: str, out_dir) -> dict:
-    "Audit: found TP plan vs Megatron for the model on a DGX H100, mesh 2x4."
-    from static_dist.graph import capture
-    from static_dist.zoo import get_model
-    zm = get_model(model_name); m = zm.build(device="meta"); x, y = zm.batch(2, 64)
-    g = capture(m, x, loss_fn=zm.loss, targets=y, optimizer="adamw")
-    rep = plan_report(llama_block_spec(g, m.cfg), preset("dgx-h100"), MeshSpec((2, 4), ("dp", "tp")))
-    md = ["| linear | found | Megatron |", "|---|---|---|"]
-    for (n, s, d), (_, ms, _) in zip(rep["found"]["plan"]["styles"], rep["megatron"]["plan"]["styles"]):
-        md.append(f"| `{n}` | {s}{' + dp shard' if d else ''} | {ms} |")
-    for k in ("seconds", "comm_bytes", "memory"):
-        md.append(f"| **{k}** | {rep['found']['plan'][k]:.4g} | {rep['megatron']['plan'][k]:.4g} |")
-    if rep["megatron"]["violations"]:
-        md += ["", "The Megatron plan is not valid on this mesh:", ""] + [f"- {v}" for v in rep["megatron"]["violations"]]
-    try:
-        plot_plans(rep).savefig(Path(out_dir) / "placement.png", dpi=80); md += ["", "![plan costs](placement.png)"]
-    except ImportError as e: md += ["", f"(no plot: {e})"]
-    return dict(title="Placement (TP plan on dgx-h100, mesh dp=2 x tp=4)", markdown="\n".join(md), data=rep)
-
 # %% ../nbs/30_placement.ipynb
 _SPECS: dict = {}
 
 def _spec_for(model: str) -> BlockSpec:
+    "BlockSpec of workload `model` (any source `load_workload` takes) at batch 1 x seq 128, captured once."
     if model not in _SPECS:
-        from static_dist.graph import capture
-        from static_dist.zoo import get_model
-        zm = get_model(model); m = zm.build(device="meta"); x, y = zm.batch(1, 128)
-        _SPECS[model] = llama_block_spec(capture(m, x, loss_fn=zm.loss, targets=y, optimizer="adamw"), m.cfg)
+        from static_dist.workload import load_workload
+        _SPECS[model] = block_spec(load_workload(model, batch=1, seq=128).graph())
     return _SPECS[model]
+
+def _report_markdown(rep: dict) -> str:
+    "The found plan next to Megatron's, per linear, and their totals."
+    f, m = rep["found"], rep.get("megatron", {})
+    rows = ["| linear | found | Megatron |", "|---|---|---|"]
+    mst = {n: s for n, s, _ in m.get("plan", {}).get("styles", [])}
+    rows += [f"| `{n}` | {s}{' + dp shard' if d else ''} | {mst.get(n, '—')} |" for n, s, d in f["plan"]["styles"]]
+    rows += [f"| **{k}** | {f['plan'][k]:.4g} | {m['plan'][k]:.4g} |" if "plan" in m else f"| **{k}** | {f['plan'][k]:.4g} | — |"
+             for k in ("seconds", "comm_bytes", "memory")]
+    return "\n".join(rows)
 
 def placement_widget(models=("tiny",), topologies=("dgx-h100", "pcie-box", "cpu-2socket"), meshes=("2x4", "4x2", "1x8", "2x2")):
     "ipywidgets harness: pick model, topology and mesh; shows the plan and its cost breakdown."
-    try: import ipywidgets as W
+    try:
+        import ipywidgets as W
+        from IPython.display import Markdown, display
+        from static_dist.graph import pyplot
     except ImportError: raise ImportError("placement_widget needs ipywidgets: pip install ipywidgets") from None
     def run(model=models[0], topology=topologies[0], mesh=meshes[0]):
         shape = tuple(int(v) for v in mesh.split("x"))
@@ -843,7 +785,11 @@ def placement_widget(models=("tiny",), topologies=("dgx-h100", "pcie-box", "cpu-
         try:
             topo = load_topology_arg(topology, ms.size); check_mesh(topo, ms)
             rep = plan_report(_spec_for(model), topo, ms)
-        except ValueError as e: return str(e)
-        plot_plans(rep)
+        except ValueError as e:
+            display(Markdown(f"**Not a valid choice**: {e}"))
+            return str(e)
+        display(Markdown(_report_markdown(rep)))
+        fig = plot_plans(rep)
+        display(fig); pyplot("placement_widget").close(fig)   # shown once, by display
         return rep
     return W.interactive(run, model=list(models), topology=list(topologies), mesh=list(meshes))

@@ -260,6 +260,8 @@ def _train_parser(sub):
     t.add_argument("--steps", type=count("--steps", hi=10**6), default=20)
     t.add_argument("--budget", type=size("--budget"), default="80GiB", help="memory per rank (default 80GiB)")
     t.add_argument("--no-compile", action="store_true", help="train eagerly")
+    t.add_argument("--backend", default="aot_eager", choices=["aot_eager", "inductor", "eager"],
+                   help="torch.compile backend per block (default aot_eager: seconds to compile on CPU)")
     t.add_argument("--log", type=outfile, default=Path("train_log.json"), help="step log (default train_log.json)")
     _force(t)
     t.set_defaults(run="static_dist.app.verbs:cmd_train")

@@ -110,12 +110,9 @@ def _verify(args, w, rep, prof):
 # %% ../../nbs/92_verbs.ipynb
 def topology_arg(name: str, n: int):
     "A topology preset sized to `n` devices where the preset allows it, or a topology JSON file."
-    from static_dist.topology import load_topology, preset
-    if name.endswith(".json"): return load_topology(name)
-    sized = {"cpu-2socket": dict(ranks_per_socket=max(1, n // 2)), "pcie-box": dict(n_gpus=n),
-             "cluster": dict(n_nodes=max(1, n // 8))}
-    try: return preset(name, **sized.get(name, {}))
-    except (KeyError, ValueError) as e: raise UsageError(f"--topology {name!r}: {e}") from None
+    from static_dist.placement import load_topology_arg
+    try: return load_topology_arg(name, n)
+    except (KeyError, ValueError, OSError) as e: raise UsageError(f"--topology {name!r}: {e}") from None
 
 def mesh_spec(shape: tuple, names: str | None):
     "MeshSpec with tp last; default names dp,tp (2-D), dp,fsdp,tp (3-D)."
@@ -366,13 +363,14 @@ def cmd_verify(args) -> int:
 # %% ../../nbs/92_verbs.ipynb
 def cmd_train(args) -> int:
     "`static-dist train`: plan, apply and compile FSDP on one process, train with the monitors on, write the step log."
-    from static_dist.compile import TrainConfig, train
+    from static_dist.compile import CompileOptions, TrainConfig, train
     check_writable(args.log, force=args.force)
     w = workload_of(args)
-    with status(f"training {w.source}") as update:
-        log = train(TrainConfig(steps=args.steps, budget=args.budget, compile=not args.no_compile), workload=w,
-                    progress=update)
+    opt = w.optimizer if w.optimizer in ("sgd", "adamw") else "sgd"
+    cfg = TrainConfig(model=w.source, steps=args.steps, batch=w.batch, seq=w.seq or 1, optimizer=opt, budget=args.budget,
+                      compile=CompileOptions(enabled=not args.no_compile, backend=args.backend))
+    with status(f"training {w.source}") as update: log = train(cfg, progress=update, workload=w)
     atomic_write(args.log, json.dumps(log, indent=2, default=str), force=args.force)
-    print(json.dumps(log.get("summary", {}), indent=2))
-    print(f"step log written to {args.log}")
+    print(json.dumps(dict(workload=w.describe(), **log["summary"]), indent=2))
+    print(f"step log written to {args.log}", file=sys.stderr)
     return 0
