@@ -43,14 +43,7 @@ def reference(world, k):
     return {n: p.detach() for n, p in m.named_parameters()}
 
 
-def comm_counts(mode) -> dict:
-    out = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
-    for op, n in mode.get_comm_counts().items():
-        s = str(op)
-        if "reduce_scatter" in s: out["reduce_scatter"] += n
-        elif "all_gather" in s or "allgather" in s: out["all_gather"] += n
-        elif "all_reduce" in s or "allreduce" in s: out["all_reduce"] += n
-    return out
+from static_dist.fsdp import _comm_counts as comm_counts   # CommDebugMode's counts in predict_comms' keys
 
 
 def run_plan(plan, profile, rank, world, track_memory=False):
