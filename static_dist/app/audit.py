@@ -20,8 +20,9 @@ from ..graph import fmt_bytes
 from ..util import StaticDistError, atomic_write
 
 # %% auto 0
-__all__ = ['STABILITY_STEPS', 'SECTIONS', 'NotApplicable', 'Context', 'graph_section', 'fsdp_section', 'offload_section',
-           'placement_section', 'export_section', 'passes_section', 'stability_section', 'audit', 'cmd_audit']
+__all__ = ['STABILITY_STEPS', 'SECTIONS', 'TITLES', 'NotApplicable', 'Context', 'graph_section', 'fsdp_section',
+           'offload_section', 'placement_section', 'export_section', 'passes_section', 'stability_section', 'audit',
+           'cmd_audit']
 
 # %% ../../nbs/93_audit.ipynb
 class NotApplicable(Exception):
@@ -161,7 +162,8 @@ def stability_section(c: Context):
     loss = (lambda out, y: w.loss(out, y)) if targets is not None else (lambda out, y: w.loss(out))
     fault = Fault("nan_grad", STABILITY_STEPS // 2, module=f"model.{target}")
     tr = Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-3), loss, STRATEGIES["rewind"], [fault])
-    y = targets if targets is not None else kwargs.get("labels", args[0])   # the trainer counts tokens from it
+    y = targets if targets is not None else kwargs.get("labels", args[0] if args else None)   # the trainer counts tokens from it
+    if y is None: raise NotApplicable("the trainer needs targets or labels to count tokens; this workload has neither")
     recs = [tr.step(i, i, [(tuple(args), y)]) for i in range(STABILITY_STEPS)]
     tr.close()
     return _stability_report(recs, fault, target)
@@ -191,6 +193,9 @@ def _stability_report(recs, fault, target):
 # %% ../../nbs/93_audit.ipynb
 SECTIONS = (graph_section, export_section, passes_section, placement_section, fsdp_section, offload_section,
             stability_section)
+TITLES = {graph_section: "Captured training step", export_section: "Export checks",
+          passes_section: "Custom ops and graph passes", placement_section: "Placement (TP plan on dgx-h100, mesh dp=2 × tp=4)",
+          fsdp_section: "FSDP plan", offload_section: "Offload plan", stability_section: "Training stability"}
 
 # %% ../../nbs/93_audit.ipynb
 def _run_section(fn, c: Context, update) -> dict:
@@ -202,11 +207,11 @@ def _run_section(fn, c: Context, update) -> dict:
         return dict(title=title, status="ok", workload=shape, markdown=md, data=data,
                     seconds=round(time.perf_counter() - t0, 2))
     except NotApplicable as e:
-        title = (fn.__doc__ or fn.__name__).split(";")[0].rstrip(".")
+        title = TITLES.get(fn, fn.__name__)
         return dict(title=title, status="not applicable", workload=shape, markdown=f"Does not apply: {e}.",
                     data=dict(reason=str(e)), seconds=round(time.perf_counter() - t0, 2))
     except Exception as e:
-        title = (fn.__doc__ or fn.__name__).split(";")[0].rstrip(".")
+        title = TITLES.get(fn, fn.__name__)
         msg = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
         return dict(title=title, status="failed", workload=shape, markdown=f"**Failed**: {msg}",
                     data=dict(error=msg), seconds=round(time.perf_counter() - t0, 2))
