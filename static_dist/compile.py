@@ -78,7 +78,7 @@ class KnobChoice:
     honoured: bool
     why: str = ""
 
-#| export
+# %% ../nbs/42_compile.ipynb
 @dataclass(frozen=True)
 class CompileRecord:
     "The compile choices of one `apply_compiled` call and what the compiler did with them: JSON in, JSON out."

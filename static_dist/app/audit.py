@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from .verbs import export_case, status, workload_of
+from .verbs import export_case, rewrite_case, status, workload_of
 from ..bench import environment
 from ..graph import fmt_bytes
 from ..util import StaticDistError, atomic_write
@@ -127,13 +127,10 @@ def export_section(c: Context):
 # %% ../../nbs/93_audit.ipynb
 def passes_section(c: Context):
     "Which bridged kernels the exported forward can use, the rewrite, and its check against the original."
-    from static_dist.passes import PATTERNS, profile_nodes, rewrite_ops
+    from static_dist.passes import PATTERNS, profile_nodes
     model, inputs, _, _ = _real_case(c)
-    try: ep = torch.export.export(model, inputs)
-    except Exception as e:
-        raise NotApplicable(f"the model does not export ({type(e).__name__}), so there is no program to rewrite; "
-                            "the export section explains why") from None
-    new, rep = rewrite_ops(ep, inputs)
+    try: new, rep = rewrite_case(model, inputs)
+    except StaticDistError as e: raise NotApplicable(f"{str(e).split(';')[0]}, so there is no program to rewrite") from None
     if not sum(rep.matches.values()):
         raise NotApplicable("no RMSNorm/softmax/add+relu pattern to rewrite in the exported forward")
     prof = profile_nodes(new, *inputs)

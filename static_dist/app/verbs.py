@@ -19,8 +19,8 @@ from ..util import atomic_write, check_writable
 
 # %% auto 0
 __all__ = ['status', 'workload_of', 'print_markdown', 'cmd_capture', 'cmd_plan_fsdp', 'topology_arg', 'mesh_spec',
-           'cmd_plan_placement', 'cmd_plan_offload', 'export_case', 'cmd_check_export', 'cmd_passes', 'cmd_ops',
-           'parse_fault', 'cmd_stability', 'cmd_keygen', 'cmd_sign', 'cmd_verify', 'cmd_train']
+           'cmd_plan_placement', 'cmd_plan_offload', 'export_case', 'cmd_check_export', 'rewrite_case', 'cmd_passes',
+           'cmd_ops', 'parse_fault', 'cmd_stability', 'cmd_keygen', 'cmd_sign', 'cmd_verify', 'cmd_train']
 
 # %% ../../nbs/92_verbs.ipynb
 @contextmanager
@@ -228,17 +228,22 @@ def cmd_check_export(args) -> int:
         if not args.json: print("\n" + d.to_markdown())
     return 0 if rep.ok else 1
 
+def rewrite_case(model, inputs):
+    "The model's exported forward rewritten to the bridged ops and checked against it: (rewritten program, report)."
+    from static_dist.passes import rewrite_ops
+    try: ep = torch.export.export(model, inputs)
+    except Exception as e:
+        raise UsageError(f"the model does not export ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+                         "`static-dist check-export` explains why") from None
+    return rewrite_ops(ep, inputs)
+
 def cmd_passes(args) -> int:
     "`static-dist passes rewrite`: the exported forward rewritten to the bridged ops, checked against the original."
-    from static_dist.passes import profile_nodes, rewrite_ops
+    from static_dist.passes import profile_nodes
     if args.trace: check_writable(args.trace, force=args.force)
     w = workload_of(args)
     model, inputs, _, _ = export_case(w)
-    try: ep = torch.export.export(model, inputs)
-    except Exception as e:
-        raise UsageError(f"{w.source} does not export ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
-                         "`static-dist check-export` explains why") from None
-    new, rep = rewrite_ops(ep, inputs)
+    new, rep = rewrite_case(model, inputs)
     print(json.dumps(dict(workload=w.describe(), **rep.to_json()), indent=2))
     if args.trace: print(f"wrote {profile_nodes(new, *inputs).to_chrome_trace(args.trace)}")
     return 0
