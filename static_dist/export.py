@@ -5,18 +5,21 @@
 # %% ../nbs/10_export.ipynb 2
 from __future__ import annotations
 import ast, contextlib, copy, datetime, importlib, inspect, io, itertools, json, logging, math, os, re, sys, sysconfig, textwrap, time, traceback, types, warnings
+import dataclasses
 from dataclasses import dataclass, field, asdict
 from pathlib import Path
 from typing import Any, Callable, Sequence
 import torch
 from torch.utils import _pytree as pytree
 
+from .util import StaticDistError
+
 # %% auto 0
 __all__ = ['INSTALL_HINT', 'SCHEMA', 'SCHEMA_VERSION', 'SEVERITIES', 'RULES', 'RESIZE_MAP', 'TOLERANCES', 'MAX_CHECK_PARAMS',
            'MissingDependency', 'require', 'quiet', 'SourceLoc', 'is_user_file', 'is_user_frame', 'loc_from_text',
-           'loc_from_exception', 'node_loc', 'Stage', 'Finding', 'NumericCheck', 'ExportReport', 'ReportDiff', 'Rule',
-           'rules_markdown', 'resize_attrs', 'op_name', 'onnx_export', 'ort_session', 'ort_run', 'onnx_nodes',
-           'MatmulResize', 'graph_findings', 'error_findings', 'compare', 'input_suite', 'cond_rewrite',
+           'loc_from_exception', 'node_loc', 'Stage', 'Finding', 'NumericCheck', 'ExportReport', 'ReportFileError',
+           'ReportDiff', 'Rule', 'rules_markdown', 'resize_attrs', 'op_name', 'onnx_export', 'ort_session', 'ort_run',
+           'onnx_nodes', 'MatmulResize', 'graph_findings', 'error_findings', 'compare', 'input_suite', 'cond_rewrite',
            'apply_rewrite', 'analyze_guards', 'aoti_readiness', 'check_export', 'zoo_case', 'check_zoo']
 
 # %% ../nbs/10_export.ipynb
@@ -180,18 +183,47 @@ def _report_to_json(self: ExportReport, indent: int | None = 2) -> str:
         return o
     return json.dumps(clean(_report_to_dict(self)), indent=indent, sort_keys=False)
 
+class ReportFileError(StaticDistError, ValueError):
+    "An export report file that is not one, or has a missing, unknown or mistyped field (the message names its path)."
+
+_TYPES = {'str': (str,), 'int': (int,), 'bool': (bool,), 'float': (int, float), 'list': (list,), 'dict': (dict,)}
+
+def _fields(cls, d, where: str, numeric_str: tuple = ()) -> dict:
+    "d's fields for dataclass `cls`, each present (`to_json` writes them all), known and of its annotated type; else ReportFileError."
+    if not isinstance(d, dict): raise ReportFileError(f"{where}: expected an object, found {type(d).__name__}")
+    fs = {f.name: f for f in dataclasses.fields(cls)}
+    extra = sorted(set(d) - set(fs))
+    if extra: raise ReportFileError(f"{where}.{extra[0]}: unknown field; {cls.__name__} has {', '.join(fs)}")
+    out = {}
+    for name, f in fs.items():
+        if name not in d: raise ReportFileError(f"{where}.{name} is missing")
+        v, ann = d[name], str(f.type).replace(' ', '')
+        ok = _TYPES.get(ann.split('[')[0].split('|')[0], (object,))
+        if v is None and '|None' in ann: out[name] = v; continue
+        if name in numeric_str and isinstance(v, str):
+            try: v = float(v)
+            except ValueError: raise ReportFileError(f"{where}.{name}: {v!r} is not a number") from None
+        if not isinstance(v, ok) or (isinstance(v, bool) and bool not in ok):
+            raise ReportFileError(f"{where}.{name}: expected {ann}, found {type(v).__name__} {v!r:.40}")
+        out[name] = v
+    return out
+
 def _report_from_json(cls, text: str | dict) -> ExportReport:
-    "Read a report written by `to_json`; refuses other schemas and unknown versions."
-    d = json.loads(text) if isinstance(text, str) else text
+    "Read a report written by `to_json`; other schemas, unknown versions and bad fields are a `ReportFileError` naming the field."
+    try: d = json.loads(text) if isinstance(text, str) else text
+    except json.JSONDecodeError as e: raise ReportFileError(f"export report: not JSON ({e})") from None
     if not isinstance(d, dict) or d.get('schema') != SCHEMA:
-        raise ValueError(f"not an export report: expected schema {SCHEMA!r}, found {d.get('schema') if isinstance(d, dict) else type(d).__name__!r}")
+        raise ReportFileError(f"not an export report: expected schema {SCHEMA!r}, found {d.get('schema') if isinstance(d, dict) else type(d).__name__!r}")
     if d.get('version') != SCHEMA_VERSION:
-        raise ValueError(f"export report version {d.get('version')!r} is not supported; this reader knows version {SCHEMA_VERSION}")
-    fl = lambda v: float(v) if isinstance(v, str) else v
-    return cls(model=d['model'], targets=list(d['targets']), stages=[Stage(**s) for s in d['stages']],
-               findings=[Finding(**f) for f in d['findings']],
-               numerics=[NumericCheck(**{**n, 'max_abs': fl(n['max_abs']), 'max_rel': fl(n['max_rel'])}) for n in d['numerics']],
-               guards=d.get('guards'), torch_version=d['torch_version'], created=d['created'], meta=d.get('meta', {}))
+        raise ReportFileError(f"export report version {d.get('version')!r} is not supported; this reader knows version {SCHEMA_VERSION}")
+    top = _fields(cls, {k: v for k, v in d.items() if k not in ('schema', 'version', 'ok')}, 'report')
+    for key in ('stages', 'findings', 'numerics', 'targets'):
+        if key in top and not isinstance(top[key], list): raise ReportFileError(f"report.{key}: expected a list")
+    if not all(isinstance(t, str) for t in top.get('targets', [])): raise ReportFileError("report.targets: expected strings")
+    return cls(**{**top, 'stages': [Stage(**_fields(Stage, s, f'report.stages[{k}]')) for k, s in enumerate(top.get('stages', []))],
+                  'findings': [Finding(**_fields(Finding, f, f'report.findings[{k}]')) for k, f in enumerate(top.get('findings', []))],
+                  'numerics': [NumericCheck(**_fields(NumericCheck, x, f'report.numerics[{k}]', ('max_abs', 'max_rel')))
+                               for k, x in enumerate(top.get('numerics', []))]})
 
 ExportReport.to_json = _report_to_json
 ExportReport.from_json = classmethod(_report_from_json)

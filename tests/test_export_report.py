@@ -106,3 +106,58 @@ def test_sign_verify_cli(tmp_path, capsys):
     assert cli.main(["verify", str(tmp_path / "missing.sdxa"), "--trusted-key", str(tmp_path / "rel.pub")]) == 2
 
 
+
+
+# --- report files: every field checked (issue 14 §4) ---------------------------------------------------------------
+from hypothesis import HealthCheck, given, settings, strategies as st
+from static_dist.export import ReportFileError
+
+_VALID = json.loads(ExportReport("m", ["onnx"], stages=[Stage("export-strict", "ok", 0.5, "")],
+                                 findings=[Finding("data-dependent-branch", "error", "export", "aten.x", "f.py:3")],
+                                 numerics=[NumericCheck("onnx", "example", 0, "float32", float("inf"), 0.0, 1e-5, 1e-5, False)]
+                                 ).to_json())
+
+
+def _paths(d, prefix=()):
+    "Every (path, value) in a JSON document."
+    yield prefix, d
+    if isinstance(d, dict):
+        for k, v in d.items(): yield from _paths(v, (*prefix, k))
+    elif isinstance(d, list):
+        for k, v in enumerate(d): yield from _paths(v, (*prefix, k))
+
+
+def _edit(d, path, action, value):
+    import copy
+    d = copy.deepcopy(d)
+    if not path: return value
+    parent = d
+    for p in path[:-1]: parent = parent[p]
+    if action == "delete": del parent[path[-1]]
+    else: parent[path[-1]] = value
+    return d
+
+
+_PATHS = [p for p, _ in _paths(_VALID) if p]
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from(_PATHS), st.sampled_from(["delete", "set"]),
+       st.one_of(st.none(), st.booleans(), st.integers(-5, 5), st.floats(allow_nan=False), st.text(max_size=5),
+                 st.lists(st.integers(), max_size=2), st.dictionaries(st.text(max_size=3), st.integers(), max_size=2)))
+def test_report_file_mutations_are_refused_or_harmless(path, action, value):
+    edited = _edit(_VALID, path, action, value)
+    try: rep = ExportReport.from_json(json.dumps(edited))
+    except ReportFileError as e:
+        assert str(e).strip() and "\n" not in str(e).strip()
+        return
+    back = json.loads(rep.to_json())          # accepted: it reads back as what the file says (the `ok` flag is derived)
+    for k in set(edited) | set(back):
+        if k != "ok": assert back.get(k) == edited.get(k) or k in ("guards", "meta") and edited.get(k) in (None, {}), k
+
+
+def test_report_file_errors_name_the_field():
+    bad = _edit(_VALID, ("stages", 0, "seconds"), "set", "fast")
+    with pytest.raises(ReportFileError, match=r"report.stages\[0\].seconds"): ExportReport.from_json(json.dumps(bad))
+    with pytest.raises(ReportFileError, match="not an export report"): ExportReport.from_json('{"schema": "static_dist.graph/2"}')
+    with pytest.raises(ReportFileError, match="not JSON"): ExportReport.from_json("{")
