@@ -932,9 +932,13 @@ def predict_step(profile: GraphProfile, plan: FSDPPlan, cost: CostModel, *, _seg
                           predict_comms(profile, plan))
 
 # %% ../nbs/40_fsdp.ipynb
-def apply_plan(model: nn.Module, plan: FSDPPlan, mesh=None) -> nn.Module:
+def apply_plan(model: nn.Module, plan: FSDPPlan, mesh=None, compile=None, **compile_kw) -> nn.Module:
     """Shard `model` in place as `plan` says (mesh: a DeviceMesh of plan.mesh_shape; default: init one on CPU/CUDA).
-    The plan is validated against the model first; nothing is sharded when it does not fit."""
+    The plan is validated against the model first; nothing is sharded when it does not fit. `compile`: a
+    `static_dist.compile.CompileOptions` to also compile each block after sharding (`compile.apply_compiled`)."""
+    if compile is not None:
+        from static_dist.compile import apply_compiled   # compile builds on this module: imported here, not at the top
+        return apply_compiled(model, plan, mesh, compile, **compile_kw)
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed._composable import checkpoint
     validate(plan, None, model)
