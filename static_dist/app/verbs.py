@@ -55,21 +55,20 @@ def cmd_capture(args) -> int:
     return 0
 
 # %% ../../nbs/92_verbs.ipynb
-def _fsdp_profile(args, w):
-    "The step profiled in the compute dtype (the plan's param_dtype with --plan), fp32 masters under bf16."
-    from static_dist.fsdp import FSDPPlan, profile_graph
-    bf16 = FSDPPlan.from_json(args.plan).param_dtype == "bfloat16" if args.plan else args.precision == "bf16"
+def _fsdp_profile(args, w, given):
+    "The step profiled in the compute dtype (the given plan's param_dtype, else --precision), fp32 masters under bf16."
+    from static_dist.fsdp import profile_graph
+    bf16 = given.param_dtype == "bfloat16" if given else args.precision == "bf16"
     with status(f"capturing {w.source}") as update:
         g = w.graph(dtype="bfloat16" if bf16 else None, progress=update)
     return profile_graph(g, "float32" if bf16 else None)
 
-def _fsdp_report(args, prof):
-    "A searched plan, or with --plan the given one evaluated exactly as written."
+def _fsdp_report(args, prof, given):
+    "A searched plan, or the given one (--plan) evaluated exactly as written."
     import math
-    from static_dist.fsdp import FSDPPlan, Overrides, plan_fsdp, predict_plan
-    if args.plan:
-        plan = FSDPPlan.from_json(args.plan)
-        with status("evaluating the given plan"): return predict_plan(prof, plan, budget=args.budget)
+    from static_dist.fsdp import Overrides, plan_fsdp, predict_plan
+    if given:
+        with status("evaluating the given plan"): return predict_plan(prof, given, budget=args.budget)
     if args.mesh is not None and math.prod(args.mesh) != args.world:
         raise UsageError(f"--mesh {'x'.join(map(str, args.mesh))} has {math.prod(args.mesh)} ranks but --world is "
                          f"{args.world}; make them agree")
@@ -83,11 +82,13 @@ def _fsdp_report(args, prof):
 # %% ../../nbs/92_verbs.ipynb
 def cmd_plan_fsdp(args) -> int:
     "`static-dist plan-fsdp`: search a plan (or evaluate `--plan`), print it, optionally verify and write it."
+    from static_dist.fsdp import FSDPPlan
     from static_dist.graph import fmt_bytes
     if args.out: check_writable(args.out, force=args.force, inputs=[args.plan])
+    given = FSDPPlan.from_json(args.plan) if args.plan else None     # read and checked before the capture
     w = workload_of(args)
-    prof = _fsdp_profile(args, w)
-    rep = _fsdp_report(args, prof)
+    prof = _fsdp_profile(args, w, given)
+    rep = _fsdp_report(args, prof, given)
     what = "evaluated as given" if args.plan else f"searched {rep.evaluated} plans in {rep.seconds:.1f} s"
     print_markdown(f"**{w.source}** (batch {w.batch}, seq {w.seq}), world {rep.plan.world_size}, mesh "
                    f"{rep.plan.mesh_shape}, budget {fmt_bytes(args.budget)}: {what}\n\n" + rep.table())
