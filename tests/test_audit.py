@@ -15,13 +15,13 @@ def ctx(source, tmp_path, **kw):
 
 def test_export_section_finds_the_branch(tmp_path):
     # the control-flow model branches on tensor values, so it has no fake capture: export checks run without a graph
-    title, md, data = export_section(Context(load_workload("control-flow", batch=2), None, tmp_path))
-    assert title == "Export checks" and "data-dependent-branch" in md and not data["ok"]
+    md, data = export_section(Context(load_workload("control-flow", batch=2), None, tmp_path))
+    assert export_section.title == "Export checks" and "data-dependent-branch" in md and not data["ok"]
     assert json.loads((tmp_path / "export_report.json").read_text())["model"] == "control-flow"
 
 
 def test_passes_section_rewrites_tiny(tmp_path):
-    title, md, data = passes_section(ctx("tiny", tmp_path, batch=2, seq=32))
+    md, data = passes_section(ctx("tiny", tmp_path, batch=2, seq=32))
     assert data["verified"] and data["matches"]["rms_norm"] == 5       # 2 per block x 2 blocks + the final norm
     assert (tmp_path / "ops_trace.json").exists()
 
@@ -32,11 +32,12 @@ def test_sections_that_do_not_apply(tmp_path):
     with pytest.raises(NotApplicable, match="no RMSNorm/softmax/add"): passes_section(c)
     r = _run_section(placement_section, c, lambda s: None)
     assert r["status"] == "not applicable" and r["markdown"].count("\n") == 0
+    assert r["title"] == "Placement (TP plan on dgx-h100, mesh dp=2 × tp=4)"
     big = ctx("llama3-70b", tmp_path, batch=1, seq=128)
     with pytest.raises(NotApplicable, match="parameters"): export_section(big)
 
 
 def test_stability_section_on_the_users_model(tmp_path):
-    title, md, data = stability_section(ctx("examples/gpt.py:GPT", tmp_path, batch=2, seq=32))
+    md, data = stability_section(ctx("examples/gpt.py:GPT", tmp_path, batch=2, seq=32))
     assert data["detected"] == [data["fault"]["step"]]                   # the injected NaN gradient, and nothing else
     assert data["localized_to"].startswith(data["fault"]["module"])

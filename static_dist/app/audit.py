@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from fastcore.basics import patch
 
 from .verbs import export_case, rewrite_case, status, workload_of
 from ..bench import environment
@@ -20,7 +21,7 @@ from ..graph import fmt_bytes
 from ..util import StaticDistError, atomic_write
 
 # %% auto 0
-__all__ = ['STABILITY_STEPS', 'SECTIONS', 'TITLES', 'NotApplicable', 'Context', 'graph_section', 'fsdp_section',
+__all__ = ['STABILITY_STEPS', 'SECTIONS', 'NotApplicable', 'Context', 'section', 'graph_section', 'fsdp_section',
            'offload_section', 'placement_section', 'export_section', 'passes_section', 'stability_section', 'audit',
            'cmd_audit']
 
@@ -28,6 +29,7 @@ __all__ = ['STABILITY_STEPS', 'SECTIONS', 'TITLES', 'NotApplicable', 'Context', 
 class NotApplicable(Exception):
     "A section that does not apply to this model; the message (one line) says why."
 
+# %% ../../nbs/93_audit.ipynb
 @dataclass
 class Context:
     "What every section reads: the workload, its one captured graph, the report folder and the audit's options."
@@ -37,13 +39,24 @@ class Context:
     world: int = 8
     budget: int = 80 * 2**30
 
-    def figure(self, fig, name: str) -> str:
-        "Save a matplotlib figure into the report folder; the markdown that shows it."
-        buf = io.BytesIO(); fig.savefig(buf, format="png", dpi=80)
-        import matplotlib.pyplot as plt
-        plt.close(fig)
-        atomic_write(self.out / name, buf.getvalue())
-        return f"![{name}]({name})"
+# %% ../../nbs/93_audit.ipynb
+@patch
+def figure(self: Context, fig, name: str) -> str:
+    "Save a matplotlib figure into the report folder; the markdown that shows it."
+    import matplotlib.pyplot as plt
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=80)
+    plt.close(fig)
+    atomic_write(self.out / name, buf.getvalue())
+    return f"![{name}]({name})"
+
+# %% ../../nbs/93_audit.ipynb
+def section(title: str):
+    "Mark a function `Context -> (markdown, data)` as an audit section called `title`."
+    def mark(fn):
+        fn.title = title
+        return fn
+    return mark
 
 # %% ../../nbs/93_audit.ipynb
 def _module_table(graph, top: int = 12) -> str:
@@ -55,6 +68,8 @@ def _module_table(graph, top: int = 12) -> str:
             f"{s.backward_flops / 1e9:,.2f} |" for s in rows[:top]]
     return "\n".join(out)
 
+# %% ../../nbs/93_audit.ipynb
+@section("Captured training step")
 def graph_section(c: Context):
     "The captured step: summary, live memory by role, largest modules."
     from static_dist.graph import plot_memory
@@ -62,9 +77,10 @@ def graph_section(c: Context):
     blocks = f"Repeated blocks: {len(st.blocks)} × `{st.block_type}` at `{st.path or '<root>'}`." if st else \
              "No stack of repeated blocks found in the module tree."
     md = [c.graph.summary_markdown(), "", blocks, "", c.figure(plot_memory(c.graph), "memory.png"), "", _module_table(c.graph)]
-    return "Captured training step", "\n".join(md), c.graph.summary()
+    return "\n".join(md), c.graph.summary()
 
 # %% ../../nbs/93_audit.ipynb
+@section("FSDP plan")
 def fsdp_section(c: Context):
     "An FSDP plan for `world` ranks in the dtype the step was captured in."
     from static_dist.fsdp import plan_fsdp, plot_fsdp_memory, plot_fsdp_timeline
@@ -75,8 +91,10 @@ def fsdp_section(c: Context):
     md += [f"- **{k}**: {v}" for k, v in rep.plan.reasons]
     md += ["", c.figure(plot_fsdp_memory(rep.memory), "fsdp_memory.png"), "",
            c.figure(plot_fsdp_timeline(rep.step), "fsdp_timeline.png")]
-    return "FSDP plan", "\n".join(md), rep.to_dict()
+    return "\n".join(md), rep.to_dict()
 
+# %% ../../nbs/93_audit.ipynb
+@section("Offload plan")
 def offload_section(c: Context):
     "Saved tensors classified and placed with the CPU device model."
     from static_dist.offload import plan_markdown, plan_offload, plan_summary, plot_lifetimes, plot_offload_memory
@@ -85,9 +103,20 @@ def offload_section(c: Context):
           + ", ".join(f"`{t.name}` ({t.bandwidth / 1e9:.3g} GB/s)" for t in plan.tiers) + ".", "", plan_markdown(plan),
           "", c.figure(plot_lifetimes(c.graph, plan), "offload_lifetimes.png"), "",
           c.figure(plot_offload_memory(c.graph, plan), "offload_memory.png")]
-    return "Offload plan", "\n".join(md), plan_summary(plan)
+    return "\n".join(md), plan_summary(plan)
 
 # %% ../../nbs/93_audit.ipynb
+def _placement_table(rep) -> list[str]:
+    "Found vs Megatron styles per linear, then their cost, bytes and memory, as markdown rows."
+    md = ["| linear | found | Megatron |", "|---|---|---|"]
+    for (n, s, d), (_, ms, _) in zip(rep["found"]["plan"]["styles"], rep["megatron"]["plan"]["styles"]):
+        md.append(f"| `{n}` | {s}{' + dp shard' if d else ''} | {ms} |")
+    for k in ("seconds", "comm_bytes", "memory"):
+        md.append(f"| **{k}** | {rep['found']['plan'][k]:.4g} | {rep['megatron']['plan'][k]:.4g} |")
+    return md
+
+# %% ../../nbs/93_audit.ipynb
+@section("Placement (TP plan on dgx-h100, mesh dp=2 × tp=4)")
 def placement_section(c: Context):
     "Tensor-parallel styles for the repeated block on a DGX H100, mesh dp=2 × tp=4, next to Megatron's."
     from static_dist.placement import block_spec, plan_report, plot_plans
@@ -97,21 +126,19 @@ def placement_section(c: Context):
     try: spec = block_spec(c.graph)
     except StaticDistError as e: raise NotApplicable(str(e).splitlines()[0]) from None
     rep = plan_report(spec, preset("dgx-h100"), MeshSpec((2, 4), ("dp", "tp")))
-    md = ["| linear | found | Megatron |", "|---|---|---|"]
-    for (n, s, d), (_, ms, _) in zip(rep["found"]["plan"]["styles"], rep["megatron"]["plan"]["styles"]):
-        md.append(f"| `{n}` | {s}{' + dp shard' if d else ''} | {ms} |")
-    for k in ("seconds", "comm_bytes", "memory"):
-        md.append(f"| **{k}** | {rep['found']['plan'][k]:.4g} | {rep['megatron']['plan'][k]:.4g} |")
+    md = _placement_table(rep)
     if rep["megatron"]["violations"]:
         md += ["", "The Megatron plan is not valid on this mesh:", ""] + [f"- {v}" for v in rep["megatron"]["violations"]]
     md += ["", c.figure(plot_plans(rep), "placement.png")]
-    return "Placement (TP plan on dgx-h100, mesh dp=2 × tp=4)", "\n".join(md), rep
+    return "\n".join(md), rep
 
 # %% ../../nbs/93_audit.ipynb
 def _real_case(c: Context):
     try: return export_case(c.workload)
     except StaticDistError as e: raise NotApplicable(str(e).splitlines()[0]) from None
 
+# %% ../../nbs/93_audit.ipynb
+@section("Export checks")
 def export_section(c: Context):
     "torch.export / ONNX / TorchScript / AOTI readiness of the model at the workload's shape."
     from static_dist.export import check_export
@@ -122,9 +149,10 @@ def export_section(c: Context):
     verdict = "✅ clean" if rep.ok else "❌ problems found"
     md = f"**{verdict}** in {rep.meta.get('seconds', 0):.1f} s (full report: `export_report.json`).\n" + \
          rep.to_markdown().split("\n", 1)[1]
-    return "Export checks", md, json.loads(rep.to_json())
+    return md, json.loads(rep.to_json())
 
 # %% ../../nbs/93_audit.ipynb
+@section("Custom ops and graph passes")
 def passes_section(c: Context):
     "Which bridged kernels the exported forward can use, the rewrite, and its check against the original."
     from static_dist.passes import PATTERNS, profile_nodes
@@ -135,83 +163,102 @@ def passes_section(c: Context):
         raise NotApplicable("no RMSNorm/softmax/add+relu pattern to rewrite in the exported forward")
     prof = profile_nodes(new, *inputs)
     prof.to_chrome_trace(c.out / "ops_trace.json")
+    return _passes_markdown(rep, prof, PATTERNS), rep.to_json()
+
+# %% ../../nbs/93_audit.ipynb
+def _passes_markdown(rep, prof, patterns) -> str:
+    "The rewrite counts per pattern, the node counts and check, and the five slowest nodes."
     rows = ["| pattern | bridged op | rewritten |", "|---|---|---:|"]
-    rows += [f"| {p} | `{op}` | {rep.matches.get(p, 0)} |" for p, (_, op) in PATTERNS.items()]
-    top = "\n".join(f"- `{s.name}` ({s.target}): {s.total_s * 1e3:.3f} ms" for s in prof.top(5))
-    md = "\n".join(rows + ["", f"Rewritten program: {rep.nodes_before} → {rep.nodes_after} nodes; outputs checked "
-                           f"against the original: max |diff| {rep.max_abs_diff:.2e}. Slowest nodes "
-                           "([Chrome trace](ops_trace.json)):", "", top])
-    return "Custom ops and graph passes", md, rep.to_json()
+    rows += [f"| {p} | `{op}` | {rep.matches.get(p, 0)} |" for p, (_, op) in patterns.items()]
+    top = [f"- `{s.name}` ({s.target}): {s.total_s * 1e3:.3f} ms" for s in prof.top(5)]
+    return "\n".join(rows + ["", f"Rewritten program: {rep.nodes_before} → {rep.nodes_after} nodes; outputs checked "
+                              f"against the original: max |diff| {rep.max_abs_diff:.2e}. Slowest nodes "
+                              "([Chrome trace](ops_trace.json)):", ""] + top)
 
 # %% ../../nbs/93_audit.ipynb
 STABILITY_STEPS = 12
 
-def stability_section(c: Context):
-    "A short monitored run of the user's model with a NaN gradient injected; detection, localization, recovery."
+class _Bound(torch.nn.Module):
+    "The model with its keyword inputs bound, so the trainer can call it with positional ones."
+    def __init__(self, model, kwargs):
+        super().__init__()
+        self.model, self.kwargs = model, kwargs
+    def forward(self, *args): return self.model(*args, **self.kwargs)
+
+# %% ../../nbs/93_audit.ipynb
+def _stability_target(c: Context) -> str:
+    "The module to poison: the first repeated block, else the first submodule. Refuses models too big for CPU."
     from static_dist.export import MAX_CHECK_PARAMS
-    from static_dist.stability import STRATEGIES, Fault, Trainer
-    w, st = c.workload, c.graph.structure.main
     if c.graph.summary()["params"] > MAX_CHECK_PARAMS:
         raise NotApplicable(f"training runs real weights on CPU, limited to {MAX_CHECK_PARAMS / 1e6:.0f}M parameters")
-    target = st.blocks[0] if st else next(n for n, m in w.build(device="meta").named_modules() if n)
+    st = c.graph.structure.main
+    return st.blocks[0] if st else next(n for n, m in c.workload.build(device="meta").named_modules() if n)
+
+# %% ../../nbs/93_audit.ipynb
+@section("Training stability")
+def stability_section(c: Context):
+    "A short monitored run of the user's model with a NaN gradient injected; detection, localization, recovery."
+    from static_dist.stability import STRATEGIES, Fault, Trainer
+    w, target = c.workload, _stability_target(c)
     args, kwargs, targets = w.inputs()
+    y = targets if targets is not None else kwargs.get("labels", args[0] if args else None)   # the trainer counts tokens from it
+    if y is None: raise NotApplicable("the trainer needs targets or labels to count tokens; this workload has neither")
     model = _Bound(w.build(device="cpu"), kwargs)
     loss = (lambda out, y: w.loss(out, y)) if targets is not None else (lambda out, y: w.loss(out))
     fault = Fault("nan_grad", STABILITY_STEPS // 2, module=f"model.{target}")
     tr = Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-3), loss, STRATEGIES["rewind"], [fault])
-    y = targets if targets is not None else kwargs.get("labels", args[0] if args else None)   # the trainer counts tokens from it
-    if y is None: raise NotApplicable("the trainer needs targets or labels to count tokens; this workload has neither")
     recs = [tr.step(i, i, [(tuple(args), y)]) for i in range(STABILITY_STEPS)]
     tr.close()
     return _stability_report(recs, fault, target)
 
-class _Bound(torch.nn.Module):
-    "The model with its keyword inputs bound, so the trainer can call it with positional ones."
-    def __init__(self, model, kwargs): super().__init__(); self.model, self.kwargs = model, kwargs
-    def forward(self, *args): return self.model(*args, **self.kwargs)
+# %% ../../nbs/93_audit.ipynb
+def _where(loc) -> str | None:
+    "The module a localization points at, as the user's model names it."
+    return (loc.module or "(root)").removeprefix("model.") if loc else None
+
+def _step_row(r) -> str:
+    norm = "None" if r.grad_norm is None else f"{r.grad_norm:.3g}"
+    return f"| {r.step} | {r.loss:.4f} | {norm} | {', '.join(r.alarms) or '—'} | {r.action} | {_where(r.localization) or '—'} |"
 
 # %% ../../nbs/93_audit.ipynb
 def _stability_report(recs, fault, target):
+    "The step table and the summary data of a monitored run."
     alarms = [r for r in recs if r.alarms]
-    loc = next((r.localization for r in alarms if r.localization), None)
-    where = (loc.module or "(root)").removeprefix("model.") if loc else None
+    where = _where(next((r.localization for r in alarms if r.localization), None))
     norms = [r.grad_norm for r in recs if r.grad_norm is not None and math.isfinite(r.grad_norm)]
     md = [f"{len(recs)} AdamW steps of the model itself (strategy `rewind`), a NaN gradient injected at step "
           f"{fault.step} into `{target}`.", "", "| step | loss | grad norm | alarms | action | localized to |",
-          "|---:|---:|---:|---|---|---|"]
-    md += [f"| {r.step} | {r.loss:.4f} | {r.grad_norm if r.grad_norm is None else f'{r.grad_norm:.3g}'} | "
-           f"{', '.join(r.alarms) or '—'} | {r.action} | "
-           f"{(r.localization.module or '(root)').removeprefix('model.') if r.localization else '—'} |" for r in recs]
+          "|---:|---:|---:|---|---|---|"] + [_step_row(r) for r in recs]
     data = dict(steps=len(recs), fault=dict(kind=fault.kind, step=fault.step, module=target),
                 detected=[r.step for r in alarms], localized_to=where, final_loss=recs[-1].loss,
                 grad_norm_mean=sum(norms) / len(norms) if norms else None)
-    return "Training stability", "\n".join(md), data
+    return "\n".join(md), data
 
 # %% ../../nbs/93_audit.ipynb
 SECTIONS = (graph_section, export_section, passes_section, placement_section, fsdp_section, offload_section,
             stability_section)
-TITLES = {graph_section: "Captured training step", export_section: "Export checks",
-          passes_section: "Custom ops and graph passes", placement_section: "Placement (TP plan on dgx-h100, mesh dp=2 × tp=4)",
-          fsdp_section: "FSDP plan", offload_section: "Offload plan", stability_section: "Training stability"}
+
+# %% ../../nbs/93_audit.ipynb
+def _outcome(fn, c: Context) -> tuple[str, str, dict]:
+    "Run one section: (status, markdown, data); a section that does not apply or fails says so instead."
+    try:
+        md, data = fn(c)
+        return "ok", md, data
+    except NotApplicable as e:
+        return "not applicable", f"Does not apply: {e}.", dict(reason=str(e))
+    except Exception as e:   # one failing section must not lose the others: it is reported, and audit exits 1
+        msg = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+        return "failed", f"**Failed**: {msg}", dict(error=msg)
 
 # %% ../../nbs/93_audit.ipynb
 def _run_section(fn, c: Context, update) -> dict:
+    "One section's entry of the report: its title, outcome, the workload it analysed and its time."
     update(f"audit: {fn.__name__.removesuffix('_section')}")
     shape = dict(source=c.workload.source, batch=c.workload.batch, seq=c.workload.seq, dtype=c.workload.dtype)
     t0 = time.perf_counter()
-    try:
-        title, md, data = fn(c)
-        return dict(title=title, status="ok", workload=shape, markdown=md, data=data,
-                    seconds=round(time.perf_counter() - t0, 2))
-    except NotApplicable as e:
-        title = TITLES.get(fn, fn.__name__)
-        return dict(title=title, status="not applicable", workload=shape, markdown=f"Does not apply: {e}.",
-                    data=dict(reason=str(e)), seconds=round(time.perf_counter() - t0, 2))
-    except Exception as e:
-        title = TITLES.get(fn, fn.__name__)
-        msg = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
-        return dict(title=title, status="failed", workload=shape, markdown=f"**Failed**: {msg}",
-                    data=dict(error=msg), seconds=round(time.perf_counter() - t0, 2))
+    outcome, md, data = _outcome(fn, c)
+    return dict(title=fn.title, status=outcome, workload=shape, markdown=md, data=data,
+                seconds=round(time.perf_counter() - t0, 2))
 
 # %% ../../nbs/93_audit.ipynb
 def audit(workload, out, *, world: int = 8, budget: int = 80 * 2**30, sections=SECTIONS, progress=None) -> dict:
@@ -228,13 +275,19 @@ def audit(workload, out, *, world: int = 8, budget: int = 80 * 2**30, sections=S
                   seconds=round(time.perf_counter() - t0, 2),
                   sections={r["title"]: {k: v for k, v in r.items() if k not in ("title", "markdown")} for r in results},
                   failed_sections=[f"{r['title']}: {r['data']['error']}" for r in results if r["status"] == "failed"])
-    w = workload
-    md = [f"# static_dist audit: `{w.source}` (batch {w.batch}, seq {w.seq}, {w.dtype}, {w.optimizer})", ""]
-    for r in results: md += [f"## {r['title']}", "", f"*Workload: batch {r['workload']['batch']}, seq {r['workload']['seq']}, "
-                             f"{r['workload']['dtype']}.*", "", r["markdown"], ""]
-    atomic_write(out / "audit.md", "\n".join(md))
+    atomic_write(out / "audit.md", _audit_markdown(workload, results))
     atomic_write(out / "audit.json", json.dumps(report, indent=2, default=str))
     return report
+
+# %% ../../nbs/93_audit.ipynb
+def _audit_markdown(w, results) -> str:
+    "audit.md: a header naming the workload, then each section under its title with the shape it analysed."
+    md = [f"# static_dist audit: `{w.source}` (batch {w.batch}, seq {w.seq}, {w.dtype}, {w.optimizer})", ""]
+    for r in results:
+        shape = r["workload"]
+        md += [f"## {r['title']}", "", f"*Workload: batch {shape['batch']}, seq {shape['seq']}, {shape['dtype']}.*", "",
+               r["markdown"], ""]
+    return "\n".join(md)
 
 # %% ../../nbs/93_audit.ipynb
 def cmd_audit(args) -> int:

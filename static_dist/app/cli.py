@@ -24,6 +24,7 @@ def _kind(kind: str):
     def tag(f): f.kind = kind; return f
     return tag
 
+# %% ../../nbs/90_cli.ipynb
 def count(name: str, lo: int = 1, hi: int = MAX_COUNT):
     "argparse type: a whole number in [lo, hi]."
     @_kind("count")
@@ -49,6 +50,7 @@ def number(name: str, lo: float = 0.0, hi: float = math.inf, lo_open: bool = Tru
         return x
     return parse
 
+# %% ../../nbs/90_cli.ipynb
 def size(name: str):
     "argparse type: a size in bytes ('80GiB', '512MB', '1.5e9'); 0 and up."
     @_kind("size")
@@ -83,12 +85,14 @@ def infile(v: str) -> Path:
     if not os.access(p, os.R_OK): raise argparse.ArgumentTypeError(f"{v}: not readable")
     return p
 
+# %% ../../nbs/90_cli.ipynb
 @_kind("outfile")
 def outfile(v: str) -> Path:
     "argparse type: an output file path (checked for writability by the verb, with --force)."
     if not v.strip(): raise argparse.ArgumentTypeError("output file name is empty")
     return Path(v)
 
+# %% ../../nbs/90_cli.ipynb
 @_kind("outdir")
 def outdir(v: str) -> Path:
     "argparse type: an output folder (created if missing; must not be a file)."
@@ -103,6 +107,7 @@ class Parser(argparse.ArgumentParser):
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
+# %% ../../nbs/90_cli.ipynb
 def _workload_args(p, batch: int | None = None, seq: int | None = None):
     "The workload options; None leaves the choice to the workload (2 x 64, adamw, float32, or what a Workload function sets)."
     g = p.add_argument_group("workload (the model and the step to analyse)")
@@ -117,6 +122,7 @@ def _workload_args(p, batch: int | None = None, seq: int | None = None):
                    help="dtype the model is built and captured in (default float32)")
     g.add_argument("--input-shape", help="shape of one sample for models whose inputs cannot be inferred, e.g. 3x32x32")
 
+# %% ../../nbs/90_cli.ipynb
 def _force(p): p.add_argument("--force", action="store_true", help="replace output files that exist")
 
 # %% ../../nbs/90_cli.ipynb
@@ -128,6 +134,7 @@ def _audit_parser(sub):
     a.add_argument("--budget", type=size("--budget"), default="80GiB", help="memory per rank (default 80GiB)")
     a.set_defaults(run="static_dist.app.audit:cmd_audit")
 
+# %% ../../nbs/90_cli.ipynb
 def _capture_parser(sub):
     c = sub.add_parser("capture", help="capture a model's training step and print its summary")
     _workload_args(c)
@@ -156,6 +163,7 @@ def _fsdp_parser(sub):
     _force(p)
     p.set_defaults(run="static_dist.app.verbs:cmd_plan_fsdp")
 
+# %% ../../nbs/90_cli.ipynb
 def _placement_parser(sub):
     p = sub.add_parser("plan-placement", help="search tensor-parallel styles for the model's repeated block on a mesh")
     _workload_args(p)
@@ -167,6 +175,7 @@ def _placement_parser(sub):
     p.add_argument("--json", action="store_true", help="print the full report as JSON")
     p.set_defaults(run="static_dist.app.verbs:cmd_plan_placement")
 
+# %% ../../nbs/90_cli.ipynb
 def _offload_parser(sub):
     p = sub.add_parser("plan-offload", help="plan which saved tensors go to CPU/NVMe and when")
     _workload_args(p)
@@ -192,6 +201,7 @@ def _export_parser(sub):
     p.add_argument("--rules", action="store_true", help="print the rule table and exit")
     p.set_defaults(run="static_dist.app.verbs:cmd_check_export")
 
+# %% ../../nbs/90_cli.ipynb
 def _passes_parser(sub):
     p = sub.add_parser("passes", help="graph passes on exported programs")
     s = p.add_subparsers(dest="passes_command", required=True, metavar="ACTION", parser_class=Parser)
@@ -201,6 +211,7 @@ def _passes_parser(sub):
     _force(r)
     r.set_defaults(run="static_dist.app.verbs:cmd_passes")
 
+# %% ../../nbs/90_cli.ipynb
 def _ops_parser(sub):
     p = sub.add_parser("ops", help="bridged custom ops: list them, run their compatibility matrix")
     s = p.add_subparsers(dest="ops_command", required=True, metavar="ACTION", parser_class=Parser)
@@ -228,6 +239,7 @@ def _stability_parser(sub):
     _force(p)
     p.set_defaults(run="static_dist.app.verbs:cmd_stability")
 
+# %% ../../nbs/90_cli.ipynb
 def _artifact_parsers(sub):
     k = sub.add_parser("keygen", help="generate an Ed25519 signing key pair for artifacts")
     k.add_argument("--out", type=outfile, required=True, help="path prefix: writes PREFIX.key (private) and PREFIX.pub")
@@ -248,12 +260,14 @@ def _artifact_parsers(sub):
     v.add_argument("--load", action="store_true", help="also deserialise the program")
     v.set_defaults(run="static_dist.app.verbs:cmd_verify")
 
+# %% ../../nbs/90_cli.ipynb
 def _bench_parser(sub):
     b = sub.add_parser("bench", help="run a benchmark and write JSON with the machine and versions")
     b.add_argument("name", help="which benchmark: capture, cli, compile, fsdp, kernels, offload, placement, stability")
     b.add_argument("--out", type=outdir, default=Path("bench"), help="folder for NAME.json (default: ./bench)")
     b.set_defaults(run="static_dist.app.benches:cmd_bench")
 
+# %% ../../nbs/90_cli.ipynb
 def _train_parser(sub):
     t = sub.add_parser("train", help="plan, apply and compile FSDP, then train with the stability monitors on")
     _workload_args(t, batch=4, seq=64)
@@ -282,11 +296,13 @@ def build_parser() -> Parser:
 class UsageError(StaticDistError):
     "Bad command-line input found by a verb: printed as one line, exit status 2."
 
+# %% ../../nbs/90_cli.ipynb
 def _handler(spec: str):
     import importlib
     mod, fn = spec.split(":")
     return getattr(importlib.import_module(mod), fn)
 
+# %% ../../nbs/90_cli.ipynb
 def main(argv: list[str] | None = None) -> int:
     "Entry point of the `static-dist` command."
     args = build_parser().parse_args(argv)

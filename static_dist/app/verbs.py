@@ -29,12 +29,14 @@ def status(text: str):
     from rich.console import Console
     with Console(stderr=True).status(text) as s: yield s.update
 
+# %% ../../nbs/92_verbs.ipynb
 def workload_of(args):
     "The `Workload` the workload options describe."
     from static_dist.workload import load_workload
     return load_workload(args.model, batch=args.batch, seq=args.seq, optimizer=args.optimizer, dtype=args.dtype,
                          input_shape=args.input_shape)
 
+# %% ../../nbs/92_verbs.ipynb
 def print_markdown(text: str):
     "Markdown rendered by rich on a terminal, plain text in a pipe or a notebook cell's captured stdout."
     from rich.console import Console
@@ -63,6 +65,7 @@ def _fsdp_profile(args, w, given):
         g = w.graph(dtype="bfloat16" if bf16 else None, progress=update)
     return profile_graph(g, "float32" if bf16 else None)
 
+# %% ../../nbs/92_verbs.ipynb
 def _fsdp_report(args, prof, given):
     "A searched plan, or the given one (--plan) evaluated exactly as written."
     import math
@@ -101,6 +104,7 @@ def cmd_plan_fsdp(args) -> int:
                            "raise the budget or the world size", file=sys.stderr)
     return 0 if rep.fits else 3
 
+# %% ../../nbs/92_verbs.ipynb
 def _verify(args, w, rep, prof):
     "Predicted / measured: FSDPMemTracker's peak and CommDebugMode's collectives under a fake process group."
     from static_dist.fsdp import verify_workload
@@ -115,6 +119,7 @@ def topology_arg(name: str, n: int):
     try: return load_topology_arg(name, n)
     except (KeyError, ValueError, OSError) as e: raise UsageError(f"--topology {name!r}: {e}") from None
 
+# %% ../../nbs/92_verbs.ipynb
 def mesh_spec(shape: tuple, names: str | None):
     "MeshSpec with tp last; default names dp,tp (2-D), dp,fsdp,tp (3-D)."
     from static_dist.topology import MeshSpec
@@ -133,6 +138,7 @@ def _placement_lines(rep: dict) -> list[str]:
         rows.append(f"{k:<26}{f['plan'][k]:<26.6g}{m.get('plan', {}).get(k, float('nan')):<12.6g}")
     return rows
 
+# %% ../../nbs/92_verbs.ipynb
 def cmd_plan_placement(args) -> int:
     "`static-dist plan-placement`: TP styles for the repeated block on a mesh, next to Megatron's."
     from static_dist.placement import block_spec, plan_report
@@ -190,10 +196,12 @@ def export_case(w):
         return model, tuple(args), ds, flags
     return model, tuple(args), None, None
 
+# %% ../../nbs/92_verbs.ipynb
 def _zoo_names():
     from static_dist.zoo import ZOO
     return set(ZOO)
 
+# %% ../../nbs/92_verbs.ipynb
 class _KwargsCall(nn.Module):
     "model(*args, **dict(zip(keys, rest))): keyword inputs as positional ones, for torch.export."
     def __init__(self, model, keys): super().__init__(); self.model, self.keys, self.n = model, keys, len(keys)
@@ -229,6 +237,7 @@ def cmd_check_export(args) -> int:
         if not args.json: print("\n" + d.to_markdown())
     return 0 if rep.ok else 1
 
+# %% ../../nbs/92_verbs.ipynb
 def rewrite_case(model, inputs):
     "The model's exported forward rewritten to the bridged ops and checked against it: (rewritten program, report)."
     from static_dist.passes import rewrite_ops
@@ -238,6 +247,7 @@ def rewrite_case(model, inputs):
                          "`static-dist check-export` explains why") from None
     return rewrite_ops(ep, inputs)
 
+# %% ../../nbs/92_verbs.ipynb
 def cmd_passes(args) -> int:
     "`static-dist passes rewrite`: the exported forward rewritten to the bridged ops, checked against the original."
     from static_dist.passes import profile_nodes
@@ -277,6 +287,7 @@ def parse_fault(text: str):
     try: return Fault(m.group(1), int(m.group(2)), duration=int(m.group(3) or 1))
     except ValueError as e: raise UsageError(f"--fault {text!r}: {e}") from None
 
+# %% ../../nbs/92_verbs.ipynb
 def cmd_stability(args) -> int:
     "`static-dist stability`: one strategy against injected faults, next to the clean and unmitigated runs."
     from dataclasses import asdict
@@ -322,6 +333,7 @@ def cmd_keygen(args) -> int:
     print(f"key id {key_id(key)}: private key {priv} (keep secret), public key {pub} (give to verifiers)")
     return 0
 
+# %% ../../nbs/92_verbs.ipynb
 def _meta(pairs) -> dict:
     out = {}
     for kv in pairs or ():
@@ -347,6 +359,7 @@ def cmd_sign(args) -> int:
     print(f"signed {args.program} with key {key_id(key)} -> {out}")
     return 0
 
+# %% ../../nbs/92_verbs.ipynb
 def cmd_verify(args) -> int:
     "`static-dist verify ARTIFACT --trusted-key PUB`: exit 0 verified, 1 rejected."
     from static_dist.artifact import (ArtifactError, ArtifactFileError, ArtifactUsageError, load_artifact, load_trusted_keys,
