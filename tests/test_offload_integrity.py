@@ -16,27 +16,14 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import static_dist.offload as off
-from static_dist.graph import capture
+from static_dist.offload import executor, spill   # where the names monkeypatched below are looked up
 from static_dist.offload import (OffloadCorruptionError, OffloadDiskError, OffloadExecutor, OffloadInplaceError,
                                  OffloadPlanError, Tier, check_plan, plan_from_dict, plan_offload, plan_to_dict)
 from static_dist.util import StaticDistError
-from static_dist.zoo import get_model
 
 DISK = Tier("nvme", 1e9, 1e-5, math.inf, "disk")
 CPU = Tier("cpu", 2e9, 1e-5, math.inf, "cpu")
 INPLACE = "one of the variables needed for gradient computation has been modified by an inplace operation"
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    zm = get_model("tiny")
-    m = zm.build("cpu")
-    (x,), y = zm.batch(4, 128)
-    g = capture(m, (x,), loss_fn=zm.loss, targets=y)
-    m.zero_grad(set_to_none=True)
-    zm.loss(m(x), y).backward()
-    ref = {n: p.grad.clone() for n, p in m.named_parameters()}
-    return SimpleNamespace(zm=zm, m=m, x=x, y=y, g=g, ref=ref, disk=plan_offload(g, (DISK,), min_bytes=0))
 
 
 def _grads(m):
@@ -88,32 +75,32 @@ def swap_same_size(fd, regions):
 
 
 @pytest.mark.parametrize("fault", [flip_each, zero_each, swap_same_size])
-def test_changed_spill_bytes_are_refused(tiny, fault):
-    assert len(tiny.disk.offloaded) >= 10
+def test_changed_spill_bytes_are_refused(offload_tiny, fault):
+    assert len(offload_tiny.disk.offloaded) >= 10
     with pytest.raises(OffloadCorruptionError, match=r"storage \d+ \(.*\): its spill file in .* \(unlinked, bytes \d+ "
                                                      r"to \d+\) does not hold the bytes written \((xxh3_64|crc32) "):
-        _run(tiny, tiny.disk, fault)
+        _run(offload_tiny, offload_tiny.disk, fault)
 
 
-def test_untouched_spill_is_exact(tiny):
-    assert _exact(_run(tiny, tiny.disk, lambda fd, r: None), tiny.ref)
+def test_untouched_spill_is_exact(offload_tiny):
+    assert _exact(_run(offload_tiny, offload_tiny.disk, lambda fd, r: None), offload_tiny.ref)
 
 
 @settings(max_examples=12, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(pick=st.integers(0, 10**6), where=st.floats(0, 1, exclude_max=True), bit=st.integers(0, 7))
-def test_any_single_bit_flip_is_refused(tiny, pick, where, bit):
+def test_any_single_bit_flip_is_refused(offload_tiny, pick, where, bit):
     "One bit anywhere in any still-away region: refused (never a silent change of gradients)."
     def one(fd, regions):
         o, n = sorted(regions.values())[pick % len(regions)]
         at = o + int(where * n)
         os.pwrite(fd, bytes([os.pread(fd, 1, at)[0] ^ (1 << bit)]), at)
     with pytest.raises(OffloadCorruptionError):
-        _run(tiny, tiny.disk, one)
+        _run(offload_tiny, offload_tiny.disk, one)
 
 
-def test_corruption_error_is_typed_and_one_line(tiny):
+def test_corruption_error_is_typed_and_one_line(offload_tiny):
     with pytest.raises(StaticDistError) as e:
-        _run(tiny, tiny.disk, flip_each)
+        _run(offload_tiny, offload_tiny.disk, flip_each)
     assert "\n" not in str(e.value) and isinstance(e.value, off.OffloadError)
 
 
@@ -132,38 +119,38 @@ def _edit_after_forward(t, plan, module="layers.0.feed_forward.w2"):
 
 @pytest.mark.parametrize("tiers,min_bytes", [((DISK,), 0), ((CPU,), 0), ((DISK,), 2**40)],
                          ids=["offloaded-to-disk", "offloaded-to-cpu", "kept"])
-def test_inplace_edit_after_save_gives_autograds_error(tiny, tiers, min_bytes):
+def test_inplace_edit_after_save_gives_autograds_error(offload_tiny, tiers, min_bytes):
     "The executor's error says what plain autograd says: the tensor (type, shape) and the versions, word for word."
     with pytest.raises(RuntimeError, match=INPLACE) as plain:
-        _edit_after_forward(tiny, None)                               # plain autograd: the reference behaviour
-    plan = plan_offload(tiny.g, tiers, min_bytes=min_bytes)
+        _edit_after_forward(offload_tiny, None)                               # plain autograd: the reference behaviour
+    plan = plan_offload(offload_tiny.g, tiers, min_bytes=min_bytes)
     with pytest.raises(OffloadInplaceError, match=INPLACE) as ours:
-        _edit_after_forward(tiny, plan)
+        _edit_after_forward(offload_tiny, plan)
     what = lambda e: re.search(r"inplace operation: (\[\S+ \[[\d, ]+\]\]), which is .*, (is at version \d+; expected "
                                r"version \d+ instead)", str(e.value)).groups()
     assert what(ours) == what(plain) == ("[torch.FloatTensor [512, 192]]", "is at version 1; expected version 0 instead")
 
 
-def test_inplace_edit_before_offload_is_refused(tiny):
+def test_inplace_edit_before_offload_is_refused(offload_tiny):
     "Edited right after its save, while the worker may still be writing it: the version says so before any read is trusted."
     saved = []
     def pre(mod, args): saved.append(args[0])
     def post(mod, args, out): saved[-1].add_(1)                          # after w2 saved its input
-    w2 = tiny.m.layers[1].feed_forward.w2
+    w2 = offload_tiny.m.layers[1].feed_forward.w2
     h1, h2 = w2.register_forward_pre_hook(pre), w2.register_forward_hook(post)
     try:
         with pytest.raises(OffloadInplaceError, match=INPLACE):
-            _run(tiny, tiny.disk, lambda fd, r: None)
+            _run(offload_tiny, offload_tiny.disk, lambda fd, r: None)
     finally: h1.remove(); h2.remove()
 
 
-def test_no_false_inplace_alarm(tiny):
+def test_no_false_inplace_alarm(offload_tiny):
     "An in-place op on a tensor that is not saved (the loss) is fine, as in plain autograd."
-    with OffloadExecutor(tiny.g, tiny.disk):
-        tiny.m.zero_grad(set_to_none=True)
-        loss = tiny.zm.loss(tiny.m(tiny.x), tiny.y)
+    with OffloadExecutor(offload_tiny.g, offload_tiny.disk):
+        offload_tiny.m.zero_grad(set_to_none=True)
+        loss = offload_tiny.zm.loss(offload_tiny.m(offload_tiny.x), offload_tiny.y)
         (loss * 1.0).backward()
-    assert _exact(_grads(tiny.m), tiny.ref)
+    assert _exact(_grads(offload_tiny.m), offload_tiny.ref)
 
 
 # --- filesystem problems: a typed error naming the directory, before anything runs -------------------------------
@@ -171,50 +158,50 @@ def _enter(t, d):
     with OffloadExecutor(t.g, t.disk, disk_dir=d): pass
 
 
-def test_missing_directory(tiny, tmp_path):
+def test_missing_directory(offload_tiny, tmp_path):
     with pytest.raises(OffloadDiskError, match=rf"offload directory {tmp_path}/nope does not exist: create it"):
-        _enter(tiny, tmp_path / "nope")
+        _enter(offload_tiny, tmp_path / "nope")
 
 
-def test_file_in_place_of_directory(tiny, tmp_path):
+def test_file_in_place_of_directory(offload_tiny, tmp_path):
     (tmp_path / "f").write_text("x")
     with pytest.raises(OffloadDiskError, match=rf"offload directory {tmp_path}/f is a file, not a directory"):
-        _enter(tiny, tmp_path / "f")
+        _enter(offload_tiny, tmp_path / "f")
 
 
-def test_no_permission(tiny, tmp_path, monkeypatch):
+def test_no_permission(offload_tiny, tmp_path, monkeypatch):
     "Root ignores directory modes, so the refusal the kernel gives a user (EACCES) is injected at file creation."
     def denied(*a, **k): raise PermissionError(13, "Permission denied")
-    monkeypatch.setattr(off.tempfile, "TemporaryFile", denied)
+    monkeypatch.setattr(spill.tempfile, "TemporaryFile", denied)
     with pytest.raises(OffloadDiskError, match=rf"offload directory {tmp_path}: no permission to create files there"):
-        _enter(tiny, tmp_path)
+        _enter(offload_tiny, tmp_path)
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root can write into a mode-500 directory")
-def test_no_permission_real(tiny, tmp_path):
+def test_no_permission_real(offload_tiny, tmp_path):
     d = tmp_path / "ro"; d.mkdir(mode=0o500)
     with pytest.raises(OffloadDiskError, match="no permission"):
-        _enter(tiny, d)
+        _enter(offload_tiny, d)
 
 
-def test_disk_too_small(tiny, tmp_path, monkeypatch):
-    monkeypatch.setattr(off.shutil, "disk_usage", lambda p: SimpleNamespace(total=10, used=9, free=1))
+def test_disk_too_small(offload_tiny, tmp_path, monkeypatch):
+    monkeypatch.setattr(spill.shutil, "disk_usage", lambda p: SimpleNamespace(total=10, used=9, free=1))
     with pytest.raises(OffloadDiskError, match=rf"offload directory {tmp_path} has 1 B free, the plan spills .* there"):
-        _enter(tiny, tmp_path)
+        _enter(offload_tiny, tmp_path)
 
 
-def test_disk_full_mid_step(tiny, tmp_path, monkeypatch):
+def test_disk_full_mid_step(offload_tiny, tmp_path, monkeypatch):
     def full(fd, buf, offset): raise OSError(28, "No space left on device")
-    monkeypatch.setattr(off, "_file_write", full)
+    monkeypatch.setattr(executor, "_file_write", full)
     with pytest.raises(OffloadDiskError, match=rf"writing \d+ bytes to the spill file in {tmp_path} failed: No space left "
                                                r"on device — the disk is full"):
-        _run(tiny, tiny.disk, lambda fd, r: None, disk_dir=tmp_path)
+        _run(offload_tiny, offload_tiny.disk, lambda fd, r: None, disk_dir=tmp_path)
     assert os.listdir(tmp_path) == []
 
 
-def test_executor_usable_after_refusal(tiny, tmp_path):
-    with pytest.raises(OffloadDiskError): _enter(tiny, tmp_path / "nope")
-    assert _exact(_run(tiny, tiny.disk, lambda fd, r: None, disk_dir=tmp_path), tiny.ref)
+def test_executor_usable_after_refusal(offload_tiny, tmp_path):
+    with pytest.raises(OffloadDiskError): _enter(offload_tiny, tmp_path / "nope")
+    assert _exact(_run(offload_tiny, offload_tiny.disk, lambda fd, r: None, disk_dir=tmp_path), offload_tiny.ref)
 
 
 # --- SIGKILL mid-step: nothing left on disk ------------------------------------------------------------------------
@@ -251,8 +238,8 @@ def test_sigkill_leaves_no_spill_files(tmp_path):
 
 # --- hand-edited plan files ----------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def plan_json(tiny):
-    return json.loads(json.dumps(plan_to_dict(plan_offload(tiny.g, (CPU, DISK), host_limit=2**20, min_bytes=0))))
+def plan_json(offload_tiny):
+    return json.loads(json.dumps(plan_to_dict(plan_offload(offload_tiny.g, (CPU, DISK), host_limit=2**20, min_bytes=0))))
 
 
 def _paths(x, pre=()):
@@ -276,7 +263,7 @@ VALUES = st.one_of(st.none(), st.booleans(), st.integers(-2**40, 2**40), st.floa
 
 @settings(max_examples=300, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
-def test_mutated_plan_is_refused_or_loaded_unchanged(tiny, plan_json, data):
+def test_mutated_plan_is_refused_or_loaded_unchanged(offload_tiny, plan_json, data):
     """Delete, replace or duplicate any field of a valid plan JSON: the loader raises OffloadPlanError, or it loads
     what the file says, exactly (it re-serialises to the same JSON) and `check_plan` then accepts or refuses it typed."""
     d = json.loads(json.dumps(plan_json))
@@ -297,7 +284,7 @@ def test_mutated_plan_is_refused_or_loaded_unchanged(tiny, plan_json, data):
         return
     back = json.loads(json.dumps(plan_to_dict(plan)))
     assert back == json.loads(text)                             # nothing dropped, coerced or invented
-    try: check_plan(plan, tiny.g)
+    try: check_plan(plan, offload_tiny.g)
     except OffloadPlanError: pass
 
 
