@@ -104,7 +104,8 @@ def to_markdown(self: CompatReport) -> str:
             "| path | status | s | detail | error → fix |", "|---|---|---:|---|---|"]
     for c in self.cells:
         err = f"`{c.error[:160]}` → {c.fix}" if c.error else ""
-        rows.append(f"| {c.path} | {icon.get(c.status, '✅ pass')} | {c.seconds:.2f} | {c.detail} | {err} |".replace("\n", " "))
+        detail, err = c.detail.replace("|", r"\|"), err.replace("|", r"\|")        # a bare pipe would end the table cell
+        rows.append(f"| {c.path} | {icon.get(c.status, '✅ pass')} | {c.seconds:.2f} | {detail} | {err} |".replace("\n", " "))
     return "\n".join(rows)
 
 # %% ../../nbs/20e_ops_matrix.ipynb
