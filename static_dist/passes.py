@@ -9,18 +9,20 @@ import copy
 import dataclasses
 import json
 import time
+import warnings
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 import torch.fx as fx
+from fastcore.basics import patch
 
 from . import ops as sdops
 
 # %% auto 0
-__all__ = ['RewriteReport', 'RewriteError', 'compare_programs', 'rewrite_ops', 'NodeStat', 'NodeProfile', 'profile_nodes',
-           'PruneReport', 'prune_dead', 'GuardFailed', 'GuardedProgram', 'specialise_branches']
+__all__ = ['PATTERNS', 'RewriteReport', 'RewriteError', 'compare_programs', 'rewrite_ops', 'NodeStat', 'NodeProfile',
+           'profile_nodes', 'PruneReport', 'prune_dead', 'GuardFailed', 'GuardedProgram', 'specialise_branches']
 
 # %% ../nbs/21_passes.ipynb
 _A = torch.ops.aten
@@ -29,6 +31,7 @@ def _val(n): return n.meta.get("val") if isinstance(n, fx.Node) else None
 
 def _only_user(n: fx.Node, user: fx.Node) -> bool: return list(n.users) == [user]
 
+# %% ../nbs/21_passes.ipynb
 def _match_add_relu(relu: fx.Node):
     """relu(add(a, b)) with add used only by relu, both operands tensors, no alpha → (args, covered nodes). An in-place
     relu (`nn.ReLU(inplace=True)`) counts: nothing else sees the sum it overwrites."""
@@ -41,12 +44,14 @@ def _match_add_relu(relu: fx.Node):
     if not (isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor)): return None
     return (a, b), [relu, add]
 
+# %% ../nbs/21_passes.ipynb
 def _match_softmax(sm: fx.Node):
     "softmax(x, dim) without a dtype (aten.softmax.int or aten._softmax with half_to_float False)."
     if sm.target == _A.softmax.int and len(sm.args) == 2 and not sm.kwargs.get("dtype"): return (sm.args[0], sm.args[1]), [sm]
     if sm.target == _A._softmax.default and sm.args[2] is False: return (sm.args[0], sm.args[1]), [sm]
     return None
 
+# %% ../nbs/21_passes.ipynb
 _CASTS = (_A.to.dtype, _A._to_copy.default, _A.type_as.default)
 
 _ASSERT = _A._assert_tensor_metadata.default     # export's dtype checks after `.to()`: not uses of the value
@@ -61,6 +66,7 @@ def _cast_chain(n, dtype) -> tuple:
         casts.append(n); n = n.args[0]
     return n, casts
 
+# %% ../nbs/21_passes.ipynb
 def _square_of(n) -> fx.Node | None:
     "`x` if `n` computes x² (`pow(x, 2)` or `mul(x, x)`)."
     t = getattr(n, "target", None)
@@ -68,6 +74,7 @@ def _square_of(n) -> fx.Node | None:
     if t == _A.mul.Tensor and len(n.args) == 2 and n.args[0] is n.args[1] and isinstance(n.args[0], fx.Node): return n.args[0]
     return None
 
+# %% ../nbs/21_passes.ipynb
 def _match_aten_rms_norm(n: fx.Node):
     "`aten.rms_norm(x, [D], weight, eps)` (nn.RMSNorm, F.rms_norm): bitwise the bridged op's function in float32/float64."
     x, shape, w, eps = (list(n.args) + [None, None])[:4]
@@ -78,11 +85,9 @@ def _match_aten_rms_norm(n: fx.Node):
     if vx.dtype not in (torch.float32, torch.float64) or vw.dtype != vx.dtype: return None
     return (x, w, float(torch.finfo(vx.dtype).eps if eps is None else eps)), [n]
 
-def _match_rms_norm(anchor: fx.Node):
-    """RMSNorm over the last dim, as one aten op or spelled out: xf · rsqrt(v) or xf / sqrt(v), v = mean(xf², [-1], True)
-    + eps, [→ cast back to x's dtype], · weight (either side); xf = x, or x cast to float32 or wider; xf² = pow or mul."""
-    if anchor.target == _A.rms_norm.default: return _match_aten_rms_norm(anchor)
-    if anchor.target not in (_A.rsqrt.default, _A.sqrt.default): return None
+# %% ../nbs/21_passes.ipynb
+def _rms_denominator(anchor: fx.Node):
+    "(add, mean, square, xf) when `anchor` is rsqrt/sqrt of mean(xf², [-1], keepdim=True) + eps, else None."
     add = anchor.args[0]
     if getattr(add, "target", None) != _A.add.Tensor or not isinstance(add.args[1], float) or add.kwargs: return None
     mean = add.args[0]
@@ -92,20 +97,22 @@ def _match_rms_norm(anchor: fx.Node):
     if xf is None or not keep: return None
     vxf = _val(xf)
     if not isinstance(vxf, torch.Tensor) or list(dims) not in ([-1], [vxf.dim() - 1]): return None
+    return add, mean, sq, xf
+
+# %% ../nbs/21_passes.ipynb
+def _rms_normalised(anchor: fx.Node):
+    "(norm node, the tensor it normalises) for xf · rsqrt(v) (either side) or xf / sqrt(v), else None."
     if len(_users(anchor)) != 1: return None
     norm = _users(anchor)[0]
     if anchor.target == _A.rsqrt.default:
         if norm.target != _A.mul.Tensor or len(norm.args) != 2 or anchor not in norm.args: return None
-        other = norm.args[1] if norm.args[0] is anchor else norm.args[0]
-    elif norm.target != _A.div.Tensor or len(norm.args) != 2 or norm.args[1] is not anchor or norm.kwargs: return None
-    else: other = norm.args[0]
-    # the normalised tensor and the squared one: x itself or x cast up, possibly by separate `.float()` calls
-    x, casts = _cast_chain(xf, vxf.dtype)
-    x2, casts2 = _cast_chain(other, vxf.dtype)
-    if x2 is not x or _val(other) is None or _val(other).dtype != vxf.dtype: return None
-    vx = _val(x)
-    if not isinstance(vx, torch.Tensor) or vxf.dtype != torch.promote_types(vx.dtype, torch.float32): return None
-    cur, covered = norm, [norm, anchor, add, mean, sq]
+        return norm, (norm.args[1] if norm.args[0] is anchor else norm.args[0])
+    if norm.target != _A.div.Tensor or len(norm.args) != 2 or norm.args[1] is not anchor or norm.kwargs: return None
+    return norm, norm.args[0]
+
+# %% ../nbs/21_passes.ipynb
+def _rms_weight(cur: fx.Node, covered: list, vx, vxf):
+    "(weight, weight mul, covered) after the normalised value `cur`: an optional cast back to x's dtype, then · weight."
     if len(_users(cur)) == 1 and _users(cur)[0].target in _CASTS:            # .type_as(x) / .to(x.dtype)
         cast = _users(cur)[0]
         if _val(cast).dtype != vx.dtype: return None
@@ -117,10 +124,29 @@ def _match_rms_norm(anchor: fx.Node):
     w = wmul.args[1] if wmul.args[0] is cur else wmul.args[0]
     vw = _val(w)
     if not isinstance(vw, torch.Tensor) or tuple(vw.shape) != (vx.shape[-1],): return None
+    return w, wmul, covered
+
+# %% ../nbs/21_passes.ipynb
+def _match_rms_norm(anchor: fx.Node):
+    """RMSNorm over the last dim, as one aten op or spelled out: xf · rsqrt(v) or xf / sqrt(v), v = mean(xf², [-1], True)
+    + eps, [→ cast back to x's dtype], · weight (either side); xf = x, or x cast to float32 or wider; xf² = pow or mul."""
+    if anchor.target == _A.rms_norm.default: return _match_aten_rms_norm(anchor)
+    if anchor.target not in (_A.rsqrt.default, _A.sqrt.default) or (den := _rms_denominator(anchor)) is None: return None
+    if (normed := _rms_normalised(anchor)) is None: return None
+    (add, mean, sq, xf), (norm, other) = den, normed
+    vxf = _val(xf)
+    x, casts = _cast_chain(xf, vxf.dtype)
+    x2, casts2 = _cast_chain(other, vxf.dtype)
+    if x2 is not x or _val(other) is None or _val(other).dtype != vxf.dtype: return None
+    vx = _val(x)
+    if not isinstance(vx, torch.Tensor) or vxf.dtype != torch.promote_types(vx.dtype, torch.float32): return None
+    if (tail := _rms_weight(norm, [norm, anchor, add, mean, sq], vx, vxf)) is None: return None
+    w, wmul, covered = tail
     covered += casts + [c for c in casts2 if c not in casts]                 # erased if nothing else uses them
     checks = [a for c in [wmul] + covered for a in c.users if a.target == _ASSERT]
     return (x, w, add.args[1]), [wmul] + checks + covered
 
+# %% ../nbs/21_passes.ipynb
 PATTERNS = {"add_relu": (_match_add_relu, "static_dist::add_relu"), "softmax": (_match_softmax, "static_dist::softmax"),
             "rms_norm": (_match_rms_norm, "static_dist::rms_norm")}
 
@@ -140,11 +166,13 @@ class RewriteReport:
     "(pattern, new node name, output node of the matched subgraph) per rewrite."
     def to_json(self) -> dict: return asdict(self)
 
+# %% ../nbs/21_passes.ipynb
 class RewriteError(RuntimeError):
     "A rewrite changed a program's outputs: it is refused, never returned."
 
 def _flat_outputs(out) -> list: return [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
 
+# %% ../nbs/21_passes.ipynb
 def compare_programs(a, b, example_inputs: tuple) -> float:
     "Run two programs (ExportedProgram or callables) on the same inputs; largest |difference|; raises RewriteError on mismatch."
     fa = a.module() if isinstance(a, torch.export.ExportedProgram) else a
@@ -159,39 +187,14 @@ def compare_programs(a, b, example_inputs: tuple) -> float:
     return worst
 
 # %% ../nbs/21_passes.ipynb
-def rewrite_ops(ep: torch.export.ExportedProgram, example_inputs: tuple | None = None,
-                patterns=tuple(PATTERNS)) -> tuple[torch.export.ExportedProgram, RewriteReport]:
-    "A copy of `ep` with add→relu, softmax and RMSNorm subgraphs replaced by the bridged ops; checked on `example_inputs`."
-    unknown = [p for p in patterns if p not in PATTERNS]
-    if unknown: raise ValueError(f"unknown pattern(s) {unknown}; choose from {list(PATTERNS)}")
-    new = copy.deepcopy(ep)
-    g = new.graph_module.graph
-    before = len(g.nodes)
-    counts, replaced = {p: 0 for p in patterns}, []
-    for name in patterns:
-        matcher, opname = PATTERNS[name]
-        target = sdops.REGISTRY[opname].overload
-        for node in list(g.nodes):
-            if node.graph is not g or node.op != "call_function": continue      # erased by an earlier match
-            m = matcher(node)
-            if m is None: continue
-            args, covered = m
-            out = covered[0]
-            with g.inserting_before(out):
-                new_node = g.call_function(target, tuple(args))
-            new_node.meta = {k: v for k, v in out.meta.items() if k in ("val", "tensor_meta", "stack_trace", "nn_module_stack")}
-            out.replace_all_uses_with(new_node)
-            _rename_output(new, out.name, new_node.name)
-            pending = list(covered)          # the output first; erase whatever the replacement left without users
-            while dead := [n for n in pending if not n.users]:
-                for n in dead: g.erase_node(n); pending.remove(n)
-            counts[name] += 1
-            replaced.append((name, new_node.name, out.name))
-    g.lint()
-    new.graph_module.recompile()
-    diff = compare_programs(ep, new, example_inputs) if example_inputs is not None else None
-    return new, RewriteReport(counts, before, len(g.nodes), example_inputs is not None, diff, tuple(replaced))
+def _deepcopy(obj):
+    "copy.deepcopy of an ExportedProgram or GraphModule, without torch's internal LeafSpec FutureWarning."
+    with warnings.catch_warnings():
+        # torch 2.11: deepcopy rebuilds each TreeSpec's LeafSpec through copyreg, a class torch marks deprecated
+        warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning)
+        return copy.deepcopy(obj)
 
+# %% ../nbs/21_passes.ipynb
 def _rename_output(ep, old: str, new: str):
     "Point the graph signature's output specs at the replacement node when a replaced node was a program output."
     from torch.export.graph_signature import TensorArgument
@@ -199,6 +202,48 @@ def _rename_output(ep, old: str, new: str):
     for i, s in enumerate(specs):
         if isinstance(s.arg, TensorArgument) and s.arg.name == old:
             specs[i] = dataclasses.replace(s, arg=TensorArgument(name=new))
+
+# %% ../nbs/21_passes.ipynb
+def _replace(ep, target, args, covered) -> fx.Node:
+    "Insert `target(*args)` for the matched nodes `covered` (output first) of `ep`, erase those left unused; the new node."
+    g, out = ep.graph_module.graph, covered[0]
+    with g.inserting_before(out): new_node = g.call_function(target, tuple(args))
+    new_node.meta = {k: v for k, v in out.meta.items() if k in ("val", "tensor_meta", "stack_trace", "nn_module_stack")}
+    out.replace_all_uses_with(new_node)
+    _rename_output(ep, out.name, new_node.name)
+    pending = list(covered)          # the output first; erase whatever the replacement left without users
+    while dead := [n for n in pending if not n.users]:
+        for n in dead: g.erase_node(n); pending.remove(n)
+    return new_node
+
+# %% ../nbs/21_passes.ipynb
+def _rewrite_pattern(ep, name: str) -> list[tuple]:
+    "Replace every match of pattern `name` in `ep`, in place; (pattern, new node name, matched output name) per match."
+    matcher, opname = PATTERNS[name]
+    target, g, done = sdops.REGISTRY[opname].overload, ep.graph_module.graph, []
+    for node in list(g.nodes):
+        if node.graph is not g or node.op != "call_function": continue      # erased by an earlier match
+        m = matcher(node)
+        if m is None: continue
+        out_name = m[1][0].name
+        done.append((name, _replace(ep, target, *m).name, out_name))
+    return done
+
+# %% ../nbs/21_passes.ipynb
+def rewrite_ops(ep: torch.export.ExportedProgram, example_inputs: tuple | None = None,
+                patterns=tuple(PATTERNS)) -> tuple[torch.export.ExportedProgram, RewriteReport]:
+    "A copy of `ep` with add→relu, softmax and RMSNorm subgraphs replaced by the bridged ops; checked on `example_inputs`."
+    unknown = [p for p in patterns if p not in PATTERNS]
+    if unknown: raise ValueError(f"unknown pattern(s) {unknown}; choose from {list(PATTERNS)}")
+    new = _deepcopy(ep)
+    g = new.graph_module.graph
+    before = len(g.nodes)
+    replaced = [r for name in patterns for r in _rewrite_pattern(new, name)]
+    g.lint()
+    new.graph_module.recompile()
+    diff = compare_programs(ep, new, example_inputs) if example_inputs is not None else None
+    counts = {p: sum(1 for r in replaced if r[0] == p) for p in patterns}
+    return new, RewriteReport(counts, before, len(g.nodes), example_inputs is not None, diff, tuple(replaced))
 
 # %% ../nbs/21_passes.ipynb
 @dataclass(frozen=True)
@@ -211,6 +256,7 @@ class NodeStat:
     @property
     def mean_s(self) -> float: return self.total_s / max(self.calls, 1)
 
+# %% ../nbs/21_passes.ipynb
 @dataclass(frozen=True)
 class NodeProfile:
     "Per-node calls and times, the branches each torch.cond took, and the raw events for a Chrome trace."
@@ -222,21 +268,31 @@ class NodeProfile:
     "(name, target, start_s, duration_s, depth) per node execution, for `to_chrome_trace`."
 
     def top(self, n: int = 10) -> list[NodeStat]: return sorted(self.nodes, key=lambda s: -s.total_s)[:n]
-    def stat(self, name: str) -> NodeStat:
-        for s in self.nodes:
-            if s.name == name: return s
-        raise KeyError(f"no node {name!r} in the profile")
-    def to_json(self) -> dict:
-        return dict(runs=self.runs, branches=self.branches,
-                    nodes=[dict(name=s.name, target=s.target, calls=s.calls, total_s=s.total_s) for s in self.nodes])
-    def to_chrome_trace(self, path) -> Path:
-        "Write the events as a Chrome trace (open in chrome://tracing or ui.perfetto.dev)."
-        evs = [dict(name=n, cat=t, ph="X", ts=round(s * 1e6, 3), dur=round(d * 1e6, 3), pid=0, tid=depth, args=dict(target=t))
-               for n, t, s, d, depth in self.events]
-        path = Path(path)
-        path.write_text(json.dumps(dict(traceEvents=evs, displayTimeUnit="ms")))
-        return path
 
+# %% ../nbs/21_passes.ipynb
+@patch
+def stat(self: NodeProfile, name: str) -> NodeStat:
+    "The stats of node `name`."
+    for s in self.nodes:
+        if s.name == name: return s
+    raise KeyError(f"no node {name!r} in the profile")
+
+@patch
+def to_json(self: NodeProfile) -> dict:
+    return dict(runs=self.runs, branches=self.branches,
+                nodes=[dict(name=s.name, target=s.target, calls=s.calls, total_s=s.total_s) for s in self.nodes])
+
+# %% ../nbs/21_passes.ipynb
+@patch
+def to_chrome_trace(self: NodeProfile, path) -> Path:
+    "Write the events as a Chrome trace (open in chrome://tracing or ui.perfetto.dev)."
+    evs = [dict(name=n, cat=t, ph="X", ts=round(s * 1e6, 3), dur=round(d * 1e6, 3), pid=0, tid=depth, args=dict(target=t))
+           for n, t, s, d, depth in self.events]
+    path = Path(path)
+    path.write_text(json.dumps(dict(traceEvents=evs, displayTimeUnit="ms")))
+    return path
+
+# %% ../nbs/21_passes.ipynb
 def _target_name(n: fx.Node) -> str: return n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target)) if not isinstance(n.target, torch._ops.OpOverload) else str(n.target)
 
 class _Profiler(fx.Interpreter):
@@ -244,33 +300,39 @@ class _Profiler(fx.Interpreter):
         super().__init__(gm)
         self.rec, self.prefix, self.depth = rec, prefix, depth
 
-    def run_node(self, n):
-        self._node_name = n.name                       # call_function is not given the node; cond needs its name
-        if n.op in ("placeholder", "output", "get_attr"): return super().run_node(n)
-        name = self.prefix + n.name
-        t0 = time.perf_counter()
-        out = super().run_node(n)
-        dt = time.perf_counter() - t0
-        self.rec["stats"][name][0] += 1; self.rec["stats"][name][1] += dt
-        self.rec["targets"][name] = _target_name(n)
-        self.rec["events"].append((name, _target_name(n), t0 - self.rec["t0"], dt, self.depth))
-        return out
+# %% ../nbs/21_passes.ipynb
+@patch
+def run_node(self: _Profiler, n):
+    self._node_name = n.name                       # call_function is not given the node; cond needs its name
+    if n.op in ("placeholder", "output", "get_attr"): return fx.Interpreter.run_node(self, n)
+    name = self.prefix + n.name
+    t0 = time.perf_counter()
+    out = fx.Interpreter.run_node(self, n)
+    dt = time.perf_counter() - t0
+    self.rec["stats"][name][0] += 1; self.rec["stats"][name][1] += dt
+    self.rec["targets"][name] = _target_name(n)
+    self.rec["events"].append((name, _target_name(n), t0 - self.rec["t0"], dt, self.depth))
+    return out
 
-    def call_function(self, target, args, kwargs):
-        if target is torch.ops.higher_order.cond:
-            pred, true_gm, false_gm, operands = args
-            taken = bool(pred)
-            name = self.prefix + self._node_name
-            self.rec["branches"][name]["true" if taken else "false"] += 1
-            sub = _Profiler(true_gm if taken else false_gm, self.rec, f"{name}.{'true' if taken else 'false'}.", self.depth + 1)
-            return sub.run(*operands)
-        return super().call_function(target, args, kwargs)
+# %% ../nbs/21_passes.ipynb
+@patch
+def call_function(self: _Profiler, target, args, kwargs):
+    if target is torch.ops.higher_order.cond:
+        pred, true_gm, false_gm, operands = args
+        taken = bool(pred)
+        name = self.prefix + self._node_name
+        self.rec["branches"][name]["true" if taken else "false"] += 1
+        sub = _Profiler(true_gm if taken else false_gm, self.rec, f"{name}.{'true' if taken else 'false'}.", self.depth + 1)
+        return sub.run(*operands)
+    return fx.Interpreter.call_function(self, target, args, kwargs)
 
+# %% ../nbs/21_passes.ipynb
 def _as_module(program):
     if isinstance(program, torch.export.ExportedProgram): return program.module()
     if isinstance(program, fx.GraphModule): return program
     raise TypeError(f"expected an ExportedProgram or fx.GraphModule, got {type(program).__name__}; export it first with torch.export.export")
 
+# %% ../nbs/21_passes.ipynb
 def profile_nodes(program, *inputs, runs: int = 1, inputs_list: list | None = None) -> NodeProfile:
     "Run `program` (ExportedProgram or GraphModule) node by node `runs` times on `inputs` (or once per tuple in `inputs_list`)."
     gm = _as_module(program)
@@ -278,9 +340,7 @@ def profile_nodes(program, *inputs, runs: int = 1, inputs_list: list | None = No
     rec = dict(stats=defaultdict(lambda: [0, 0.0]), targets={}, events=[], branches=defaultdict(lambda: {"true": 0, "false": 0}),
                t0=time.perf_counter())
     with torch.no_grad():
-        for b in batches:
-            flat = torch.utils._pytree.tree_leaves(tuple(b))
-            _Profiler(gm, rec).run(*flat)
+        for b in batches: _Profiler(gm, rec).run(*torch.utils._pytree.tree_leaves(tuple(b)))
     stats = tuple(NodeStat(n, rec["targets"][n], c, t) for n, (c, t) in rec["stats"].items())
     return NodeProfile(len(batches), stats, {k: dict(v) for k, v in rec["branches"].items()}, tuple(rec["events"]))
 
@@ -294,23 +354,25 @@ class PruneReport:
     "(cond node, branch kept, times taken in the profile) per specialised cond."
     def to_json(self) -> dict: return asdict(self)
 
+# %% ../nbs/21_passes.ipynb
 def prune_dead(program) -> tuple[fx.GraphModule, PruneReport]:
     "A copy of the program's module with side-effect-free nodes whose results are unused removed."
-    gm = copy.deepcopy(_as_module(program))
+    gm = _deepcopy(_as_module(program))
     before = {n.name for n in gm.graph.nodes}
     gm.graph.eliminate_dead_code()
     gm.recompile()
     return gm, PruneReport(removed=tuple(sorted(before - {n.name for n in gm.graph.nodes})))
 
 # %% ../nbs/21_passes.ipynb
-class GuardFailed(RuntimeError):
-    "A specialisation's assumption (a cond predicate value) did not hold for these inputs."
-
 def _expect(pred, expected: bool, where: str):
-    "Guard inserted by specialise_branches."
+    "Guard inserted by specialise_branches: a call that symbolic tracing keeps as one node (torch.fx.wrap)."
     if bool(pred) != expected: raise GuardFailed(f"{where}: predicate is {not expected}, the specialisation assumed {expected}")
 torch.fx.wrap("_expect")
 
+class GuardFailed(RuntimeError):
+    "A specialisation's assumption (a cond predicate value) did not hold for these inputs."
+
+# %% ../nbs/21_passes.ipynb
 class GuardedProgram:
     "Run the specialised program; on a failed guard, the full program. Counts both."
     def __init__(self, specialised: fx.GraphModule, full, report: PruneReport):
@@ -324,33 +386,47 @@ class GuardedProgram:
         self.hits += 1
         return out
 
-def specialise_branches(ep: torch.export.ExportedProgram, profile: NodeProfile, min_calls: int = 1) -> GuardedProgram:
-    "A GuardedProgram where every top-level cond the profile saw take one branch (≥ `min_calls` times) is replaced by it."
+# %% ../nbs/21_passes.ipynb
+def _refuse_mutating(ep: torch.export.ExportedProgram):
+    "Raise ValueError if `ep` mutates buffers or inputs (a failed guard would apply the mutation twice)."
     sig = ep.graph_signature
     mutating = [n.name for m in ep.graph_module.modules() if isinstance(m, fx.GraphModule) for n in m.graph.nodes
                 if isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable]
     if sig.buffers_to_mutate or getattr(sig, "user_inputs_to_mutate", None) or mutating:
         raise ValueError(f"this program mutates buffers or inputs {mutating or ''}: a failed guard would apply the mutation "
                          f"twice, so it cannot be specialised safely (export it in eval mode / without in-place updates)")
+
+# %% ../nbs/21_passes.ipynb
+def _one_way(node: fx.Node, profile: NodeProfile, min_calls: int) -> bool | None:
+    "The branch (True/False) a cond node always took in the profile, or None if both or too few."
+    seen = profile.branches.get(node.name, {"true": 0, "false": 0})
+    if (seen["true"] > 0) == (seen["false"] > 0) or seen["true"] + seen["false"] < min_calls: return None
+    return seen["true"] > 0
+
+def _specialise(g: fx.Graph, node: fx.Node, keep: bool):
+    "Replace cond `node` by a guard on its predicate and a call of the branch `keep`."
+    pred, tnode, fnode, operands = node.args
+    with g.inserting_before(node):
+        g.call_function(_expect, (pred, keep, node.name))
+        call = g.call_module((tnode if keep else fnode).target, tuple(operands))
+    node.replace_all_uses_with(call)
+    g.erase_node(node)
+    for n in (tnode, fnode):
+        if not n.users: g.erase_node(n)
+
+# %% ../nbs/21_passes.ipynb
+def specialise_branches(ep: torch.export.ExportedProgram, profile: NodeProfile, min_calls: int = 1) -> GuardedProgram:
+    "A GuardedProgram where every top-level cond the profile saw take one branch (≥ `min_calls` times) is replaced by it."
+    _refuse_mutating(ep)
     full = ep.module()
-    gm = copy.deepcopy(full)
-    g = gm.graph
+    gm = _deepcopy(full)
     done = []
-    for node in list(g.nodes):
-        if node.target is not torch.ops.higher_order.cond: continue
-        seen = profile.branches.get(node.name, {"true": 0, "false": 0})
-        if (seen["true"] > 0) == (seen["false"] > 0) or seen["true"] + seen["false"] < min_calls: continue
-        keep = seen["true"] > 0
-        pred, tnode, fnode, operands = node.args
-        with g.inserting_before(node):
-            g.call_function(_expect, (pred, keep, node.name))
-            call = g.call_module((tnode if keep else fnode).target, tuple(operands))
-        node.replace_all_uses_with(call)
-        g.erase_node(node)
-        for n in (tnode, fnode):
-            if not n.users: g.erase_node(n)
+    for node in list(gm.graph.nodes):
+        if node.target is not torch.ops.higher_order.cond or (keep := _one_way(node, profile, min_calls)) is None: continue
+        seen = profile.branches[node.name]
+        _specialise(gm.graph, node, keep)
         done.append((node.name, "true" if keep else "false", seen["true"] + seen["false"]))
     if not done: raise ValueError(f"no cond took a single branch in the profile ({profile.branches or 'no conds profiled'}); nothing to specialise")
     gm.delete_all_unused_submodules()
-    g.lint(); gm.recompile()
+    gm.graph.lint(); gm.recompile()
     return GuardedProgram(gm, full, PruneReport(specialised=tuple(done)))

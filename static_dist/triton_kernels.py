@@ -13,12 +13,19 @@ if not torch.cuda.is_available(): os.environ.setdefault("TRITON_INTERPRET", "1")
 import triton
 import triton.language as tl
 
+# %% auto 0
+__all__ = ['interpreting', 'launch_config', 'acc_type', 'softmax_fwd_kernel', 'softmax_bwd_kernel', 'softmax_fwd', 'softmax_bwd',
+           'interpreter_ready', 'add_relu_kernel', 'add_relu', 'rmsnorm_fwd_kernel', 'rmsnorm_bwd_kernel',
+           'rms_norm_fwd', 'rms_norm_bwd']
+
+# %% ../nbs/20a_triton_kernels.ipynb
 def interpreting() -> bool:
     "True when this module's kernels were defined for the (CPU) interpreter: TRITON_INTERPRET=1 was set before triton was imported."
     k = globals().get("softmax_fwd_kernel")
     if k is not None: return type(k).__name__ == "InterpretedFunction"
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
+# %% ../nbs/20a_triton_kernels.ipynb
 def launch_config(n_cols: int, max_block: int = 32768) -> tuple[int, int, bool]:
     "(BLOCK, num_warps, one_pass): the whole row in one block up to `max_block` columns, else a loop over 4096-wide blocks."
     if n_cols <= max_block: block, one_pass = triton.next_power_of_2(max(n_cols, 16)), True
@@ -26,14 +33,10 @@ def launch_config(n_cols: int, max_block: int = 32768) -> tuple[int, int, bool]:
     warps = 4 if block <= 1024 else 8 if block <= 4096 else 16 if block <= 16384 else 32
     return block, warps, one_pass
 
+# %% ../nbs/20a_triton_kernels.ipynb
 def acc_type(dtype: torch.dtype):
     "Accumulation type: float64 for float64 tensors (so gradcheck can run through the kernels), else float32."
     return tl.float64 if dtype == torch.float64 else tl.float32
-
-# %% auto 0
-__all__ = ['interpreting', 'launch_config', 'acc_type', 'softmax_fwd_kernel', 'softmax_bwd_kernel', 'softmax_fwd', 'softmax_bwd',
-           'interpreter_ready', 'add_relu_kernel', 'add_relu', 'rmsnorm_fwd_kernel', 'rmsnorm_bwd_kernel',
-           'rms_norm_fwd', 'rms_norm_bwd']
 
 # %% ../nbs/20a_triton_kernels.ipynb
 @triton.jit
@@ -62,6 +65,7 @@ def softmax_fwd_kernel(X, Y, n_cols, stride_x, stride_y, BLOCK: tl.constexpr, ON
             x = tl.load(x_ptr + cols, mask=mask, other=-float("inf")).to(ACC)
             tl.store(y_ptr + cols, (tl.exp(x - m) / s).to(Y.dtype.element_ty), mask=mask)
 
+# %% ../nbs/20a_triton_kernels.ipynb
 @triton.jit
 def softmax_bwd_kernel(Y, G, DX, n_cols, stride_y, stride_g, stride_dx, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr, ACC: tl.constexpr,
                        N_BLOCKS: tl.constexpr):
@@ -88,6 +92,7 @@ def softmax_bwd_kernel(Y, G, DX, n_cols, stride_y, stride_g, stride_dx, BLOCK: t
             g = tl.load(g_ptr + cols, mask=mask, other=0.0).to(ACC)
             tl.store(dx_ptr + cols, (y * (g - dot)).to(DX.dtype.element_ty), mask=mask)
 
+# %% ../nbs/20a_triton_kernels.ipynb
 def _trip_count(n: int, block: int, one_pass: bool) -> int:
     "N_BLOCKS for the softmax kernels: the loop's trip count under the interpreter, else 0 (a runtime bound)."
     return triton.cdiv(n, block) if interpreting() and not one_pass else 0
@@ -101,6 +106,7 @@ def softmax_fwd(x: torch.Tensor, max_block: int = 32768) -> torch.Tensor:
                                 N_BLOCKS=_trip_count(n, block, one), num_warps=warps)
     return y
 
+# %% ../nbs/20a_triton_kernels.ipynb
 def softmax_bwd(y: torch.Tensor, g: torch.Tensor, max_block: int = 32768) -> torch.Tensor:
     "Gradient of `softmax_fwd` given its output `y` and the incoming gradient `g` (both 2-D, unit column stride)."
     rows, n = y.shape
@@ -131,6 +137,7 @@ def add_relu_kernel(A, B, OUT, n, BLOCK: tl.constexpr, ACC: tl.constexpr):
     s = tl.load(A + offs, mask=mask, other=0.0).to(ACC) + tl.load(B + offs, mask=mask, other=0.0).to(ACC)
     tl.store(OUT + offs, tl.maximum(s, 0.0).to(OUT.dtype.element_ty), mask=mask)
 
+# %% ../nbs/20a_triton_kernels.ipynb
 def add_relu(a: torch.Tensor, b: torch.Tensor, block: int = 1024) -> torch.Tensor:
     "relu(a + b) for contiguous tensors of one shape and dtype."
     out = torch.empty_like(a)
@@ -150,6 +157,7 @@ def rmsnorm_fwd_kernel(X, W, Y, n_cols, stride_x, stride_y, eps, BLOCK: tl.const
     xhat = (x * rstd).to(X.dtype.element_ty).to(ACC)          # .type_as(x), as the reference does
     tl.store(Y + row * stride_y + cols, (xhat * w).to(Y.dtype.element_ty), mask=mask)
 
+# %% ../nbs/20a_triton_kernels.ipynb
 @triton.jit
 def rmsnorm_bwd_kernel(G, X, W, DX, DW_PART, n_rows, n_cols, stride_g, stride_x, stride_dx, eps, rows_per_program,
                        BLOCK: tl.constexpr, ACC: tl.constexpr, ROWS: tl.constexpr):
@@ -171,24 +179,31 @@ def rmsnorm_bwd_kernel(G, X, W, DX, DW_PART, n_rows, n_cols, stride_g, stride_x,
         tl.store(DX + row * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=mask)
     tl.store(DW_PART + pid * n_cols + cols, dw, mask=cmask)
 
+# %% ../nbs/20a_triton_kernels.ipynb
+def _row_block(n: int) -> tuple[int, int]:
+    "(BLOCK, num_warps) for an RMSNorm row of `n` columns held in one block; ValueError beyond 65536."
+    block, warps, one = launch_config(n, 65536)
+    if not one: raise ValueError(f"the RMSNorm kernel holds a row in one block (at most 65536 columns); got {n}")
+    return block, warps
+
 def _rows_per_program(rows: int) -> int:
     "Spread the backward over at most ~4 programs per SM-ish (1024 programs), at least 1 row each."
     return max(1, triton.cdiv(rows, 1024))
 
+# %% ../nbs/20a_triton_kernels.ipynb
 def rms_norm_fwd(x: torch.Tensor, w: torch.Tensor, eps: float, out_dtype: torch.dtype) -> torch.Tensor:
     "RMSNorm of a 2-D `x` (unit column stride) with weight `w`; rows up to 65536 wide."
     rows, n = x.shape
-    block, warps, one = launch_config(n, 65536)
-    if not one: raise ValueError(f"the RMSNorm kernel holds a row in one block (at most 65536 columns); got {n}")
+    block, warps = _row_block(n)
     y = torch.empty((rows, n), dtype=out_dtype, device=x.device)
     rmsnorm_fwd_kernel[(rows,)](x, w, y, n, x.stride(0), y.stride(0), eps, BLOCK=block, ACC=acc_type(x.dtype), num_warps=warps)
     return y
 
+# %% ../nbs/20a_triton_kernels.ipynb
 def rms_norm_bwd(g: torch.Tensor, x: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     "(dx, dw) of `rms_norm_fwd` for the incoming gradient `g`."
     rows, n = x.shape
-    block, warps, one = launch_config(n, 65536)
-    if not one: raise ValueError(f"the RMSNorm kernel holds a row in one block (at most 65536 columns); got {n}")
+    block, warps = _row_block(n)
     rpp = _rows_per_program(rows)
     progs = triton.cdiv(rows, rpp)
     dx = torch.empty_like(x)

@@ -123,3 +123,27 @@ def test_interpreter_must_precede_triton_import():
     assert out.returncode == 0, out.stderr[-2000:]
     lines = out.stdout.strip().splitlines()
     assert lines[0] == "skip" and "TRITON_INTERPRET=1" in lines[1]
+
+
+@pytest.mark.parametrize("first", ["static_dist.ops.matrix", "static_dist.ops.bench", "static_dist.ops.register",
+                                   "static_dist.passes", "static_dist.ops"])
+def test_builtin_ops_register_once_whichever_module_comes_first(first):
+    "Importing any submodule of static_dist.ops first registers the built-in ops once, shared by every module."
+    import subprocess, sys
+    code = (f"import importlib, torch; importlib.import_module({first!r})\n"
+            "import static_dist.ops as ops, static_dist.ops.builtin as b, static_dist.ops.matrix as m\n"
+            "assert ops.REGISTRY is m.REGISTRY and ops.softmax is b.softmax is ops.REGISTRY['static_dist::softmax']\n"
+            "assert torch.ops.static_dist.softmax.default is ops.softmax.overload\n"
+            "print(sorted(ops.REGISTRY))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == str(['static_dist::add_relu', 'static_dist::rms_norm', 'static_dist::rms_norm_backward',
+                                      'static_dist::softmax', 'static_dist::softmax_backward'])
+
+
+def test_bridge_once_returns_the_registered_op_and_refuses_another_declaration():
+    from static_dist.ops import OpDecl, bridge, bridge_once
+    from static_dist.ops.builtin import _softmax_ref
+    assert bridge_once(OpDecl("static_dist::softmax", _softmax_ref)) is softmax
+    with pytest.raises(ValueError, match="already bridged"): bridge_once(OpDecl("static_dist::softmax", torch.tanh))
+    with pytest.raises(ValueError, match="already bridged"): bridge(OpDecl("static_dist::softmax", _softmax_ref))
