@@ -136,6 +136,7 @@ def _zclip(kwargs: tuple):
     except ImportError: raise ImportError("the 'zclip' strategy needs the zclip package: pip install zclip") from None
     return ZClip(**dict(kwargs))
 
+# %% ../../nbs/60d_stability_mitigate.ipynb
 def _world_size() -> int:
     import torch.distributed as dist
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
@@ -232,6 +233,7 @@ def _replay(self: Trainer, mbs, i) -> Localization | None:
         self.injector.after_backward(i)
         return self.localizer.first_bad()
 
+# %% ../../nbs/60d_stability_mitigate.ipynb
 @patch
 def _ratio_source(self: Trainer, norms) -> Localization | None:
     "The parameter whose gradient norm grew most against its running level (None before there is one)."
@@ -340,6 +342,7 @@ def _nonfinite(self: Trainer, st: _StepState, i: int):
     if self.s.localize == "hooks": st.loc = self.localizer.first_bad()
     elif self.s.localize == "replay": st.loc = self._replay(st.mbs, i)
 
+# %% ../../nbs/60d_stability_mitigate.ipynb
 @patch
 def _detect_spikes(self: Trainer, st: _StepState):
     "Grad-norm and loss spike alarms; the per-parameter norm EMA follows alarm-free steps."
@@ -404,6 +407,7 @@ def _update(self: Trainer, st: _StepState):
     self.updates_since_rewind += 1
     self.prev = (st.mbs, st.loss)
 
+# %% ../../nbs/60d_stability_mitigate.ipynb
 @patch
 def _respond(self: Trainer, st: _StepState, i: int):
     "Rewind, skip or apply the step, as the strategy says for the alarms raised."

@@ -91,6 +91,7 @@ def summary(self: RunReport) -> dict:
                 median_step_s=med, tokens_per_s=self.records[0].tokens / med, peak_bytes=self.records[-1].peak_bytes,
                 eval_loss=self.eval_loss, entropy_rate=self.entropy_rate)
 
+# %% ../../nbs/60e_stability_run.ipynb
 @patch
 def to_json(self: RunReport) -> dict:
     "The whole report as JSON-ready data (NaN kept as NaN)."
@@ -148,6 +149,7 @@ def _threads(n: int | None):
     try: yield
     finally: torch.set_num_threads(before)
 
+# %% ../../nbs/60e_stability_run.ipynb
 @torch.no_grad()
 def _eval(model, loss_fn, held, batch_size) -> float:
     ls = [loss_fn(model(t[:, :-1]), t[:, 1:]).item() for t in held.split(batch_size)]
@@ -203,6 +205,7 @@ def detection(run: RunReport, faults: Sequence[Fault], grace: int = 3) -> dict:
     true = sum(map(inside, alarms))
     return dict(detected=hit, alarm_steps=len(alarms), true_alarms=true, false_alarms=len(alarms) - true)
 
+# %% ../../nbs/60e_stability_run.ipynb
 def localized(run: RunReport, fault: Fault, grace: int = 3) -> str | None:
     "The module named by the first localization in the fault's window (None if there is none)."
     for r in run.records:
