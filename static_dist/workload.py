@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from fastcore.basics import patch
 
 from .graph import _OPTIMIZERS, StaticGraph, capture
 from .util import StaticDistError
@@ -31,6 +32,8 @@ __all__ = ['DTYPES', 'OPTIMIZERS', 'DEFAULT_BATCH', 'DEFAULT_SEQ', 'WorkloadErro
 class WorkloadError(StaticDistError, ValueError):
     "A workload could not be resolved: the message names the bad input and what to give instead."
 
+def _first_line(e: BaseException) -> str: return (str(e).strip().splitlines() or [""])[0]   # what a one-line error quotes
+
 # %% ../nbs/03_workload.ipynb
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 OPTIMIZERS = (*sorted(_OPTIMIZERS), "none")   # 'none': forward and backward only, no optimizer step
@@ -42,6 +45,7 @@ def _cast(x, dtype: torch.dtype):
     if isinstance(x, dict): return {k: _cast(v, dtype) for k, v in x.items()}
     return x
 
+# %% ../nbs/03_workload.ipynb
 def _shapes(x):
     "JSON-ready shapes ('int64[4, 256]') of the tensors in `x`."
     if isinstance(x, torch.Tensor): return f"{str(x.dtype).removeprefix('torch.')}{list(x.shape)}"
@@ -76,14 +80,16 @@ class Workload:
 
     def __post_init__(self): _validate(self)
 
-    def inputs(self, device="cpu", dtype: str | None = None) -> tuple[tuple, dict, torch.Tensor | None]:
-        "`(args, kwargs, targets)` for this batch and seq on `device`, floating tensors in `dtype` (default: the workload's)."
-        out = self.make_inputs(self.batch, self.seq, device=device)
-        if not (isinstance(out, tuple) and len(out) == 3 and isinstance(out[0], (tuple, list)) and isinstance(out[1], dict)):
-            raise WorkloadError(f"make_inputs of {self.source!r} returned {type(out).__name__}; it must return "
-                                "(args: tuple, kwargs: dict, targets: Tensor or None)")
-        dt = DTYPES[dtype or self.dtype]
-        return _cast(tuple(out[0]), dt), _cast(out[1], dt), _cast(out[2], dt)
+# %% ../nbs/03_workload.ipynb
+@patch
+def inputs(self: Workload, device="cpu", dtype: str | None = None) -> tuple[tuple, dict, torch.Tensor | None]:
+    "`(args, kwargs, targets)` for this batch and seq on `device`, floating tensors in `dtype` (default: the workload's)."
+    out = self.make_inputs(self.batch, self.seq, device=device)
+    if not (isinstance(out, tuple) and len(out) == 3 and isinstance(out[0], (tuple, list)) and isinstance(out[1], dict)):
+        raise WorkloadError(f"make_inputs of {self.source!r} returned {type(out).__name__}; it must return "
+                            "(args: tuple, kwargs: dict, targets: Tensor or None)")
+    dt = DTYPES[dtype or self.dtype]
+    return _cast(tuple(out[0]), dt), _cast(out[1], dt), _cast(out[2], dt)
 
 # %% ../nbs/03_workload.ipynb
 def _positive(name: str, v, allow_none: bool = False):
@@ -116,13 +122,9 @@ def _capture_kwargs(kwargs: dict) -> dict:
                             "positional inputs only; update static_dist")
     return {"example_kwargs": kwargs}
 
-def _method(f):
-    "Attach `_name` to Workload as the method `name` (the class is built across cells, each method next to its tests)."
-    setattr(Workload, f.__name__.removeprefix("_"), f)
-    return f
-
-@_method
-def _graph(self: Workload, dtype: str | None = None, mode: str = "fake", progress: Callable[[str], None] | None = None) -> StaticGraph:
+# %% ../nbs/03_workload.ipynb
+@patch
+def graph(self: Workload, dtype: str | None = None, mode: str = "fake", progress: Callable[[str], None] | None = None) -> StaticGraph:
     "The `StaticGraph` of this workload's step in `dtype` (default: the workload's) and `mode`; captured once."
     _validate(self)
     dtype = dtype or self.dtype
@@ -141,8 +143,8 @@ def _graph(self: Workload, dtype: str | None = None, mode: str = "fake", progres
     return g
 
 # %% ../nbs/03_workload.ipynb
-@_method
-def _describe(self: Workload) -> dict:
+@patch
+def describe(self: Workload) -> dict:
     "JSON-ready description: source, batch, seq, dtype, optimizer, input shapes, parameter count, notes."
     args, kwargs, targets = self.inputs(device="meta")
     model = self.build(device="meta", dtype=DTYPES[self.dtype])
@@ -151,28 +153,30 @@ def _describe(self: Workload) -> dict:
                 params=sum(p.numel() for p in model.parameters()), notes=list(self.notes))
 
 # %% ../nbs/03_workload.ipynb
+def _call_on(factory: Callable, what: str, device: torch.device, seed: int):
+    "factory() with `device` as the default device; seeded off meta. Meta falls back to a CPU build moved to meta."
+    if device.type == "meta":
+        try:
+            with torch.device("meta"): return factory()
+        except Exception:
+            return _construct(factory, what, torch.device("cpu"), seed).to("meta")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        with torch.device(device): return factory()
+
+# %% ../nbs/03_workload.ipynb
 def _construct(factory: Callable, what: str, device: torch.device, seed: int = 0) -> nn.Module:
     "factory() on `device` (meta: CPU fallback for constructors that read values), checked to be an nn.Module."
-    try:
-        if device.type == "meta":
-            try:
-                with torch.device("meta"): m = factory()
-            except Exception:
-                m = _construct(factory, what, torch.device("cpu"), seed)
-                return m.to("meta")
-        else:
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(seed)
-                with torch.device(device): m = factory()
+    try: m = _call_on(factory, what, device, seed)
     except WorkloadError: raise
     except Exception as e:
-        first = (str(e).strip().splitlines() or [""])[0]
-        raise WorkloadError(f"constructing {what} failed: {type(e).__name__}: {first}; it must build with no "
+        raise WorkloadError(f"constructing {what} failed: {type(e).__name__}: {_first_line(e)}; it must build with no "
                             "arguments (wrap it in a function that returns the model or a Workload)") from None
     if not isinstance(m, nn.Module):
         raise WorkloadError(f"{what} returned {type(m).__name__}, not an nn.Module or a Workload")
     return m
 
+# %% ../nbs/03_workload.ipynb
 def module_builder(factory: Callable[[], nn.Module], what: str = "the model") -> Callable[..., nn.Module]:
     "A `build(device='meta', dtype=torch.float32, seed=0)` for a no-argument class or factory, in training mode."
     def build(device="meta", dtype: torch.dtype = torch.float32, seed: int = 0) -> nn.Module:
@@ -199,6 +203,7 @@ def max_positions(model: nn.Module) -> int | None:
             if isinstance(v, int) and not isinstance(v, bool) and v > 0: return v
     return None
 
+# %% ../nbs/03_workload.ipynb
 def _logits(out):
     "The logits in a model's output: a tensor, the first element of a tuple/list, `out.logits` or `out['logits']`."
     if isinstance(out, torch.Tensor): return out
@@ -227,6 +232,7 @@ def token_inputs(vocab: int, seed: int = 0) -> Callable:
         return (t[:, :-1].contiguous(),), {}, t[:, 1:].contiguous()
     return make_inputs
 
+# %% ../nbs/03_workload.ipynb
 def square_loss(out) -> torch.Tensor:
     "Mean of the squared output (float32): a stand-in scalar loss for models given by --input-shape."
     return _logits(out).float().pow(2).mean()
@@ -244,22 +250,28 @@ def _check_seq(seq: int, limit: int | None, source: str) -> None:
     if limit is not None and seq > limit:
         raise WorkloadError(f"seq {seq} is longer than {source}'s maximum of {limit} positions; use seq {limit} or less")
 
+def _zoo_seq(name: str, seq: int | None, notes: list[str]) -> int | None:
+    "The sequence length of zoo model `name`: a Llama preset's (bounded by its max_seq_len), None for the others."
+    from static_dist.zoo import PRESETS
+    cfg = PRESETS.get(name)
+    if cfg is None:
+        if seq is not None: notes.append(f"seq {seq} ignored: {name} takes one vector per sample")
+        return None
+    seq = seq if seq is not None else min(DEFAULT_SEQ, cfg.max_seq_len)
+    _positive("seq", seq)
+    _check_seq(seq, cfg.max_seq_len, name)
+    return seq
+
+# %% ../nbs/03_workload.ipynb
 def _zoo_workload(name: str, batch, seq, input_shape) -> Workload:
-    from static_dist.zoo import PRESETS, get_model
+    from static_dist.zoo import get_model
     try: zm = get_model(name)
     except ValueError as e:
         raise WorkloadError(f"{e} Or give a file (path/file.py:NAME), a module (package.module:NAME) or hf:CONFIG.") from None
     if input_shape is not None:
         raise WorkloadError(f"zoo model {name!r} knows its inputs: drop input_shape (--input-shape)")
-    cfg = PRESETS.get(name)
     notes = [f"zoo: {zm.description}"]
-    if cfg is None and seq is not None:
-        notes.append(f"seq {seq} ignored: {name} takes one vector per sample")
-        seq = None
-    if cfg is not None:
-        seq = seq if seq is not None else min(DEFAULT_SEQ, cfg.max_seq_len)
-        _positive("seq", seq)
-        _check_seq(seq, cfg.max_seq_len, name)
+    seq = _zoo_seq(name, seq, notes)
     def make_inputs(b, s, device="cpu"):
         inputs, targets = zm.batch(b, s if s is not None else 0, device=device)
         return tuple(inputs), {}, targets
@@ -290,9 +302,10 @@ def _import_file(path: str):
         with _on_path(str(p.parent)): spec.loader.exec_module(mod)
     except Exception as e:
         sys.modules.pop(name, None)
-        raise WorkloadError(f"importing {path} failed: {type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}") from None
+        raise WorkloadError(f"importing {path} failed: {type(e).__name__}: {_first_line(e)}") from None
     return mod
 
+# %% ../nbs/03_workload.ipynb
 def _import_module(name: str):
     try:
         with _on_path(os.getcwd()): return importlib.import_module(name)
@@ -300,7 +313,7 @@ def _import_module(name: str):
         raise WorkloadError(f"cannot import module {name!r} ({e}); give an importable package.module:NAME or "
                             "path/to/file.py:NAME") from None
     except Exception as e:
-        raise WorkloadError(f"importing {name} failed: {type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}") from None
+        raise WorkloadError(f"importing {name} failed: {type(e).__name__}: {_first_line(e)}") from None
 
 # %% ../nbs/03_workload.ipynb
 def _candidates(mod) -> list[str]:
@@ -337,7 +350,7 @@ def _from_callable(obj: Callable, what: str):
     if isinstance(first, Workload) or (isinstance(first, BaseException) and "Workload" in str(inspect.signature(obj).return_annotation)):
         try: w = obj()
         except Exception as e:
-            raise WorkloadError(f"calling {what}() failed: {type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}") from None
+            raise WorkloadError(f"calling {what}() failed: {type(e).__name__}: {_first_line(e)}") from None
         if not isinstance(w, Workload): raise WorkloadError(f"{what}() returned {type(w).__name__}, not a Workload")
         return w, None
     return None, obj
@@ -353,15 +366,19 @@ def parse_input_shape(text) -> tuple[int, ...]:
         raise WorkloadError(f"input shape {text!r} is not a list of positive integers like 3x32x32 (one sample, no batch)")
     return shape
 
+# %% ../nbs/03_workload.ipynb
+def _shape_workload(source: str, build: Callable, batch, seq, input_shape) -> Workload:
+    "A workload of float inputs of one sample's shape `input_shape`, and the stand-in square loss."
+    shape = parse_input_shape(input_shape)
+    notes = (f"inputs: float (batch, {', '.join(map(str, shape))}) from input_shape; loss: mean of the squared "
+             "output (a stand-in)",) + ((f"seq {seq} ignored: the whole sample shape is input_shape",) if seq else ())
+    return Workload(source=source, build=build, batch=batch, seq=None, make_inputs=shape_inputs(shape),
+                    loss=square_loss, notes=notes)
+
 def _model_workload(source: str, factory: Callable, what: str, batch, seq, input_shape) -> Workload:
     build = module_builder(factory, what)
     model = build()
-    if input_shape is not None:
-        shape = parse_input_shape(input_shape)
-        notes = (f"inputs: float (batch, {', '.join(map(str, shape))}) from input_shape; loss: mean of the squared "
-                 "output (a stand-in)",) + ((f"seq {seq} ignored: the whole sample shape is input_shape",) if seq else ())
-        return Workload(source=source, build=build, batch=batch, seq=None, make_inputs=shape_inputs(shape),
-                        loss=square_loss, notes=notes)
+    if input_shape is not None: return _shape_workload(source, build, batch, seq, input_shape)
     emb = _first_embedding(model)
     if emb is None:
         has = any(isinstance(m, nn.Embedding) for m in model.modules())
@@ -393,39 +410,29 @@ def _hf_config(path: str):
     try:
         cfg = transformers.AutoConfig.from_pretrained(str(p.parent if p.name == "config.json" else p), local_files_only=True)
     except Exception as e:
-        raise WorkloadError(f"hf:{path}: cannot read the config: {type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}") from None
+        raise WorkloadError(f"hf:{path}: cannot read the config: {type(e).__name__}: {_first_line(e)}") from None
     cfg.use_cache = False        # a training step keeps no KV cache
     return transformers, cfg
 
-def _hf_workload(source: str, path: str, batch, seq, input_shape) -> Workload:
-    if input_shape is not None:
-        raise WorkloadError("hf: models take token ids: give seq (--seq), not input_shape (--input-shape)")
-    transformers, cfg = _hf_config(path)
-    causal = True
+# %% ../nbs/03_workload.ipynb
+def _hf_auto(transformers, cfg, source: str) -> tuple[bool, type]:
+    "(causal, the Auto class to build `cfg` with): AutoModelForCausalLM if it knows the config, else AutoModel."
     try:
         with torch.device("meta"): transformers.AutoModelForCausalLM.from_config(cfg)
-        auto = transformers.AutoModelForCausalLM
+        return True, transformers.AutoModelForCausalLM
     except ValueError:                       # "Unrecognized configuration class ... for AutoModelForCausalLM"
-        causal, auto = False, transformers.AutoModel
+        return False, transformers.AutoModel
     except Exception as e:
         raise WorkloadError(f"{source}: transformers cannot build a model from this config: {type(e).__name__}: "
-                            f"{(str(e).strip().splitlines() or [''])[0]}") from None
-    build = module_builder(lambda: auto.from_config(cfg), f"{source} ({type(cfg).__name__})")
-    vocab = getattr(cfg, "vocab_size", None)
-    if not isinstance(vocab, int) or vocab <= 0:
-        raise WorkloadError(f"{source}: the config has no vocab_size; hf: sources must take token ids")
-    limit = next((getattr(cfg, a) for a in _MAX_POS_ATTRS if isinstance(getattr(cfg, a, None), int)), None)
-    seq = seq if seq is not None else min(DEFAULT_SEQ, limit or DEFAULT_SEQ)
-    _positive("seq", seq); _check_seq(seq, limit, source)
+                            f"{_first_line(e)}") from None
+
+# %% ../nbs/03_workload.ipynb
+def _hf_inputs(vocab: int, causal: bool) -> Callable:
+    "make_inputs for a Hugging Face model: seeded input_ids (and labels, for a causal LM) as keyword inputs."
     def make_inputs(b, s, device="cpu"):
         ids = torch.randint(vocab, (b, s), generator=torch.Generator().manual_seed(0)).to(device)
         return (), ({"input_ids": ids, "labels": ids.clone()} if causal else {"input_ids": ids}), None
-    if causal:
-        return Workload(source=source, build=build, batch=batch, seq=seq, make_inputs=make_inputs, loss=_hf_loss,
-                        notes=(f"{type(cfg).__name__} as a causal LM: input_ids and labels, the model's own loss",))
-    return Workload(source=source, build=build, batch=batch, seq=seq, make_inputs=make_inputs, loss=_hidden_loss,
-                    notes=(f"{type(cfg).__name__} has no causal-LM head in transformers: built with AutoModel, the "
-                           "loss is a stand-in (mean of the squared last hidden state)",))
+    return make_inputs
 
 def _hf_loss(out): return out.loss
 def _hidden_loss(out):
@@ -433,9 +440,45 @@ def _hidden_loss(out):
     return (h if h is not None else _logits(out)).float().pow(2).mean()
 
 # %% ../nbs/03_workload.ipynb
-def _is_file_source(ref: str) -> bool:
-    return ref.endswith(".py") or "/" in ref or os.sep in ref
+def _hf_workload(source: str, path: str, batch, seq, input_shape) -> Workload:
+    if input_shape is not None:
+        raise WorkloadError("hf: models take token ids: give seq (--seq), not input_shape (--input-shape)")
+    transformers, cfg = _hf_config(path)
+    causal, auto = _hf_auto(transformers, cfg, source)
+    build = module_builder(lambda: auto.from_config(cfg), f"{source} ({type(cfg).__name__})")
+    vocab = getattr(cfg, "vocab_size", None)
+    if not isinstance(vocab, int) or vocab <= 0:
+        raise WorkloadError(f"{source}: the config has no vocab_size; hf: sources must take token ids")
+    limit = next((getattr(cfg, a) for a in _MAX_POS_ATTRS if isinstance(getattr(cfg, a, None), int)), None)
+    seq = seq if seq is not None else min(DEFAULT_SEQ, limit or DEFAULT_SEQ)
+    _positive("seq", seq); _check_seq(seq, limit, source)
+    make_inputs = _hf_inputs(vocab, causal)
+    if causal:
+        return Workload(source=source, build=build, batch=batch, seq=seq, make_inputs=make_inputs, loss=_hf_loss,
+                        notes=(f"{type(cfg).__name__} as a causal LM: input_ids and labels, the model's own loss",))
+    return Workload(source=source, build=build, batch=batch, seq=seq, make_inputs=make_inputs, loss=_hidden_loss,
+                    notes=(f"{type(cfg).__name__} has no causal-LM head in transformers: built with AutoModel, the "
+                           "loss is a stand-in (mean of the squared last hidden state)",))
 
+# %% ../nbs/03_workload.ipynb
+def _is_file_source(ref: str) -> bool: return ref.endswith(".py") or "/" in ref or os.sep in ref
+
+def _named_workload(source: str, batch, seq, input_shape) -> Workload:
+    "The workload of 'path/file.py:NAME' or 'package.module:NAME'."
+    ref, name = source.rsplit(":", 1)
+    if not name.isidentifier():
+        raise WorkloadError(f"{source!r}: {name!r} is not a Python name; give path/file.py:NAME or package.module:NAME")
+    mod = _import_file(ref) if _is_file_source(ref) else _import_module(ref)
+    w, factory = _from_callable(_resolve(mod, name, ref), source)
+    if w is None: return _model_workload(source, factory, source, batch or DEFAULT_BATCH, seq, input_shape)
+    if input_shape is not None:
+        raise WorkloadError(f"{source} returns a Workload, which makes its own inputs: drop input_shape (--input-shape)")
+    w.source = source
+    if batch is not None: w.batch = batch
+    if seq is not None: w.seq = seq
+    return w
+
+# %% ../nbs/03_workload.ipynb
 def load_workload(source: str, *, batch: int | None = None, seq: int | None = None, optimizer: str | None = None,
                   dtype: str | None = None, input_shape=None) -> Workload:
     "A `Workload` from a zoo name, 'path/file.py:NAME', 'package.module:NAME' or 'hf:CONFIG.json or DIR'."
@@ -446,19 +489,7 @@ def load_workload(source: str, *, batch: int | None = None, seq: int | None = No
     if source.startswith("hf:"):
         w = _hf_workload(source, source[3:], batch or DEFAULT_BATCH, seq, input_shape)
     elif ":" in source:
-        ref, name = source.rsplit(":", 1)
-        if not name.isidentifier():
-            raise WorkloadError(f"{source!r}: {name!r} is not a Python name; give path/file.py:NAME or package.module:NAME")
-        mod = _import_file(ref) if _is_file_source(ref) else _import_module(ref)
-        w, factory = _from_callable(_resolve(mod, name, ref), source)
-        if w is not None:
-            if input_shape is not None:
-                raise WorkloadError(f"{source} returns a Workload, which makes its own inputs: drop input_shape (--input-shape)")
-            w.source = source
-            if batch is not None: w.batch = batch
-            if seq is not None: w.seq = seq
-        else:
-            w = _model_workload(source, factory, source, batch or DEFAULT_BATCH, seq, input_shape)
+        w = _named_workload(source, batch, seq, input_shape)
     elif _is_file_source(source):
         raise WorkloadError(f"{source!r}: name the model in the file, e.g. {source}:MyModel")
     else:

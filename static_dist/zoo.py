@@ -381,6 +381,7 @@ def _materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> 
             if b is not None: m._buffers[n] = torch.empty(b.shape, device=device, dtype=b.dtype)
     return model
 
+# %% ../nbs/01_zoo.ipynb
 def _builder(factory: Callable[[], nn.Module]):
     "A `build(device, dtype, seed)`: construct on meta, materialise on `device` in `dtype`, run the seeded `init_weights`."
     def build(device='meta', dtype: torch.dtype = torch.float32, seed: int = 0) -> nn.Module:
@@ -391,6 +392,7 @@ def _builder(factory: Callable[[], nn.Module]):
         return model
     return build
 
+# %% ../nbs/01_zoo.ipynb
 _MARKOV_MAX_VOCAB = 4096   # above this a dense transition table is too big: LM batches use uniform random tokens
 
 def _lm_batch(cfg: LlamaConfig):
@@ -407,6 +409,7 @@ def _lm_loss(logits, targets):
     "Cross-entropy over the vocabulary, in float32, averaged over all tokens."
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
+# %% ../nbs/01_zoo.ipynb
 def _dense_batch(d_in: int, d_out: int):
     def batch(batch_size: int, seq_len: int = 0, device='cpu', seed: int = 0):
         "`seq_len` is ignored: these models take one vector per sample."
@@ -426,6 +429,7 @@ ZOO: dict[str, ZooModel] = {
                              _builder(ControlFlowNet), _dense_batch(16, 16), F.mse_loss),
 }
 
+# %% ../nbs/01_zoo.ipynb
 def get_model(name: str) -> ZooModel:
     "The `ZOO` entry `name`; unknown names raise a `ValueError` with the (up to two) closest matches and the known names."
     if name in ZOO: return ZOO[name]
