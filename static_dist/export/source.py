@@ -4,7 +4,7 @@
 
 # %% ../../nbs/10a_export_source.ipynb 2
 from __future__ import annotations
-import contextlib, importlib, inspect, io, logging, os, re, sys, sysconfig, traceback, warnings
+import contextlib, functools, importlib, inspect, io, logging, os, re, sys, sysconfig, traceback, warnings
 from dataclasses import dataclass
 from pathlib import Path
 import torch
@@ -79,13 +79,15 @@ def _own_functions() -> list:
     return [f for k, f in own + kernel if k in names]
 
 # %% ../../nbs/10a_export_source.ipynb
+@functools.lru_cache(maxsize=None)
+def _code_range(code) -> tuple[str, int, int]:
+    "(file, first, last line) of a code object (cached: it is asked for every node of every program)."
+    lines = [l for *_, l in code.co_lines() if l] or [code.co_firstlineno]
+    return code.co_filename, code.co_firstlineno, max(lines)
+
 def _own_ranges() -> list[tuple[str, int, int]]:
     "(file, first, last line) of static_dist.export's own functions: frames inside them are never the user's."
-    out = []
-    for f in _own_functions():
-        lines = [l for *_, l in f.__code__.co_lines() if l] or [f.__code__.co_firstlineno]
-        out.append((f.__code__.co_filename, f.__code__.co_firstlineno, max(lines)))
-    return out
+    return [_code_range(f.__code__) for f in _own_functions()]
 
 def is_user_frame(file: str, line: int, own=None) -> bool:
     "User code, and not inside one of static_dist.export's own functions."
