@@ -10,7 +10,7 @@ from typing import Sequence
 import torch
 from torch.utils import _pytree as pytree
 from .source import SourceLoc, _first_line, _op_parts, loc_from_exception, node_loc, op_name
-from .report import Finding, SEVERITIES, _md_escape
+from .report import Finding, _md_escape
 
 # %% auto 0
 __all__ = ['RULES', 'RESIZE_MAP', 'Rule', 'rules_markdown', 'resize_attrs', 'MatmulResize', 'graph_findings', 'error_findings']
