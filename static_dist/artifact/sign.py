@@ -25,6 +25,7 @@ def _signed_message(version: int, header: bytes) -> bytes:
     "The bytes the Ed25519 signature covers."
     return _DOMAIN + MAGIC + struct.pack('>I', version) + header
 
+# %% ../../nbs/11b_artifact_sign.ipynb
 def _check_meta(meta) -> dict:
     "`meta` as a dict of strings to strings (ArtifactUsageError naming the first other entry)."
     if meta is None: return {}
@@ -55,6 +56,7 @@ def _header_bytes(version: int, fp: Fingerprint, payload: bytes, kid: str, meta:
                           'created': datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds'),
                           'meta': meta}, canonical=True)
 
+# %% ../../nbs/11b_artifact_sign.ipynb
 def sign_payload(payload: bytes, *, signing_key, device: Fingerprint | str | torch.device | None = None,
                  policy: Mapping | None = None, meta: Mapping[str, str] | None = None, version: int = PROTOCOL_VERSION) -> bytes:
     "Artifact bytes for `payload`, bound to `device` (a Fingerprint, or a local device; default this CPU), signed with `signing_key`."
