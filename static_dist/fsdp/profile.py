@@ -284,75 +284,91 @@ def expand_blocks(profile: GraphProfile, n_blocks: int) -> GraphProfile:
     return _expand(P, n_blocks)
 
 # %% ../../nbs/40a_fsdp_profile.ipynb
-def _expand(P: GraphProfile, n_blocks: int) -> GraphProfile:
-    "Repeat block 1's ops, parameters and saved activations `n_blocks - k` more times (checked by `expand_blocks`)."
-    container, k = P.stack, len(P.blocks)
-    ob = _op_blocks(P)
-    extra = n_blocks - k
-    n = len(P.op_module)
-    idx_f = lambda b: np.flatnonzero((ob == b) & (P.op_phase == 0))
-    idx_b = lambda b: np.flatnonzero((ob == b) & (P.op_phase == 1))
-    f1, b1 = idx_f(1), idx_b(1)
-    delta = int(P.native[idx_f(2)[0]] - P.native[f1[0]])          # activations one block leaves behind
-    # new op order: everything up to block 1's forward end, block 1 repeated, the rest; same in backward
-    pieces = []            # (old index array, native offset, block rename or None)
+def _pieces(P: GraphProfile, extra: int) -> list[tuple[np.ndarray, int, int | str | None]]:
+    "The new op order as pieces: (captured op indices, native offset, block number of a copy / 'shift' / None)."
+    ob, n = _op_blocks(P), len(P.op_module)
+    idx = lambda b, ph: np.flatnonzero((ob == b) & (P.op_phase == ph))
+    f1, b1 = idx(1, 0), idx(1, 1)
+    delta = int(P.native[idx(2, 0)[0]] - P.native[f1[0]])          # activations one block leaves behind
     cut_f, cut_b = f1[-1] + 1, b1[0]
-    pieces.append((np.arange(0, cut_f), 0, None))
-    for j in range(extra): pieces.append((f1, (j + 1) * delta, j + 2))
-    pieces.append((np.arange(cut_f, cut_b), extra * delta, "shift"))
-    for j in reversed(range(extra)): pieces.append((b1, (j + 1) * delta, j + 2))
-    pieces.append((np.arange(cut_b, n), 0, "shift"))
-    rename = lambda m, blk: m if blk is None or blk == "shift" else _rename_block(m, container, blk)
-    def ren_old(m):                                   # blocks >= 2 in the original become block + extra
+    return [(np.arange(0, cut_f), 0, None), *((f1, (j + 1) * delta, j + 2) for j in range(extra)),
+            (np.arange(cut_f, cut_b), extra * delta, "shift"),
+            *((b1, (j + 1) * delta, j + 2) for j in reversed(range(extra))), (np.arange(cut_b, n), 0, "shift")]
+
+# %% ../../nbs/40a_fsdp_profile.ipynb
+def _renamer(container: str, extra: int):
+    "Names of the kept ops' modules and parameters: captured blocks >= 2 become block + `extra`."
+    def ren(m: str) -> str:
         b = _block_of(m, container)
         return _rename_block(m, container, b + extra) if b is not None and b >= 2 else m
+    return ren
+
+def _newpos(where: dict, i: int, pieces) -> int | None:
+    "New index of captured op `i` in the first of `pieces` that holds it (None: in none of them)."
+    return next((where[(kk, int(i))] for kk in pieces if (kk, int(i)) in where), None)
+
+# %% ../../nbs/40a_fsdp_profile.ipynb
+def _lay_out_ops(P: GraphProfile, pieces: list, ren) -> tuple[dict, dict]:
+    "The expanded per-op fields of the profile, and `where[(piece, captured op)]` = new op index."
     mods, names, phase, flops, native, temp, where = [], [], [], [], [], [], {}
     for kk, (ix, off, blk) in enumerate(pieces):
         start = len(mods)
         for t, i in enumerate(ix):
-            mods.append(ren_old(P.op_module[i]) if blk in (None, "shift") else rename(P.op_module[i], blk))
+            mods.append(ren(P.op_module[i]) if blk in (None, "shift") else _rename_block(P.op_module[i], P.stack, blk))
             where.setdefault((kk, int(i)), start + t)
         if P.op_names: names += [P.op_names[i] for i in ix]
         phase.append(P.op_phase[ix]); flops.append(P.op_flops[ix])
         native.append(P.native[ix] + off); temp.append(P.temporary[ix])
-    native, temp, phase = np.concatenate(native), np.concatenate(temp), np.concatenate(phase)
-    total_old = sum(p.numel * p.itemsize for p in P.params)
-    def newpos(i, piece_kinds):
-        for kk in piece_kinds:
-            if (kk, int(i)) in where: return where[(kk, int(i))]
-        return None
-    base_pieces = [0, extra + 1, 2 * extra + 2]        # the three pieces that keep the original ops
-    params, saved = [], []
+    return dict(op_module=tuple(mods), op_names=tuple(names), op_phase=np.concatenate(phase),
+                op_flops=np.concatenate(flops), native=np.concatenate(native), temporary=np.concatenate(temp)), where
+
+# %% ../../nbs/40a_fsdp_profile.ipynb
+def _expand_params(P: GraphProfile, where: dict, ren, extra: int) -> list[ParamInfo]:
+    "Every parameter renamed, block 1's copied `extra` times, each with the new op of its gradient."
+    keep, c = [0, extra + 1, 2 * extra + 2], P.stack
+    def grad(p, pieces) -> int:
+        g = _newpos(where, p.grad_created, pieces) if p.grad_created >= 0 else None
+        return -1 if g is None else g
+    params = []
     for p in P.params:
-        b = _block_of(p.module, container)
-        gc = newpos(p.grad_created, base_pieces) if p.grad_created >= 0 else -1
-        params.append(dataclasses.replace(p, name=ren_old(p.name), grad_created=-1 if gc is None else gc))
-        if b == 1:
-            for j in range(extra):
-                g2 = newpos(p.grad_created, [2 * extra + 1 - j]) if p.grad_created >= 0 else None
-                params.append(dataclasses.replace(p, name=_rename_block(p.name, container, j + 2),
-                                                  grad_created=-1 if g2 is None else g2))
+        params.append(dataclasses.replace(p, name=ren(p.name), grad_created=grad(p, keep)))
+        if _block_of(p.module, c) == 1:
+            params += [dataclasses.replace(p, name=_rename_block(p.name, c, j + 2), grad_created=grad(p, [2 * extra + 1 - j]))
+                       for j in range(extra)]
+    return sorted(params, key=lambda p: _natural_key(p.name))
+
+# %% ../../nbs/40a_fsdp_profile.ipynb
+def _expand_saved(P: GraphProfile, where: dict, ren, extra: int) -> list[tuple[int, str, int, int]]:
+    "Saved activations at their new ops; block 1's copied with each copy of the block."
+    keep, c, n = [0, extra + 1, 2 * extra + 2], P.stack, len(P.op_module)
+    saved = []
     for nb, w, cr, f in P.saved:
-        b = _block_of(w, container)
-        c2, f2 = newpos(cr, base_pieces), newpos(min(f, n - 1), base_pieces)
-        if c2 is not None and f2 is not None: saved.append((nb, ren_old(w), c2, f2))
-        if b == 1:
-            for j in range(extra):
-                c3, f3 = newpos(cr, [1 + j]), newpos(min(f, n - 1), [2 * extra + 1 - j])
-                if c3 is not None and f3 is not None: saved.append((nb, _rename_block(w, container, j + 2), c3, f3))
-    params.sort(key=lambda p: (_natural_key(p.name)))
-    total_new = sum(p.numel * p.itemsize for p in params)
-    opt = phase == 2                                   # foreach optimizer temporaries scale with the model
-    native[opt] += (temp[opt] * (total_new / total_old - 1)).astype(np.int64)
-    temp[opt] = (temp[opt] * (total_new / total_old)).astype(np.int64)
+        c2, f2 = _newpos(where, cr, keep), _newpos(where, min(f, n - 1), keep)
+        if c2 is not None and f2 is not None: saved.append((nb, ren(w), c2, f2))
+        if _block_of(w, c) != 1: continue
+        for j in range(extra):
+            c3, f3 = _newpos(where, cr, [1 + j]), _newpos(where, min(f, n - 1), [2 * extra + 1 - j])
+            if c3 is not None and f3 is not None: saved.append((nb, _rename_block(w, c, j + 2), c3, f3))
+    return saved
+
+# %% ../../nbs/40a_fsdp_profile.ipynb
+def _expand(P: GraphProfile, n_blocks: int) -> GraphProfile:
+    "Repeat block 1's ops, parameters and saved activations `n_blocks - k` more times (checked by `expand_blocks`)."
+    extra = n_blocks - len(P.blocks)
+    ren = _renamer(P.stack, extra)
+    ops, where = _lay_out_ops(P, _pieces(P, extra), ren)
+    params = _expand_params(P, where, ren, extra)
+    scale = sum(p.numel * p.itemsize for p in params) / sum(p.numel * p.itemsize for p in P.params)
+    native, temp, phase = ops["native"], ops["temporary"], ops["op_phase"]
+    opt = phase == 2
+    native[opt] += (temp[opt] * (scale - 1)).astype(np.int64)
+    temp[opt] = (temp[opt] * scale).astype(np.int64)
     seen = {}
-    for i, m in enumerate(mods):
+    for i, m in enumerate(ops["op_module"]):
         if phase[i] == 0: seen.setdefault(m, i)
-    order = _module_order(seen, [p.module for p in params], len(mods))
-    blocks = tuple(f"{container}.{i}" if container else str(i) for i in range(n_blocks))
-    return dataclasses.replace(P, params=tuple(params), modules=tuple(order), op_module=tuple(mods), op_phase=phase,
-                               op_flops=np.concatenate(flops), native=native, temporary=temp, saved=tuple(saved),
-                               blocks=blocks, op_names=tuple(names))
+    blocks = tuple(f"{P.stack}.{i}" if P.stack else str(i) for i in range(n_blocks))
+    return dataclasses.replace(P, **ops, params=tuple(params), saved=tuple(_expand_saved(P, where, ren, extra)),
+                               modules=_module_order(seen, [p.module for p in params], len(phase)), blocks=blocks)
 
 # %% ../../nbs/40a_fsdp_profile.ipynb
 def profile_expanded(small, full, n_blocks: int, progress=None) -> tuple[GraphProfile, str]:
