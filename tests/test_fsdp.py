@@ -65,3 +65,34 @@ def test_cli_usage_errors():
     from static_dist.app.cli import main
     assert main(["plan-fsdp", "--model", "tiny", "--mesh", "3x3", "--world", "8"]) == 2
     assert main(["plan-fsdp", "--model", "tiny", "--ignore", "nonexistent"]) == 2
+
+
+def _gpu_check():
+    "tests/gpu_fsdp.py as a module (its main needs CUDA; its target logic does not)."
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("gpu_fsdp", ROOT / "tests" / "gpu_fsdp.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_gpu_fsdp_targets():
+    "The GPU check fails a plan off `max_memory_allocated` by more than 25% either way, and a run that measured nothing."
+    check = _gpu_check().check_targets
+    row = lambda plan, pred, peak: dict(plan=plan, predicted=pred, cuda_max_allocated=peak, rel_error=pred / peak - 1)
+    last_gpu_run = [row("per-block", 972, 1000), row("checkpointed", 807, 1000), row("whole-model", 850, 1000)]
+    assert check(last_gpu_run) == []                             # -2.8%, -19.3%, -15.0%: within the target
+    bad = check([row("per-block", 972, 1000), row("checkpointed", 740, 1000), row("whole-model", 1260, 1000)])
+    assert len(bad) == 2 and bad[0].startswith("checkpointed: ") and "-26.0%" in bad[0] and "+26.0%" in bad[1], bad
+    assert check([row("edge", 750, 1000), row("edge", 1250, 1000)]) == []   # exactly 25% off still passes
+    assert check([]) == ["no plan was measured"]
+
+
+def test_gpu_fsdp_without_cuda_stops_cleanly():
+    import torch
+    if torch.cuda.is_available(): pytest.skip("a GPU is here: tests/gpu_fsdp.py would run the real check")
+    p = subprocess.run([sys.executable, str(ROOT / "tests" / "gpu_fsdp.py")], capture_output=True, text=True,
+                       cwd=ROOT, timeout=120)
+    assert p.returncode == 0 and json.loads(p.stdout) == {"skipped": "no CUDA device: this check needs one (the CPU "
+                                                                      "tests cover the rest)"}, p.stdout + p.stderr
+    assert not (ROOT / "gpu_fsdp.json").exists()
