@@ -207,9 +207,12 @@ def api_entry(modname: str, name: str, obj) -> str:
     return "".join(parts)
 
 
-def api_section(module: str, package: str) -> tuple[str, list[str]]:
-    "HTML listing the public names of `package.module` (its `__all__`), and the names; an error note if it fails to import."
-    modname = f"{package}.{module}"
+def api_section(module: str, package: str, pages_of: dict[str, str] | None = None) -> tuple[str, list[str]]:
+    """HTML listing the public names of `package.module` (its `__all__`), and the names; an error note if it fails to import.
+
+    A chapter overview (`default_exp fsdp.__init__`) re-exports its stages: those names are listed once, as links to
+    the stage page (`pages_of`: module name -> page) that documents them, and only the overview's own names in full."""
+    modname = f"{package}.{module}".removesuffix(".__init__")
     try: mod = importlib.import_module(modname)
     except Exception as e:  # a broken module should show, not stop the whole site
         return (f'<section class="api" id="api"><h2>API: <code>{html.escape(modname)}</code></h2>'
@@ -217,10 +220,25 @@ def api_section(module: str, package: str) -> tuple[str, list[str]]:
     names = list(getattr(mod, "__all__", []))
     body = [f'<section class="api" id="api"><h2>API: <code>{html.escape(modname)}</code></h2>']
     if not names: body.append("<p>This module exports no public names.</p>")
+    staged: dict[str, list[str]] = {}
     for n in names:
-        if hasattr(mod, n): body.append(api_entry(modname, n, getattr(mod, n)))
+        if not hasattr(mod, n): continue
+        home = _home(n, getattr(mod, n), modname, pages_of or {})
+        if home: staged.setdefault(home, []).append(n)
+        else: body.append(api_entry(modname, n, getattr(mod, n)))
+    for home, ns in staged.items():
+        links = ", ".join(f'<a href="{pages_of[home]}#{html.escape(home)}.{html.escape(n)}"><code>{html.escape(n)}</code></a>'
+                          for n in ns)
+        body.append(f'<p>From <a href="{pages_of[home]}"><code>{html.escape(home)}</code></a>: {links}</p>')
     body.append("</section>")
     return "".join(body), names
+
+
+def _home(name: str, obj, modname: str, pages_of: dict[str, str]) -> str | None:
+    "The stage module (below `modname`, with a page listing `name`) that defines `obj`; None if `modname` documents it."
+    home = getattr(obj, "__module__", None)
+    if not (home and home != modname and home.startswith(modname + ".") and home in pages_of): return None
+    return home if name in getattr(importlib.import_module(home), "__all__", ()) else None
 
 
 # ---------------------------------------------------------------- the page shell
@@ -281,7 +299,8 @@ def render_page(page: Page, nb: dict, pages: list[Page], links: dict[str, str], 
         if target is None: return m.group(0)
         return f'{m.group(1)}="{target}{"#" + frag if frag else ""}"'
     body = re.sub(r'(href)="([^"#:]+\.ipynb(?:#[^"]*)?)"', relink, body)
-    api, names = api_section(page.module, package) if page.module else ("", [])
+    pages_of = {f"{package}.{p.module}".removesuffix(".__init__"): p.html for p in pages if p.module}
+    api, names = api_section(page.module, package, pages_of) if page.module else ("", [])
     body = body.replace("</head>", f'<link rel="icon" href="data:,">\n<style>{CSS}</style>\n</head>', 1)
     body = re.sub(r"(<body[^>]*>)", lambda m: m.group(1) + nav_html(pages, page) + '<main class="docs-main">', body, count=1)
     body = body.replace("</body>", api + "</main></body>", 1)
