@@ -94,21 +94,28 @@ def _measured_row(config: str, k: int, world: int, times, opt_times, graphs, rec
                 honoured={kn.knob: kn.honoured for kn in rec.knobs} if rec else {})
 
 # %% ../../nbs/42e_compile_bench.ipynb
-def calibrate_world(sizes: Sequence[int] = (2**14, 2**18, 2**20, 2**22), repeat: int = 5, probes: int = 5) -> dict:
-    "On every rank of the running gloo group: the rank's matmul FLOP/s while all ranks run it, and the fitted gloo link (world > 1)."
+def _typical_link(sizes: Sequence[int], repeat: int):
+    "`topology`'s collectives timed one at a time `repeat` times, the median of each fitted: a step's typical collective."
+    import dataclasses
+    from static_dist.topology import _fitted, measure_collectives
+    runs = [measure_collectives(("all_gather", "reduce_scatter"), sizes, repeat=1, warmup=int(i == 0)) for i in range(repeat)]
+    pts = [dataclasses.replace(q[0], measured=statistics.median(x.measured for x in q)) for q in zip(*runs)]
+    return _fitted(pts, "gloo", pts[0].group_size)
+
+def calibrate_world(sizes: Sequence[int] = (2**14, 2**18, 2**20, 2**22), repeat: int = 9, probes: int = 5) -> dict:
+    "On every rank of the running gloo group: the rank's share of this CPU's matmul FLOP/s, and the typical gloo link (world > 1)."
     import torch.distributed as dist
-    from static_dist.topology import _matmul_flops, calibrate
-    world = dist.get_world_size()
-    best = 0.0
-    for _ in range(probes):    # the least disturbed probe, as each configuration's step_s is its least disturbed step
+    from static_dist.topology import _matmul_flops
+    world, best = dist.get_world_size(), 0.0
+    for _ in range(probes):      # the least disturbed probe, as each configuration's step_s is its least disturbed step
         dist.barrier()
         best = max(best, _matmul_flops())
     f = torch.tensor([best], dtype=torch.float64)
     dist.all_reduce(f)
-    flops = float(f) / world
-    if world == 1: return dict(world=1, device_flops=flops, calibration=None)
-    cal = calibrate(("all_gather", "reduce_scatter"), sizes, repeat=repeat)
-    return dict(world=world, device_flops=flops, calibration=cal.to_dict())
+    share = min(1.0, (os.cpu_count() or 1) / world)    # ranks beyond the cores take turns on them
+    if world == 1: return dict(world=1, device_flops=float(f), core_share=share, calibration=None)
+    return dict(world=world, device_flops=float(f) / world * share, core_share=share,
+                calibration=_typical_link(sizes, repeat).to_dict())
 
 # %% ../../nbs/42e_compile_bench.ipynb
 def _measure_world(spec: dict) -> dict:
