@@ -114,7 +114,7 @@ def calibrate_world(sizes: Sequence[int] = (2**14, 2**18, 2**20, 2**22), repeat:
     dist.all_reduce(f)
     share = min(1.0, (os.cpu_count() or 1) / world)    # ranks beyond the cores take turns on them
     if world == 1: return dict(world=1, device_flops=float(f), core_share=share, calibration=None)
-    return dict(world=world, device_flops=float(f) / world * share, core_share=share,
+    return dict(world=world, device_flops=float(f) / world, core_share=share,
                 calibration=_typical_link(sizes, repeat).to_dict())
 
 # %% ../../nbs/42e_compile_bench.ipynb
@@ -169,12 +169,12 @@ def _launch(world: int, spec: dict) -> dict:
         return json.loads(out.read_text())
 
 # %% ../../nbs/42e_compile_bench.ipynb
-def _cost_of(world_res: dict, efficiency: float):
-    "The CostModel of one world's calibration."
+def _cost_of(world_res: dict, efficiency: float, one_rank_flops: float):
+    "The CostModel of one world: its gloo link, and one rank's FLOP/s times this world's core share."
     from static_dist.topology import Calibration
     c = world_res["calibration"]
     cal = Calibration.from_dict(c["calibration"]) if c["calibration"] else None
-    return cpu_cost_model(world_res["world"], efficiency, device_flops=c["device_flops"], calibration=cal)
+    return cpu_cost_model(world_res["world"], efficiency, device_flops=one_rank_flops * c["core_share"], calibration=cal)
 
 def _off_term(pred: dict, measured: float) -> str:
     "Which term a miss over 20% is in ('' when within 20%)."
@@ -187,13 +187,13 @@ def _off_term(pred: dict, measured: float) -> str:
 def _predict_rows(prof, plan_of, worlds: list[dict]) -> dict:
     "Add predicted_* to every row of `worlds` (world 1 first; in place); the fitted efficiency per configuration."
     base = {r["config"]: r for r in worlds[0]["rows"] if r["accumulation"] == worlds[0]["rows"][0]["accumulation"]}
-    effs = {}
+    effs, f1 = {}, worlds[0]["calibration"]["device_flops"]
     for c, r in base.items():
-        p1 = cpu_step(prof, plan_of(1, r["accumulation"]), _cost_of(worlds[0], 1.0))
+        p1 = cpu_step(prof, plan_of(1, r["accumulation"]), _cost_of(worlds[0], 1.0, f1))
         effs[c] = p1["compute_s"] / max(r["step_s"] - r["optimizer_s"], 1e-9)
     for w in worlds:
         for r in w["rows"]:
-            p = cpu_step(prof, plan_of(w["world"], r["accumulation"]), _cost_of(w, effs[r["config"]]))
+            p = cpu_step(prof, plan_of(w["world"], r["accumulation"]), _cost_of(w, effs[r["config"]], f1))
             r.update(predicted_step_s=p["step_s"] + base[r["config"]]["optimizer_s"], predicted_compute_s=p["compute_s"],
                      predicted_exposed_comm_s=p["exposed_comm_s"], predicted_recompute_s=p["recompute_s"],
                      predicted_overlapped_step_s=p["overlapped_step_s"] + base[r["config"]]["optimizer_s"],
