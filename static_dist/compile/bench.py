@@ -203,8 +203,8 @@ def _predict_rows(prof, plan_of, worlds: list[dict]) -> dict:
     return effs
 
 # %% ../../nbs/42e_compile_bench.ipynb
-_TIME_MODEL = ("cpu_step: fsdp.predict_step's compute (captured FLOPs / (calibrated per-rank matmul FLOP/s x efficiency)) "
-               "+ all its communication (gloo link calibrated per world; CPU ranks have no free core to overlap it) "
+_TIME_MODEL = ("cpu_step: fsdp.predict_step's compute (captured FLOPs / (one rank's matmul FLOP/s x min(1, cores/ranks) x efficiency)) "
+               "+ all its communication (gloo link fitted per world to the median collective; CPU ranks have no free core to overlap it) "
                "+ recompute (0: no checkpointing) + the configuration's one-rank optimizer step; efficiency fitted per "
                "configuration on its one-rank run without accumulation, every other row predicted")
 
