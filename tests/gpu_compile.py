@@ -5,9 +5,13 @@
 One process, NCCL with world size 1, a Llama of width 1024 and 8 blocks, bf16 parameters, SGD. For eager and for
 per-block Inductor (with and without the plan's Inductor comm settings): first-step seconds (compile), median step
 seconds over 5 steady steps, CUDA time of NCCL kernels and of all kernels (profiler), collectives per step (profiler
-c10d events) against `predict_comms`, graphs compiled after step 1. The JSON is written after every part.
+c10d events), graphs compiled after step 1. One rank issues no collectives, so the counts are also taken where they
+exist: the same model and plan at 8 ranks (1 and 2 micro-batches) under a fake process group (CommDebugMode, eager,
+fake tensors, before NCCL starts), against `predict_comms`. The JSON is written after every part; the targets are
+asserted at the end (exit 1 with the list of failures).
 """
 import json
+import math
 import os
 import statistics
 import sys
@@ -16,7 +20,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from static_dist.compile import CompileOptions, apply_compiled, compile_record, count_collectives, graphs_compiled, step_once
+from static_dist.compile import (CompileOptions, apply_compiled, compile_record, count_collectives, fake_pg_counts,
+                                 graphs_compiled, step_once)
 from static_dist.fsdp import FSDPPlan, FSDPUnit, predict_comms, profile_graph
 from static_dist.graph import capture
 from static_dist.zoo import Llama, LlamaConfig, get_model
@@ -35,22 +40,51 @@ def kernel_times(fn) -> dict:
     return dict(nccl_kernel_s=nccl / 1e6, all_kernels_s=allk / 1e6)
 
 
+def fake_counts(cfg, prof, x, y, loss) -> list:
+    "The plan's collectives at 8 ranks (fake process group, meta model under fake tensors) against predict_comms."
+    def build():
+        with torch.device("meta"): return Llama(cfg)
+    units = (FSDPUnit(""), *(FSDPUnit(f"layers.{i}") for i in range(cfg.n_layers)))
+    return [fake_pg_counts(build, FSDPPlan(8, (8,), units, forward_prefetch=1, accumulation_steps=k), prof, (x,), y, loss)
+            for k in (1, 2)]
+
+
+def targets(res) -> list:
+    "What this check asserts: the failures, one line each."
+    bad = [f"fake PG, accumulation {r['accumulation']}: measured {r['measured']} != predicted {r['predicted']}"
+           for r in res["fake_pg_counts"] if not r["match"]]
+    runs = {r["config"]: r for r in res["runs"]}
+    eager = runs["eager"]
+    for name, r in runs.items():
+        if not all(map(math.isfinite, r["losses"])): bad.append(f"{name}: non-finite loss {r['losses']}")
+        if r["counts"] != eager["counts"]: bad.append(f"{name}: collectives {r['counts']} != eager {eager['counts']}")
+        if name != "eager" and r["recompiles_after_step1"] != 0: bad.append(f"{name}: {r['recompiles_after_step1']} recompiles after step 1")
+        # step 0: the same parameters and batch; bf16 kernels of Inductor and eager round differently (~0.1%); allow 1%
+        if abs(r["losses"][0] - eager["losses"][0]) > 1e-2 * abs(eager["losses"][0]):
+            bad.append(f"{name}: step-0 loss {r['losses'][0]} vs eager {eager['losses'][0]}")
+    return bad
+
+
 def main(out_path):
     assert torch.cuda.is_available(), "needs a CUDA device"
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1"); os.environ.setdefault("MASTER_PORT", "29534")
-    dist.init_process_group("nccl", rank=0, world_size=1)
-    torch.cuda.set_device(0)
     cfg = LlamaConfig(dim=1024, n_layers=8, n_heads=16, n_kv_heads=8, ffn_dim=2816, vocab_size=8192, max_seq_len=1024)
     zm = get_model("tiny")
     B, T = 4, 1024
+    with torch.device("meta"): m0 = Llama(cfg)
+    xc, yc = torch.randint(0, cfg.vocab_size, (B, T)), torch.randint(0, cfg.vocab_size, (B, T))
+    prof = profile_graph(capture(m0, (xc,), loss_fn=zm.loss, targets=yc, optimizer="sgd"))
+    fake = fake_counts(cfg, prof, xc, yc, zm.loss)          # before NCCL: the fake group needs no process group
+    print("fake PG counts", fake, flush=True)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1"); os.environ.setdefault("MASTER_PORT", "29534")
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    torch.cuda.set_device(0)
     batch = lambda s: ((torch.randint(0, cfg.vocab_size, (B, T), device="cuda", generator=torch.Generator("cuda").manual_seed(s)),),
                        torch.randint(0, cfg.vocab_size, (B, T), device="cuda", generator=torch.Generator("cuda").manual_seed(s + 1)))
-    with torch.device("meta"): m0 = Llama(cfg)
     x0, y0 = batch(0)
-    prof = profile_graph(capture(m0, (x0[0].cpu(),), loss_fn=zm.loss, targets=y0.cpu(), optimizer="sgd"))
     plan = FSDPPlan(1, (1,), (FSDPUnit(""), *(FSDPUnit(f"layers.{i}") for i in range(cfg.n_layers))),
                     param_dtype="bfloat16", reduce_dtype="float32", forward_prefetch=1)
-    res = dict(device=torch.cuda.get_device_name(0), torch=torch.__version__, predicted_counts=predict_comms(prof, plan), runs=[])
+    res = dict(device=torch.cuda.get_device_name(0), torch=torch.__version__, fake_pg_counts=fake,
+               predicted_counts_world1=predict_comms(prof, plan), runs=[])
     for name, opts in [("eager", CompileOptions(enabled=False)), ("inductor", CompileOptions(inductor_comm=False)),
                        ("inductor+comm", CompileOptions(inductor_comm=True))]:
         torch._dynamo.reset(); torch.cuda.empty_cache()
@@ -73,6 +107,12 @@ def main(out_path):
         json.dump(res, open(out_path, "w"), indent=1)
         del m, opt
     dist.barrier(); dist.destroy_process_group()
+    bad = targets(res)
+    res["failures"] = bad
+    json.dump(res, open(out_path, "w"), indent=1)
+    for b in bad: print("FAIL", b, flush=True)
+    if bad: sys.exit(1)
+    print("all targets met", flush=True)
 
 
 if __name__ == "__main__":

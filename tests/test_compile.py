@@ -114,17 +114,44 @@ def test_train_writes_step_log(tmp_path):
 
 
 def test_bench_compile_json():
+    "1 and 2 gloo ranks (spawned), eager and aot_eager, 1 and 2 micro-batches: the JSON has every row, measured and predicted."
     from static_dist.compile import bench_compile
-    b = bench_compile(backends=("eager", "aot_eager"), steps=3, accumulation=(1, 2), seq=16)
+    b = bench_compile(worlds=(1, 2), backends=("eager", "aot_eager"), world1_backends=(), steps=3, accumulation=(1, 2), seq=16)
     json.dumps(b)
-    assert {(r["config"], r["accumulation"]) for r in b["rows"]} == {(c, k) for c in ("eager", "aot_eager") for k in (1, 2)}
-    calib = [r for r in b["rows"] if r["calibration_run"]]
-    # efficiency fitted per configuration on accumulation 1 only; accumulation 2 is a prediction
-    assert sorted(r["config"] for r in calib) == ["aot_eager", "eager"] and all(r["accumulation"] == 1 for r in calib)
+    rows = b["rows"]
+    assert sorted((r["world"], r["config"], r["accumulation"]) for r in rows) == sorted(
+        (w, c, k) for w in (1, 2) for c in ("eager", "aot_eager") for k in (1, 2))
+    calib = [r for r in rows if r["calibration_run"]]
+    # efficiency fitted per configuration on one rank without accumulation only; every other row is a prediction
+    assert sorted((r["config"], r["world"], r["accumulation"]) for r in calib) == [("aot_eager", 1, 1), ("eager", 1, 1)]
     assert all(abs(r["predicted_over_measured"] - 1) < 1e-9 for r in calib)
-    pred = [r for r in b["rows"] if not r["calibration_run"]]
-    assert all(r["predicted_step_s"] > 0 and math.isfinite(r["predicted_over_measured"]) for r in pred)
-    assert all(r["recompiles_after_step1"] == 0 and r["step_s"] > 0 for r in b["rows"])
+    for r in rows:
+        assert r["step_s"] > 0 and r["recompiles_after_step1"] == 0 and r["predicted_step_s"] > 0, r
+        assert math.isfinite(r["predicted_over_measured"]) and r["off"] in ("", "compute", "exposed communication", "recompute")
+        assert r["predicted_compute_s"] > 0 and r["predicted_recompute_s"] == 0 and r["load_avg_1min"] >= 0
+        # one rank communicates nothing; two ranks expose the calibrated gloo time of their collectives
+        assert (r["predicted_exposed_comm_s"] > 0) == (r["world"] == 2), r
+    two = {c["world"]: c for c in b["calibration"]}[2]
+    assert two["calibration"]["backend"] == "gloo" and two["calibration"]["alpha"] > 0 and two["calibration"]["beta"] > 0
+    assert all(c["device_flops"] > 0 for c in b["calibration"]) and b["environment"]["torch"] == torch.__version__
+
+
+def test_fake_pg_counts_match_predict_comms():
+    "Eager FSDP2 under a fake process group of 4 and 8 ranks: CommDebugMode's counts equal predict_comms, with accumulation."
+    from static_dist.compile import fake_pg_counts
+    from static_dist.fsdp import FSDPPlan, FSDPUnit, profile_graph
+    from static_dist.graph import capture
+    from static_dist.zoo import get_model
+    zm = get_model("tiny")
+    (x,), y = zm.batch(2, 16)
+    build = lambda: zm.build(device="meta")
+    prof = profile_graph(capture(build(), (x,), loss_fn=zm.loss, targets=y, optimizer="sgd"))
+    units = (FSDPUnit(""), FSDPUnit("layers.0"), FSDPUnit("layers.1"))
+    for w in (4, 8):
+        for k in (1, 2):
+            r = fake_pg_counts(build, FSDPPlan(w, (w,), units, forward_prefetch=1, accumulation_steps=k), prof, (x,), y, zm.loss)
+            assert r["match"] and r["measured"] == r["predicted"], r
+            assert r["measured"]["all_gather"] > 0 and r["measured"]["reduce_scatter"] == 3, r   # one per unit, last micro-batch
 
 
 def test_compiled_autograd_is_refused():
