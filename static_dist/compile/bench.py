@@ -97,7 +97,8 @@ def _measured_row(config: str, k: int, world: int, times, opt_times, graphs, rec
 def _typical_link(sizes: Sequence[int], repeat: int):
     "`topology`'s collectives timed one at a time `repeat` times, the median of each fitted: a step's typical collective."
     import dataclasses
-    from static_dist.topology import _fitted, measure_collectives
+    from static_dist.topology import measure_collectives
+    from static_dist.topology.calibration import _fitted
     runs = [measure_collectives(("all_gather", "reduce_scatter"), sizes, repeat=1, warmup=int(i == 0)) for i in range(repeat)]
     pts = [dataclasses.replace(q[0], measured=statistics.median(x.measured for x in q)) for q in zip(*runs)]
     return _fitted(pts, "gloo", pts[0].group_size)

@@ -120,7 +120,8 @@ def fake_pg_counts(build, plan: FSDPPlan, profile, inputs: tuple, targets, loss_
     import warnings
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.device_mesh import init_device_mesh
-    from static_dist.fsdp import _one_step, apply_plan, predict_comms
+    from static_dist.fsdp import apply_plan, predict_comms
+    from static_dist.fsdp.verify import _one_step
     with _fake_group(plan.world_size), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="(FSDP2-wrapped module|Full backward hook|For backward hooks to be called)")  # torch's notes on FSDP2's hooks
         m = apply_plan(build(), plan, init_device_mesh("cpu", plan.mesh_shape))    # the mesh is made outside fake mode

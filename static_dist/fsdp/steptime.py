@@ -80,7 +80,9 @@ def predict_comms(profile: GraphProfile, plan: FSDPPlan) -> dict:
     k = plan.accumulation_steps
     regather = sum(1 for l in lays if l.module and units[l.module].reshard_after_forward is not False)
     rs = len(lays) * (k if plan.sync_every_microbatch else 1)
-    return {"all_gather": k * (len(lays) + regather), "reduce_scatter": rs if plan.shard_size > 1 else 0,
+    # FSDP2 skips its all-gather (and reduce-scatter) on a shard group of one rank: it copies the local shard instead
+    return {"all_gather": k * (len(lays) + regather) if plan.shard_size > 1 else 0,
+            "reduce_scatter": rs if plan.shard_size > 1 else 0,
             "all_reduce": rs if plan.replicate_size > 1 else 0}
 
 # %% ../../nbs/40d_fsdp_steptime.ipynb
