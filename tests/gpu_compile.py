@@ -12,7 +12,6 @@ asserted at the end (exit 1 with the list of failures).
 """
 import json
 import math
-import os
 import statistics
 import sys
 import time
@@ -21,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from static_dist.compile import (CompileOptions, apply_compiled, compile_record, count_collectives, fake_pg_counts,
-                                 graphs_compiled, step_once)
+                                 graphs_compiled, init_single_process_group, step_once)
 from static_dist.fsdp import FSDPPlan, FSDPUnit, predict_comms, profile_graph
 from static_dist.graph import capture
 from static_dist.zoo import Llama, LlamaConfig, get_model
@@ -75,8 +74,7 @@ def main(out_path):
     prof = profile_graph(capture(m0, (xc,), loss_fn=zm.loss, targets=yc, optimizer="sgd"))
     fake = fake_counts(cfg, prof, xc, yc, zm.loss)          # before NCCL: the fake group needs no process group
     print("fake PG counts", fake, flush=True)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1"); os.environ.setdefault("MASTER_PORT", "29534")
-    dist.init_process_group("nccl", rank=0, world_size=1)
+    init_single_process_group("nccl")             # one rank on a free port (static_dist.compile's, shared with the CPU tests)
     torch.cuda.set_device(0)
     batch = lambda s: ((torch.randint(0, cfg.vocab_size, (B, T), device="cuda", generator=torch.Generator("cuda").manual_seed(s)),),
                        torch.randint(0, cfg.vocab_size, (B, T), device="cuda", generator=torch.Generator("cuda").manual_seed(s + 1)))

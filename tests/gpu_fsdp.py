@@ -13,13 +13,13 @@ traceback printed as usual); 0 when every plan is within it. Without CUDA it say
 """
 import dataclasses
 import json
-import os
 import sys
 import time
 
 import torch
 import torch.distributed as dist
 
+from static_dist.compile import init_single_process_group
 from static_dist.fsdp import FSDPPlan, FSDPUnit, apply_plan, predict_memory, profile_graph
 from static_dist.graph import capture
 from static_dist.zoo import Llama, LlamaConfig, get_model
@@ -55,8 +55,7 @@ def main(out_path) -> int:
     report = dict(device=torch.cuda.get_device_name(0), torch=torch.__version__, max_rel_error=MAX_REL_ERROR,
                   results=results, failures=["unfinished: stopped before every plan was measured"])
     record_errors(report, out_path)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1"); os.environ.setdefault("MASTER_PORT", "29533")
-    dist.init_process_group("nccl", rank=0, world_size=1)
+    init_single_process_group("nccl")             # one rank on a free port (static_dist.compile's, shared with the CPU tests)
     torch.cuda.set_device(0)
     cfg = LlamaConfig(dim=1024, n_layers=8, n_heads=16, n_kv_heads=8, ffn_dim=2816, vocab_size=8192, max_seq_len=1024)
     zm = get_model("tiny")
