@@ -302,6 +302,8 @@ def check_widget(shots: Path, spec: str | None = None, timeout: float = 150) -> 
                              f"{spec} to redraw after the {control}")
             time.sleep(1.0)
             wait_for(lambda: drv.execute_script(JS_STATE)["kernel"] == "idle", timeout, "the kernel to go idle")
+            imgs_drawn = f"return [...document.querySelectorAll('{WIDGET_OUT} img')].every(i => i.complete && i.naturalWidth > 0)"
+            wait_for(lambda: drv.execute_script(imgs_drawn), 30, "the redrawn plot to finish loading")
             drv.execute_script("arguments[0].scrollIntoView()", widget)
             drv.save_screenshot(str(shots / "widget_after.png"))
             assert no_widget_error(), f"{spec}: after the {control} the widget shows an error: " + \
