@@ -258,11 +258,11 @@ def block_mismatch(profile: GraphProfile) -> list[str]:
     ix = {(b, ph): np.flatnonzero((ob == b) & (P.op_phase == ph)) for b in range(k) for ph in (0, 1)}
     out = _op_mismatch(P, ix, k)
     saved = [sum(nb for nb, w, _, _ in P.saved if _block_of(w, P.stack) == b) for b in range(k)]
-    out += [f"block {b} saves {fmt_bytes(s)} for backward, block 1 {fmt_bytes(saved[1])}"
+    out += [f"block {b} saves {fmt_bytes(s)} for backward, block 1 {fmt_bytes(saved[1])} ({s - saved[1]:+,} B)"
             for b, s in enumerate(saved) if s != saved[min(1, k - 1)]]
     out += _interleave_mismatch(ix, k)
     left = np.diff([int(P.native[ix[b, 0][0]]) for b in range(k) if len(ix[b, 0])])
-    out += [f"block {b} leaves {fmt_bytes(d)} alive for the next block, block 1 {fmt_bytes(left[1])}"
+    out += [f"block {b} leaves {fmt_bytes(d)} alive for the next block, block 1 {fmt_bytes(left[1])} ({d - left[1]:+,} B)"
             for b, d in enumerate(left) if len(left) > 1 and d != left[1]]
     return out
 
