@@ -268,7 +268,7 @@ def nav_html(pages: list[Page], current: Page) -> str:
     items = []
     for p in pages:
         cls = ' class="current"' if p is current else ""
-        mod = f'<span class="mod">{html.escape(p.module)}</span>' if p.module else ""
+        mod = f'<span class="mod">{html.escape(p.module.removesuffix(".__init__"))}</span>' if p.module else ""
         title = re.sub(r"`([^`]+)`", r"<code>\1</code>", html.escape(p.title))
         items.append(f'<a href="{p.html}"{cls}>{title}{mod}</a>')
     return '<nav class="docs-nav"><div class="site"><a href="index.html">static_dist</a></div>' + "".join(items) + "</nav>"
