@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+import sys
 
 import torch
 import torch.nn as nn
@@ -14,7 +15,7 @@ import torch.nn as nn
 from .util import StaticDistError
 
 # %% auto 0
-__all__ = ['LinearInfo', 'BlockStack', 'ModelStructure', 'find_structure', 'StructureError']
+__all__ = ['LinearInfo', 'BlockStack', 'ModelStructure', 'find_structure', 'StructureError', 'is_compiled', 'compiled_modules']
 
 # %% ../nbs/01a_structure.ipynb
 @dataclass(frozen=True)
@@ -200,3 +201,14 @@ def _from_dict(cls, d: dict, where: str = "structure") -> ModelStructure:
     return cls(tuple(_stack_from(s, f"{where}.stacks[{i}]") for i, s in enumerate(_get(d, "stacks", "list", where))))
 
 ModelStructure.to_dict, ModelStructure.from_dict = _to_dict, classmethod(_from_dict)
+
+# %% ../nbs/01a_structure.ipynb
+def is_compiled(m: nn.Module) -> bool:
+    "Whether `m` runs torch.compile'd: compiled in place or a `torch.compile(module)` wrapper."
+    if getattr(m, "_compiled_call_impl", None) is not None: return True   # Module.compile()
+    ef = sys.modules.get("torch._dynamo.eval_frame")                      # not imported: nothing was ever compiled
+    return ef is not None and isinstance(m, ef.OptimizedModule)            # a torch.compile(module) wrapper
+
+def compiled_modules(model: nn.Module) -> list[str]:
+    "FQNs (as `named_modules` gives them, '' for the root) of the modules of `model` that run torch.compile'd."
+    return [n for n, m in model.named_modules() if is_compiled(m)]

@@ -5,15 +5,17 @@
 # %% ../nbs/00a_util.ipynb 4
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import sys
 import re
 import tempfile
 from pathlib import Path
 from typing import Sequence
 
 # %% auto 0
-__all__ = ['MAX_BYTES', 'StaticDistError', 'InputError', 'parse_bytes', 'check_writable', 'atomic_write']
+__all__ = ['MAX_BYTES', 'StaticDistError', 'InputError', 'parse_bytes', 'check_writable', 'atomic_write', 'silent_stderr_fd']
 
 # %% ../nbs/00a_util.ipynb
 class StaticDistError(Exception):
@@ -80,3 +82,14 @@ def atomic_write(path, data: bytes | str, *, force: bool = True, inputs: Sequenc
         except FileNotFoundError: pass
         raise
     return p
+
+# %% ../nbs/00a_util.ipynb
+@contextlib.contextmanager
+def silent_stderr_fd():
+    "Send file descriptor 2 (C-level stderr) to /dev/null inside; restored on exit, also on error."
+    try: sys.stderr.flush()
+    except (AttributeError, ValueError): pass                  # no stderr, or a closed one
+    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    try: yield
+    finally: os.dup2(saved, 2); os.close(saved); os.close(null)

@@ -1,5 +1,6 @@
 """Compiled FSDP2 against eager on gloo (2 and 4 ranks), the pre-flight recompile check, `train` and `bench_compile`."""
 import json
+import importlib.metadata
 import math
 import os
 import subprocess
@@ -133,7 +134,7 @@ def test_bench_compile_json():
         assert (r["predicted_exposed_comm_s"] > 0) == (r["world"] == 2), r
     two = {c["world"]: c for c in b["calibration"]}[2]
     assert two["calibration"]["backend"] == "gloo" and two["calibration"]["alpha"] > 0 and two["calibration"]["beta"] > 0
-    assert all(c["device_flops"] > 0 for c in b["calibration"]) and b["environment"]["torch"] == torch.__version__
+    assert all(c["device_flops"] > 0 for c in b["calibration"]) and b["environment"]["torch"] == importlib.metadata.version("torch")   # pip's record, not torch's own attribute
 
 
 def test_fake_pg_counts_match_predict_comms():

@@ -47,15 +47,12 @@ def cpu_step(profile, plan: FSDPPlan, cost) -> dict:
 
 # %% ../../nbs/42e_compile_bench.ipynb
 def _block_units(model: nn.Module, world: int, k: int = 1) -> FSDPPlan:
-    "Root + one unit per repeated block (found from the module tree), prefetch 1, `k` micro-batches."
+    "Root + one unit per repeated block (`structure.find_structure`'s main stack), prefetch 1, `k` micro-batches."
     from static_dist.fsdp import FSDPUnit
-    kids = {}
-    for n, m in model.named_modules():
-        if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) >= 2 and len({type(c) for c in m}) == 1:
-            kids.setdefault(n, [f"{n}.{i}" for i in range(len(m))])
-    if not kids: raise CompileError(f"{type(model).__name__} has no ModuleList of two or more identical blocks: pass a plan.")
-    blocks = max(kids.values(), key=len)
-    return FSDPPlan(world, (world,), (FSDPUnit(""), *(FSDPUnit(b) for b in blocks)), forward_prefetch=1, accumulation_steps=k)
+    from static_dist.structure import find_structure
+    stack = find_structure(model).main
+    if stack is None: raise CompileError(f"{type(model).__name__} has no stack of two or more identical blocks: pass a plan.")
+    return FSDPPlan(world, (world,), (FSDPUnit(""), *(FSDPUnit(b) for b in stack.blocks)), forward_prefetch=1, accumulation_steps=k)
 
 def _options(config: str) -> CompileOptions:
     "'eager', a backend, or 'inductor+comm' (Inductor with the plan's comm settings)."

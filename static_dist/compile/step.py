@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from .options import CompileError
+from ..util import silent_stderr_fd
 from ..fsdp import FSDPPlan
 
 # %% auto 0
@@ -57,17 +58,6 @@ def step_once(model: nn.Module, opt, micro_batches, loss_fn) -> float:
 _COLL = (("all_gather", ("allgather", "all_gather")), ("reduce_scatter", ("reduce_scatter",)),
          ("all_reduce", ("allreduce", "all_reduce")))
 
-@contextlib.contextmanager
-def _silent_fd2():
-    "Send file descriptor 2 (C-level stderr) to /dev/null inside."
-    import sys
-    try: sys.stderr.flush()
-    except Exception: pass
-    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
-    os.dup2(null, 2)
-    try: yield
-    finally: os.dup2(saved, 2); os.close(saved); os.close(null)
-
 # %% ../../nbs/42c_compile_step.ipynb
 def _count_events(events, counts: dict) -> dict:
     "Add the profiler's c10d collective events to `counts` (predict_comms' keys)."
@@ -83,23 +73,11 @@ def count_collectives():
     from torch.profiler import ProfilerActivity, profile
     counts = {k: 0 for k, _ in _COLL}
     prof = profile(activities=[ProfilerActivity.CPU])
-    with _silent_fd2(): prof.__enter__()        # kineto prints a 'USDT ... profiler_start/stop' line to fd 2
+    with silent_stderr_fd(): prof.__enter__()        # kineto prints a 'USDT ... profiler_start/stop' line to fd 2
     try: yield counts
     finally:
-        with _silent_fd2(): prof.__exit__(None, None, None)
+        with silent_stderr_fd(): prof.__exit__(None, None, None)
     _count_events(prof.events(), counts)
-
-# %% ../../nbs/42c_compile_step.ipynb
-@contextlib.contextmanager
-def _fake_group(world: int):
-    "A fake process group of `world` ranks (this process is rank 0) for the duration."
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-    if dist.is_initialized():
-        raise CompileError("a process group is already initialised: count under a fake group in a fresh process")
-    dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
-    try: yield
-    finally: dist.destroy_process_group()
 
 # %% ../../nbs/42c_compile_step.ipynb
 def _counted_step(model: nn.Module, opt, micro_batches, loss_fn) -> dict:
@@ -121,7 +99,7 @@ def fake_pg_counts(build, plan: FSDPPlan, profile, inputs: tuple, targets, loss_
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.device_mesh import init_device_mesh
     from static_dist.fsdp import apply_plan, predict_comms
-    from static_dist.fsdp.verify import _one_step
+    from static_dist.fsdp.verify import _fake_group, _one_step
     with _fake_group(plan.world_size), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="(FSDP2-wrapped module|Full backward hook|For backward hooks to be called)")  # torch's notes on FSDP2's hooks
         m = apply_plan(build(), plan, init_device_mesh("cpu", plan.mesh_shape))    # the mesh is made outside fake mode

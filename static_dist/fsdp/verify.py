@@ -76,8 +76,8 @@ def _fake_group(world_size: int):
     "A fake process group that makes this process rank 0 of `world_size` ranks; destroyed on exit."
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
-    if dist.is_initialized(): raise PlanError("a process group is already initialised: verify in a fresh process "
-                                              "(this creates its own fake group of plan.world_size ranks)")
+    if dist.is_initialized(): raise PlanError("a process group is already initialised: run this in a fresh process "
+                                              f"(it makes its own fake group of {world_size} ranks)")
     dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
     try: yield
     finally: dist.destroy_process_group()

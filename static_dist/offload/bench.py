@@ -5,10 +5,8 @@
 # %% ../../nbs/50f_offload_bench.ipynb 3
 from __future__ import annotations
 
-import contextlib
 import math
 import os
-import sys
 import tempfile
 import time
 from statistics import median
@@ -18,6 +16,7 @@ import numpy as np
 import torch
 
 from ..graph import StaticGraph
+from ..util import silent_stderr_fd
 from .executor import OffloadExecutor, refuse_compiled
 from .spill import checksum_rate
 from .lifetimes import calibrate_device
@@ -27,21 +26,10 @@ from .plan import TIER_PRESETS, OffloadPlan, Tier, plan_offload, plan_summary
 __all__ = ['measure_peak', 'step_peak', 'disk_bandwidth', 'compare_offload', 'bench_offload']
 
 # %% ../../nbs/50f_offload_bench.ipynb
-@contextlib.contextmanager
-def _quiet_fd2():
-    "Send file descriptor 2 (C-level stderr) to /dev/null inside."
-    try: sys.stderr.flush()
-    except (AttributeError, ValueError): pass
-    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
-    os.dup2(null, 2)
-    try: yield
-    finally: os.dup2(saved, 2); os.close(saved); os.close(null)
-
-# %% ../../nbs/50f_offload_bench.ipynb
 def _profiled_peak(fn: Callable[[], object]) -> int:
     "Peak of the running sum of torch.profiler's CPU memory events while `fn()` runs."
     from torch.profiler import ProfilerActivity, profile
-    with _quiet_fd2(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof: fn()
+    with silent_stderr_fd(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof: fn()
     cpu = torch._C._autograd.DeviceType.CPU
     evs = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]" and e.device_type() == cpu),
                  key=lambda e: e.start_ns())

@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from fastcore.basics import patch
 
+from .. import structure
 from ..graph import StaticGraph, fmt_bytes
 from .plan import OffloadDecision, OffloadPlan, Tier, _hook_ticks, _tick_at_or_after
 from .planfile import OffloadError, OffloadPlanError, check_plan
@@ -95,14 +96,9 @@ def _kept(h: _Kept) -> torch.Tensor:
     return h.t
 
 # %% ../../nbs/50e_offload_executor.ipynb
-def _is_compiled(m: torch.nn.Module) -> bool:
-    if getattr(m, "_compiled_call_impl", None) is not None: return True
-    ef = sys.modules.get("torch._dynamo.eval_frame")          # not imported: nothing was ever compiled
-    return ef is not None and isinstance(m, ef.OptimizedModule)
-
 def compiled_modules(model: torch.nn.Module) -> list[str]:
-    "Names of the modules of `model` that run torch.compile'd (`Module.compile()`, or a `torch.compile(module)` wrapper)."
-    return [n or "<root>" for n, m in model.named_modules() if _is_compiled(m)]
+    "Names of the modules of `model` that run torch.compile'd (`structure.compiled_modules`), the root as '<root>'."
+    return [n or "<root>" for n in structure.compiled_modules(model)]
 
 # %% ../../nbs/50e_offload_executor.ipynb
 _FIX_COMPILED = ("a compiled region saves other tensors for backward than the eager step the plan was made from "
@@ -127,7 +123,7 @@ def _compiled_callers() -> list[str] | None:
     while fr is not None:
         inside = inside or _AOT_RUNTIME in fr.f_code.co_filename.replace("\\", "/")
         m = fr.f_locals.get("self") if fr.f_code.co_name == "_call_impl" else None
-        if isinstance(m, torch.nn.Module) and _is_compiled(m):
+        if isinstance(m, torch.nn.Module) and structure.is_compiled(m):
             name = type(getattr(m, "_orig_mod", m)).__name__
             if name not in mods: mods.append(name)
         fr = fr.f_back

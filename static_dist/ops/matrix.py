@@ -5,15 +5,12 @@
 # %% ../../nbs/20e_ops_matrix.ipynb 4
 from __future__ import annotations
 
-import contextlib
-import logging
 import math
 import os
 import subprocess
 import sys
 import tempfile
 import time
-import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -286,22 +283,10 @@ def _c_trace(ctx):
     return f"op node in the traced graph; max |diff| on new inputs {_compare(tr(*_tensors(fresh)), bop.decl.reference(*fresh)):.2e}"
 
 # %% ../../nbs/20e_ops_matrix.ipynb
-@contextlib.contextmanager
-def _quiet_onnx_export():
-    "Silence the exporter's 'torchvision is not installed' log lines and torch's internal LeafSpec FutureWarning."
-    reg = logging.getLogger("torch.onnx._internal.exporter._registration")
-    level = reg.level
-    reg.setLevel(logging.ERROR)
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning)
-            yield
-    finally: reg.setLevel(level)
-
-# %% ../../nbs/20e_ops_matrix.ipynb
 def _onnx_program(bop, m, t):
     "(ONNX program of module `m` on tensors `t`, how the op was exported)."
-    with _quiet_onnx_export():
+    from static_dist.export.source import quiet
+    with quiet():
         if bop.decl.onnx is not None:
             prog = torch.onnx.export(m, t, dynamo=True, custom_translation_table={bop.overload: bop.decl.onnx}, verbose=False)
             return prog, "onnxscript translation"

@@ -163,9 +163,8 @@ class CompiledHookError(StaticDistError, ValueError):
 
 def compiled_blocks(model: nn.Module) -> list[str]:
     "Clean names of the modules of `model` compiled in place (`Module.compile`) or wrapped by `torch.compile`."
-    from torch._dynamo.eval_frame import OptimizedModule
-    return [clean_fqn(n) for n, m in model.named_modules()
-            if getattr(m, "_compiled_call_impl", None) is not None or isinstance(m, OptimizedModule)]
+    from static_dist.structure import compiled_modules
+    return [clean_fqn(n) for n in compiled_modules(model)]
 
 def compiled_owner(name: str, blocks: list[str]) -> str | None:
     "The compiled block that strictly contains module `name` (a hook on `name` would not run), else None."
