@@ -132,6 +132,8 @@ def test_bench_compile_json():
         assert r["predicted_compute_s"] > 0 and r["predicted_recompute_s"] == 0 and r["load_avg_1min"] >= 0
         # one rank communicates nothing; two ranks expose the calibrated gloo time of their collectives
         assert (r["predicted_exposed_comm_s"] > 0) == (r["world"] == 2), r
+        # measured inside FSDP2's collective calls: one rank makes none (it copies its shard), two ranks do
+        assert (r["measured_comm_s"] > 0) == (r["world"] == 2) and r["measured_compute_s"] > 0, r
     two = {c["world"]: c for c in b["calibration"]}[2]
     assert two["calibration"]["backend"] == "gloo" and two["calibration"]["alpha"] > 0 and two["calibration"]["beta"] > 0
     assert all(c["device_flops"] > 0 for c in b["calibration"]) and b["environment"]["torch"] == importlib.metadata.version("torch")   # pip's record, not torch's own attribute

@@ -60,60 +60,119 @@ def _options(config: str) -> CompileOptions:
     return CompileOptions(backend=config.split("+")[0], inductor_comm=config.endswith("+comm"))
 
 # %% ../../nbs/42e_compile_bench.ipynb
+class _CommClock:
+    "Seconds this rank spends inside FSDP2's collective calls (synchronous on CPU: the exposed communication)."
+    names = ("all_gather_single", "reduce_scatter_single", "all_reduce")
+
+    def __init__(self): self.seconds = 0.0
+
+    def _timed(self, fn):
+        def run(*args, **kwargs):
+            t0 = time.perf_counter()
+            try: return fn(*args, **kwargs)
+            finally: self.seconds += time.perf_counter() - t0
+        return run
+
+    def __enter__(self):
+        import torch.distributed as dist
+        self._saved = {n: getattr(dist, n) for n in self.names if hasattr(dist, n)}
+        for n, fn in self._saved.items(): setattr(dist, n, self._timed(fn))
+        return self
+
+    def __exit__(self, *exc):
+        import torch.distributed as dist
+        for n, fn in self._saved.items(): setattr(dist, n, fn)
+
+# %% ../../nbs/42e_compile_bench.ipynb
 def _timed_run(build, batch_fn, loss_fn, plan, opts, steps, mbs_seed=0):
-    "Fresh model, apply + compile, `steps` timed steps: (seconds per step, optimizer seconds per step, graphs after each, record)."
+    "Fresh model, apply + compile, `steps` timed steps: seconds per step, in its collectives and in the optimizer; graphs; record."
     import torch.distributed as dist
     torch._dynamo.reset()
     m = build()
     apply_compiled(m, plan, None, opts, example_inputs=batch_fn(10**6)[0])
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
-    times, opt_times, graphs, k = [], [], [], plan.accumulation_steps
+    times, comm_times, opt_times, graphs, k = [], [], [], [], plan.accumulation_steps
     for s in range(steps):
         mbs = [batch_fn(100 * s + i + mbs_seed) for i in range(k)]
         dist.barrier(); t0 = time.perf_counter()
-        for i, (x, y) in enumerate(mbs):                 # step_once, with the optimizer timed on its own
-            m.set_requires_gradient_sync(i == k - 1)
-            (loss_fn(m(*x), y) / k).backward()
+        with _CommClock() as clock:
+            for i, (x, y) in enumerate(mbs):                 # step_once, with the optimizer timed on its own
+                m.set_requires_gradient_sync(i == k - 1)
+                (loss_fn(m(*x), y) / k).backward()
         t1 = time.perf_counter()
         opt.step(); opt.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - t0); opt_times.append(time.perf_counter() - t1); graphs.append(graphs_compiled(m))
-    return times, opt_times, graphs, (compile_record(m) if opts.enabled else None)
+        times.append(time.perf_counter() - t0); opt_times.append(time.perf_counter() - t1); comm_times.append(clock.seconds)
+        graphs.append(graphs_compiled(m))
+    return times, comm_times, opt_times, graphs, (compile_record(m) if opts.enabled else None)
 
 # %% ../../nbs/42e_compile_bench.ipynb
-def _measured_row(config: str, k: int, world: int, times, opt_times, graphs, rec, tokens: int) -> dict:
-    "What one configuration measured: the least disturbed steady step (a shared machine), the median, the compile."
-    best = min(range(1, len(times)), key=times.__getitem__)
-    steady = times[best]
-    return dict(config=config, accumulation=k, world=world, step_s=steady, median_step_s=statistics.median(times[1:]),
-                first_step_s=times[0], compile_s=max(times[0] - steady, 0.0), optimizer_s=opt_times[best],
+def _measured_row(config: str, k: int, world: int, times, comm_times, opt_times, graphs, rec, tokens: int) -> dict:
+    "What one configuration measured: its typical (median) steady step and the parts of it, the least disturbed step, the compile."
+    med = lambda v: statistics.median(v[1:])
+    steady = med(times)
+    return dict(config=config, accumulation=k, world=world, step_s=steady, min_step_s=min(times[1:]),
+                measured_comm_s=med(comm_times), optimizer_s=med(opt_times),
+                measured_compute_s=med([t - c - o for t, c, o in zip(times, comm_times, opt_times)]),
+                first_step_s=times[0], compile_s=max(times[0] - steady, 0.0),
                 graphs_compiled=graphs[-1], recompiles_after_step1=graphs[-1] - graphs[0], tokens_per_s=tokens * k / steady,
                 inductor_settings={kn.knob: kn.planned for kn in rec.knobs if kn.knob.startswith("inductor.")} if rec else {},
                 honoured={kn.knob: kn.honoured for kn in rec.knobs} if rec else {})
 
 # %% ../../nbs/42e_compile_bench.ipynb
-def _typical_link(sizes: Sequence[int], repeat: int):
-    "`topology`'s collectives timed one at a time `repeat` times, the median of each fitted: a step's typical collective."
-    import dataclasses
-    from static_dist.topology import measure_collectives
-    from static_dist.topology.calibration import _fitted
-    runs = [measure_collectives(("all_gather", "reduce_scatter"), sizes, repeat=1, warmup=int(i == 0)) for i in range(repeat)]
-    pts = [dataclasses.replace(q[0], measured=statistics.median(x.measured for x in q)) for q in zip(*runs)]
-    return _fitted(pts, "gloo", pts[0].group_size)
+def _gap_matmul_s(n: int = 32, block: int = 8) -> float:
+    "Seconds of one 128x128 fp32 matmul on this rank (median of `n` blocks of `block`): the unit of a busy gap."
+    a, ts = torch.randn(128, 128), []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        for _ in range(block): a @ a
+        ts.append((time.perf_counter() - t0) / block)
+    return statistics.median(ts)
 
-def calibrate_world(sizes: Sequence[int] = (2**14, 2**18, 2**20, 2**22), repeat: int = 9, probes: int = 5) -> dict:
+# %% ../../nbs/42e_compile_bench.ipynb
+def _busy_link(sizes: Sequence[int], repeat: int, gap_matmuls: int, gap_s: float, share: float):
+    """Each collective timed after `gap_matmuls` matmuls, as in a step, less the wait for ranks that share its core (which
+    the step's compute term counts): the fit to the slowest rank's mean per point, and the median gap's wall time."""
+    import torch.distributed as dist
+    from static_dist.topology import CalibrationPoint
+    from static_dist.topology.calibration import _fitted, _make_buffers, _run_once
+    a, world, raw, gaps = torch.randn(128, 128), dist.get_world_size(), [], []
+    for kind in ("all_gather", "reduce_scatter"):
+        for size in sizes:
+            nbytes, full, part = _make_buffers(kind, size, world)
+            _run_once(kind, full, part); dist.barrier()
+            ts = []
+            for _ in range(repeat):
+                t0 = time.perf_counter()
+                for _ in range(gap_matmuls): a @ a
+                t1 = time.perf_counter(); _run_once(kind, full, part); t2 = time.perf_counter()
+                gaps.append(t1 - t0); ts.append(t2 - t1)
+            t = torch.tensor([statistics.fmean(ts)], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            raw.append((kind, nbytes, float(t)))
+    g = torch.tensor([statistics.median(gaps)], dtype=torch.float64)
+    dist.all_reduce(g)
+    gap_wall = float(g) / world
+    shared_wait = max(0.0, gap_s / share - gap_wall)    # ranks took turns on the cores: the gap ran unshared, the wait shows here
+    pts = [CalibrationPoint(k, n, world, max(t - shared_wait, 0.1 * t)) for k, n, t in raw]
+    return _fitted(pts, "gloo", world), gap_wall, shared_wait
+
+# %% ../../nbs/42e_compile_bench.ipynb
+def calibrate_world(sizes: Sequence[int] = (2**14, 2**18, 2**20, 2**22), repeat: int = 25, probes: int = 5,
+                    gap_matmuls: int = 0, gap_s: float = 0.0) -> dict:
     "On every rank of the running gloo group: the rank's share of this CPU's matmul FLOP/s, and the typical gloo link (world > 1)."
     import torch.distributed as dist
     from static_dist.topology import _matmul_flops
     world, best = dist.get_world_size(), 0.0
-    for _ in range(probes):      # the least disturbed probe, as each configuration's step_s is its least disturbed step
+    for _ in range(probes):
         dist.barrier()
         best = max(best, _matmul_flops())
     f = torch.tensor([best], dtype=torch.float64)
     dist.all_reduce(f)
     share = min(1.0, (os.cpu_count() or 1) / world)    # ranks beyond the cores take turns on them
-    if world == 1: return dict(world=1, device_flops=float(f), core_share=share, calibration=None)
-    return dict(world=world, device_flops=float(f) / world, core_share=share,
-                calibration=_typical_link(sizes, repeat).to_dict())
+    if world == 1: return dict(world=1, device_flops=float(f), core_share=share, calibration=None, gap_matmul_s=_gap_matmul_s())
+    cal, gap_wall, shared_wait = _busy_link(sizes, repeat, gap_matmuls, gap_s, share)
+    return dict(world=world, device_flops=float(f) / world, core_share=share, gap_matmuls=gap_matmuls, gap_s=gap_s,
+                gap_wall_s=gap_wall, shared_wait_s=shared_wait, calibration=cal.to_dict())
 
 # %% ../../nbs/42e_compile_bench.ipynb
 def _measure_world(spec: dict) -> dict:
@@ -124,7 +183,7 @@ def _measure_world(spec: dict) -> dict:
     zm = get_model(spec["model"])
     build = lambda: zm.build(device="cpu", seed=0)
     batch_fn = lambda seed: zm.batch(spec["batch"], spec["seq"], seed=seed)
-    calib = calibrate_world()
+    calib = calibrate_world(gap_matmuls=spec.get("gap_matmuls", 0), gap_s=spec.get("gap_s", 0.0))
     configs = list(spec["configs"]) + (list(spec["world1_configs"]) if world == 1 else [])
     rows = []
     for k in spec["accumulation"]:
@@ -174,12 +233,13 @@ def _cost_of(world_res: dict, efficiency: float, one_rank_flops: float):
     cal = Calibration.from_dict(c["calibration"]) if c["calibration"] else None
     return cpu_cost_model(world_res["world"], efficiency, device_flops=one_rank_flops * c["core_share"], calibration=cal)
 
-def _off_term(pred: dict, measured: float) -> str:
-    "Which term a miss over 20% is in ('' when within 20%)."
-    miss = measured - pred["predicted_step_s"]
-    if abs(miss) <= 0.2 * measured: return ""
-    if pred["predicted_exposed_comm_s"] and abs(miss) <= pred["predicted_exposed_comm_s"]: return "exposed communication"
-    return "recompute" if pred["predicted_recompute_s"] and abs(miss) <= pred["predicted_recompute_s"] else "compute"
+def _off_term(r: dict) -> str:
+    "Which term a miss over 20% is in ('' when within 20%): the one whose prediction is furthest from the step's measured part."
+    if abs(r["step_s"] - r["predicted_step_s"]) <= 0.2 * r["step_s"]: return ""
+    comm = r["measured_comm_s"] - r["predicted_exposed_comm_s"]
+    comp = r["measured_compute_s"] - r["predicted_compute_s"] - r["predicted_recompute_s"]
+    if abs(comm) >= abs(comp): return "exposed communication"
+    return "recompute" if r["predicted_recompute_s"] >= abs(comp) else "compute"
 
 # %% ../../nbs/42e_compile_bench.ipynb
 def _predict_rows(prof, plan_of, worlds: list[dict]) -> dict:
@@ -197,21 +257,31 @@ def _predict_rows(prof, plan_of, worlds: list[dict]) -> dict:
                      predicted_overlapped_step_s=p["overlapped_step_s"] + base[r["config"]]["optimizer_s"],
                      efficiency=effs[r["config"]], calibration_run=r is base[r["config"]])
             r["predicted_over_measured"] = r["predicted_step_s"] / r["step_s"]
-            r["off"] = _off_term(r, r["step_s"])
+            r["off"] = _off_term(r)
     return effs
 
 # %% ../../nbs/42e_compile_bench.ipynb
 _TIME_MODEL = ("cpu_step: fsdp.predict_step's compute (captured FLOPs / (one rank's matmul FLOP/s x min(1, cores/ranks) x efficiency)) "
-               "+ all its communication (gloo link fitted per world to the median collective; CPU ranks have no free core to overlap it) "
+               "+ all its communication (gloo link fitted per world to each collective's mean time after a step's compute "
+               "between two collectives, less the wait for ranks sharing a core; CPU ranks have no free core to overlap it) "
                "+ recompute (0: no checkpointing) + the configuration's one-rank optimizer step; efficiency fitted per "
-               "configuration on its one-rank run without accumulation, every other row predicted")
+               "configuration on its one-rank run without accumulation, every other row predicted; measured: the median step, "
+               "its time inside FSDP2's collective calls (measured_comm_s) and the rest (measured_compute_s)")
+
+def _gap(prof, meta, world: int, one: dict) -> dict:
+    "A step's compute between two collectives at `world` ranks: 128x128 matmuls, and their seconds on one rank."
+    from static_dist.fsdp import predict_comms
+    r, mm = one["rows"][0], one["calibration"]["gap_matmul_s"]
+    n = sum(predict_comms(prof, _block_units(meta, world, r["accumulation"])).values())
+    k = max(1, round((r["step_s"] - r["optimizer_s"]) / max(n, 1) / mm))
+    return dict(gap_matmuls=k, gap_s=k * mm)
 
 def _spec(model, batch, seq, steps, backends, world1_backends, accumulation) -> dict:
     return dict(model=model, batch=batch, seq=seq, steps=steps, configs=list(backends),
                 world1_configs=list(world1_backends), accumulation=list(accumulation))
 
 # %% ../../nbs/42e_compile_bench.ipynb
-def bench_compile(progress=None, *, model: str = "tiny", batch: int = 2, seq: int = 32, steps: int = 6,
+def bench_compile(progress=None, *, model: str = "tiny", batch: int = 8, seq: int = 128, steps: int = 20,
                   worlds: Sequence[int] = (1, 2, 4), backends: Sequence[str] = ("eager", "aot_eager"),
                   world1_backends: Sequence[str] = ("inductor", "inductor+comm"), accumulation: Sequence[int] = (1, 2)) -> dict:
     "Eager vs compiled FSDP2 step time at each gloo world size on this CPU, side by side, each next to the calibrated time model."
@@ -219,7 +289,8 @@ def bench_compile(progress=None, *, model: str = "tiny", batch: int = 2, seq: in
     from static_dist.fsdp import profile_graph
     from static_dist.graph import capture
     from static_dist.zoo import get_model
-    say = progress or (lambda s: None)
+    import psutil
+    say, busy_before = progress or (lambda s: None), psutil.cpu_percent(interval=1.0)   # other work on the cores, not a lagging average
     if not worlds or worlds[0] != 1: raise CompileError(f"worlds={tuple(worlds)}: start with 1 (the efficiency is fitted there).")
     zm = get_model(model)
     x, y = zm.batch(batch, seq, seed=1)
@@ -230,16 +301,16 @@ def bench_compile(progress=None, *, model: str = "tiny", batch: int = 2, seq: in
     res = []
     for w in worlds:
         say(f"world {w}: calibrate, then time {len(spec['configs']) + (w == 1) * len(spec['world1_configs'])} configurations")
-        res.append(_launch(w, spec))
+        res.append(_launch(w, dict(spec, **(_gap(prof, meta, w, res[0]) if res else {}))))
     effs = _predict_rows(prof, lambda w, k: _block_units(meta, w, k), res)
     return dict(bench="compile", model=model, batch=batch, seq=seq, steps=steps, worlds=list(worlds), efficiency=effs,
-                cores=os.cpu_count(), loaded=any(r["load_avg_1min"] > os.cpu_count() for w in res for r in w["rows"]),
+                cores=os.cpu_count(), cpu_busy_before_pct=busy_before, loaded=busy_before > 50,
                 time_model=_TIME_MODEL, calibration=[w["calibration"] for w in res],
                 rows=[r for w in res for r in w["rows"]], environment=environment())
 
 # %% ../../nbs/42e_compile_bench.ipynb
-_COLS = ("world", "config", "accumulation", "step_s", "median_step_s", "predicted_step_s", "predicted_over_measured",
-         "predicted_compute_s", "predicted_exposed_comm_s", "off", "load_avg_1min")
+_COLS = ("world", "config", "accumulation", "step_s", "min_step_s", "predicted_step_s", "predicted_over_measured",
+         "predicted_compute_s", "measured_compute_s", "predicted_exposed_comm_s", "measured_comm_s", "off", "load_avg_1min")
 
 def bench_table(b: dict, cols: Sequence[str] = _COLS) -> str:
     "`bench_compile`'s rows as a markdown table (seconds to 3 significant digits)."
