@@ -185,3 +185,15 @@ def test_apply_plan_compiles_when_asked():
         rec = compile_record(compiled)
         assert [b.module for b in rec.blocks] == ["layers.0", "layers.1"] and all(b.fullgraph for b in rec.blocks)
         torch.testing.assert_close(zm.loss(compiled(x), y), zm.loss(eager(x), y), rtol=0, atol=0)
+
+
+def test_bench_compile_user_model():
+    "A model of the user's own (examples/gpt.py's GPT, by file path): the same bench, its blocks found from the module tree."
+    from static_dist.compile import bench_compile
+    src = f"{Path(__file__).resolve().parent.parent / 'examples' / 'gpt.py'}:GPT"
+    b = bench_compile(model=src, batch=2, seq=32, worlds=(1, 2), backends=("eager",), world1_backends=(), accumulation=(1,), steps=3)
+    assert [(r["world"], r["config"]) for r in b["rows"]] == [(1, "eager"), (2, "eager")] and b["model"] == src
+    one, two = b["rows"]
+    assert one["calibration_run"] and not two["calibration_run"] and two["predicted_step_s"] > 0
+    assert one["measured_comm_s"] == 0 < two["measured_comm_s"] and two["predicted_exposed_comm_s"] > 0
+    assert all(r["recompiles_after_step1"] == 0 for r in b["rows"])

@@ -59,13 +59,27 @@ def bench_cli(progress=None, repeat: int = 5) -> dict:
     return dict(bench="cli", environment=environment(), results=res)
 
 # %% ../../nbs/94_benches.ipynb
+def _workload_kwargs(args, fn) -> dict:
+    "--model/--batch/--seq as given, for a bench whose function takes them; a UsageError names the benches that do."
+    import inspect
+    given = {k: getattr(args, k, None) for k in ("model", "batch", "seq")}
+    given = {k: v for k, v in given.items() if v is not None}
+    params = inspect.signature(fn).parameters
+    for k in given:
+        if k not in params:
+            takers = [n for n in BENCHES if k in inspect.signature(bench_function(n)).parameters]
+            raise UsageError(f"bench {args.name} takes no --{k}; the benches that do: {', '.join(takers)}")
+    return given
+
+# %% ../../nbs/94_benches.ipynb
 def cmd_bench(args) -> int:
     "`static-dist bench NAME`: run it, write NAME.json into --out, print the results."
     from static_dist.app.verbs import status
     from static_dist.bench import write_result
     fn = bench_function(args.name)
+    kwargs = _workload_kwargs(args, fn)
     args.out.mkdir(parents=True, exist_ok=True)
-    with status(f"bench {args.name}") as update: res = fn(progress=update)
+    with status(f"bench {args.name}") as update: res = fn(progress=update, **kwargs)
     path = write_result(res, args.out / f"{args.name}.json")
     print(json.dumps(res.get("results", res), indent=2))
     print(f"wrote {path}", file=sys.stderr)

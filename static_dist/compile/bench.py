@@ -51,7 +51,8 @@ def _block_units(model: nn.Module, world: int, k: int = 1) -> FSDPPlan:
     from static_dist.fsdp import FSDPUnit
     from static_dist.structure import find_structure
     stack = find_structure(model).main
-    if stack is None: raise CompileError(f"{type(model).__name__} has no stack of two or more identical blocks: pass a plan.")
+    if stack is None: raise CompileError(f"{type(model).__name__} has no stack of two or more identical blocks "
+                                         "(`structure.find_structure`): the bench shards the root plus one unit per block.")
     return FSDPPlan(world, (world,), (FSDPUnit(""), *(FSDPUnit(b) for b in stack.blocks)), forward_prefetch=1, accumulation_steps=k)
 
 def _options(config: str) -> CompileOptions:
@@ -84,19 +85,18 @@ class _CommClock:
         for n, fn in self._saved.items(): setattr(dist, n, fn)
 
 # %% ../../nbs/42e_compile_bench.ipynb
-def _timed_run(build, batch_fn, loss_fn, plan, opts, steps, mbs_seed=0):
-    "Fresh model, apply + compile, `steps` timed steps: seconds per step, in its collectives and in the optimizer; graphs; record."
+def _timed_run(build, batch, loss_fn, plan, opts, steps):
+    "Fresh model, apply + compile, `steps` timed steps on `batch`: seconds per step, in its collectives and in the optimizer; graphs; record."
     import torch.distributed as dist
     torch._dynamo.reset()
     m = build()
-    apply_compiled(m, plan, None, opts, example_inputs=batch_fn(10**6)[0])
+    apply_compiled(m, plan, None, opts, example_inputs=batch[0])
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
     times, comm_times, opt_times, graphs, k = [], [], [], [], plan.accumulation_steps
     for s in range(steps):
-        mbs = [batch_fn(100 * s + i + mbs_seed) for i in range(k)]
         dist.barrier(); t0 = time.perf_counter()
         with _CommClock() as clock:
-            for i, (x, y) in enumerate(mbs):                 # step_once, with the optimizer timed on its own
+            for i, (x, y) in enumerate([batch] * k):         # step_once, with the optimizer timed on its own
                 m.set_requires_gradient_sync(i == k - 1)
                 (loss_fn(m(*x), y) / k).backward()
         t1 = time.perf_counter()
@@ -175,22 +175,33 @@ def calibrate_world(sizes: Sequence[int] = (2**14, 2**18, 2**20, 2**22), repeat:
                 gap_wall_s=gap_wall, shared_wait_s=shared_wait, calibration=cal.to_dict())
 
 # %% ../../nbs/42e_compile_bench.ipynb
+def _workload(spec: dict):
+    "The model of `spec` as a `workload.Workload`: a zoo name, 'path/file.py:NAME', 'package.module:NAME' or 'hf:CONFIG'."
+    from static_dist.workload import load_workload
+    return load_workload(spec["model"], batch=spec["batch"], seq=spec["seq"], optimizer="sgd")
+
+def _step_data(w) -> tuple:
+    "((inputs, targets), loss(out, targets)): the workload's example batch, every micro-batch (a step's time is its shapes')."
+    args, kwargs, targets = w.inputs()
+    if kwargs: raise CompileError(f"bench_compile feeds positional inputs; {w.source} takes keyword inputs ({', '.join(kwargs)}): "
+                                  "wrap the model in a module whose forward takes them in order")
+    loss = lambda out, y: out if w.loss is None else w.loss(out) if y is None else w.loss(out, y)
+    return (tuple(args), targets), loss
+
+# %% ../../nbs/42e_compile_bench.ipynb
 def _measure_world(spec: dict) -> dict:
     "Calibrate, then time each configuration of `spec` on this rank of the running group."
     import torch.distributed as dist
-    from static_dist.zoo import get_model
-    world, rank = dist.get_world_size(), dist.get_rank()
-    zm = get_model(spec["model"])
-    build = lambda: zm.build(device="cpu", seed=0)
-    batch_fn = lambda seed: zm.batch(spec["batch"], spec["seq"], seed=seed)
+    world, w = dist.get_world_size(), _workload(spec)
+    build, (batch, loss) = (lambda: w.build(device="cpu")), _step_data(w)
     calib = calibrate_world(gap_matmuls=spec.get("gap_matmuls", 0), gap_s=spec.get("gap_s", 0.0))
     configs = list(spec["configs"]) + (list(spec["world1_configs"]) if world == 1 else [])
     rows = []
     for k in spec["accumulation"]:
         for c in configs:
             plan = _block_units(build(), world, k)
-            t = _timed_run(build, batch_fn, zm.loss, plan, _options(c), spec["steps"], mbs_seed=10**4 * rank)
-            rows.append(dict(_measured_row(c, k, world, *t, spec["batch"] * spec["seq"]), load_avg_1min=os.getloadavg()[0]))
+            t = _timed_run(build, batch, loss, plan, _options(c), spec["steps"])
+            rows.append(dict(_measured_row(c, k, world, *t, w.batch * (w.seq or 1)), load_avg_1min=os.getloadavg()[0]))
     return dict(world=world, calibration=calib, rows=rows)
 
 # %% ../../nbs/42e_compile_bench.ipynb
@@ -287,17 +298,16 @@ def bench_compile(progress=None, *, model: str = "tiny", batch: int = 8, seq: in
     "Eager vs compiled FSDP2 step time at each gloo world size on this CPU, side by side, each next to the calibrated time model."
     from static_dist.bench import environment
     from static_dist.fsdp import profile_graph
-    from static_dist.graph import capture
-    from static_dist.zoo import get_model
     import psutil
     say, busy_before = progress or (lambda s: None), psutil.cpu_percent(interval=1.0)   # other work on the cores, not a lagging average
     if not worlds or worlds[0] != 1: raise CompileError(f"worlds={tuple(worlds)}: start with 1 (the efficiency is fitted there).")
-    zm = get_model(model)
-    x, y = zm.batch(batch, seq, seed=1)
-    say(f"capture {model} B{batch} S{seq}")
-    prof = profile_graph(capture(zm.build(device="meta"), x, loss_fn=zm.loss, targets=y, optimizer="sgd"))
-    meta = zm.build(device="meta")
     spec = _spec(model, batch, seq, steps, backends, world1_backends, accumulation)
+    w = _workload(spec)
+    _step_data(w)                                        # its errors here, not in every spawned rank
+    say(f"capture {model} B{batch} S{seq}")
+    meta = w.build(device="meta")
+    _block_units(meta, 1)                               # a model without a stack of blocks stops here, not in a spawned rank
+    prof = profile_graph(w.graph())
     res = []
     for w in worlds:
         say(f"world {w}: calibrate, then time {len(spec['configs']) + (w == 1) * len(spec['world1_configs'])} configurations")
