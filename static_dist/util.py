@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Sequence
 
 # %% auto 0
-__all__ = ['MAX_BYTES', 'StaticDistError', 'InputError', 'parse_bytes', 'check_writable', 'atomic_write', 'silent_stderr_fd']
+__all__ = ['MAX_BYTES', 'StaticDistError', 'InputError', 'parse_bytes', 'check_writable', 'atomic_write', 'silent_stderr_fd',
+           'step_loss']
 
 # %% ../nbs/00a_util.ipynb
 class StaticDistError(Exception):
@@ -93,3 +94,9 @@ def silent_stderr_fd():
     os.dup2(null, 2)
     try: yield
     finally: os.dup2(saved, 2); os.close(saved); os.close(null)
+
+# %% ../nbs/00a_util.ipynb
+def step_loss(loss_fn, out, targets=None):
+    "The step's loss: `loss_fn(out, targets)`, `loss_fn(out)` without targets, or `out` itself without a `loss_fn`."
+    if loss_fn is None: return out
+    return loss_fn(out) if targets is None else loss_fn(out, targets)

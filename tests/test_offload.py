@@ -286,6 +286,15 @@ def test_bench_offload_runs():
     json.dumps(res)
 
 
+def test_bench_offload_user_model():
+    "The user's own model by file path (examples/gpt.py's GPT): every variant's gradients equal the plain step's."
+    src = f"{os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}/examples/gpt.py:GPT"
+    res = off.bench_offload(model=src, batch=2, seq=32, repeat=1)
+    assert res["model"] == src and [v["variant"] for v in res["results"]["variants"]] == ["none", "save_on_cpu", "executor"]
+    assert all(v["grads_bitwise_equal"] for v in res["results"]["variants"])
+    assert res["results"]["variants"][2]["peak_bytes"] < res["results"]["variants"][0]["peak_bytes"]   # the plan moved something
+
+
 @pytest.mark.gpu
 def test_gpu_executor_identical_and_lower_peak():
     zm = get_model("tiny")

@@ -265,7 +265,7 @@ def _bench_parser(sub):
     b = sub.add_parser("bench", help="run a benchmark and write JSON with the machine and versions")
     b.add_argument("name", help="which benchmark: capture, cli, compile, fsdp, kernels, offload, placement, stability")
     b.add_argument("--out", type=outdir, default=Path("bench"), help="folder for NAME.json (default: ./bench)")
-    g = b.add_argument_group("workload (benches that take one: compile; offload takes zoo names)")
+    g = b.add_argument_group("workload (for the benches that take one: compile, offload)")
     g.add_argument("--model", help="zoo name, path/to/file.py:NAME, package.module:NAME or hf:CONFIG (default: the bench's)")
     g.add_argument("--batch", type=count("--batch"), help="batch size (default: the bench's)")
     g.add_argument("--seq", type=count("--seq"), help="sequence length (default: the bench's)")

@@ -5,6 +5,7 @@
 # %% ../../nbs/42e_compile_bench.ipynb 3
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 import os
@@ -21,6 +22,7 @@ from torch import nn
 from .apply import apply_compiled, compile_record, graphs_compiled
 from .options import CompileError, CompileOptions
 from ..fsdp import FSDPPlan
+from ..util import step_loss
 
 # %% auto 0
 __all__ = ['cpu_cost_model', 'cpu_step', 'calibrate_world', 'bench_compile', 'bench_table']
@@ -185,8 +187,7 @@ def _step_data(w) -> tuple:
     args, kwargs, targets = w.inputs()
     if kwargs: raise CompileError(f"bench_compile feeds positional inputs; {w.source} takes keyword inputs ({', '.join(kwargs)}): "
                                   "wrap the model in a module whose forward takes them in order")
-    loss = lambda out, y: out if w.loss is None else w.loss(out) if y is None else w.loss(out, y)
-    return (tuple(args), targets), loss
+    return (tuple(args), targets), functools.partial(step_loss, w.loss)
 
 # %% ../../nbs/42e_compile_bench.ipynb
 def _measure_world(spec: dict) -> dict:

@@ -22,6 +22,7 @@ from .profile import GraphProfile, PlanError, profile_graph
 from .search import plan_fsdp
 from .steptime import predict_comms
 from ..graph import fmt_bytes
+from ..util import step_loss
 
 # %% auto 0
 __all__ = ['memtracker_fsdp_peak', 'Verification', 'verify_plan', 'verify_workload', 'bench_fsdp']
@@ -33,7 +34,7 @@ def _one_step(m, opt, inputs, kwargs, targets, loss_fn, plan: FSDPPlan):
     for j in range(k):
         if k > 1 and not plan.sync_every_microbatch: m.set_requires_gradient_sync(j == k - 1)
         out = m(*inputs, **kwargs)
-        loss = out if loss_fn is None else (loss_fn(out) if targets is None else loss_fn(out, targets))
+        loss = step_loss(loss_fn, out, targets)
         del out
         loss.backward()
     opt.step()

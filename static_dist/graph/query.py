@@ -18,6 +18,7 @@ from .records import (PHASES, ROLES, Lifetime, ModuleStats, Peak, StaticGraph, S
                                        fmt_bytes, fmt_flops)
 from .recorder import _explain, _module_in
 from .step import _build_optimizer, _check_inputs, _check_kwargs
+from ..util import step_loss
 
 # %% auto 0
 __all__ = ['ROLE_COLORS', 'storage_differences', 'memtracker_peak', 'pyplot', 'plot_memory']
@@ -80,7 +81,7 @@ def storage_differences(a: StaticGraph, b: StaticGraph) -> list[tuple[int, str, 
 def _plain_step(work: nn.Module, inputs: tuple, kwargs: dict, loss_fn, targets, opt) -> None:
     "The training step `capture(..., mode='real')` runs, without a recorder."
     out = work(*inputs, **kwargs)
-    loss = out if loss_fn is None else (loss_fn(out) if targets is None else loss_fn(out, targets))
+    loss = step_loss(loss_fn, out, targets)
     del out
     loss.backward()
     del loss

@@ -19,6 +19,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from .records import StaticGraph
 from .recorder import CaptureError, CaptureTypeError, _explain, _module_in, _quiet_torch_logs, _Recorder
 from ..structure import find_structure
+from ..util import step_loss
 
 # %% auto 0
 __all__ = ['capture']
@@ -210,8 +211,7 @@ def _run_step(rec: _Recorder, work: nn.Module, inputs, kwargs, loss_fn, targets,
         except Exception as e: raise _explain(e, stage, rec.failed_in or _module_in(e.__traceback__, work)) from None
     if progress: progress("forward", 0)
     out = step("the model's forward", lambda: work(*inputs, **kwargs))
-    loss = step("the loss function",
-                lambda: out if loss_fn is None else (loss_fn(out) if targets is None else loss_fn(out, targets)))
+    loss = step("the loss function", lambda: step_loss(loss_fn, out, targets))
     del out
     _check_loss(loss, loss_fn)
     rec.phase = "backward"

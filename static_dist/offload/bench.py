@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from ..graph import StaticGraph
-from ..util import silent_stderr_fd
+from ..util import silent_stderr_fd, step_loss
 from .executor import OffloadExecutor, refuse_compiled
 from .spill import checksum_rate
 from .lifetimes import calibrate_device
@@ -172,15 +172,15 @@ def bench_offload(progress=None, model: str = "tiny", batch: int = 8, seq: int =
     "No offload vs torch.autograd.graph.save_on_cpu vs OffloadExecutor on one step: time, peak, gradients, disk rate, checksum cost."
     from static_dist.bench import environment
     from static_dist.graph import capture
-    from static_dist.zoo import get_model
+    from static_dist.workload import load_workload
     say, cuda = progress or (lambda s: None), torch.cuda.is_available()
-    dev, zm = "cuda" if cuda else "cpu", get_model(model)
-    m = zm.build(dev)
-    (x,), y = zm.batch(batch, seq, device=dev)
+    dev, w = "cuda" if cuda else "cpu", load_workload(model, batch=batch, seq=seq)
+    m = w.build(device=dev)
+    args, kwargs, y = w.inputs(device=dev)
     def step():
         m.zero_grad(set_to_none=True)
-        zm.loss(m(x), y).backward()
-    say("capture"); g = capture(m, (x,), loss_fn=zm.loss, targets=y, device=dev)
+        step_loss(w.loss, m(*args, **kwargs), y).backward()
+    say("capture"); g = capture(m, args, example_kwargs=kwargs, loss_fn=w.loss, targets=y, device=dev)
     say("disk bandwidth"); disk = disk_bandwidth()
     plan = _bench_plan(g, cuda, disk)
     ex = OffloadExecutor(g, plan, model=m)
