@@ -18,7 +18,7 @@ from fastcore.basics import patch
 from .verbs import export_case, rewrite_case, status, workload_of
 from ..bench import environment
 from ..graph import fmt_bytes
-from ..util import StaticDistError, atomic_write
+from ..util import StaticDistError, atomic_write, step_loss
 
 # %% auto 0
 __all__ = ['STABILITY_STEPS', 'SECTIONS', 'NotApplicable', 'Context', 'section', 'graph_section', 'fsdp_section',
@@ -204,7 +204,7 @@ def stability_section(c: Context):
     y = targets if targets is not None else kwargs.get("labels", args[0] if args else None)   # the trainer counts tokens from it
     if y is None: raise NotApplicable("the trainer needs targets or labels to count tokens; this workload has neither")
     model = _Bound(w.build(device="cpu"), kwargs)
-    loss = (lambda out, y: w.loss(out, y)) if targets is not None else (lambda out, y: w.loss(out))
+    loss = lambda out, y: step_loss(w.loss, out, y if targets is not None else None)
     fault = Fault("nan_grad", STABILITY_STEPS // 2, module=f"model.{target}")
     tr = Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-3), loss, STRATEGIES["rewind"], [fault])
     recs = [tr.step(i, i, [(tuple(args), y)]) for i in range(STABILITY_STEPS)]

@@ -9,7 +9,6 @@ import functools
 import importlib
 import json
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -21,6 +20,7 @@ from torch import nn
 
 from .apply import apply_compiled, compile_record, graphs_compiled
 from .options import CompileError, CompileOptions
+from .step import _free_port
 from ..fsdp import FSDPPlan
 from ..util import step_loss
 
@@ -155,7 +155,7 @@ def _busy_link(sizes: Sequence[int], repeat: int, gap_matmuls: int, gap_s: float
     dist.all_reduce(g)
     gap_wall = float(g) / world
     shared_wait = max(0.0, gap_s / share - gap_wall)    # ranks took turns on the cores: the gap ran unshared, the wait shows here
-    pts = [CalibrationPoint(k, n, world, max(t - shared_wait, 0.1 * t)) for k, n, t in raw]
+    pts = [CalibrationPoint(k, n, world, max(t - shared_wait, 0.1 * t)) for k, n, t in raw]   # floored: times stay positive for the log fit
     return _fitted(pts, "gloo", world), gap_wall, shared_wait
 
 # %% ../../nbs/42e_compile_bench.ipynb
@@ -222,10 +222,6 @@ def _bench_rank(rank: int, world: int, port: int, spec: dict, out: str):
     finally: dist.destroy_process_group()
 
 # %% ../../nbs/42e_compile_bench.ipynb
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0)); return s.getsockname()[1]
-
 def _launch(world: int, spec: dict) -> dict:
     "Run `_bench_rank` on `world` spawned processes; rank 0's result."
     import torch.multiprocessing as mp

@@ -12,7 +12,6 @@ import socket
 import torch
 from torch import nn
 
-from .options import CompileError
 from ..util import silent_stderr_fd
 from ..fsdp import FSDPPlan
 
@@ -20,15 +19,18 @@ from ..fsdp import FSDPPlan
 __all__ = ['init_single_process_group', 'process_group', 'step_once', 'count_collectives', 'fake_pg_counts']
 
 # %% ../../nbs/42c_compile_step.ipynb
+def _free_port() -> int:
+    "A TCP port on 127.0.0.1 that nothing listens on now (for a store this process or its spawned ranks open)."
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0)); return s.getsockname()[1]
+
 def init_single_process_group(backend: str = "gloo") -> bool:
     "Make a process group (gloo; nccl for the GPU scripts) when none is initialised: torchrun's (env://) under torchrun, else one rank; True if it made one."
     import torch.distributed as dist
     if dist.is_initialized(): return False
     if "TORCHELASTIC_RUN_ID" in os.environ:               # launched by torchrun: join its group
         dist.init_process_group(backend); return True
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]
-    store = dist.TCPStore("127.0.0.1", port, 1, is_master=True)
+    store = dist.TCPStore("127.0.0.1", _free_port(), 1, is_master=True)
     dist.init_process_group(backend, store=store, rank=0, world_size=1)
     return True
 
