@@ -1,10 +1,14 @@
 """Browser checks with headless Chromium (Debian's `chromium` + `chromium-driver`) driven by Selenium.
 
-    python tests/browser/browser_check.py [docs|lab|widget ...]     # all three when none is named
+    python tests/browser/browser_check.py [docs|docs-features|lab|widget ...]     # all when none is named
 
 1. docs: every page of the built docs site (`python tools/build_docs.py` -> _docs/, or $BROWSER_DOCS), served over
    http on a free localhost port, loads with no missing image, no failed request to the site, and every internal link
    points to an existing page and anchor.
+   docs-features: with the network off (Chromium's proxy is a dead port), a page loads from file:// and from
+   localhost requesting nothing else; the search box finds an API name and a page; the [source] links of an API
+   entry lead to its notebook cell and to its line in the site's copy of the module (and every such line link in the
+   site lands on the definition); on the last page of the sidebar, its entry is in the sidebar's visible area.
 2. lab: JupyterLab started headless (free localhost port, random token, its own temp root, config and workspace
    folders), one notebook ($BROWSER_NOTEBOOK, default nbs/00a_util.ipynb, copied to the temp root so nothing in the
    repo is written) opened, Run All Cells executed through JupyterLab's own command, the kernel awaited, and no error
@@ -41,8 +45,9 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def chrome(width: int = 1400, height: int = 1000):
-    "A headless Chromium WebDriver using the system chromedriver (no driver download)."
+def chrome(width: int = 1400, height: int = 1000, offline: bool = False):
+    """A headless Chromium WebDriver using the system chromedriver (no driver download). `offline`: every request
+    but file:// and loopback goes to a proxy on a port nothing listens on, so it fails as with the network off."""
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
     opts = webdriver.ChromeOptions()
@@ -50,6 +55,7 @@ def chrome(width: int = 1400, height: int = 1000):
     for a in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", f"--window-size={width},{height}",
               "--no-first-run", "--disable-extensions", "--disable-background-networking"):
         opts.add_argument(a)
+    if offline: opts.add_argument(f"--proxy-server=http://127.0.0.1:{free_port()}")   # loopback itself bypasses it
     opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     drv = webdriver.Chrome(service=Service(executable_path=CHROMEDRIVER), options=opts)
     drv.set_page_load_timeout(60)
@@ -115,8 +121,8 @@ def check_docs(docs: Path, shots: Path) -> dict:
                 if e.get("level") == "SEVERE" and base in e.get("message", ""):
                     problems.append(f"{name}: browser error: {e['message'][:200]}")
             info[name] = dict(images=len(r["imgs"]), links=len(r["links"]), api_entries=r["api"], title=r["title"])
-            if r["api"] and "api" not in shot_done:   # one page's API section, as rendered
-                drv.execute_script("document.getElementById('api').scrollIntoView()")
+            if r["api"] and "api" not in shot_done:   # one page's first API entry, as rendered
+                drv.execute_script("document.querySelector('.api-entry').scrollIntoView()")
                 drv.save_screenshot(str(shots / f"docs_api_{name.removesuffix('.html')}.png")); shot_done.add("api")
                 drv.execute_script("window.scrollTo(0, 0)")
             if name == "index.html" or (len(r["imgs"]) and "chapter" not in shot_done):
@@ -130,6 +136,11 @@ def check_docs(docs: Path, shots: Path) -> dict:
                 if u.scheme or u.netloc or href.startswith(("mailto:", "javascript:", "data:")): continue
                 if href.startswith("/"): problems.append(f"{name}: absolute internal link {href!r}"); continue
                 target = u.path or name
+                if target not in seen and (docs / target).is_file():   # not a page: a module's copy under src/
+                    text = (docs / target).read_text(encoding="utf-8")
+                    if u.fragment and f'id="{u.fragment}"' not in text:
+                        problems.append(f"{name}: link {href!r}: no element with id {u.fragment!r} in {target}")
+                    continue
                 if target not in seen: problems.append(f"{name}: link {href!r} to a page that is not in the site"); continue
                 frag = u.fragment
                 if frag and frag not in seen[target]["ids"] and unquote(frag) not in seen[target]["ids"]:
@@ -137,6 +148,147 @@ def check_docs(docs: Path, shots: Path) -> dict:
         if missing: problems.append(f"requests for missing files: {sorted(set(missing))[:5]}")
     if problems: raise AssertionError(f"{len(problems)} problem(s) in the docs site:\n  " + "\n  ".join(problems[:40]))
     return info
+
+
+# ---------------------------------------------------------------- 1b. docs features: offline, search, [source], sidebar
+
+JS_REQUESTS = """
+return {resources: performance.getEntriesByType('resource').map(e => e.name),
+        scripts: [...document.scripts].map(s => s.src).filter(Boolean),
+        styles: [...document.querySelectorAll('link[href]')].map(l => l.href)};
+"""
+JS_NAV = """
+const l = document.querySelector('.docs-nav-list'), c = l && l.querySelector('a.current');
+if (!c) return null;
+const a = l.getBoundingClientRect(), b = c.getBoundingClientRect();
+const clipped = [...l.querySelectorAll('a')].filter(x => x.offsetParent && x.scrollWidth > x.clientWidth + 1)
+  .map(x => x.textContent);
+return {list: [a.top, a.bottom], current: [b.top, b.bottom], href: c.getAttribute('href'), clipped,
+        scrolled: l.scrollTop, last: [...l.querySelectorAll('a')].pop().getAttribute('href')};
+"""
+
+
+def _load(drv, url: str):
+    drv.get(url)
+    wait_for(lambda: drv.execute_script("return document.readyState") == "complete", 30, f"{url} to load")
+
+
+def _only_local(drv, allowed: tuple[str, ...], what: str) -> list[str]:
+    "Every request the page made, and every script and stylesheet it names, is under `allowed`; else the problems."
+    r = drv.execute_script(JS_REQUESTS)
+    far = [u for u in r["resources"] + r["scripts"] + r["styles"] if not u.startswith(allowed + ("data:",))]
+    errs = [e["message"][:160] for e in drv.get_log("browser") if e.get("level") == "SEVERE"]
+    return [f"{what}: requested from outside the site: {far[:3]}"] * bool(far) + [f"{what}: browser error: {e}" for e in errs]
+
+
+def _search(drv, query: str) -> list[dict]:
+    "Type `query` into the search box; the results shown (kind, href, title)."
+    from selenium.webdriver.common.by import By
+    box = drv.find_element(By.ID, "docs-search")
+    box.clear(); box.send_keys(query)
+    js = """return [...document.querySelectorAll('#docs-search-results a')].map(a => ({kind: a.className.slice(3),
+            href: a.getAttribute('href'), title: a.querySelector('.sr-title').textContent}))"""
+    return wait_for(lambda: drv.execute_script(js), 10, f"search results for {query!r}", every=0.2)
+
+
+def source_lines_ok(docs: Path) -> tuple[int, list[str]]:
+    "Every API entry's exported-line link (`src/...py.html#L<n>`) lands on its definition: (links checked, problems)."
+    import html as _html, re
+    problems, n, cache = [], 0, {}
+    for page in sorted(docs.glob("*.html")):
+        for chunk in page.read_text(encoding="utf-8").split('<div class="api-entry')[1:]:
+            head = chunk.split('class="highlight api-sig"', 1)[0]   # the entry's id, name and links
+            m = re.search(r'id="([^"]+)".*?<a class="src-py" href="([^"#]+)#L(\d+)"', head, re.S)
+            if not m: continue
+            anchor, src, line = m.group(1), m.group(2), int(m.group(3))
+            if src not in cache:
+                text = (docs / src).read_text(encoding="utf-8") if (docs / src).is_file() else ""
+                cache[src] = [_html.unescape(re.sub(r"<[^>]+>", "", l)) for l in re.findall(r'<span class="line" id="L\d+"><a class="ln"[^>]*>\d+</a>(.*?)</span>', text)]
+            name, lines = anchor.rsplit(".", 1)[-1], cache[src]
+            near = lines[line - 1: line + 12]   # the first line, then decorators, then the def
+            n += 1
+            if not any(re.search(rf"(def|class)\s+{re.escape(name)}\b|^\s*{re.escape(name)}\b|\b{re.escape(name)}\s*[,=:]", l) for l in near):
+                problems.append(f"{page.name}: {anchor} links to {src}#L{line}, which reads {near[:1]}")
+    return n, problems
+
+
+JS_ENTRY_SOURCE = """
+const e = document.getElementById(decodeURIComponent(location.hash.slice(1)));
+if (!e) return null;
+const cell = e.querySelector('a.src-cell'), py = e.querySelector('a.src-py'), gh = e.querySelector('a.src-gh');
+const target = cell && document.getElementById(cell.getAttribute('href').slice(1));
+return {cell: cell && cell.getAttribute('href'), is_cell: !!target && target.classList.contains('jp-Cell'),
+        above: !!target && !!(target.compareDocumentPosition(e) & Node.DOCUMENT_POSITION_FOLLOWING),
+        code: target ? target.textContent : '', py: py && py.getAttribute('href'), gh: gh && gh.href};
+"""
+JS_LINES_AT_TARGET = """
+let n = document.getElementById(location.hash.slice(1)), t = '';
+for (let k = 0; n && k < 12; k++, n = n.nextElementSibling) t += n.textContent + '\\n';
+return t;
+"""
+
+
+def _check_search(drv, root: str, api_query: str, page_query: str, page_file: str) -> tuple[list[str], dict]:
+    "From file:// (no fetch() there): the first result for `api_query` is its API entry, for `page_query` the page."
+    _load(drv, root + "index.html")
+    api, page = _search(drv, api_query)[0], _search(drv, page_query)[0]
+    problems = [] if api["kind"] == "api" and api["title"].split(".")[-1] == api_query else \
+        [f"search {api_query!r}: first result is {api}, not the API entry"]
+    if page["href"] != page_file: problems.append(f"search {page_query!r}: first result is {page}, not {page_file}")
+    return problems + _only_local(drv, (root,), "search from file://"), dict(api=api["href"], page=page["href"])
+
+
+def _check_source(drv, root: str, entry: str, name: str) -> tuple[list[str], dict]:
+    """The entry's [source] is the cell above it that defines `name`; its line link opens the site's copy of the
+    module at the definition; its GitHub link names the same line."""
+    _load(drv, root + entry)
+    src = drv.execute_script(JS_ENTRY_SOURCE)
+    if not src: return [f"{entry}: no element with the entry's id"], {}
+    problems = []
+    if not (src["is_cell"] and src["above"] and f"def {name}" in src["code"]):
+        problems.append(f"{entry}: [source] {src['cell']!r} is not the cell above that defines {name}")
+    line = (src["py"] or "#").split("#")[1]
+    if not ((src["gh"] or "").startswith("https://github.com/") and (src["gh"] or "").endswith("#" + line)):
+        problems.append(f"{entry}: GitHub link {src['gh']!r} is not the line {src['py']!r} on GitHub")
+    _load(drv, root + src["py"])
+    if f"def {name}" not in drv.execute_script(JS_LINES_AT_TARGET):
+        problems.append(f"{src['py']}: the lines it links to do not define {name}")
+    return problems, dict(cell=src["cell"], py=src["py"])
+
+
+def _check_sidebar(drv, root: str, shots: Path) -> tuple[list[str], dict]:
+    "On the sidebar's last page (the deepest scroll), its entry is inside the sidebar's visible area, no title clipped."
+    _load(drv, root + "index.html")
+    last = drv.execute_script(JS_NAV)["last"]
+    _load(drv, root + last)
+    nav = drv.execute_script(JS_NAV)
+    drv.save_screenshot(str(shots / "docs_sidebar_last_page.png"))
+    problems = [] if nav["list"][0] <= nav["current"][0] and nav["current"][1] <= nav["list"][1] else \
+        [f"{last}: its sidebar entry {nav['current']} is outside the sidebar's visible area {nav['list']}"]
+    if nav["clipped"]: problems.append(f"{last}: sidebar titles clipped: {nav['clipped'][:3]}")
+    return problems, dict(page=last, scrolled=nav["scrolled"])
+
+
+def check_docs_features(docs: Path, shots: Path, api_query: str = "plan_fsdp", page_query: str = "model zoo",
+                        page_file: str = "zoo.html") -> dict:
+    """With the network off: pages load from file:// and localhost asking for nothing else; the search box finds
+    `api_query` (an API entry) and `page_query` (the page `page_file`); that entry's [source] links resolve; the last
+    page's sidebar entry is in view; every exported-line link of the site lands on its definition. Raises
+    AssertionError listing the problems."""
+    problems, out = [], {}
+    with serve(docs) as (base, _missing), chrome(1400, 800, offline=True) as drv:
+        root = docs.resolve().as_uri() + "/"
+        for url, allowed in ((root, root), (base, base)):
+            _load(drv, url + "index.html")
+            problems += _only_local(drv, (allowed,), f"index.html from {url.split(':')[0]}")
+        p, out["search"] = _check_search(drv, root, api_query, page_query, page_file); problems += p
+        drv.save_screenshot(str(shots / "docs_search.png"))
+        p, out["source"] = _check_source(drv, root, out["search"]["api"], api_query); problems += p
+        p, out["sidebar"] = _check_sidebar(drv, root, shots); problems += p
+    out["source_links"], bad = source_lines_ok(docs)
+    problems += bad[:10]
+    if problems: raise AssertionError(f"{len(problems)} problem(s) in the docs site:\n  " + "\n  ".join(problems[:40]))
+    return out
 
 
 # ---------------------------------------------------------------- 2 and 3. JupyterLab
@@ -319,23 +471,25 @@ def docs_dir() -> Path:
 
 
 def main(argv=None) -> int:
-    which = (argv if argv is not None else sys.argv[1:]) or ["docs", "lab", "widget"]
+    which = (argv if argv is not None else sys.argv[1:]) or ["docs", "docs-features", "lab", "widget"]
     if MISSING_BROWSER: print(f"SKIP: {MISSING_BROWSER}"); return 0
     shots, rc = out_dir(), 0
     for w in which:
         t0 = time.time()
         try:
-            if w == "docs":
+            if w.startswith("docs"):
                 d = docs_dir()
                 if not (d / "index.html").exists():
                     subprocess.run([sys.executable, str(ROOT / "tools" / "build_docs.py"), "--out", str(d)], check=True)
+            if w == "docs":
                 r = check_docs(d, shots); r = dict(pages=len(r), images=sum(v["images"] for v in r.values()))
+            elif w == "docs-features": r = check_docs_features(d, shots)
             elif w == "lab": r = check_lab_run_all(shots)
             elif w == "widget": r = check_widget(shots)
-            else: print(f"unknown check {w!r}: give docs, lab or widget"); return 2
-            print(f"ok   {w:7s} {time.time() - t0:5.1f} s  {r}")
+            else: print(f"unknown check {w!r}: give docs, docs-features, lab or widget"); return 2
+            print(f"ok   {w:13s} {time.time() - t0:5.1f} s  {r}")
         except AssertionError as e:
-            print(f"FAIL {w:7s} {time.time() - t0:5.1f} s  {e}"); rc = 1
+            print(f"FAIL {w:13s} {time.time() - t0:5.1f} s  {e}"); rc = 1
     print(f"screenshots in {shots}")
     return rc
 

@@ -1,4 +1,5 @@
-"""Browser checks (marked `browser`): the built docs, Run All in JupyterLab, and a widget harness that redraws.
+"""Browser checks (marked `browser`): the built docs (every page; offline load, search, [source] links, sidebar), Run All
+in JupyterLab, and a widget harness that redraws.
 
 They need Debian's chromium and chromium-driver (installed by .ci/setup) and skip with one reason without them.
 Screenshots go to $BROWSER_OUT (default /tmp/browser-shots). Run by hand: python tests/browser/browser_check.py
@@ -40,6 +41,13 @@ def test_docs_pages_load(docs, shots):
     n_chapters = len(list((bc.ROOT / "nbs").rglob("*.ipynb")))
     assert len(info) == n_chapters + 1, f"{len(info)} pages for {n_chapters} notebooks and the index"
     assert sum(v["api_entries"] for v in info.values()) > 0, "no API entries rendered"
+
+
+def test_docs_features(docs, shots):
+    "Offline load (file:// and localhost), search, [source] links, and the sidebar keeping the current page in view."
+    r = bc.check_docs_features(docs, shots)
+    assert r["search"]["api"].endswith(".plan_fsdp") and r["search"]["page"] == "zoo.html", r
+    assert r["source_links"] > 0 and r["source"]["py"].startswith("src/static_dist/"), r
 
 
 def test_lab_run_all_no_error(shots):
