@@ -19,6 +19,7 @@ import torch.fx as fx
 from fastcore.basics import patch
 
 from . import ops as sdops
+from .util import StaticDistError
 
 # %% auto 0
 __all__ = ['PATTERNS', 'RewriteReport', 'RewriteError', 'compare_programs', 'rewrite_ops', 'NodeStat', 'NodeProfile',
@@ -164,11 +165,12 @@ class RewriteReport:
     "Largest |before − after| over all outputs (None if not run)."
     replaced: tuple = ()
     "(pattern, new node name, output node of the matched subgraph) per rewrite."
-    def to_json(self) -> dict: return asdict(self)
+    def to_dict(self) -> dict: return asdict(self)
+    def to_json(self, indent: int | None = 2) -> str: return json.dumps(self.to_dict(), indent=indent)
 
 # %% ../nbs/21_passes.ipynb
-class RewriteError(RuntimeError):
-    "A rewrite changed a program's outputs: it is refused, never returned."
+class RewriteError(StaticDistError, RuntimeError):
+    "A rewrite changed a program's outputs: it is refused, never returned (the command line prints it as one line)."
 
 def _flat_outputs(out) -> list: return [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
 
@@ -278,9 +280,13 @@ def stat(self: NodeProfile, name: str) -> NodeStat:
     raise KeyError(f"no node {name!r} in the profile")
 
 @patch
-def to_json(self: NodeProfile) -> dict:
+def to_dict(self: NodeProfile) -> dict:
+    "Runs, branches and per-node stats as plain data (the raw events go to `to_chrome_trace`)."
     return dict(runs=self.runs, branches=self.branches,
                 nodes=[dict(name=s.name, target=s.target, calls=s.calls, total_s=s.total_s) for s in self.nodes])
+
+@patch
+def to_json(self: NodeProfile, indent: int | None = 2) -> str: return json.dumps(self.to_dict(), indent=indent)
 
 # %% ../nbs/21_passes.ipynb
 @patch
@@ -352,7 +358,8 @@ class PruneReport:
     "Names of the dead nodes removed."
     specialised: tuple = ()
     "(cond node, branch kept, times taken in the profile) per specialised cond."
-    def to_json(self) -> dict: return asdict(self)
+    def to_dict(self) -> dict: return asdict(self)
+    def to_json(self, indent: int | None = 2) -> str: return json.dumps(self.to_dict(), indent=indent)
 
 # %% ../nbs/21_passes.ipynb
 def prune_dead(program) -> tuple[fx.GraphModule, PruneReport]:
@@ -369,7 +376,7 @@ def _expect(pred, expected: bool, where: str):
     if bool(pred) != expected: raise GuardFailed(f"{where}: predicate is {not expected}, the specialisation assumed {expected}")
 torch.fx.wrap("_expect")
 
-class GuardFailed(RuntimeError):
+class GuardFailed(StaticDistError, RuntimeError):
     "A specialisation's assumption (a cond predicate value) did not hold for these inputs."
 
 # %% ../nbs/21_passes.ipynb

@@ -1,6 +1,7 @@
 """ExportReport: the versioned JSON schema round-trips, diff finds exactly what changed; CLI and audit integration."""
 import json
 import math
+import os
 
 import pytest
 
@@ -83,7 +84,7 @@ def test_check_export_cli(tmp_path, capsys):
 @pytest.mark.parametrize("argv, msg", [
     (["check-export", "--model", "nope"], "Unknown model 'nope'"),
     (["check-export", "--targets", "tflite"], "--targets 'tflite'"),
-    (["check-export", "--model", "llama3-70b"], "70.6B parameters"),
+    (["check-export", "--model", "llama3-70b"], "70,554M parameters"),         # util.check_real_size, the one size rule
     (["check-export", "--baseline", "/nonexistent.json"], "no such file"),
 ])
 def test_check_export_cli_bad_input(argv, msg, capsys, tmp_path):
@@ -151,13 +152,39 @@ def test_report_file_mutations_are_refused_or_harmless(path, action, value):
     except ReportFileError as e:
         assert str(e).strip() and "\n" not in str(e).strip()
         return
-    back = json.loads(rep.to_json())          # accepted: it reads back as what the file says (the `ok` flag is derived)
+    back = json.loads(rep.to_json())          # accepted: it reads back as what the file says, its verdict `ok` included
     for k in set(edited) | set(back):
-        if k != "ok": assert back.get(k) == edited.get(k) or k in ("guards", "meta") and edited.get(k) in (None, {}), k
+        assert back.get(k) == edited.get(k) or k in ("guards", "meta") and edited.get(k) in (None, {}), k
 
 
 def test_report_file_errors_name_the_field():
     bad = _edit(_VALID, ("stages", 0, "seconds"), "set", "fast")
     with pytest.raises(ReportFileError, match=r"report.stages\[0\].seconds"): ExportReport.from_json(json.dumps(bad))
     with pytest.raises(ReportFileError, match="not an export report"): ExportReport.from_json('{"schema": "static_dist.graph/2"}')
-    with pytest.raises(ReportFileError, match="not JSON"): ExportReport.from_json("{")
+    with pytest.raises(ReportFileError, match="export report: not valid JSON"): ExportReport.from_json("{")
+
+
+@pytest.mark.parametrize("edit,message", [
+    (dict(ok="yes"), 'report.ok: expected true or false, found "yes"'),                    # issue #22: types checked
+    (dict(ok=True), "report.ok: expected false (the verdict of the report's stages, findings and numerics), found true"),
+    (dict(targets="onnx"), 'report.targets: expected a list, each item a string, found "onnx"'),
+    (dict(meta=None), "report.meta: expected an object, found null"),
+    (dict(colour=1), "report.colour: unknown field; the fields here are schema, version, ok, "),
+])
+def test_report_file_types_are_checked(edit, message):
+    with pytest.raises(ReportFileError) as e: ExportReport.from_json(json.dumps({**_VALID, **edit}))
+    assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_report_file_is_read_depth_limited():
+    with pytest.raises(ReportFileError, match="nested deeper than 64 levels"):
+        ExportReport.from_json('{"schema": "static_dist.export_report", "meta": ' + "[" * 10**5 + "]" * 10**5 + "}")
+
+
+def test_report_file_is_read_bounded(tmp_path):
+    "ExportReport.load reads through util.read_json: a 20 GB (sparse) file is refused by its size before a byte is read."
+    p = tmp_path / "rep.json"
+    p.write_text(json.dumps(_VALID))
+    assert json.loads(ExportReport.load(p).to_json()) == _VALID
+    os.truncate(p, 20 * 2**30)
+    with pytest.raises(ReportFileError, match=r"rep.json: 21,474,836,480 bytes, more than the [\d,]+ allowed"): ExportReport.load(p)

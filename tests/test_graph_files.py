@@ -146,30 +146,83 @@ def _edit(path, value):
 
 
 @pytest.mark.parametrize("path,value,message", [
-    (("storages", "nbytes", 3), -5, "storages.nbytes[3]: -5 is negative"),
-    (("ops", "op", 0), 10**6, "ops.op[0]: 1000000 is out of range: must be below"),
-    (("ops", "outputs", 1, 0), -1, "ops.outputs[1][0]: -1 is negative"),
-    (("storages", "role", 2), "weights", "storages.role[2]: str 'weights' is not one of parameter, buffer"),
-    (("tensors", "dtype", 0), "float99", "tensors.dtype[0]: str 'float99' is not a torch dtype name"),
-    (("tensors", "storage", 0), 10**6, "tensors.storage[0]: 1000000 is out of range"),
-    (("ops", "flops", 0), 1.5, "ops.flops[0]: expected an integer, found float 1.5"),
-    (("storages", "created", 0), True, "storages.created[0]: expected an integer, found bool True"),
-    (("saves", "tensor", 0), -1, "saves.tensor[0]: -1 is negative"),
-    (("meta", "structure", "stacks", 0, "params_per_block"), -3, "meta.structure.stacks[0].params_per_block: -3 is negative"),
-    (("meta",), [], "meta: expected a dict, found list []"),
+    (("storages", "nbytes", 3), -5, "storages.nbytes[3]: expected an integer from 0 to 2**62, found -5"),
+    (("ops", "op", 0), 10**6, "ops.op[0]: expected an integer from 0 to "),
+    (("ops", "outputs", 1, 0), -1, "ops.outputs[1][0]: expected an integer from 0 to "),
+    (("storages", "role", 2), "weights", 'storages.role[2]: expected one of "parameter", "buffer"'),
+    (("tensors", "dtype", 0), "float99", 'tensors.dtype[0]: expected a torch dtype name such as "float32", found "float99"'),
+    (("tensors", "storage", 0), 10**6, "(a storage id), found 1000000"),
+    (("ops", "flops", 0), 1.5, "ops.flops[0]: expected an integer from 0 to 2**63-1, found 1.5"),
+    (("storages", "created", 0), True, "storages.created[0]: expected an integer from -1 to "),
+    (("saves", "tensor", 0), -1, "saves.tensor[0]: expected an integer from 0 to "),
+    (("meta", "structure", "stacks", 0, "params_per_block"), -3, "meta.structure.stacks[0].params_per_block: expected an integer from 0 to 2**63-1, found -3"),
+    (("meta",), [], "meta: expected an object, found []"),
 ])
 def test_named_bad_fields(path, value, message):
     with pytest.raises(GraphFileError) as e:
         graph_from_dict(_edit(path, value))
     assert message in str(e.value), str(e.value)
+    assert f"found {json.dumps(value)}" in str(e.value), str(e.value)     # the value found, as the file writes it
     assert isinstance(e.value, StaticDistError) and isinstance(e.value, ValueError)
+
+
+# --- rows that are each in range but not a step together (issue #22) -----------------------------------------------
+def _storage_made_and_freed() -> int:
+    return next(s.id for s in _graph().storages if s.created >= 0 and s.freed is not None)
+
+
+def _reversed_phases() -> list:
+    return _doc()["ops"]["phase"][::-1]
+
+
+def _twice() -> dict:
+    return {k: v + v for k, v in _doc()["ops"].items()}
+
+
+@pytest.mark.parametrize("path,value,message", [
+    (("storages", "nbytes", 3), 2**70, "storages.nbytes[3]: expected an integer from 0 to 2**62, found 1180591620717411303424"),
+    (("tensors", "shape", 0), [10**12, 10**12], "tensors.shape[0]: expected a shape of at most 2**62 bytes, "
+                                                "found [1000000000000, 1000000000000] (float32: 4e+24 bytes)"),
+    (("storages", "nbytes"), lambda: [2**60] * len(_graph().storages), "storages.nbytes: expected at most 2**62 bytes in all"),
+    (("storages", "freed", "made"), lambda: _graph().storages[_storage_made_and_freed()].created - 1,
+     "expected null or an op index >= created"),
+    (("storages", "freed"), lambda: [-1] * len(_graph().storages), "expected null or an op index >= created"),
+    (("ops", "phase"), _reversed_phases, "ops.phase["),
+    (("ops",), _twice, "or more (op "),
+    (("tensors", "id", 2), 1, "tensors.id[2]: expected 2 (rows are numbered in order, so no id repeats), found 1"),
+])
+def test_rows_that_break_the_step_are_refused(path, value, message):
+    if path[-1] == "made": path = path[:-1] + (_storage_made_and_freed(),)
+    doc = _edit(path, value() if callable(value) else value)
+    with pytest.raises(GraphFileError) as e:
+        graph_from_dict(doc)
+    assert message in str(e.value) and len(str(e.value).splitlines()) == 1, str(e.value)
+
+
+def test_sizes_read_from_the_file_stay_within_int64():
+    "What is accepted, the analyses can add up: peak and summary of the loaded graph equal the captured one's."
+    g = graph_from_dict(_doc())
+    assert sum(s.nbytes for s in g.storages) <= 2**62 and g.peak() == _graph().peak()
+
+
+def test_a_huge_file_is_refused_before_reading(tmp_path):
+    p = tmp_path / "big.json"
+    p.write_text("{}")
+    os.truncate(p, 20 * 2**30)                                       # 20 GB, sparse: nothing to read, fstat says its size
+    with pytest.raises(GraphFileError, match=r"big.json: 21,474,836,480 bytes, more than the [\d,]+ allowed"): load_graph(p)
+
+
+def test_a_file_nested_too_deep_is_refused_before_parsing(tmp_path):
+    p = tmp_path / "deep.json"
+    p.write_text('{"schema": "static_dist.graph/2", "meta": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    with pytest.raises(GraphFileError, match="deep.json: nested deeper than 64 levels"): load_graph(p)
 
 
 def test_missing_keys_and_other_files(tmp_path):
     doc = _doc(); del doc["ops"]
-    with pytest.raises(GraphFileError, match="^ops: missing$"): graph_from_dict(doc)
+    with pytest.raises(GraphFileError, match="^ops: missing; give an object$"): graph_from_dict(doc)
     doc = _doc(); del doc["storages"]["nbytes"]
-    with pytest.raises(GraphFileError, match=r"^storages\.nbytes: missing$"): graph_from_dict(doc)
+    with pytest.raises(GraphFileError, match=r"^storages\.nbytes: missing; give a list$"): graph_from_dict(doc)
     plan = {"schema": "static_dist.fsdp_plan/1", "units": []}           # a plan file given as a graph
     with pytest.raises(GraphFileError, match="schema: expected 'static_dist.graph/2', found 'static_dist.fsdp_plan/1'"):
         graph_from_dict(plan)

@@ -289,20 +289,23 @@ def test_mutated_plan_is_refused_or_loaded_unchanged(offload_tiny, plan_json, da
 
 
 @pytest.mark.parametrize("edit,msg", [
-    (lambda d: d["decisions"][0].pop("tier"), r"field plan.decisions\[0\].tier is missing"),
-    (lambda d: d["decisions"][0].update(shape=[4, -1]), r"field plan.decisions\[0\].shape is \[4, -1\]; expected a list of integers"),
-    (lambda d: d["decisions"][0].update(shape="4x4"), r"field plan.decisions\[0\].shape is \"4x4\""),
-    (lambda d: d["decisions"].append(dict(d["decisions"][3])), r"plan.decisions\[\d+\].storage is \d+, already decided in plan.decisions\[3\]"),
-    (lambda d: d.update(decisions=[]), r"field plan.decisions is \[\]; expected a non-empty list"),
-    (lambda d: d.update(decisions={}), r"field plan.decisions is \{\}; expected a non-empty list"),
+    (lambda d: d["decisions"][0].pop("tier"), r"plan.decisions\[0\].tier: missing; give a string, or null"),
+    (lambda d: d["decisions"][0].update(shape=[4, -1]), r"plan.decisions\[0\].shape\[1\]: expected an integer from 0 to 2\*\*63-1, found -1"),
+    (lambda d: d["decisions"][0].update(shape="4x4"), r"plan.decisions\[0\].shape: expected a list, each item an integer from 0 to 2\*\*63-1, found \"4x4\""),
+    (lambda d: d["decisions"].append(dict(d["decisions"][3])), r"plan.decisions\[\d+\].storage: expected one decision per storage, found \d+, already decided in plan.decisions\[3\]"),
+    (lambda d: d.update(decisions=[]), r"plan.decisions: expected a non-empty list, found \[\]"),
+    (lambda d: d.update(decisions={}), r"plan.decisions: expected a non-empty list, found \{\}"),
     (lambda d: d.update(schema="static_dist.offload/99"), r"is not an offload plan: expected schema"),
     (lambda d: d.pop("schema"), r"is not an offload plan"),
     (lambda d: d.update(schema="static_dist.graph/2"), r"is not an offload plan"),
-    (lambda d: d["decisions"][0].update(nbytes=-5), r"plan.decisions\[0\].nbytes is -5; expected >= 0"),
-    (lambda d: d["decisions"][0].update(nbytes=True), r"plan.decisions\[0\].nbytes is true; expected an integer"),
-    (lambda d: d["tiers"][0].update(kind="tape"), r"plan.tiers\[0\].kind is 'tape'"),
-    (lambda d: d.update(safety=0.5), r"plan.safety is 0.5; expected >= 1"),
-    (lambda d: d["decisions"][0].update(dtype="float99"), r"plan.decisions\[0\].dtype is 'float99'"),
+    (lambda d: d["decisions"][0].update(nbytes=-5), r"plan.decisions\[0\].nbytes: expected an integer from 0 to 2\*\*62, found -5"),
+    (lambda d: d["decisions"][0].update(nbytes=True), r"plan.decisions\[0\].nbytes: expected an integer from 0 to 2\*\*62, found true"),
+    (lambda d: d["tiers"][0].update(kind="tape"), r"plan.tiers\[0\].kind: expected one of \"cpu\", \"disk\", found \"tape\""),
+    (lambda d: d.update(safety=0.5), r"plan.safety: expected a finite number >= 1, found 0.5"),
+    (lambda d: d["decisions"][0].update(dtype="float99"), r"plan.decisions\[0\].dtype: expected a torch dtype name such as \"float32\", found \"float99\""),
+    (lambda d: d["decisions"][0].update(nbytes=2**70), r"plan.decisions\[0\].nbytes: expected an integer from 0 to 2\*\*62, found 1180591620717411303424"),
+    (lambda d: d["decisions"][0].update(shape=[10**12, 10**12]), r"plan.decisions\[0\].shape: expected a shape of at most 2\*\*62 bytes"),
+    (lambda d: d.update(colour=1), r"plan.colour: unknown field; the fields here are schema, decisions"),
 ])
 def test_hand_edits_name_the_field(plan_json, edit, msg):
     d = json.loads(json.dumps(plan_json)); edit(d)
@@ -313,7 +316,14 @@ def test_hand_edits_name_the_field(plan_json, edit, msg):
 def test_load_plan_file_errors(tmp_path, plan_json):
     (tmp_path / "p.json").write_text(json.dumps(plan_json))
     assert off.load_plan(tmp_path / "p.json") == plan_from_dict(plan_json)
-    with pytest.raises(OffloadPlanError, match="cannot read offload plan"): off.load_plan(tmp_path)
-    with pytest.raises(OffloadPlanError, match="cannot read offload plan"): off.load_plan(tmp_path / "none.json")
+    with pytest.raises(OffloadPlanError, match="offload plan .*: is a folder, not a file; give the file"): off.load_plan(tmp_path)
+    with pytest.raises(OffloadPlanError, match="none.json: no such file; give the file"): off.load_plan(tmp_path / "none.json")
+    os.mkfifo(tmp_path / "fifo")                                     # no writer: a read would block forever
+    with pytest.raises(OffloadPlanError, match="fifo: not a regular file"): off.load_plan(tmp_path / "fifo")
+    (tmp_path / "big.json").write_text("{}")
+    os.truncate(tmp_path / "big.json", 20 * 2**30)                   # 20 GB, sparse: refused by its size, nothing read
+    with pytest.raises(OffloadPlanError, match=r"big.json: 21,474,836,480 bytes, more than the"): off.load_plan(tmp_path / "big.json")
+    (tmp_path / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(OffloadPlanError, match="nested deeper than 64 levels"): off.load_plan(tmp_path / "deep.json")
     (tmp_path / "g.json").write_text('{"schema": "static_dist.graph/2", "ops": []}')
     with pytest.raises(OffloadPlanError, match=r"g.json is not an offload plan"): off.load_plan(tmp_path / "g.json")

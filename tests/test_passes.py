@@ -161,3 +161,16 @@ def test_rewritten_tiny_moe_router_softmax():
     assert rep.matches == {"add_relu": 0, "softmax": model.cfg.n_layers, "rms_norm": 2 * model.cfg.n_layers + 1}
     fresh, _ = zm.batch(2, 32, seed=5)
     with torch.no_grad(): torch.testing.assert_close(new.module()(*fresh), model(*fresh), atol=1e-5, rtol=1.3e-6)
+
+
+def test_cli_prints_one_line_for_a_refused_rewrite(monkeypatch, capsys):
+    "RewriteError is a StaticDistError: `static-dist passes` prints one line and exits 2 instead of a traceback."
+    import static_dist.passes as passes
+    from static_dist.app.cli import main
+    real = passes.compare_programs
+    def off_by_a_little(a, b, inputs):                              # the rewritten program, its output moved by 1e-3
+        return real(a, lambda *x: b.module()(*x) + 1e-3, inputs)
+    monkeypatch.setattr(passes, "compare_programs", off_by_a_little)
+    assert main(["passes", "rewrite", "--model", "mlp"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("static-dist passes: error: rewritten program differs from the original") and err.count("\n") == 1, err

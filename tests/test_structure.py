@@ -83,10 +83,10 @@ def test_structure_round_trip_and_errors():
     st = find_structure(Wrapped())
     assert ModelStructure.from_dict(st.to_dict()) == st
     d = st.to_dict(); d["stacks"][1]["blocks"][0] = 3
-    with pytest.raises(StructureError, match=r"structure\.stacks\[1\]\.blocks\[0\]: expected str"): ModelStructure.from_dict(d)
+    with pytest.raises(StructureError, match=r"structure\.stacks\[1\]\.blocks\[0\]: expected a string, found 3$"): ModelStructure.from_dict(d)
     d = st.to_dict(); d["stacks"][0]["linears"][0]["bias"] = 1
-    with pytest.raises(StructureError, match=r"linears\[0\]\.bias: expected bool"): ModelStructure.from_dict(d)
-    with pytest.raises(StructureError, match="structure: expected an object"): ModelStructure.from_dict([])
+    with pytest.raises(StructureError, match=r"linears\[0\]\.bias: expected true or false, found 1$"): ModelStructure.from_dict(d)
+    with pytest.raises(StructureError, match=r"structure: expected a JSON object, found \[\]"): ModelStructure.from_dict([])
 
 
 # --- Hugging Face transformers (an optional extra): built from tiny configs on the meta device --------------------

@@ -8,7 +8,8 @@ import dataclasses, datetime, json, math
 from dataclasses import dataclass, field, asdict
 from fastcore.basics import patch
 import torch
-from ..util import StaticDistError
+from ..util import (Fields, StaticDistError, boolean, either, errors_as, integer, list_of, loads_json, mapping, number,
+                              one_of, optional, read_json, string)
 
 # %% auto 0
 __all__ = ['SCHEMA', 'SCHEMA_VERSION', 'SEVERITIES', 'Stage', 'Finding', 'NumericCheck', 'ExportReport', 'ReportFileError',
@@ -113,39 +114,28 @@ def to_json(self: ExportReport, indent: int | None = 2) -> str:
 class ReportFileError(StaticDistError, ValueError):
     "An export report file that is not one, or has a missing, unknown or mistyped field (the message names its path)."
 
-_TYPES = {'str': (str,), 'int': (int,), 'bool': (bool,), 'float': (int, float), 'list': (list,), 'dict': (dict,)}
+_NONFINITE = ("nan", "inf", "-inf")   # how `_json_clean` writes NaN and infinities
+_MAYBE_NAN = either(number(), one_of(*_NONFINITE))
+_CHECKS = {Stage: dict(name=string(), status=string(), seconds=number(), detail=string()),
+           Finding: {f.name: string() for f in dataclasses.fields(Finding)},
+           NumericCheck: dict(target=string(), case=string(), output=integer(), dtype=string(), max_abs=_MAYBE_NAN,
+                              max_rel=_MAYBE_NAN, atol=number(), rtol=number(), ok=boolean(), detail=string())}
+_TOP = dict(model=string(), targets=list_of(string()), guards=optional(mapping()), torch_version=string(),
+            created=string(), meta=mapping())
 
 # %% ../../nbs/10b_export_report.ipynb
-def _field_value(f: dataclasses.Field, v, where: str, numeric_str: bool):
-    "`v` checked against field `f`'s annotated type (a numeric string read back as a float if `numeric_str`)."
-    ann = str(f.type).replace(' ', '')
-    ok = _TYPES.get(ann.split('[')[0].split('|')[0], (object,))
-    if v is None and '|None' in ann: return v
-    if numeric_str and isinstance(v, str):
-        try: v = float(v)
-        except ValueError: raise ReportFileError(f"{where}: {v!r} is not a number") from None
-    if not isinstance(v, ok) or (isinstance(v, bool) and bool not in ok):
-        raise ReportFileError(f"{where}: expected {ann}, found {type(v).__name__} {v!r:.40}")
-    return v
+def _record(cls, f: Fields):
+    "A stage, finding or numeric check from its object in the file, every field checked (a non-finite number read back from its string)."
+    v = {k: f(k, c) for k, c in _CHECKS[cls].items()}
+    return cls(**{k: float(x) if isinstance(x, str) and x in _NONFINITE and k in ("max_abs", "max_rel") else x for k, x in v.items()})
 
 # %% ../../nbs/10b_export_report.ipynb
-def _fields(cls, d, where: str, numeric_str: tuple = ()) -> dict:
-    "d's fields for dataclass `cls`, each present (`to_json` writes them all), known and of its annotated type; else ReportFileError."
-    if not isinstance(d, dict): raise ReportFileError(f"{where}: expected an object, found {type(d).__name__}")
-    fs = {f.name: f for f in dataclasses.fields(cls)}
-    extra = sorted(set(d) - set(fs))
-    if extra: raise ReportFileError(f"{where}.{extra[0]}: unknown field; {cls.__name__} has {', '.join(fs)}")
-    out = {}
-    for name, f in fs.items():
-        if name not in d: raise ReportFileError(f"{where}.{name} is missing")
-        out[name] = _field_value(f, d[name], f'{where}.{name}', name in numeric_str)
-    return out
-
-# %% ../../nbs/10b_export_report.ipynb
-def _report_dict(text: str | dict) -> dict:
+def _report_dict(text: str | bytes | dict) -> dict:
     "The parsed report file, its schema and version checked (ReportFileError otherwise)."
-    try: d = json.loads(text) if isinstance(text, str) else text
-    except json.JSONDecodeError as e: raise ReportFileError(f"export report: not JSON ({e})") from None
+    if not isinstance(text, dict):
+        with errors_as(ReportFileError, "; give a report written by check_export or `static-dist check-export --out`"):
+            text = loads_json(text, "export report")
+    d = text
     if not isinstance(d, dict) or d.get('schema') != SCHEMA:
         raise ReportFileError(f"not an export report: expected schema {SCHEMA!r}, found {d.get('schema') if isinstance(d, dict) else type(d).__name__!r}")
     if d.get('version') != SCHEMA_VERSION:
@@ -153,18 +143,26 @@ def _report_dict(text: str | dict) -> dict:
     return d
 
 # %% ../../nbs/10b_export_report.ipynb
+_LISTS = dict(stages=Stage, findings=Finding, numerics=NumericCheck)
+
 @patch(cls_method=True)
 def from_json(cls: ExportReport, text: str | dict) -> ExportReport:
     "Read a report written by `to_json`; other schemas, unknown versions and bad fields are a `ReportFileError` naming the field."
-    d = _report_dict(text)
-    top = _fields(cls, {k: v for k, v in d.items() if k not in ('schema', 'version', 'ok')}, 'report')
-    for key in ('stages', 'findings', 'numerics', 'targets'):
-        if key in top and not isinstance(top[key], list): raise ReportFileError(f"report.{key}: expected a list")
-    if not all(isinstance(t, str) for t in top.get('targets', [])): raise ReportFileError("report.targets: expected strings")
-    return cls(**{**top, 'stages': [Stage(**_fields(Stage, s, f'report.stages[{k}]')) for k, s in enumerate(top.get('stages', []))],
-                  'findings': [Finding(**_fields(Finding, f, f'report.findings[{k}]')) for k, f in enumerate(top.get('findings', []))],
-                  'numerics': [NumericCheck(**_fields(NumericCheck, x, f'report.numerics[{k}]', ('max_abs', 'max_rel')))
-                               for k, x in enumerate(top.get('numerics', []))]})
+    f = Fields(_report_dict(text), 'report', ReportFileError, ('schema', 'version', 'ok', *_TOP, *_LISTS))
+    r = cls(**{k: f(k, c) for k, c in _TOP.items()},
+            **{k: [_record(c, x) for x in f.each(k, tuple(_CHECKS[c]))] for k, c in _LISTS.items()})
+    if f('ok', boolean()) != r.ok:
+        f.fail(f"expected {json.dumps(r.ok)} (the verdict of the report's stages, findings and numerics), found {json.dumps(not r.ok)}", 'ok')
+    return r
+
+# %% ../../nbs/10b_export_report.ipynb
+@patch(cls_method=True)
+def load(cls: ExportReport, path) -> ExportReport:
+    "Read the report file at `path` (a bounded, depth-limited read); ReportFileError naming the file and the bad field."
+    with errors_as(ReportFileError, "; give a report written by check_export or `static-dist check-export --out`"):
+        d = read_json(path, "export report")
+    try: return cls.from_json(d)
+    except ReportFileError as e: raise ReportFileError(f"{path}: {e}") from None
 
 # %% ../../nbs/10b_export_report.ipynb
 _ICON = {'ok': '✅', 'warn': '⚠️', 'fail': '❌', 'skip': '⏭️', 'error': '❌', 'warning': '⚠️', 'info': 'ℹ️'}

@@ -8,6 +8,7 @@ import contextlib, functools, importlib, inspect, io, logging, os, re, sys, sysc
 from dataclasses import dataclass
 from pathlib import Path
 import torch
+from ..util import StaticDistError
 
 # %% auto 0
 __all__ = ['INSTALL_HINT', 'MissingDependency', 'require', 'quiet', 'SourceLoc', 'is_user_file', 'is_user_frame', 'loc_from_text',
@@ -16,8 +17,8 @@ __all__ = ['INSTALL_HINT', 'MissingDependency', 'require', 'quiet', 'SourceLoc',
 # %% ../../nbs/10a_export_source.ipynb
 INSTALL_HINT = 'pip install "static_dist[export]"'
 
-class MissingDependency(ImportError):
-    "An optional dependency of a check is not installed (the stage is skipped, not failed)."
+class MissingDependency(StaticDistError, ImportError):
+    "An optional dependency of a check is not installed (the stage is skipped, not failed; the command line prints one line)."
 
 def require(module: str):
     "Import an optional dependency, or fail with the install hint."

@@ -5,19 +5,24 @@
 # %% ../../nbs/40b_fsdp_plan.ipynb 3
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch.nn as nn
 from fastcore.basics import patch
 
-from .profile import _DTYPES, GraphProfile, PlanError, _under
+from .profile import GraphProfile, PlanError
+from ..util import (Fields, boolean, dtype_name, either, errors_as, integer, list_of, loads_json, optional,
+                              read_json, shown, string)
 
 # %% auto 0
-__all__ = ['PLAN_SCHEMA', 'MAX_WORLD', 'FSDPUnit', 'FSDPPlan', 'innermost', 'unit_of', 'validate']
+__all__ = ['PLAN_SCHEMA', 'MAX_WORLD', 'MAX_PLAN_BYTES', 'FSDPUnit', 'FSDPPlan', 'innermost', 'unit_finder', 'unit_of',
+           'validate']
 
 # %% ../../nbs/40b_fsdp_plan.ipynb
 @dataclass(frozen=True)
@@ -97,38 +102,34 @@ def from_json(cls: FSDPPlan, s) -> FSDPPlan:
 
 # %% ../../nbs/40b_fsdp_plan.ipynb
 MAX_WORLD = 2**24
-_MISSING = object()
-_is_int = lambda v: isinstance(v, int) and not isinstance(v, bool)
-_seq = lambda v: isinstance(v, (list, tuple))
+MAX_PLAN_BYTES = 64 * 2**20   # a plan of 100k units is about 10 MB of JSON
+_UNIT_KEYS = tuple(f.name for f in dataclasses.fields(FSDPUnit))
+_PLAN_KEYS = (*(f.name for f in dataclasses.fields(FSDPPlan)), "schema")
 
 # %% ../../nbs/40b_fsdp_plan.ipynb
-def _get(d: dict, key: str, where: str, ok, what: str, default=_MISSING):
-    "d[key] if `ok(value)`, the default when it is absent; PlanError naming `where + key` and what to give otherwise."
-    if key not in d:
-        if default is _MISSING: raise PlanError(f"{where}{key}: missing; give {what}")
-        return default
-    if not ok(d[key]): raise PlanError(f"{where}{key}: {d[key]!r:.60} is not valid; give {what}")
-    return d[key]
-
-def _extra_keys(d: dict, known, where: str):
-    bad = sorted(set(d) - set(known))
-    if bad: raise PlanError(f"{where}{bad[0]}: unknown field; an FSDP plan has {sorted(known)}")
+_MODULE = string().named("a module FQN ('' is the root)")
+_IGNORED = string(nonempty=True).named("a module FQN, not '' (that would leave the whole model unsharded)")
+_RESHARD = either(boolean(), integer(2, MAX_WORLD)).named("true, false or a group size >= 2 that divides the shard size")
+_MESH = list_of(integer(1, MAX_WORLD), 1, 2).named("[world] for FSDP or [replicate, shard] for HSDP")
+_REASONS = list_of(list_of(string(), 2, 2).named("a [decision, why] pair of strings"))
 
 # %% ../../nbs/40b_fsdp_plan.ipynb
-def _unit_from(u, where: str) -> FSDPUnit:
+def _unit_from(f: Fields) -> FSDPUnit:
     "One `units[i]` entry of a plan file, checked."
-    if not isinstance(u, dict): raise PlanError(f"{where}: {u!r:.40} is not an object; give {{\"module\": \"layers.0\"}}")
-    _extra_keys(u, [f.name for f in dataclasses.fields(FSDPUnit)], where + ".")
-    r = _get(u, "reshard_after_forward", where + ".", lambda v: isinstance(v, bool) or _is_int(v) and 2 <= v <= MAX_WORLD,
-             "true, false or a group size >= 2 that divides the shard size", True)
-    return FSDPUnit(_get(u, "module", where + ".", lambda v: isinstance(v, str), "a module FQN ('' is the root)"), r,
-                    _get(u, "activation_checkpointing", where + ".", lambda v: isinstance(v, bool), "true or false", False),
-                    _get(u, "reason", where + ".", lambda v: isinstance(v, str), "a string", ""))
+    return FSDPUnit(f("module", _MODULE), f("reshard_after_forward", _RESHARD, True),
+                    f("activation_checkpointing", boolean(), False), f("reason", string(), ""))
+
+def _mesh_from(f: Fields) -> tuple[int, tuple[int, ...]]:
+    "(world_size, mesh_shape), the mesh multiplying to the world."
+    W, ms = f("world_size", integer(1, MAX_WORLD, "the number of ranks")), tuple(f("mesh_shape", _MESH))
+    if math.prod(ms) != W: f.fail(f"{shown(list(ms))} multiplies to {math.prod(ms)}, not world_size {W}: give [{W}] for "
+                                  f"FSDP or [replicate, shard] with replicate*shard == {W}", "mesh_shape")
+    return W, ms
 
 # %% ../../nbs/40b_fsdp_plan.ipynb
 def _schema_check(d) -> None:
     "PlanError unless `d` is an FSDP plan of this schema (a graph or report file says what it is)."
-    if not isinstance(d, dict): raise PlanError(f"an FSDP plan is a JSON object, not a {type(d).__name__}")
+    if not isinstance(d, dict): raise PlanError(f"expected a JSON object (an FSDP plan), found {shown(d)}")
     s = d.get("schema")
     if isinstance(s, str) and s.startswith("static_dist.graph") or (s is None and "ops" in d and "tensors" in d):
         raise PlanError("this is a static_dist.graph file, not an FSDP plan: write a plan with "
@@ -143,37 +144,22 @@ def _schema_check(d) -> None:
 def _plan_from_dict(d) -> FSDPPlan:
     "An FSDPPlan from a plan dict, every field's type and range checked."
     _schema_check(d)
-    _extra_keys(d, [f.name for f in dataclasses.fields(FSDPPlan)] + ["schema"], "")
-    W = _get(d, "world_size", "", lambda v: _is_int(v) and 1 <= v <= MAX_WORLD, f"the number of ranks, 1 to {MAX_WORLD}")
-    ms = _get(d, "mesh_shape", "", lambda v: _seq(v) and len(v) in (1, 2) and all(_is_int(x) and x >= 1 for x in v),
-              "[world] for FSDP or [replicate, shard] for HSDP")
-    if math.prod(ms) != W: raise PlanError(f"mesh_shape: {list(ms)} multiplies to {math.prod(ms)}, not world_size {W}: "
-                                           f"use [{W}] for FSDP or [replicate, shard] with replicate*shard == {W}")
-    us = _get(d, "units", "", lambda v: _seq(v) and len(v) > 0, "a non-empty list of units, the root {\"module\": \"\"} first")
-    dt = lambda v: v is None or isinstance(v, str) and v in _DTYPES
-    count = lambda lo, hi: lambda v: _is_int(v) and lo <= v <= hi
-    return FSDPPlan(W, tuple(ms), tuple(_unit_from(u, f"units[{i}]") for i, u in enumerate(us)),
-        tuple(_get(d, "ignored", "", lambda v: _seq(v) and all(isinstance(x, str) for x in v), "a list of module FQNs", ())),
-        _get(d, "param_dtype", "", dt, f"null or one of {sorted(_DTYPES)}", None),
-        _get(d, "reduce_dtype", "", dt, f"null or one of {sorted(_DTYPES)}", None),
-        _get(d, "forward_prefetch", "", count(0, 1024), "an int from 0 (none) to 1024", 1),
-        _get(d, "backward_prefetch", "", count(0, 1024), "an int from 0 to 1024", 1),
-        _get(d, "accumulation_steps", "", count(1, 2**20), "an int >= 1", 1),
-        _get(d, "sync_every_microbatch", "", lambda v: isinstance(v, bool), "true or false", False),
-        _get(d, "name", "", lambda v: isinstance(v, str), "a string", "plan"),
-        tuple(tuple(r) for r in _get(d, "reasons", "", lambda v: _seq(v) and all(
-            _seq(r) and len(r) == 2 and all(isinstance(x, str) for x in r) for r in v), "a list of [decision, why] pairs", ())))
+    f = Fields(d, "", PlanError, _PLAN_KEYS)
+    W, ms = _mesh_from(f)
+    units = f.each("units", _UNIT_KEYS, 1, 'a non-empty list of units, the root {"module": ""} first')
+    dt, ahead = optional(dtype_name()), integer(0, 1024, "units all-gathered ahead; 0: none")
+    return FSDPPlan(W, ms, tuple(_unit_from(u) for u in units), tuple(f("ignored", list_of(_IGNORED), ())),
+                    f("param_dtype", dt, None), f("reduce_dtype", dt, None), f("forward_prefetch", ahead, 1),
+                    f("backward_prefetch", ahead, 1), f("accumulation_steps", integer(1, 2**20, "micro-batches per step"), 1),
+                    f("sync_every_microbatch", boolean(), False), f("name", string(), "plan"),
+                    tuple(map(tuple, f("reasons", _REASONS, ()))))
 
 # %% ../../nbs/40b_fsdp_plan.ipynb
 def _plan_from_json(s) -> FSDPPlan:
-    "From a JSON string or a path; unreadable files and bad JSON are PlanErrors too."
-    src = "plan"
-    if isinstance(s, Path) or (isinstance(s, str) and not s.lstrip().startswith("{")):
-        src = str(s)
-        try: s = Path(s).read_text()
-        except (OSError, UnicodeDecodeError) as e: raise PlanError(f"{src}: cannot read the plan file ({e})") from None
-    try: d = json.loads(s)
-    except json.JSONDecodeError as e: raise PlanError(f"{src}: not JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+    "From JSON text or a path (a bounded, depth-limited read); unreadable files and bad JSON are PlanErrors too."
+    text = isinstance(s, (bytes, bytearray)) or isinstance(s, str) and s.lstrip().startswith(("{", "["))
+    with errors_as(PlanError, "; give a plan written by `static-dist plan-fsdp --out` or FSDPPlan.to_json"):
+        d = loads_json(s, "FSDP plan") if text else read_json(s, "FSDP plan", MAX_PLAN_BYTES)
     return _plan_from_dict(d)
 
 # %% ../../nbs/40b_fsdp_plan.ipynb
@@ -188,10 +174,14 @@ def innermost(name: str, modules) -> str | None:
     "The innermost of `modules` (a set of FQNs) that contains `name`, or None."
     return next((m for m in _prefixes(name) if m in modules), None)
 
+def unit_finder(plan: FSDPPlan) -> Callable[[str], str | None]:
+    "`unit_of` for many names: the plan's unit and ignored sets built once, so a look-up costs the name's depth, not the plan's size."
+    units, ignored = {u.module for u in plan.units}, set(plan.ignored)
+    return lambda name: None if ignored and innermost(name, ignored) is not None else innermost(name, units)
+
 def unit_of(param: str, plan: FSDPPlan) -> str | None:
     "The unit (innermost `fully_shard`ed module) that manages `param`; None if ignored."
-    if plan.ignored and innermost(param, set(plan.ignored)) is not None: return None
-    return innermost(param, {u.module for u in plan.units})
+    return unit_finder(plan)(param)
 
 # %% ../../nbs/40b_fsdp_plan.ipynb
 def _tied_groups(model: nn.Module | None, profile: GraphProfile | None) -> list[tuple[str, ...]]:
@@ -202,20 +192,21 @@ def _tied_groups(model: nn.Module | None, profile: GraphProfile | None) -> list[
 
 # %% ../../nbs/40b_fsdp_plan.ipynb
 def _check_names(plan: FSDPPlan, mods: set) -> None:
-    "The root is a unit, no unit twice, every name in the model, no unit inside an ignored module."
+    "The root is a unit, no unit twice, every name in the model, no unit inside an ignored module (linear in the units)."
     names = [u.module for u in plan.units]
     if "" not in names: raise PlanError("the root module ('') must be an FSDP unit: FSDP2 needs a root to run its "
                                         "lazy init and to own the parameters no other unit takes. Add FSDPUnit('').")
-    dup = sorted({n for n in names if names.count(n) > 1})
+    dup = sorted(n for n, k in collections.Counter(names).items() if k > 1)
     if dup: raise PlanError(f"module(s) {dup} listed as units twice: each module is fully_shard-ed once; "
                             f"merge their settings into one FSDPUnit.")
     for n in [*names, *plan.ignored]:
         if n not in mods: raise PlanError(f"module {n!r} is not in the model (known e.g. {sorted(mods)[:6]}...): "
                                           f"check the FQN against model.named_modules().")
-    for ig in plan.ignored:
-        for u in names:
-            if u and _under(u, ig): raise PlanError(f"unit {u!r} lies inside ignored module {ig!r}: its parameters "
-                                                    f"are ignored, so sharding it does nothing. Remove one of the two.")
+    ignored = set(plan.ignored)
+    for u in names:
+        if u and (ig := innermost(u, ignored)) is not None:
+            raise PlanError(f"unit {u!r} lies inside ignored module {ig!r}: its parameters are ignored, so sharding it "
+                            f"does nothing. Remove one of the two.")
 
 # %% ../../nbs/40b_fsdp_plan.ipynb
 def _check_reshard(plan: FSDPPlan) -> None:
@@ -231,8 +222,9 @@ def _check_reshard(plan: FSDPPlan) -> None:
 # %% ../../nbs/40b_fsdp_plan.ipynb
 def _check_tied(plan: FSDPPlan, model: nn.Module | None, profile: GraphProfile | None) -> None:
     "Names of one storage (tied weights, shared modules) must fall in one unit."
+    owner = unit_finder(plan)
     for group in _tied_groups(model, profile):
-        owners = {unit_of(p, plan) for p in group}
+        owners = {owner(p) for p in group}
         if len(owners) > 1:
             raise PlanError(f"one parameter in two units: {list(group)} are the same tensor (tied weights or a shared "
                             f"module) but would be managed by units {sorted(map(repr, owners))}; one storage cannot "
@@ -243,8 +235,9 @@ def _check_divisible(plan: FSDPPlan, profile: GraphProfile | None, model: nn.Mod
     "Strict mode: every sharded parameter's dim 0 divides by the shard group (no padding)."
     shapes = ([(p.name, p.shape) for p in profile.params] if profile is not None else
               [(n, tuple(p.shape)) for n, p in model.named_parameters()])
+    owner = unit_finder(plan)
     for name, shape in shapes:
-        if unit_of(name, plan) is not None and shape and shape[0] % plan.shard_size:
+        if owner(name) is not None and shape and shape[0] % plan.shard_size:
             raise PlanError(f"{name}: dim 0 = {shape[0]} is not divisible by the shard group "
                             f"{plan.shard_size}; FSDP2 pads it (wasting memory), but this check was asked to be "
                             f"strict. Pick a shard size dividing {shape[0]} or ignore the module.")

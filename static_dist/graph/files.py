@@ -7,15 +7,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from pathlib import Path
-from typing import Callable
 
 import torch
 from fastcore.basics import patch
 
 from .records import PHASES, ROLES, OpRecord, StaticGraph, StorageRecord, TensorRecord
 from ..structure import ModelStructure, StructureError
-from ..util import StaticDistError, atomic_write
+from ..util import (MAX_BYTES, Fields, StaticDistError, atomic_write, dtype_name, errors_as, integer, list_of,
+                              mapping, one_of, optional, read_json, shown, string)
 
 # %% auto 0
 __all__ = ['GRAPH_SCHEMA', 'GraphFileError', 'graph_from_dict', 'load_graph']
@@ -53,79 +54,35 @@ class GraphFileError(StaticDistError, ValueError):
     "A graph file (or dict) is not a valid static_dist graph; the message names the bad field and its path."
 
 # %% ../../nbs/00f_graph_files.ipynb
-def _show(v) -> str: return f"{type(v).__name__} {v!r:.40}"
-def _is_int(v) -> bool: return isinstance(v, int) and not isinstance(v, bool)
+def _columns(f: Fields, name: str, keys, optional: tuple = ()) -> tuple[Fields, int]:
+    "Table `name` of the file as Fields, and its number of rows: its columns (each required unless `optional`) are lists of one length."
+    t = f.nested(name, keys=keys)
+    lens = {k: len(t(k, list_of())) for k in keys if k not in optional or k in t}
+    first = next(iter(lens))
+    for k, n in lens.items():
+        if n != lens[first]: t.fail(f"{n} entries, but {name}.{first} has {lens[first]}; give one per row", k)
+    return t, lens[first]
 
-def _int(lo: int, hi: int | None = None, of: str = "", optional: bool = False) -> Callable:
-    "A check for integers in [lo, hi) (None allowed if `optional`); `of` names what hi counts."
-    def check(v):
-        if v is None and optional: return None
-        if not _is_int(v): return f"expected an integer, found {_show(v)}"
-        if v < lo: return f"{v} is negative" if lo == 0 else f"{v} is below {lo}"
-        if hi is not None and v >= hi: return f"{v} is out of range: must be below {hi} (the number of {of})"
-    return check
-
-# %% ../../nbs/00f_graph_files.ipynb
-def _str(optional: bool = False) -> Callable:
-    return lambda v: None if isinstance(v, str) or (v is None and optional) else f"expected a string, found {_show(v)}"
-
-def _one_of(allowed) -> Callable:
-    return lambda v: None if isinstance(v, str) and v in allowed else f"{_show(v)} is not one of {', '.join(allowed)}"
-
-def _dtype(v) -> str | None:
-    return None if isinstance(v, str) and isinstance(getattr(torch, v, None), torch.dtype) else \
-        f"{_show(v)} is not a torch dtype name (e.g. 'float32', 'bfloat16')"
-
-# %% ../../nbs/00f_graph_files.ipynb
-def _list_of(check: Callable) -> Callable:
-    "A check for a list whose items pass `check` (the error names the item)."
-    def lst(v):
-        if not isinstance(v, list): return f"expected a list, found {_show(v)}"
-        for j, x in enumerate(v):
-            if (why := check(x)) is not None: return f"[{j}]: {why}"
-    return lst
-
-# %% ../../nbs/00f_graph_files.ipynb
-def _need(d, key: str, kind: type, where: str):
-    "d[key], which must exist and be a `kind` (dict/list/str)."
-    if key not in d: raise GraphFileError(f"{where + '.' if where else ''}{key}: missing")
-    if not isinstance(d[key], kind):
-        raise GraphFileError(f"{where + '.' if where else ''}{key}: expected a {kind.__name__}, found {_show(d[key])}")
-    return d[key]
-
-def _rows_in(d: dict, name: str, keys, optional: tuple = ()) -> int:
-    "Rows of table d[name]: its columns (each required unless `optional`) must be lists of one length."
-    t = _need(d, name, dict, "")
-    cols = {k: _need(t, k, list, name) for k in keys if k not in optional or k in t}
-    first, n = next(iter(cols)), len(next(iter(cols.values())))
-    for k, col in cols.items():
-        if len(col) != n: raise GraphFileError(f"{name}.{k}: {len(col)} entries, but {name}.{first} has {n}")
-    return n
-
-# %% ../../nbs/00f_graph_files.ipynb
-def _table(d: dict, name: str, checks: dict[str, Callable]) -> dict[str, list]:
-    "Columns of table d[name] (shape already checked by `_rows_in`), each item passing its check."
-    cols = {k: d[name][k] for k in checks if k in d[name]}
-    for k, col in cols.items():
-        check = checks[k]
-        for i, v in enumerate(col):
-            if (why := check(v)) is not None:
-                raise GraphFileError(f"{name}.{k}[{i}]{'' if why.startswith('[') else ': '}{why}")
-    return cols
+def _values(t: Fields, checks: dict) -> dict[str, list]:
+    "The columns of table `t` that it has, every item passing its column's check."
+    return {k: t(k, list_of(c)) for k, c in checks.items() if k in t}
 
 def _rows(table: dict, n: int) -> list[dict]:
     return [{k: v[i] for k, v in table.items()} for i in range(n)]
 
 # %% ../../nbs/00f_graph_files.ipynb
-def _header(d) -> tuple[dict, list, bool]:
-    "(meta, op names, whether it is a version-1 file) of a graph dict whose schema this reader knows."
-    if not isinstance(d, dict): raise GraphFileError(f"expected a JSON object (a static_dist graph), found {_show(d)}")
+_TABLES = dict(ops=("op", "phase", "module", "inputs", "outputs", "flops"), saves=("op", "tensor"), unpacks=("op", "tensor"),
+               tensors=tuple(f.name for f in dataclasses.fields(TensorRecord)),
+               storages=tuple(f.name for f in dataclasses.fields(StorageRecord)))
+
+def _header(d) -> tuple[Fields, dict, list, bool]:
+    "(the file as Fields, meta, op names, whether it is a version-1 file) of a graph dict whose schema this reader knows."
+    if not isinstance(d, dict): raise GraphFileError(f"expected a JSON object (a static_dist graph), found {shown(d)}")
     if d.get("schema") not in _READABLE:
         raise GraphFileError(f"schema: expected {GRAPH_SCHEMA!r}, found {d.get('schema')!r}; this is not a static_dist "
                              "graph file (or one from a newer version): give a file written by capture/StaticGraph.save")
-    meta, names = _need(d, "meta", dict, ""), _need(d, "op_names", list, "")
-    if (why := _list_of(_str())(names)) is not None: raise GraphFileError(f"op_names{why}")
-    return meta, names, d["schema"] != GRAPH_SCHEMA
+    f = Fields(d, "", GraphFileError, keys=("schema", "meta", "op_names", *_TABLES))
+    return f, f("meta", mapping()), f("op_names", list_of(string())), d["schema"] != GRAPH_SCHEMA
 
 def _check_structure(meta: dict) -> None:
     if "structure" in meta:
@@ -133,37 +90,52 @@ def _check_structure(meta: dict) -> None:
         except StructureError as e: raise GraphFileError(str(e)) from None
 
 # %% ../../nbs/00f_graph_files.ipynb
-def _check_numbering(tensors: dict, storages: dict) -> None:
-    for name, col in (("tensors", tensors["id"]), ("storages", storages["id"])):
-        if (i := next((i for i, v in enumerate(col) if v != i), None)) is not None:
-            raise GraphFileError(f"{name}.id[{i}]: {col[i]} is not its position {i} (rows are numbered in order)")
+def _checked_tables(f: Fields, n_names: int, v1: bool) -> tuple[dict, dict, dict, dict]:
+    "The ops, tensors, storages and hook tables of the file (columns), every value checked; GraphFileError at the first bad one."
+    (ot, n_ops), (tt, n_t), (st, n_s) = (_columns(f, k, _TABLES[k], ("saved_in",) if v1 else ()) for k in ("ops", "tensors", "storages"))
+    hooks = {k: _columns(f, k, _TABLES[k])[0] for k in ("saves", "unpacks") if not v1 or k in f}
+    tid, op = integer(0, n_t - 1, "a tensor id"), integer(-1, n_ops, "an op index; -1: before the step")
+    ops = _values(ot, dict(op=integer(0, n_names - 1, "an index into op_names"), phase=integer(0, 2, "forward, backward, optimizer"),
+                           module=string(), inputs=list_of(tid), outputs=list_of(tid), flops=integer(0)))
+    tensors = _values(tt, dict(id=integer(0), storage=integer(0, n_s - 1, "a storage id"), shape=list_of(integer(0)),
+                               dtype=dtype_name(None)))
+    storages = _values(st, dict(id=integer(0), nbytes=integer(0, MAX_BYTES), device=string(), role=one_of(*ROLES), name=string(),
+                                created=op, freed=optional(op), saved_in=optional(string())))
+    hooks = {k: _values(h, dict(op=integer(0, n_ops, "an op index"), tensor=integer(-1 if k == "unpacks" else 0, n_t - 1, "a tensor id")))
+             for k, h in hooks.items()}
+    _check_rows(dict(ops=ot, tensors=tt, storages=st), ops, tensors, storages)
+    return ops, tensors, storages, hooks
 
 # %% ../../nbs/00f_graph_files.ipynb
-def _checked_tables(d: dict, n_names: int, v1: bool) -> tuple[dict, dict, dict, dict]:
-    "The ops, tensors, storages and hook tables of `d` (columns), every value checked; GraphFileError at the first bad one."
-    n_ops = _rows_in(d, "ops", ("op", "phase", "module", "inputs", "outputs", "flops"))
-    n_t = _rows_in(d, "tensors", [f.name for f in dataclasses.fields(TensorRecord)])
-    n_s = _rows_in(d, "storages", [f.name for f in dataclasses.fields(StorageRecord)], ("saved_in",) if v1 else ())
-    hook_tables = [k for k in ("saves", "unpacks") if not v1 or k in d]
-    for k in hook_tables: _rows_in(d, k, ("op", "tensor"))
-    ops = _table(d, "ops", dict(op=_int(0, n_names, "op_names"), phase=_int(0, len(PHASES), "phases"), module=_str(),
-                                inputs=_list_of(_int(0, n_t, "tensors")), outputs=_list_of(_int(0, n_t, "tensors")),
-                                flops=_int(0)))
-    tensors = _table(d, "tensors", dict(id=_int(0), storage=_int(0, n_s, "storages"), shape=_list_of(_int(0)), dtype=_dtype))
-    storages = _table(d, "storages", dict(id=_int(0), nbytes=_int(0), device=_str(), role=_one_of(ROLES), name=_str(),
-                                          created=_int(-1, n_ops + 1, "ops + 1"),
-                                          freed=_int(-1, n_ops + 1, "ops + 1", optional=True),
-                                          saved_in=_str(optional=True)))
-    _check_numbering(tensors, storages)
-    hooks = {k: _table(d, k, dict(op=_int(0, n_ops + 1, "ops + 1"), tensor=_int(-1 if k == "unpacks" else 0, n_t, "tensors")))
-             for k in hook_tables}
-    return ops, tensors, storages, hooks
+def _first(pairs) -> int | None: return next((i for i, bad in enumerate(pairs) if bad), None)
+
+def _check_rows(t: dict[str, Fields], ops: dict, tensors: dict, storages: dict) -> None:
+    "The rules between rows: ids are positions, phases in order, created <= freed, sizes within int64."
+    for name, col in (("tensors", tensors["id"]), ("storages", storages["id"])):
+        if (i := _first(v != i for i, v in enumerate(col))) is not None:
+            t[name].fail(f"expected {i} (rows are numbered in order, so no id repeats), found {col[i]}", f"id[{i}]")
+    ph = ops["phase"]
+    if (i := _first(b < a for a, b in zip(ph, ph[1:]))) is not None:
+        t["ops"].fail(f"expected {ph[i]} or more (op {i}'s phase: forward, backward and optimizer ops run in that order), "
+                      f"found {ph[i + 1]}", f"phase[{i + 1}]")
+    c, fr = storages["created"], storages["freed"]
+    if (i := _first(f is not None and f < a for a, f in zip(c, fr))) is not None:
+        t["storages"].fail(f"expected null or an op index >= created ({c[i]}), found {fr[i]}", f"freed[{i}]")
+    _check_sizes(t, tensors, storages)
+
+def _check_sizes(t: dict[str, Fields], tensors: dict, storages: dict) -> None:
+    item = {n: getattr(torch, n).itemsize for n in set(tensors["dtype"])}
+    for i, (shape, dt) in enumerate(zip(tensors["shape"], tensors["dtype"])):
+        if (b := math.prod(shape) * item[dt]) > MAX_BYTES:
+            t["tensors"].fail(f"expected a shape of at most 2**62 bytes, found {shown(shape)} ({dt}: {b:.3g} bytes)", f"shape[{i}]")
+    if (total := sum(storages["nbytes"])) > MAX_BYTES:
+        t["storages"].fail(f"expected at most 2**62 bytes in all the storages, found {total:.3g}", "nbytes")
 
 # %% ../../nbs/00f_graph_files.ipynb
 def graph_from_dict(d: dict) -> StaticGraph:
     "Rebuild a StaticGraph from `StaticGraph.to_dict()` output, checking every field (GraphFileError naming it)."
-    meta, names, v1 = _header(d)
-    o, tensors, storages, hooks = _checked_tables(d, len(names), v1)
+    f, meta, names, v1 = _header(d)
+    o, tensors, storages, hooks = _checked_tables(f, len(names), v1)
     _check_structure(meta)
     n_ops, n_t, n_s = len(o["op"]), len(tensors["id"]), len(storages["id"])
     ops = tuple(OpRecord(i, names[o["op"][i]], PHASES[o["phase"][i]], o["module"][i], tuple(o["inputs"][i]),
@@ -175,13 +147,8 @@ def graph_from_dict(d: dict) -> StaticGraph:
 
 # %% ../../nbs/00f_graph_files.ipynb
 def load_graph(path) -> StaticGraph:
-    "Read a graph written by `StaticGraph.save`; GraphFileError naming the file and the bad field."
-    p = Path(path)
-    if not p.is_file():
-        raise GraphFileError(f"{p}: {'not a regular file' if p.exists() else 'no such file'}; give the path of a graph "
-                             "JSON written by capture/StaticGraph.save")
-    try: d = json.loads(p.read_bytes())
-    except OSError as e: raise GraphFileError(f"{p}: cannot read it ({e.strerror})") from None
-    except ValueError as e: raise GraphFileError(f"{p}: not a JSON graph file ({str(e).splitlines()[0]})") from None
+    "Read a graph written by `StaticGraph.save` (a bounded, depth-limited read); GraphFileError naming the file and the bad field."
+    with errors_as(GraphFileError, "; give the path of a graph JSON written by capture/StaticGraph.save"):
+        d = read_json(path, "graph file")
     try: return graph_from_dict(d)
-    except GraphFileError as e: raise GraphFileError(f"{p}: {e}") from None
+    except GraphFileError as e: raise GraphFileError(f"{path}: {e}") from None

@@ -15,7 +15,8 @@ import torch
 from ..graph import StaticGraph, fmt_bytes
 from .lifetimes import DeviceModel
 from .plan import CLASSES, OffloadDecision, OffloadPlan, Tier, graph_signature
-from ..util import StaticDistError, atomic_write
+from ..util import (MAX_BYTES, Fields, StaticDistError, atomic_write, boolean, dtype_name, errors_as, integer,
+                              list_of, number, one_of, optional, read_json, shown, string)
 
 # %% auto 0
 __all__ = ['OFFLOAD_SCHEMA', 'OffloadError', 'OffloadPlanError', 'plan_to_dict', 'plan_from_dict', 'save_plan', 'load_plan',
@@ -40,76 +41,49 @@ def plan_to_dict(plan: OffloadPlan) -> dict:
     return {"schema": OFFLOAD_SCHEMA, **d}
 
 # %% ../../nbs/50c_offload_planfile.ipynb
-_INT, _NUM, _POS, _STR, _BOOL = "an integer", "a finite number >= 0", "a number > 0", "a string", "true or false"
-_SHAPE, _ANY = "a list of integers >= 0", "any value (checked on its own)"
+def _plan_error(where: str):
+    "The error for plan file `where`: the field's message, then how to get a good plan."
+    return lambda msg: OffloadPlanError(f"{where}: {msg}; make the plan again with plan_offload or `static-dist plan-offload --save`")
 
-def _show(v) -> str:
-    try: return json.dumps(v)[:40]
-    except (TypeError, ValueError): return repr(v)[:40]
-
-def _bad(where: str, path: str, msg: str):
-    raise OffloadPlanError(f"{where}: field {path} {msg}; make the plan again with plan_offload or `static-dist plan-offload --save`")
-
-# %% ../../nbs/50c_offload_planfile.ipynb
-def _is_kind(v, kind: str) -> bool:
-    "Does JSON value `v` (not null) have `kind`?"
-    return {_INT: type(v) is int, _STR: type(v) is str, _BOOL: type(v) is bool,
-            _NUM: type(v) in (int, float) and math.isfinite(v) and v >= 0,
-            _POS: type(v) in (int, float) and math.isfinite(v) and v > 0,
-            _ANY: True, _SHAPE: type(v) in (list, tuple) and all(type(i) is int and i >= 0 for i in v)}[kind]
-
-def _value(v, kind: str, where: str, path: str, null: bool = False, lo: int | None = None, hi: int | None = None):
-    "`v` if it is of `kind` (JSON types, no bool for numbers) and in [lo, hi]; else an OffloadPlanError naming `path`."
-    if v is None:
-        if null or kind == _ANY: return None
-        _bad(where, path, f"is null; expected {kind}")
-    if not _is_kind(v, kind): _bad(where, path, f"is {_show(v)}; expected {kind}")
-    if (lo is not None and v < lo) or (hi is not None and v > hi): _bad(where, path, f"is {v}; expected " + (f">= {lo}" if hi is None else f"{lo} to {hi}"))
-    return v
+_TIER_KEYS = tuple(f.name for f in dataclasses.fields(Tier))
+_DEVICE = dict(name=string(), flops=number(above=0), bandwidth=number(above=0), overhead=number(lo=0))
+_TOP = dict(n_ops=integer(0), signature=string(), peak_bytes=integer(0, MAX_BYTES), planned_peak_bytes=integer(0, MAX_BYTES),
+            stall_s=number(lo=0), step_s=number(lo=0), safety=number(lo=1), min_bytes=integer(0), lookahead=integer(0))
+_KEYS = ("schema", "decisions", "tiers", "device", "bytes_per_tier", *_TOP)
 
 # %% ../../nbs/50c_offload_planfile.ipynb
-def _object(d, spec: dict, where: str, path: str) -> dict:
-    "Check that `d` is an object with exactly the fields of `spec` ({field: args of _value}); the checked values."
-    if not isinstance(d, dict): _bad(where, path, f"is {type(d).__name__}; expected an object")
-    for k in spec:
-        if k not in d: _bad(where, f"{path}.{k}", "is missing")
-    for k in d:
-        if k not in spec: _bad(where, f"{path}.{k}", "is not a field of an offload plan")
-    return {k: _value(d[k], *spec[k][:1], where, f"{path}.{k}", *spec[k][1:]) for k in spec}
+def _tier_from(f: Fields) -> Tier:
+    cap = f("capacity", optional(number(lo=0)).named("a finite number of bytes >= 0, or null (no limit)"))
+    return Tier(name=f("name", string()), bandwidth=f("bandwidth", number(above=0)), latency=f("latency", number(lo=0)),
+                capacity=math.inf if cap is None else cap, kind=f("kind", one_of("cpu", "disk")))
 
 # %% ../../nbs/50c_offload_planfile.ipynb
-def _tier_from(t, where: str, path: str) -> Tier:
-    v = _object(t, dict(name=(_STR,), bandwidth=(_POS,), latency=(_NUM,), capacity=(_NUM, True), kind=(_STR,)), where, path)
-    if v["kind"] not in ("cpu", "disk"): _bad(where, f"{path}.kind", f"is {v['kind']!r}; expected 'cpu' or 'disk'")
-    return Tier(**{**v, "capacity": math.inf if v["capacity"] is None else v["capacity"]})
+def _decision_checks(n_ops: int) -> dict:
+    "The fields of a decision in a plan file and their checks."
+    op = integer(-1, n_ops, "an op index of the step; -1: before it")
+    return dict(storage=integer(0), name=string(), saved_in=optional(string()), nbytes=integer(0, MAX_BYTES),
+                shape=list_of(integer(0)), dtype=dtype_name(None), created=op, offload_after=op, first_backward_use=optional(op),
+                freed=optional(op), idle_s=number(lo=0), recomputed=boolean(), life_s=number(lo=0), klass=one_of(*CLASSES),
+                reason=string(), tier=optional(string()), release_op=optional(op), prefetch_at=optional(op))
 
-# %% ../../nbs/50c_offload_planfile.ipynb
-def _decision_spec(n_ops: int) -> dict:
-    "The fields of a decision in a plan file, for `_object`."
-    op = lambda null=False: (_INT, null, -1, n_ops)                    # an op index of the step (-1: before it)
-    return dict(storage=(_INT, False, 0), name=(_STR,), saved_in=(_STR, True), nbytes=(_INT, False, 0),
-                shape=(_SHAPE,), dtype=(_STR,), created=op(), offload_after=op(), first_backward_use=op(True),
-                freed=op(True), idle_s=(_NUM,), recomputed=(_BOOL,), life_s=(_NUM,), klass=(_STR,), reason=(_STR,),
-                tier=(_STR, True), release_op=op(True), prefetch_at=op(True))
-
-def _check_points(v: dict, tiers: set, where: str, path: str):
+def _check_points(f: Fields, v: dict, tiers: set):
     "A kept tensor has no points; an offloaded one goes to a plan tier, is not must_retain, and has its points in order."
     if v["tier"] is None:
         for k in ("release_op", "prefetch_at"):
-            if v[k] is not None: _bad(where, f"{path}.{k}", f"is {v[k]} for a tensor kept on the device (tier null); expected null")
+            if v[k] is not None: f.fail(f"expected null for a tensor kept on the device (tier null), found {v[k]}", k)
         return
-    if v["tier"] not in tiers: _bad(where, f"{path}.tier", f"is {v['tier']!r}; expected one of the plan's tiers {sorted(tiers)} or null")
-    if v["klass"] == "must_retain": _bad(where, f"{path}.tier", f"is {v['tier']!r} for a must_retain tensor; expected null")
+    if v["tier"] not in tiers: f.fail(f"expected one of the plan's tiers {sorted(tiers)} or null, found {shown(v['tier'])}", "tier")
+    if v["klass"] == "must_retain": f.fail(f"expected null for a must_retain tensor, found {shown(v['tier'])}", "tier")
     chain = [v[k] for k in ("offload_after", "release_op", "prefetch_at", "first_backward_use")]
     if None in chain or not chain[0] < chain[1] <= chain[2] <= chain[3]:
-        _bad(where, path, f"needs offload_after < release_op <= prefetch_at <= first_backward_use, found {chain}")
+        f.fail(f"needs offload_after < release_op <= prefetch_at <= first_backward_use, found {chain}")
 
 # %% ../../nbs/50c_offload_planfile.ipynb
-def _decision_from(x, n_ops: int, tiers: set, where: str, path: str) -> OffloadDecision:
-    v = _object(x, _decision_spec(n_ops), where, path)
-    if not isinstance(getattr(torch, v["dtype"], None), torch.dtype): _bad(where, f"{path}.dtype", f"is {v['dtype']!r}; expected a torch dtype name like 'float32'")
-    if v["klass"] not in CLASSES: _bad(where, f"{path}.klass", f"is {v['klass']!r}; expected one of {list(CLASSES)}")
-    _check_points(v, tiers, where, path)
+def _decision_from(f: Fields, checks: dict, tiers: set) -> OffloadDecision:
+    v = {k: f(k, c) for k, c in checks.items()}
+    if (b := math.prod(v["shape"]) * getattr(torch, v["dtype"]).itemsize) > MAX_BYTES:
+        f.fail(f"expected a shape of at most 2**62 bytes, found {shown(v['shape'])} ({v['dtype']}: {b:.3g} bytes)", "shape")
+    _check_points(f, v, tiers)
     return OffloadDecision(**{**v, "shape": tuple(v["shape"])})
 
 # %% ../../nbs/50c_offload_planfile.ipynb
@@ -122,45 +96,40 @@ def _check_schema(d, where: str):
         raise OffloadPlanError(f"{where} is not an offload plan: expected schema {OFFLOAD_SCHEMA!r}, found "
                                f"{d.get('schema') if isinstance(d, dict) else type(d).__name__!r}")
 
-_TOP = dict(schema=(_STR,), decisions=(_ANY,), tiers=(_ANY,), device=(_ANY,), bytes_per_tier=(_ANY,),
-            n_ops=(_INT, False, 0), signature=(_STR,), peak_bytes=(_INT, False, 0), planned_peak_bytes=(_INT, False, 0),
-            stall_s=(_NUM,), step_s=(_NUM,), safety=(_NUM, False, 1), min_bytes=(_INT, False, 0), lookahead=(_INT, False, 0))
-
 # %% ../../nbs/50c_offload_planfile.ipynb
-def _tiers_from(d: dict, where: str) -> tuple[Tier, ...]:
-    tiers = tuple(_tier_from(t, where, f"plan.tiers[{i}]") for i, t in enumerate(d["tiers"]))
+def _tiers_from(f: Fields) -> tuple[Tier, ...]:
+    tiers = tuple(_tier_from(t) for t in f.each("tiers", _TIER_KEYS, 1))
     names = [t.name for t in tiers]
-    if len(set(names)) != len(names): _bad(where, "plan.tiers", f"has duplicate names {names}; expected unique ones")
+    if len(set(names)) != len(names): f.fail(f"expected tiers with distinct names, found {shown(names)}", "tiers")
     return tiers
 
-def _bytes_per_tier(bpt, names: list[str], where: str) -> dict:
-    if not isinstance(bpt, dict) or sorted(bpt) != sorted(names): _bad(where, "plan.bytes_per_tier", f"must map exactly the tiers {names} to bytes")
-    return {k: _value(x, _NUM, where, f"plan.bytes_per_tier.{k}") for k, x in bpt.items()}
+def _bytes_per_tier(f: Fields, names: list[str]) -> dict:
+    "Bytes the plan puts on each tier: exactly the plan's tier names, each a number."
+    b = f.nested("bytes_per_tier", keys=names)
+    return {k: b(k, number(lo=0)) for k in names}
 
 # %% ../../nbs/50c_offload_planfile.ipynb
-def _decisions_from(xs: list, n_ops: int, names: set, where: str) -> tuple[OffloadDecision, ...]:
+def _decisions_from(f: Fields, n_ops: int, tiers: set) -> tuple[OffloadDecision, ...]:
     "Every decision checked, one per storage."
-    decisions, seen = [], {}
-    for i, x in enumerate(xs):
-        dec = _decision_from(x, n_ops, names, where, f"plan.decisions[{i}]")
-        if dec.storage in seen: _bad(where, f"plan.decisions[{i}].storage", f"is {dec.storage}, already decided in plan.decisions[{seen[dec.storage]}]; expected one decision per storage")
-        seen[dec.storage] = i; decisions.append(dec)
-    return tuple(decisions)
+    checks, seen, out = _decision_checks(n_ops), {}, []
+    for i, x in enumerate(f.each("decisions", checks, 1)):
+        dec = _decision_from(x, checks, tiers)
+        if dec.storage in seen:
+            x.fail(f"expected one decision per storage, found {dec.storage}, already decided in plan.decisions[{seen[dec.storage]}]", "storage")
+        seen[dec.storage] = i; out.append(dec)
+    return tuple(out)
 
 # %% ../../nbs/50c_offload_planfile.ipynb
 def plan_from_dict(d: dict, where: str = "offload plan") -> OffloadPlan:
     "Rebuild an OffloadPlan from `plan_to_dict` output; an `OffloadPlanError` names any bad field and its path (`where` prefixes it)."
     _check_schema(d, where)
-    v = _object(d, _TOP, where, "plan")
-    for k in ("tiers", "decisions"):
-        if not isinstance(d[k], (list, tuple)) or not d[k]: _bad(where, f"plan.{k}", f"is {_show(d[k])}; expected a non-empty list")
-    tiers = _tiers_from(d, where)
-    names = [t.name for t in tiers]
-    dev = _object(d["device"], dict(name=(_STR,), flops=(_POS,), bandwidth=(_POS,), overhead=(_NUM,)), where, "plan.device")
-    bpt = _bytes_per_tier(d["bytes_per_tier"], names, where)
-    decisions = _decisions_from(d["decisions"], v["n_ops"], set(names), where)
-    v.pop("schema")
-    return OffloadPlan(**{**v, "decisions": decisions, "tiers": tiers, "device": DeviceModel(**dev), "bytes_per_tier": bpt})
+    f = Fields(d, "plan", _plan_error(where), _KEYS)
+    v = {k: f(k, c) for k, c in _TOP.items()}
+    tiers = _tiers_from(f)
+    dev = f.nested("device", keys=_DEVICE)
+    return OffloadPlan(**v, tiers=tiers, device=DeviceModel(**{k: dev(k, c) for k, c in _DEVICE.items()}),
+                       bytes_per_tier=_bytes_per_tier(f, [t.name for t in tiers]),
+                       decisions=_decisions_from(f, v["n_ops"], {t.name for t in tiers}))
 
 # %% ../../nbs/50c_offload_planfile.ipynb
 def save_plan(plan: OffloadPlan, path, *, force: bool = True) -> Path:
@@ -168,10 +137,8 @@ def save_plan(plan: OffloadPlan, path, *, force: bool = True) -> Path:
     return atomic_write(path, json.dumps(plan_to_dict(plan), indent=1), force=force)
 
 def load_plan(path) -> OffloadPlan:
-    "Read a plan written by `save_plan`; an `OffloadPlanError` names the file and the bad field."
-    try: d = json.loads(Path(path).read_bytes())
-    except OSError as e: raise OffloadPlanError(f"cannot read offload plan {path}: {e.strerror or e}; give the file `plan-offload --save` wrote") from None
-    except ValueError as e: raise OffloadPlanError(f"offload plan {path} is not JSON ({e}); give the file `plan-offload --save` wrote") from None
+    "Read a plan written by `save_plan` (a bounded, depth-limited read); an `OffloadPlanError` names the file and the bad field."
+    with errors_as(OffloadPlanError, "; give the file `plan-offload --save` wrote"): d = read_json(path, "offload plan")
     return plan_from_dict(d, str(path))
 
 # %% ../../nbs/50c_offload_planfile.ipynb

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -90,7 +91,9 @@ def cell(self: CompatReport, path: str) -> CompatCell:
 @patch
 def statuses(self: CompatReport) -> dict: return {c.path: c.status for c in self.cells}
 @patch
-def to_json(self: CompatReport) -> dict: return asdict(self)
+def to_dict(self: CompatReport) -> dict: return asdict(self)
+@patch
+def to_json(self: CompatReport, indent: int | None = 2) -> str: return json.dumps(self.to_dict(), indent=indent)
 
 # %% ../../nbs/20e_ops_matrix.ipynb
 @patch
