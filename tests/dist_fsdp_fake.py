@@ -13,20 +13,18 @@ import torch
 
 from static_dist.fsdp import FSDPPlan, FSDPUnit, memtracker_fsdp_peak, predict_memory, profile_graph
 from static_dist.graph import capture
-from static_dist.zoo import Llama, LlamaConfig, get_model
+from static_dist.zoo import get_model
 
-CFG = LlamaConfig(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=768, vocab_size=1024, max_seq_len=256)
+SMALL = get_model("small")      # the zoo's small Llama: 4 blocks of width 256, vocabulary 1024
 
 
 def tracked_peak(plan: FSDPPlan, x, y, optimizer: str) -> int:
-    "FSDPMemTracker's peak for the plan, on meta-built Llama(CFG) materialised under fake tensors."
-    def build():
-        with torch.device("meta"): return Llama(CFG)
-    return memtracker_fsdp_peak(build, plan, (x,), y, get_model("tiny").loss, optimizer)
+    "FSDPMemTracker's peak for the plan, on the meta-built small Llama materialised under fake tensors."
+    return memtracker_fsdp_peak(SMALL.build, plan, (x,), y, SMALL.loss, optimizer)
 
 
 def cases(quick: bool):
-    blocks = tuple(FSDPUnit(f"layers.{i}") for i in range(CFG.n_layers))
+    blocks = tuple(FSDPUnit(f"layers.{i}") for i in range(len(SMALL.build().layers)))
     root = FSDPUnit("")
     per_block = lambda W, **kw: FSDPPlan(W, (W,), (root, *blocks), forward_prefetch=0, **kw)
     rep = lambda units, **kw: tuple(dataclasses.replace(u, **kw) for u in units)
@@ -57,16 +55,14 @@ def cases(quick: bool):
 
 
 def main(out_path: str, quick: bool):
-    zm = get_model("tiny")
     results, graphs = [], {}
     for name, plan, batch, seq, optimizer in cases(quick):
-        x = torch.randint(0, CFG.vocab_size, (batch, seq))
-        y = torch.randint(0, CFG.vocab_size, (batch, seq))
+        (x,), y = SMALL.batch(batch, seq, seed=0)
         bf16 = plan.param_dtype == "bfloat16"
         key = (batch, seq, optimizer, bf16)
         if key not in graphs:       # mixed precision: capture in bf16, fp32 masters
-            with torch.device("meta"): m0 = Llama(CFG).to(torch.bfloat16 if bf16 else torch.float32)
-            graphs[key] = profile_graph(capture(m0, (x,), loss_fn=zm.loss, targets=y, optimizer=optimizer),
+            m0 = SMALL.build(dtype=torch.bfloat16 if bf16 else torch.float32)
+            graphs[key] = profile_graph(capture(m0, (x,), loss_fn=SMALL.loss, targets=y, optimizer=optimizer),
                                         master_dtype="float32" if bf16 else None)
         t0 = time.perf_counter()
         pred = predict_memory(graphs[key], plan).peak_bytes

@@ -13,11 +13,14 @@ import torch
 import torch.nn.functional as F
 from hypothesis import Phase, given, settings, strategies as st
 
-from static_dist.fsdp import (BlockMismatchError, FSDPPlan, FSDPUnit, Overrides, PlanError, _expand, apply_plan,
+from static_dist.fsdp import (BlockMismatchError, FSDPPlan, FSDPUnit, Overrides, PlanError, expand_profile, apply_plan,
                               block_mismatch, candidate_unit_sets, expand_blocks, plan_fsdp, predict_comms,
-                              predict_memory, predict_plan, profile_expanded, profile_graph, validate, verify_plan)
+                              predict_memory, predict_plan, profile_expanded, profile_graph, profile_workload,
+                              validate, verify_plan)
 from static_dist.graph import capture
 from static_dist.util import StaticDistError
+from static_dist.workload import load_workload
+from static_dist.zoo import PRESETS, Llama
 
 sys.path.insert(0, str(Path(__file__).parent))
 from gpt_model import build_gpt, gpt_loss  # noqa: E402
@@ -97,7 +100,7 @@ def test_expand_blocks_refuses_hf_llama_and_falls_back(hf_llama):
     got, how = profile_expanded(lambda: p3, lambda: p8, 8)
     assert got is p8 and how.startswith("fell back to full capture: ")
     # the refusal matters: copying block 1 anyway mispredicts (printed for the report)
-    forced = _expand(p3, 8)
+    forced = expand_profile(p3, 8)
     for ac, plan in ac_plans("model.layers", 8, 64):
         a, b = predict_memory(forced, plan).peak_bytes, predict_memory(p8, plan).peak_bytes
         print(f"hf llama tiny, ac={ac}: forced expansion {a:,} vs full {b:,} ({a / b - 1:+.2%})")
@@ -108,7 +111,8 @@ def test_fixed_plan_is_evaluated_as_written(gpt):
     units = (FSDPUnit(""), *(FSDPUnit(b, i % 2 == 0) for i, b in enumerate(p3.blocks)))
     plan = FSDPPlan(8, (8,), units, forward_prefetch=0, backward_prefetch=1, name="mine")
     rep = plan_fsdp(p3, world_size=8, budget=2**30, overrides=Overrides(plan=plan))
-    assert rep.plan == plan and rep.evaluated == 1 and "pinned" in rep.notes[0]
+    bare = dataclasses.replace(rep.plan, reasons=(), units=tuple(dataclasses.replace(u, reason="") for u in rep.plan.units))
+    assert bare == plan and rep.evaluated == 1 and "pinned" in rep.notes[0]     # exactly as given, with reasons added
     assert rep.memory.peak_bytes == predict_memory(p3, plan).peak_bytes
     assert rep.step.counts == predict_comms(p3, plan) == {"all_gather": 4 + 2, "reduce_scatter": 4, "all_reduce": 0}   # 2 blocks re-gather
     assert predict_plan(p3, FSDPPlan.from_json(plan.to_json())).memory.peak_bytes == rep.memory.peak_bytes
@@ -277,3 +281,68 @@ def test_expand_blocks_on_examples_gpt():
     got, how = profile_expanded(lambda: c3, lambda: c8, 8)
     assert got is c8 and how.startswith("fell back to full capture: block 0"), how
     print(how)
+
+
+# ---- profile_workload: the fast path (3 blocks captured, expanded) against the full capture of the same workload
+def _deep_small(n_layers):
+    "The `small` preset with `n_layers` blocks, as a workload `build` (meta only: the fake capture builds nothing else)."
+    def build(device="meta", dtype=torch.float32):
+        assert str(device) == "meta", device
+        with torch.device("meta"): return Llama(dataclasses.replace(PRESETS["small"], n_layers=n_layers)).to(dtype)
+    return build
+
+
+def _same_plans(fast, full, worlds, budgets):
+    "Every (world, budget): plan_fsdp chooses the same plan with the same predicted peak and step time from both."
+    for W in worlds:
+        for budget in budgets:
+            a = plan_fsdp(fast, world_size=W, budget=budget)
+            b = plan_fsdp(full, world_size=W, budget=budget)
+            print(f"world {W} budget {budget:,}: {a.plan.name}, peak {a.memory.peak_bytes:,} / {b.memory.peak_bytes:,}, "
+                  f"checkpointed {sum(u.activation_checkpointing for u in a.plan.units)}")
+            assert a.plan == b.plan, (W, budget)
+            assert a.memory.peak_bytes == b.memory.peak_bytes and a.step.step_seconds == b.step.step_seconds
+            assert [e.peak_bytes for e in a.baselines] == [e.peak_bytes for e in b.baselines]
+
+
+def test_profile_workload_16_blocks_plans_as_the_full_capture():
+    """16 blocks of the small preset in bf16 with fp32 masters (as plan-fsdp profiles): 3 captured and expanded give
+    the full capture's parameters, saved activations and forward/backward bytes, and the same plans, roomy or tight
+    enough to checkpoint."""
+    w = dataclasses.replace(load_workload("small", batch=2, seq=128), build=_deep_small(16))
+    fast, full = profile_workload(w, "bfloat16", "float32"), profile_workload(w, "bfloat16", "float32", expand=False)
+    assert (fast.path, full.path) == ("expanded from 3 of 16 blocks", "full capture")
+    assert sorted(fast.params, key=lambda p: p.name) == sorted(full.params, key=lambda p: p.name)
+    assert sorted(fast.saved) == sorted(full.saved)
+    n = int((full.op_phase < 2).sum())
+    assert (fast.native[:n] == full.native[:n]).all() and fast.native[n:].max() == full.native[n:].max()
+    roomy = plan_fsdp(full, world_size=8, budget=2**34).memory.peak_bytes
+    _same_plans(fast, full, (8, 64, 1024), (2**34, roomy // 2))
+    tight = plan_fsdp(full, world_size=8, budget=roomy // 2).plan
+    assert any(u.activation_checkpointing for u in tight.units)         # the tight budget did exercise checkpointing
+
+
+@pytest.mark.slow
+def test_profile_workload_llama3_8b_plans_as_the_full_capture():
+    "Llama 3 8B at 4096 tokens, as plan-fsdp profiles it: the expanded profile plans what the full capture plans."
+    w = load_workload("llama3-8b", batch=1, seq=4096)
+    fast, full = profile_workload(w, "bfloat16", "float32"), profile_workload(w, "bfloat16", "float32", expand=False)
+    assert (fast.path, full.path) == ("expanded from 3 of 32 blocks", "full capture")
+    _same_plans(fast, full, (64, 1024), (80 * 2**30, 24 * 2**30))
+
+
+def test_profile_workload_falls_back_where_blocks_differ(tmp_path):
+    """A block that differs beyond the 3 captured (one norm's eps) is seen on the module tree: full capture, and the
+    path says which attribute. HF Llama's captured blocks differ (block 0 saves the mask): full capture, with why."""
+    def odd(device="meta", dtype=torch.float32):
+        m = _deep_small(6)(device, dtype)
+        m.layers[5].ffn_norm.eps = 1e-3
+        return m
+    w = dataclasses.replace(load_workload("small", batch=2, seq=64), build=odd)
+    assert profile_workload(w).path == ("full capture: blocks differ: layers.5.ffn_norm.eps is 0.001 where "
+                                        "layers.0.ffn_norm.eps is 1e-05")
+    import transformers
+    transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=8, num_attention_heads=4,
+                             num_key_value_heads=2, vocab_size=512, max_position_embeddings=256).save_pretrained(tmp_path)
+    p = profile_workload(load_workload(f"hf:{tmp_path}", batch=2, seq=64))
+    assert p.path.startswith("full capture: captured blocks differ: ") and len(p.blocks) == 8, p.path

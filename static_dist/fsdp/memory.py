@@ -12,7 +12,8 @@ from typing import Sequence
 import numpy as np
 
 from .plan import FSDPPlan, _prefixes, innermost, unit_of
-from .profile import _DTYPES, GraphProfile
+from .profile import GraphProfile
+from ..util import DTYPE_BYTES
 from ..graph import fmt_bytes, pyplot
 
 # %% auto 0
@@ -54,7 +55,7 @@ class UnitLayout:
     "FLOPs of ops owned by this unit (not by a nested unit)."
 
 # %% ../../nbs/40c_fsdp_memory.ipynb
-def _dtype_size(name: str | None, default: int) -> int: return default if name is None else _DTYPES[name]
+def _dtype_size(name: str | None, default: int) -> int: return default if name is None else DTYPE_BYTES[name]
 _CACHE: dict = {}
 
 def _cached(kind: str, profile: GraphProfile, plan: FSDPPlan, fn):
@@ -74,53 +75,76 @@ def layout(profile: GraphProfile, plan: FSDPPlan) -> tuple[UnitLayout, ...]:
     return _cached("layout", profile, plan, _layout)
 
 # %% ../../nbs/40c_fsdp_memory.ipynb
-def _layout(profile: GraphProfile, plan: FSDPPlan) -> tuple[UnitLayout, ...]:
+def _module_ops(profile: GraphProfile) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray]:
+    """The modules that ran ops; per module and phase (forward, backward) its first and last op (n / -1: none) and
+    the FLOPs of its own ops. One pass over the ops, so that a unit is a few lookups, not a pass of its own."""
     mods = sorted(set(profile.op_module))
     mid = {m: i for i, m in enumerate(mods)}
-    op_mid = np.array([mid[m] for m in profile.op_module])
-    names = [u.module for u in plan.units]
-    owner_of_mod = np.array([innermost(m, set(names)) for m in mods], dtype=object)
-    owner = {p.name: unit_of(p.name, plan) for p in profile.params}
-    sub = {u: [] for u in names}                      # modules (of ops) inside each unit
+    op_mid = np.array([mid[m] for m in profile.op_module], dtype=np.int64)
+    n, k = len(op_mid), len(mods)
+    first, last, flops = np.full((k, 2), n, np.int64), np.full((k, 2), -1, np.int64), np.zeros((k, 2))
+    for ph in (0, 1):
+        ix = np.flatnonzero(profile.op_phase == ph)
+        np.minimum.at(first[:, ph], op_mid[ix], ix)
+        np.maximum.at(last[:, ph], op_mid[ix], ix)
+        flops[:, ph] = np.bincount(op_mid[ix], weights=profile.op_flops[ix], minlength=k)
+    return mods, first, last, flops
+
+def _span(first: np.ndarray, last: np.ndarray, ix: list, ph: int) -> tuple[int, int] | None:
+    "First and last op of phase `ph` over the modules `ix` (None: they ran none)."
+    if not ix or last[ix, ph].max() < 0: return None
+    return int(first[ix, ph].min()), int(last[ix, ph].max())
+
+# %% ../../nbs/40c_fsdp_memory.ipynb
+def _unit_sizes(ps: list, plan: FSDPPlan) -> tuple[int, int, int, int, int]:
+    "(sharded, unsharded, grad, reduce-scatter, optimizer state) bytes on rank 0 of a unit holding parameters `ps`."
+    s, sh, un, st = plan.shard_size, 0, 0, 0
+    for p in ps:
+        a, b = shard_numel(p.shape, s)
+        sh, un, st = sh + a * p.itemsize, un + b, st + math.ceil(p.state_bytes * a / max(p.numel, 1))
+    csize = _dtype_size(plan.param_dtype, ps[0].itemsize if ps else 4)
+    rsize = _dtype_size(plan.reduce_dtype or plan.param_dtype, ps[0].itemsize if ps else 4)
+    return sh, un * csize, sum(p.numel for p in ps) * csize, un * rsize, st
+
+# %% ../../nbs/40c_fsdp_memory.ipynb
+def _layout(profile: GraphProfile, plan: FSDPPlan) -> tuple[UnitLayout, ...]:
+    mods, first, last, flops = _module_ops(profile)
+    names = {u.module for u in plan.units}
+    inside = {u: [] for u in names}                   # modules (of ops) inside each unit
+    owned = {u: [] for u in names}                    # ... whose innermost unit it is
     for i, m in enumerate(mods):
         for a in _prefixes(m):
-            if a in sub: sub[a].append(i)
-    owner_op = owner_of_mod[op_mid] if len(op_mid) else np.array([])
-    n = len(profile.op_module)
-    s = plan.shard_size
+            if a in inside: inside[a].append(i)
+        if (o := innermost(m, names)) is not None: owned[o].append(i)
+    ignored = set(plan.ignored)
+    params = {u: [] for u in names}
+    for p in profile.params:                          # as `unit_of`, with the sets built once
+        o = None if ignored and innermost(p.name, ignored) is not None else innermost(p.name, names)
+        if o is not None: params[o].append(p)
+    nb = np.flatnonzero(profile.op_phase == 1)
     out = []
     for u in plan.units:
-        inside = np.isin(op_mid, sub[u.module])
-        f = np.flatnonzero(inside & (profile.op_phase == 0))
-        b = np.flatnonzero(inside & (profile.op_phase == 1))
-        fwd = (int(f[0]), int(f[-1])) if len(f) else (0, 0)
-        bwd = (int(b[0]), int(b[-1])) if len(b) else (fwd[1], fwd[1])
-        if u.module == "":
-            nb = np.flatnonzero(profile.op_phase == 1)
-            fwd, bwd = (0, fwd[1]), (int(nb[0]) if len(nb) else fwd[1], int(nb[-1]) if len(nb) else fwd[1])
-        ps = [p for p in profile.params if owner[p.name] == u.module]
-        sh = un = st = 0
-        for p in ps:
-            a, b_ = shard_numel(p.shape, s)
-            sh += a * p.itemsize
-            un += b_
-            st += math.ceil(p.state_bytes * a / max(p.numel, 1))
-        csize = _dtype_size(plan.param_dtype, ps[0].itemsize if ps else 4)
-        rsize = _dtype_size(plan.reduce_dtype or plan.param_dtype, ps[0].itemsize if ps else 4)
-        own = owner_op == u.module
-        out.append(UnitLayout(u.module, tuple(p.name for p in ps), fwd, bwd, sh, un * csize,
-                              sum(p.numel for p in ps) * csize, un * rsize, st,
-                              float(profile.op_flops[own & (profile.op_phase == 0)].sum()),
-                              float(profile.op_flops[own & (profile.op_phase == 1)].sum())))
+        fwd = _span(first, last, inside[u.module], 0) or (0, 0)
+        bwd = _span(first, last, inside[u.module], 1) or (fwd[1], fwd[1])
+        if u.module == "": fwd, bwd = (0, fwd[1]), (int(nb[0]), int(nb[-1])) if len(nb) else (fwd[1], fwd[1])
+        ps, own = params[u.module], owned[u.module]
+        out.append(UnitLayout(u.module, tuple(p.name for p in ps), fwd, bwd, *_unit_sizes(ps, plan),
+                              float(flops[own, 0].sum()), float(flops[own, 1].sum())))
     return tuple(sorted(out, key=lambda l: (l.fwd[0], l.module != "", l.module.count("."))))
 
 # %% ../../nbs/40c_fsdp_memory.ipynb
 class _Curves:
     "Bytes per category as difference arrays: `add(cat, a, b, v)` holds `v` bytes from op `a` through op `b`."
-    def __init__(self, n: int): self.n, self.d = n, {c: np.zeros(n + 2, dtype=np.int64) for c in CATEGORIES}
+    def __init__(self, n: int): self.n, self.ev = n, {c: [] for c in CATEGORIES}
     def add(self, cat: str, a: int, b: int, v: int):
-        if v and b >= a: self.d[cat][max(a, 0)] += v; self.d[cat][min(b, self.n - 1) + 1] -= v
-    def curves(self) -> dict: return {c: np.cumsum(self.d[c])[:self.n] for c in CATEGORIES}
+        if v and b >= a: self.ev[cat].append((max(a, 0), min(b, self.n - 1) + 1, v))
+    def curves(self) -> dict: return {c: self._curve(self.ev[c]) for c in CATEGORIES}
+    def _curve(self, ev: list) -> np.ndarray:
+        d = np.zeros(self.n + 2, dtype=np.int64)
+        if ev:
+            a, b, v = np.array(ev, dtype=np.int64).T
+            np.add.at(d, a, v); np.subtract.at(d, b, v)
+        return np.cumsum(d)[:self.n]
 
 # %% ../../nbs/40c_fsdp_memory.ipynb
 def _add_ignored(C: _Curves, profile: GraphProfile, plan: FSDPPlan) -> int:
@@ -228,8 +252,8 @@ def _activations(profile: GraphProfile, plan: FSDPPlan, lays, shard_ratio: float
         if not units[l.module].activation_checkpointing or not l.module: continue
         if l.bwd[0] - 1 >= l.fwd[1] + 1: act[l.fwd[1] + 1:l.bwd[0]] -= drops[l.module]
     cap = profile.compute_itemsize or (profile.params[0].itemsize if profile.params else 4)
-    if plan.param_dtype is not None and _DTYPES[plan.param_dtype] != cap:   # captured in another dtype: scale
-        act = (act * (_DTYPES[plan.param_dtype] / cap)).astype(np.int64)
+    if plan.param_dtype is not None and DTYPE_BYTES[plan.param_dtype] != cap:   # captured in another dtype: scale
+        act = (act * (DTYPE_BYTES[plan.param_dtype] / cap)).astype(np.int64)
     return act
 
 # %% ../../nbs/40c_fsdp_memory.ipynb

@@ -13,13 +13,15 @@ from typing import Sequence
 
 import numpy as np
 import torch
+import torch.nn as nn
 
-from ..graph import StaticGraph, fmt_bytes
-from ..util import StaticDistError
+from ..graph import CaptureError, StaticGraph, fmt_bytes
+from ..structure import BlockStack, find_structure
+from ..util import DTYPE_BYTES, StaticDistError, torch_dtype
 
 # %% auto 0
 __all__ = ['PlanError', 'BlockMismatchError', 'ParamInfo', 'GraphProfile', 'profile_graph', 'block_mismatch', 'expand_blocks',
-           'profile_expanded']
+           'expand_profile', 'profile_expanded', 'first_blocks', 'block_attr_mismatch', 'profile_workload']
 
 # %% ../../nbs/40a_fsdp_profile.ipynb
 class PlanError(StaticDistError, ValueError):
@@ -32,9 +34,6 @@ class BlockMismatchError(PlanError):
         super().__init__(f"expand_blocks: the captured blocks are not identical ({'; '.join(self.reasons)}), so "
                          "copying one would mispredict; capture the full model instead (expand_blocks is only a "
                          "shortcut, and profile_expanded falls back to the full capture for you)")
-
-# %% ../../nbs/40a_fsdp_profile.ipynb
-_DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}   # bytes per element of the dtypes a plan may name
 
 # %% ../../nbs/40a_fsdp_profile.ipynb
 @dataclass(frozen=True)
@@ -88,6 +87,8 @@ class GraphProfile:
     "FQN of the container of `blocks`: `layers`, `model.layers`, `transformer.h` ('' = the root itself)."
     op_names: tuple[str, ...] = ()
     "The aten op of each op (`aten.mm.default`): what `expand_blocks` compares between blocks."
+    path: str = "full capture"
+    "How the profile was made: 'full capture', 'expanded from 3 of 80 blocks', or 'full capture: <why not expanded>'."
 
 # %% ../../nbs/40a_fsdp_profile.ipynb
 def _under(name: str, unit: str) -> bool:
@@ -174,9 +175,9 @@ def _param_infos(g: StaticGraph) -> tuple[list[ParamInfo], dict[int, list[str]]]
 def _to_master(params: list, native: np.ndarray, temporary: np.ndarray, phase: np.ndarray, master_dtype: str | None):
     "(params, native, temporary, compute itemsize) with parameters kept in `master_dtype` (itemsize 0: no change)."
     cap = params[0].itemsize if params else 4
-    if master_dtype is None or _DTYPES[master_dtype] == cap: return params, native, temporary, 0
-    r = _DTYPES[master_dtype] / cap
-    params = [dataclasses.replace(p, itemsize=_DTYPES[master_dtype], state_bytes=int(p.state_bytes * r)) for p in params]
+    if master_dtype is None or DTYPE_BYTES[master_dtype] == cap: return params, native, temporary, 0
+    r = DTYPE_BYTES[master_dtype] / cap
+    params = [dataclasses.replace(p, itemsize=DTYPE_BYTES[master_dtype], state_bytes=int(p.state_bytes * r)) for p in params]
     opt = phase == 2
     extra = (temporary[opt] * (r - 1)).astype(np.int64)
     native[opt] += extra
@@ -281,7 +282,7 @@ def expand_blocks(profile: GraphProfile, n_blocks: int) -> GraphProfile:
     if n_blocks == k: return P
     reasons = block_mismatch(P)
     if reasons: raise BlockMismatchError(reasons)
-    return _expand(P, n_blocks)
+    return expand_profile(P, n_blocks)
 
 # %% ../../nbs/40a_fsdp_profile.ipynb
 def _pieces(P: GraphProfile, extra: int) -> list[tuple[np.ndarray, int, int | str | None]]:
@@ -310,12 +311,15 @@ def _newpos(where: dict, i: int, pieces) -> int | None:
 # %% ../../nbs/40a_fsdp_profile.ipynb
 def _lay_out_ops(P: GraphProfile, pieces: list, ren) -> tuple[dict, dict]:
     "The expanded per-op fields of the profile, and `where[(piece, captured op)]` = new op index."
-    mods, names, phase, flops, native, temp, where = [], [], [], [], [], [], {}
+    mods, names, phase, flops, native, temp, where, new = [], [], [], [], [], [], {}, {}
     for kk, (ix, off, blk) in enumerate(pieces):
-        start = len(mods)
-        for t, i in enumerate(ix):
-            mods.append(ren(P.op_module[i]) if blk in (None, "shift") else _rename_block(P.op_module[i], P.stack, blk))
-            where.setdefault((kk, int(i)), start + t)
+        start, copy = len(mods), None if blk in (None, "shift") else blk
+        for t, i in enumerate(ix.tolist()):
+            m = P.op_module[i]
+            if (m, copy) not in new:   # a few dozen modules among tens of thousands of ops: rename each once
+                new[m, copy] = ren(m) if copy is None else _rename_block(m, P.stack, copy)
+            mods.append(new[m, copy])
+            where.setdefault((kk, i), start + t)
         if P.op_names: names += [P.op_names[i] for i in ix]
         phase.append(P.op_phase[ix]); flops.append(P.op_flops[ix])
         native.append(P.native[ix] + off); temp.append(P.temporary[ix])
@@ -338,27 +342,41 @@ def _expand_params(P: GraphProfile, where: dict, ren, extra: int) -> list[ParamI
     return sorted(params, key=lambda p: _natural_key(p.name))
 
 # %% ../../nbs/40a_fsdp_profile.ipynb
+def _copy_created(where: dict, cr: int, j: int, ob: np.ndarray, stride: int, keep: list) -> int | None:
+    """New op that creates copy `j`'s version of a tensor block 1 saves, made at captured op `cr`: in the copy itself,
+    in the block before it (a block's input, made by block 0 for block 1), else where it stays (before the stack)."""
+    if ob[cr] == 1: return _newpos(where, cr, [1 + j])
+    if ob[cr] == 0: return _newpos(where, cr + stride, [j])      # piece j: copy j - 1, or for j = 0 block 1 itself
+    return _newpos(where, cr, keep)
+
 def _expand_saved(P: GraphProfile, where: dict, ren, extra: int) -> list[tuple[int, str, int, int]]:
     "Saved activations at their new ops; block 1's copied with each copy of the block."
-    keep, c, n = [0, extra + 1, 2 * extra + 2], P.stack, len(P.op_module)
+    keep, c, n, ob = [0, extra + 1, 2 * extra + 2], P.stack, len(P.op_module), _op_blocks(P)
+    first = lambda b: int(np.flatnonzero((ob == b) & (P.op_phase == 0))[0])
+    stride = first(1) - first(0)                      # ops from one block's start to the next one's
     saved = []
     for nb, w, cr, f in P.saved:
-        c2, f2 = _newpos(where, cr, keep), _newpos(where, min(f, n - 1), keep)
+        last_copy = extra and _block_of(w, c) == 2 and ob[cr] == 1   # block 2's input now comes from the last copy
+        c2, f2 = _newpos(where, cr, [extra] if last_copy else keep), _newpos(where, min(f, n - 1), keep)
         if c2 is not None and f2 is not None: saved.append((nb, ren(w), c2, f2))
         if _block_of(w, c) != 1: continue
         for j in range(extra):
-            c3, f3 = _newpos(where, cr, [1 + j]), _newpos(where, min(f, n - 1), [2 * extra + 1 - j])
+            c3, f3 = _copy_created(where, cr, j, ob, stride, keep), _newpos(where, min(f, n - 1), [2 * extra + 1 - j])
             if c3 is not None and f3 is not None: saved.append((nb, _rename_block(w, c, j + 2), c3, f3))
     return saved
 
 # %% ../../nbs/40a_fsdp_profile.ipynb
-def _expand(P: GraphProfile, n_blocks: int) -> GraphProfile:
+def _foreach(P: GraphProfile) -> bool:
+    "Does the optimizer step work on all parameters at once (`aten._foreach_*`)? Assumed for a profile without op names."
+    return not P.op_names or any("_foreach_" in P.op_names[i] for i in np.flatnonzero(P.op_phase == 2))
+
+def expand_profile(P: GraphProfile, n_blocks: int) -> GraphProfile:
     "Repeat block 1's ops, parameters and saved activations `n_blocks - k` more times (checked by `expand_blocks`)."
     extra = n_blocks - len(P.blocks)
     ren = _renamer(P.stack, extra)
     ops, where = _lay_out_ops(P, _pieces(P, extra), ren)
     params = _expand_params(P, where, ren, extra)
-    scale = sum(p.numel * p.itemsize for p in params) / sum(p.numel * p.itemsize for p in P.params)
+    scale = sum(p.numel * p.itemsize for p in params) / sum(p.numel * p.itemsize for p in P.params) if _foreach(P) else 1
     native, temp, phase = ops["native"], ops["temporary"], ops["op_phase"]
     opt = phase == 2
     native[opt] += (temp[opt] * (scale - 1)).astype(np.int64)
@@ -368,7 +386,8 @@ def _expand(P: GraphProfile, n_blocks: int) -> GraphProfile:
         if phase[i] == 0: seen.setdefault(m, i)
     blocks = tuple(f"{P.stack}.{i}" if P.stack else str(i) for i in range(n_blocks))
     return dataclasses.replace(P, **ops, params=tuple(params), saved=tuple(_expand_saved(P, where, ren, extra)),
-                               modules=_module_order(seen, [p.module for p in params], len(phase)), blocks=blocks)
+                               modules=_module_order(seen, [p.module for p in params], len(phase)), blocks=blocks,
+                               path=f"expanded from {len(P.blocks)} of {n_blocks} blocks")
 
 # %% ../../nbs/40a_fsdp_profile.ipynb
 def profile_expanded(small, full, n_blocks: int, progress=None) -> tuple[GraphProfile, str]:
@@ -380,3 +399,89 @@ def profile_expanded(small, full, n_blocks: int, progress=None) -> tuple[GraphPr
         how = "fell back to full capture: " + "; ".join(e.reasons)
         if progress: progress(how)
         return full(), how
+
+# %% ../../nbs/40a_fsdp_profile.ipynb
+def first_blocks(model: nn.Module, stack: str, k: int) -> nn.Module:
+    "`model`, changed in place, with only the first `k` blocks of its container `stack` (a ModuleList or Sequential)."
+    box = model.get_submodule(stack)
+    for name in list(box._modules)[k:]: del box._modules[name]
+    return model
+
+# %% ../../nbs/40a_fsdp_profile.ipynb
+_PLAIN = (bool, int, float, str, type(None))
+
+def _plain_attrs(block: nn.Module) -> dict[str, object]:
+    "Every plain attribute (number, string, None, a tuple of them) and buffer shape of each module in `block`."
+    out = {}
+    for n, m in block.named_modules():
+        pre = f"{n}." if n else ""
+        for a, v in vars(m).items():
+            if a.startswith("_") or a == "training": continue
+            if isinstance(v, _PLAIN) or (isinstance(v, tuple) and all(isinstance(t, _PLAIN) for t in v)): out[pre + a] = v
+        out |= {f"{pre}{b} (buffer)": (tuple(t.shape), str(t.dtype)) for b, t in m._buffers.items() if t is not None}
+    return out
+
+def _counts_blocks(vals: list) -> bool:
+    "Values k, k+1, k+2, ...: the block's own number (HF's `layer_idx`), which a copy of block 1 renumbers anyway."
+    return all(type(v) is int and v == vals[0] + i for i, v in enumerate(vals))
+
+# %% ../../nbs/40a_fsdp_profile.ipynb
+def block_attr_mismatch(model: nn.Module, stack: BlockStack) -> list[str]:
+    "Attributes and buffer shapes that differ between the blocks of `stack`, a block counter aside."
+    attrs = [_plain_attrs(model.get_submodule(b)) for b in stack.blocks]
+    out = []
+    for key in sorted(set().union(*attrs)):
+        vals = [a.get(key, "<absent>") for a in attrs]
+        if all(repr(v) == repr(vals[0]) for v in vals) or _counts_blocks(vals): continue
+        i = next(i for i, v in enumerate(vals) if repr(v) != repr(vals[0]))
+        out.append(f"{stack.blocks[i]}.{key} is {vals[i]!r} where {stack.blocks[0]}.{key} is {vals[0]!r}")
+    return out
+
+# %% ../../nbs/40a_fsdp_profile.ipynb
+def _first_blocks_build(build, stack: str, k: int, built: dict):
+    """A workload `build` whose model keeps only the first `k` blocks of `stack`. A model already built for the same
+    (device, dtype) in `built` is taken once instead of building it again (70B takes seconds even on meta)."""
+    def build_few(device="meta", dtype=torch.float32):
+        m = built.pop((str(device), dtype), None)
+        return first_blocks(build(device=device, dtype=dtype) if m is None else m, stack, k)
+    return build_few
+
+def _few_blocks_profile(w, model, main: BlockStack, dtype, master_dtype, k: int, progress) -> tuple[GraphProfile | None, str]:
+    "(the profile of `w` captured with `k` blocks and expanded, '') or (None, why it cannot stand for the model)."
+    built = {("meta", torch_dtype(dtype or w.dtype)): model}
+    few = dataclasses.replace(w, build=_first_blocks_build(w.build, main.path, k, built))
+    try: p = profile_graph(few.graph(dtype=dtype, progress=progress), master_dtype)
+    except CaptureError as e: return None, f"capturing {k} of {len(main.blocks)} blocks failed: {str(e).splitlines()[0]}"
+    if (p.stack, len(p.blocks)) != (main.path, k):
+        return None, f"the {k}-block model's main stack is {p.stack!r} with {len(p.blocks)} blocks, not {main.path!r}"
+    try: return expand_blocks(p, len(main.blocks)), ""
+    except BlockMismatchError as e: return None, "captured blocks differ: " + "; ".join(e.reasons)
+    except PlanError as e: return None, str(e)
+
+# %% ../../nbs/40a_fsdp_profile.ipynb
+def _why_not_expand(model: nn.Module, main: BlockStack | None, k: int) -> str:
+    "Why `k` captured blocks cannot stand for `model`'s stack, read from the module tree ('' when they can)."
+    if main is None: return "the model has no stack of repeated blocks"
+    if len(main.blocks) <= k: return f"{len(main.blocks)} blocks in {main.path!r}, too few to expand {k}"
+    bad = block_attr_mismatch(model, main)
+    if not bad: return ""
+    return "blocks differ: " + "; ".join(bad[:3]) + (f"; and {len(bad) - 3} more" if len(bad) > 3 else "")
+
+def _full_profile(w, dtype, master_dtype, path: str, progress) -> GraphProfile:
+    return dataclasses.replace(profile_graph(w.graph(dtype=dtype, progress=progress), master_dtype), path=path)
+
+# %% ../../nbs/40a_fsdp_profile.ipynb
+def profile_workload(w, dtype: str | None = None, master_dtype: str | None = None, *, expand: bool = True,
+                     capture_blocks: int = 3, progress=None) -> GraphProfile:
+    """The FSDP profile of workload `w`'s step captured in `dtype` (default: the workload's), parameters kept in
+    `master_dtype`: its first `capture_blocks` blocks captured and expanded where the blocks are identical, else (or
+    with `expand=False`) the full capture. `.path` says which was taken, and why."""
+    if not expand: return _full_profile(w, dtype, master_dtype, "full capture", progress)
+    model = w.build(device="meta", dtype=torch_dtype(dtype or w.dtype))
+    main = find_structure(model).main
+    why = _why_not_expand(model, main, capture_blocks)
+    if not why:
+        p, why = _few_blocks_profile(w, model, main, dtype, master_dtype, capture_blocks, progress)
+        if p is not None: return p
+    if progress: progress(f"full capture: {why}")
+    return _full_profile(w, dtype, master_dtype, f"full capture: {why}", progress)

@@ -134,9 +134,9 @@ class _Streams:
         return start + dur
 
 # %% ../../nbs/40d_fsdp_steptime.ipynb
-def _gather_ahead(S: _Streams, ph: int, o: str, seq: list, p: int, plan: FSDPPlan, lays: dict, cost: CostModel):
-    "Issue unit `o`'s all-gather if nothing prefetched it, then (on its first run) the next `p` units'."
-    units = {u.module: u for u in plan.units}
+def _gather_ahead(S: _Streams, ph: int, o: str, seq: list, p: int, plan: FSDPPlan, lays: dict, cost: CostModel,
+                  units: dict):
+    "Issue unit `o`'s all-gather if nothing prefetched it, then (on its first run) the next `p` units' (`units`: by name)."
     need = lambda u: ph == 0 or units[u].reshard_after_forward is not False
     group = lambda u: None if ph == 0 or units[u].reshard_after_forward is True else units[u].reshard_after_forward
     if o in seq and (ph, o) not in S.done and need(o):   # not prefetched: issue now (no overlap)
@@ -167,7 +167,7 @@ def _micro_batch(segs, lays: dict, plan: FSDPPlan, cost: CostModel, sync: bool) 
     S = _Streams()
     for i, (ph, o, f) in enumerate(segs):
         seq, p = (fseq, plan.forward_prefetch) if ph == 0 else (bseq, plan.backward_prefetch)
-        _gather_ahead(S, ph, o, seq, p, plan, lays, cost)
+        _gather_ahead(S, ph, o, seq, p, plan, lays, cost, units)
         start = max(S.tc, S.done.get((ph, o), 0.0))
         if ph == 1 and units[o].activation_checkpointing and (1, o, "rc") not in S.done:
             S.done[(1, o, "rc")] = 1
