@@ -6,13 +6,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 import sys
 
 import torch
 import torch.nn as nn
 
-from .util import StaticDistError
+from .util import Fields, StaticDistError, boolean, integer, list_of, string
 
 # %% auto 0
 __all__ = ['LinearInfo', 'BlockStack', 'ModelStructure', 'find_structure', 'StructureError', 'is_compiled', 'compiled_modules']
@@ -130,6 +129,8 @@ def _heads(block: nn.Module, root: nn.Module, linears: tuple[LinearInfo, ...]) -
             v = root_h[k]
             if (h.get("n_heads", 0) if k == "head_dim" else h.get("head_dim", 0)) * v in widths: h[k] = v
     if h.get("n_heads") and not h.get("n_kv_heads"): h["n_kv_heads"] = h["n_heads"]
+    if h.get("n_heads") and not h.get("head_dim") and linears and linears[0].in_features % h["n_heads"] == 0:
+        h["head_dim"] = linears[0].in_features // h["n_heads"]     # no head_dim attribute: the block's width / heads
     return {k: h.get(k, 0) for k in _HEAD_ATTRS}
 
 # %% ../nbs/01a_structure.ipynb
@@ -161,33 +162,17 @@ def find_structure(model: nn.Module) -> ModelStructure:
 
 # %% ../nbs/01a_structure.ipynb
 class StructureError(StaticDistError, ValueError):
-    "A stored structure is malformed; the message names the field."
-
-def _get(d, key: str, kind: str, where: str) -> Any:
-    "d[key], checked to be of `kind` ('str', 'int' (>= 0), 'bool', 'list', 'dict'); StructureError naming where.key."
-    if not isinstance(d, dict): raise StructureError(f"{where}: expected an object, found {type(d).__name__}")
-    if key not in d: raise StructureError(f"{where}.{key}: missing")
-    v = d[key]
-    ok = dict(str=isinstance(v, str), bool=isinstance(v, bool), list=isinstance(v, list), dict=isinstance(v, dict),
-              int=isinstance(v, int) and not isinstance(v, bool))[kind]
-    if not ok: raise StructureError(f"{where}.{key}: expected {kind}, found {type(v).__name__} {v!r:.40}")
-    if kind == "int" and v < 0: raise StructureError(f"{where}.{key}: {v} is negative")
-    return v
+    "A stored structure is malformed; the message names the field, the value found and what to give."
 
 # %% ../nbs/01a_structure.ipynb
-def _linear_from(d, where: str) -> LinearInfo:
-    return LinearInfo(_get(d, "name", "str", where), _get(d, "in_features", "int", where),
-                      _get(d, "out_features", "int", where), _get(d, "bias", "bool", where))
+def _linear_from(f: Fields) -> LinearInfo:
+    return LinearInfo(f("name", string()), f("in_features", integer(0)), f("out_features", integer(0)), f("bias", boolean()))
 
-def _stack_from(d, where: str) -> BlockStack:
-    blocks = _get(d, "blocks", "list", where)
-    for i, b in enumerate(blocks):
-        if not isinstance(b, str): raise StructureError(f"{where}.blocks[{i}]: expected str, found {type(b).__name__}")
-    lins = _get(d, "linears", "list", where)
-    return BlockStack(_get(d, "path", "str", where), tuple(blocks), _get(d, "block_type", "str", where),
-                      _get(d, "params_per_block", "int", where),
-                      tuple(_linear_from(l, f"{where}.linears[{i}]") for i, l in enumerate(lins)),
-                      *(_get(d, k, "int", where) for k in ("n_heads", "n_kv_heads", "head_dim")))
+def _stack_from(f: Fields) -> BlockStack:
+    "One stack of a stored structure (read with util's checked reader: StructureError naming the field)."
+    return BlockStack(f("path", string()), tuple(f("blocks", list_of(string()))), f("block_type", string()),
+                      f("params_per_block", integer(0)), tuple(_linear_from(l) for l in f.each("linears")),
+                      *(f(k, integer(0)) for k in ("n_heads", "n_kv_heads", "head_dim")))
 
 # %% ../nbs/01a_structure.ipynb
 def _to_dict(self: ModelStructure) -> dict:
@@ -198,7 +183,7 @@ def _to_dict(self: ModelStructure) -> dict:
 
 def _from_dict(cls, d: dict, where: str = "structure") -> ModelStructure:
     "Rebuild from `to_dict()` output; StructureError naming the bad field (`where` prefixes its path)."
-    return cls(tuple(_stack_from(s, f"{where}.stacks[{i}]") for i, s in enumerate(_get(d, "stacks", "list", where))))
+    return cls(tuple(_stack_from(s) for s in Fields(d, where, StructureError).each("stacks")))
 
 ModelStructure.to_dict, ModelStructure.from_dict = _to_dict, classmethod(_from_dict)
 

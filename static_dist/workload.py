@@ -5,13 +5,8 @@
 # %% ../nbs/03_workload.ipynb 3
 from __future__ import annotations
 
-import hashlib
-import importlib
-import importlib.util
 import inspect
 import os
-import sys
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -21,8 +16,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from fastcore.basics import patch
 
-from .graph import _OPTIMIZERS, StaticGraph, capture
-from .util import StaticDistError
+from .graph import StaticGraph, capture
+from .step import OPTIMIZERS as _STEP_OPTIMIZERS, MicroBatch
+from .util import DTYPES as _DTYPE_NAMES, InputError, StaticDistError, first_line, import_ref, is_file_ref, torch_dtype
 
 # %% auto 0
 __all__ = ['DTYPES', 'OPTIMIZERS', 'DEFAULT_BATCH', 'DEFAULT_SEQ', 'WorkloadError', 'Workload', 'module_builder', 'max_positions',
@@ -32,11 +28,9 @@ __all__ = ['DTYPES', 'OPTIMIZERS', 'DEFAULT_BATCH', 'DEFAULT_SEQ', 'WorkloadErro
 class WorkloadError(StaticDistError, ValueError):
     "A workload could not be resolved: the message names the bad input and what to give instead."
 
-def _first_line(e: BaseException) -> str: return (str(e).strip().splitlines() or [""])[0]   # what a one-line error quotes
-
 # %% ../nbs/03_workload.ipynb
-DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-OPTIMIZERS = (*sorted(_OPTIMIZERS), "none")   # 'none': forward and backward only, no optimizer step
+DTYPES: dict[str, torch.dtype] = {n: torch_dtype(n) for n in _DTYPE_NAMES}   # util's table, as torch dtypes
+OPTIMIZERS = (*sorted(_STEP_OPTIMIZERS), "none")   # the step's table; 'none': forward and backward only, no optimizer step
 
 def _cast(x, dtype: torch.dtype):
     "Floating tensors in `x` (a tensor, tuple, list or dict) cast to `dtype`; everything else unchanged."
@@ -60,7 +54,7 @@ class Workload:
     source: str
     "Where the model came from, as given to `load_workload` (or a name of your choosing)."
     build: Callable[..., nn.Module]
-    "`build(device='meta'|'cpu', dtype=torch.float32) -> nn.Module`; meta allocates nothing, cpu gets a seeded init."
+    "`build(device='meta'|'cpu', dtype=torch.float32[, seed=0]) -> nn.Module`; meta allocates nothing, cpu gets a seeded init."
     batch: int
     "Batch size."
     seq: int | None
@@ -75,6 +69,10 @@ class Workload:
     "`loss(output, targets)` if targets is not None else `loss(output)`; None: the output is the loss."
     notes: tuple[str, ...] = ()
     "How inputs and loss were chosen, in words (shown by `describe`)."
+    vocab: int | None = None
+    "Token ids the model takes (ids below `vocab`); None: not a token model."
+    from_tokens: Callable[[torch.Tensor], tuple] | None = None
+    "For a token model: `(args, kwargs, targets)` from a (batch, seq + 1) tensor of token ids (its next tokens are the targets)."
     _graphs: dict = field(default_factory=dict, init=False, repr=False)
     _key: tuple = field(default=(), init=False, repr=False)
 
@@ -90,6 +88,29 @@ def inputs(self: Workload, device="cpu", dtype: str | None = None) -> tuple[tupl
                             "(args: tuple, kwargs: dict, targets: Tensor or None)")
     dt = DTYPES[dtype or self.dtype]
     return _cast(tuple(out[0]), dt), _cast(out[1], dt), _cast(out[2], dt)
+
+@patch
+def build_model(self: Workload, device="cpu", seed: int = 0, dtype: str | None = None) -> nn.Module:
+    "The model on `device` in `dtype` (default: the workload's), initialised from `seed` (passed to `build` when it takes one)."
+    dt = DTYPES[dtype or self.dtype]
+    try: takes_seed = "seed" in inspect.signature(self.build).parameters
+    except (TypeError, ValueError): takes_seed = False
+    if takes_seed: return self.build(device=device, dtype=dt, seed=seed)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return self.build(device=device, dtype=dt)
+
+@patch
+def micro_batch(self: Workload, device="cpu", dtype: str | None = None) -> MicroBatch:
+    "This workload's example batch as the step's `MicroBatch`."
+    return MicroBatch(*self.inputs(device, dtype))
+
+@patch
+def token_batch(self: Workload, tokens: torch.Tensor) -> MicroBatch:
+    "The micro-batch of a (batch, seq + 1) tensor of token ids (its last column only a target); WorkloadError if not a token model."
+    if self.from_tokens is None:
+        raise WorkloadError(f"{self.source} does not take token ids (its inputs come from input_shape or its own make_inputs)")
+    return MicroBatch(*self.from_tokens(tokens))
 
 # %% ../nbs/03_workload.ipynb
 def _positive(name: str, v, allow_none: bool = False):
@@ -170,7 +191,7 @@ def _construct(factory: Callable, what: str, device: torch.device, seed: int = 0
     try: m = _call_on(factory, what, device, seed)
     except WorkloadError: raise
     except Exception as e:
-        raise WorkloadError(f"constructing {what} failed: {type(e).__name__}: {_first_line(e)}; it must build with no "
+        raise WorkloadError(f"constructing {what} failed: {type(e).__name__}: {first_line(e)}; it must build with no "
                             "arguments (wrap it in a function that returns the model or a Workload)") from None
     if not isinstance(m, nn.Module):
         raise WorkloadError(f"{what} returned {type(m).__name__}, not an nn.Module or a Workload")
@@ -263,8 +284,12 @@ def _zoo_seq(name: str, seq: int | None, notes: list[str]) -> int | None:
     return seq
 
 # %% ../nbs/03_workload.ipynb
+def _next_token_batch(t: torch.Tensor) -> tuple:
+    "(tokens[:, :-1],), {}, tokens[:, 1:]: a language model's inputs and its next-token targets."
+    return (t[:, :-1].contiguous(),), {}, t[:, 1:].contiguous()
+
 def _zoo_workload(name: str, batch, seq, input_shape) -> Workload:
-    from static_dist.zoo import get_model
+    from static_dist.zoo import PRESETS, get_model
     try: zm = get_model(name)
     except ValueError as e:
         raise WorkloadError(f"{e} Or give a file (path/file.py:NAME), a module (package.module:NAME) or hf:CONFIG.") from None
@@ -275,45 +300,10 @@ def _zoo_workload(name: str, batch, seq, input_shape) -> Workload:
     def make_inputs(b, s, device="cpu"):
         inputs, targets = zm.batch(b, s if s is not None else 0, device=device)
         return tuple(inputs), {}, targets
-    def build(device="meta", dtype=torch.float32): return zm.build(device=device, dtype=dtype)
+    def build(device="meta", dtype=torch.float32, seed: int = 0): return zm.build(device=device, dtype=dtype, seed=seed)
+    vocab = getattr(PRESETS.get(name), "vocab_size", None)
     return Workload(source=name, build=build, batch=batch, seq=seq, make_inputs=make_inputs, loss=zm.loss,
-                    notes=tuple(notes))
-
-# %% ../nbs/03_workload.ipynb
-@contextmanager
-def _on_path(folder: str):
-    "`folder` first on sys.path for the duration."
-    added = folder not in sys.path
-    if added: sys.path.insert(0, folder)
-    try: yield
-    finally:
-        if added and folder in sys.path: sys.path.remove(folder)
-
-def _import_file(path: str):
-    p = Path(path).expanduser()
-    if not p.is_file():
-        raise WorkloadError(f"model file {path!r} does not exist; give path/to/file.py:NAME relative to {os.getcwd()}")
-    p = p.resolve()
-    name = f"_static_dist_user_{p.stem}_{hashlib.sha1(str(p).encode()).hexdigest()[:10]}"
-    spec = importlib.util.spec_from_file_location(name, p)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    try:
-        with _on_path(str(p.parent)): spec.loader.exec_module(mod)
-    except Exception as e:
-        sys.modules.pop(name, None)
-        raise WorkloadError(f"importing {path} failed: {type(e).__name__}: {_first_line(e)}") from None
-    return mod
-
-# %% ../nbs/03_workload.ipynb
-def _import_module(name: str):
-    try:
-        with _on_path(os.getcwd()): return importlib.import_module(name)
-    except ModuleNotFoundError as e:
-        raise WorkloadError(f"cannot import module {name!r} ({e}); give an importable package.module:NAME or "
-                            "path/to/file.py:NAME") from None
-    except Exception as e:
-        raise WorkloadError(f"importing {name} failed: {type(e).__name__}: {_first_line(e)}") from None
+                    notes=tuple(notes), vocab=vocab, from_tokens=_next_token_batch if vocab else None)
 
 # %% ../nbs/03_workload.ipynb
 def _candidates(mod) -> list[str]:
@@ -350,7 +340,7 @@ def _from_callable(obj: Callable, what: str):
     if isinstance(first, Workload) or (isinstance(first, BaseException) and "Workload" in str(inspect.signature(obj).return_annotation)):
         try: w = obj()
         except Exception as e:
-            raise WorkloadError(f"calling {what}() failed: {type(e).__name__}: {_first_line(e)}") from None
+            raise WorkloadError(f"calling {what}() failed: {type(e).__name__}: {first_line(e)}") from None
         if not isinstance(w, Workload): raise WorkloadError(f"{what}() returned {type(w).__name__}, not a Workload")
         return w, None
     return None, obj
@@ -391,7 +381,7 @@ def _model_workload(source: str, factory: Callable, what: str, batch, seq, input
     return Workload(source=source, build=build, batch=batch, seq=seq, make_inputs=token_inputs(emb.num_embeddings),
                     loss=token_loss(emb.num_embeddings),
                     notes=(f"inputs: token ids < {emb.num_embeddings} (the first nn.Embedding); loss: cross-entropy "
-                           "against the next tokens",))
+                           "against the next tokens",), vocab=emb.num_embeddings, from_tokens=_next_token_batch)
 
 # %% ../nbs/03_workload.ipynb
 def _import_transformers():
@@ -410,7 +400,7 @@ def _hf_config(path: str):
     try:
         cfg = transformers.AutoConfig.from_pretrained(str(p.parent if p.name == "config.json" else p), local_files_only=True)
     except Exception as e:
-        raise WorkloadError(f"hf:{path}: cannot read the config: {type(e).__name__}: {_first_line(e)}") from None
+        raise WorkloadError(f"hf:{path}: cannot read the config: {type(e).__name__}: {first_line(e)}") from None
     cfg.use_cache = False        # a training step keeps no KV cache
     return transformers, cfg
 
@@ -424,7 +414,7 @@ def _hf_auto(transformers, cfg, source: str) -> tuple[bool, type]:
         return False, transformers.AutoModel
     except Exception as e:
         raise WorkloadError(f"{source}: transformers cannot build a model from this config: {type(e).__name__}: "
-                            f"{_first_line(e)}") from None
+                            f"{first_line(e)}") from None
 
 # %% ../nbs/03_workload.ipynb
 def _hf_inputs(vocab: int, causal: bool) -> Callable:
@@ -433,6 +423,13 @@ def _hf_inputs(vocab: int, causal: bool) -> Callable:
         ids = torch.randint(vocab, (b, s), generator=torch.Generator().manual_seed(0)).to(device)
         return (), ({"input_ids": ids, "labels": ids.clone()} if causal else {"input_ids": ids}), None
     return make_inputs
+
+def _hf_token_batch(causal: bool) -> Callable:
+    "from_tokens of a Hugging Face model: input_ids (and labels = input_ids, which the model shifts itself) as keywords."
+    def from_tokens(t):
+        ids = t[:, :-1].contiguous()
+        return (), ({"input_ids": ids, "labels": ids.clone()} if causal else {"input_ids": ids}), None
+    return from_tokens
 
 def _hf_loss(out): return out.loss
 def _hidden_loss(out):
@@ -452,23 +449,22 @@ def _hf_workload(source: str, path: str, batch, seq, input_shape) -> Workload:
     limit = next((getattr(cfg, a) for a in _MAX_POS_ATTRS if isinstance(getattr(cfg, a, None), int)), None)
     seq = seq if seq is not None else min(DEFAULT_SEQ, limit or DEFAULT_SEQ)
     _positive("seq", seq); _check_seq(seq, limit, source)
-    make_inputs = _hf_inputs(vocab, causal)
+    make_inputs, tok = _hf_inputs(vocab, causal), dict(vocab=vocab, from_tokens=_hf_token_batch(causal))
     if causal:
         return Workload(source=source, build=build, batch=batch, seq=seq, make_inputs=make_inputs, loss=_hf_loss,
-                        notes=(f"{type(cfg).__name__} as a causal LM: input_ids and labels, the model's own loss",))
-    return Workload(source=source, build=build, batch=batch, seq=seq, make_inputs=make_inputs, loss=_hidden_loss,
+                        notes=(f"{type(cfg).__name__} as a causal LM: input_ids and labels, the model's own loss",), **tok)
+    return Workload(source=source, build=build, batch=batch, seq=seq, make_inputs=make_inputs, loss=_hidden_loss, **tok,
                     notes=(f"{type(cfg).__name__} has no causal-LM head in transformers: built with AutoModel, the "
                            "loss is a stand-in (mean of the squared last hidden state)",))
 
 # %% ../nbs/03_workload.ipynb
-def _is_file_source(ref: str) -> bool: return ref.endswith(".py") or "/" in ref or os.sep in ref
-
 def _named_workload(source: str, batch, seq, input_shape) -> Workload:
     "The workload of 'path/file.py:NAME' or 'package.module:NAME'."
     ref, name = source.rsplit(":", 1)
     if not name.isidentifier():
         raise WorkloadError(f"{source!r}: {name!r} is not a Python name; give path/file.py:NAME or package.module:NAME")
-    mod = _import_file(ref) if _is_file_source(ref) else _import_module(ref)
+    try: mod = import_ref(ref)                     # util's one resolver of `module:NAME` references
+    except InputError as e: raise WorkloadError(f"model {e}") from None
     w, factory = _from_callable(_resolve(mod, name, ref), source)
     if w is None: return _model_workload(source, factory, source, batch or DEFAULT_BATCH, seq, input_shape)
     if input_shape is not None:
@@ -490,7 +486,7 @@ def load_workload(source: str, *, batch: int | None = None, seq: int | None = No
         w = _hf_workload(source, source[3:], batch or DEFAULT_BATCH, seq, input_shape)
     elif ":" in source:
         w = _named_workload(source, batch, seq, input_shape)
-    elif _is_file_source(source):
+    elif is_file_ref(source):
         raise WorkloadError(f"{source!r}: name the model in the file, e.g. {source}:MyModel")
     else:
         w = _zoo_workload(source, batch or DEFAULT_BATCH, seq, input_shape)

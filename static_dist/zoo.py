@@ -87,6 +87,7 @@ PRESETS: dict[str, LlamaConfig] = {
     'tiny': LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=192, vocab_size=256, max_seq_len=256),
     'tiny-moe': LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=192, vocab_size=256, max_seq_len=256,
                             n_experts=4, top_k=2),
+    'small': LlamaConfig(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=768, vocab_size=1024, max_seq_len=256),
     'llama3-8b': LlamaConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=128256),
     'llama3-70b': LlamaConfig(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672, vocab_size=128256),
     'llama3-405b': LlamaConfig(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim=53248, vocab_size=128256),

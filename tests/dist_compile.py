@@ -1,6 +1,6 @@
-"""torchrun script: compiled vs eager FSDP2 on gloo, the tiny Llama and examples/gpt.py's GPT.
+"""Ranks' code: compiled vs eager FSDP2 on gloo, the tiny Llama and examples/gpt.py's GPT.
 
-Run: python -m torch.distributed.run --standalone --nproc_per_node N tests/dist_compile.py OUT.json SPECS
+Launched by tests/test_compile.py with `static_dist.launch.launch("tests/dist_compile.py:main", N, SPECS)`.
 SPECS: comma list of MODEL:BACKEND+BACKEND, MODEL one of tiny, breaky (tiny with a graph break in block 1), gpt;
 BACKEND one of aot_eager, inductor. Example: tiny:aot_eager+inductor,gpt:aot_eager
 Per model and backend: the losses of STEPS SGD steps with ACCUM micro-batches (gradient sync on the last only), the
@@ -8,8 +8,6 @@ parameters after them, collectives per step (profiler: works under compile) agai
 graphs compiled in step 1 and after it (run under the 'fail_on_recompile' stance), and the compile record.
 """
 import contextlib
-import json
-import os
 import sys
 from pathlib import Path
 
@@ -22,11 +20,10 @@ from torch.distributed.tensor.debug import CommDebugMode
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from static_dist.compile import CompileOptions, apply_compiled, compile_record, count_collectives, graphs_compiled
-from static_dist.fsdp import FSDPPlan, FSDPUnit, predict_comms, profile_graph
+from static_dist.fsdp import FSDPPlan, FSDPUnit, comm_counts, predict_comms, profile_graph
+from static_dist.step import make_optimizer, train_step
 from static_dist.graph import capture
 from static_dist.zoo import TransformerBlock, get_model
-
-from static_dist.fsdp import _comm_counts as comm_debug_counts   # CommDebugMode's counts in predict_comms' keys
 
 
 STEPS, ACCUM, B, S, LR = 3, 2, 2, 16, 0.5
@@ -68,7 +65,7 @@ def run(name, opts, plan, rank, world, eager_check=False):
     m = build()
     x0, _ = batch(12345)
     apply_compiled(m, plan, init_device_mesh("cpu", plan.mesh_shape), opts, example_inputs=(x0,))
-    opt = torch.optim.SGD(m.parameters(), lr=LR)
+    opt = make_optimizer("sgd", m.parameters(), lr=LR)
     losses, counts, cdm, graphs = [], [], [], []
     for step in range(STEPS):
         mbs = [batch(1000 * step + 10 * (world * i + rank) + 1) for i in range(ACCUM)]
@@ -76,17 +73,13 @@ def run(name, opts, plan, rank, world, eager_check=False):
         # eager step 0 is counted by CommDebugMode (per micro-batch); every other step by the profiler, which also
         # works under compile (the two are not nested: the profiler would see each op twice through the mode)
         debug = eager_check and step == 0
+        modes = []
+        def around():                                        # a fresh CommDebugMode per micro-batch (eager step 0)
+            modes.append(CommDebugMode() if debug else contextlib.nullcontext())
+            return modes[-1]
         with stance, (contextlib.nullcontext({}) if debug else count_collectives()) as c:
-            total = None
-            for i, (x, y) in enumerate(mbs):
-                m.set_requires_gradient_sync(i == ACCUM - 1)
-                mode = CommDebugMode() if debug else contextlib.nullcontext()
-                with mode:
-                    l = loss_fn(m(x), y) / ACCUM
-                    l.backward()
-                if debug: cdm.append(comm_debug_counts(mode))
-                total = l.detach() if total is None else total + l.detach()
-            opt.step(); opt.zero_grad()
+            total = train_step(m, opt, mbs, loss_fn, plan=plan, around=around)   # the one step: sync on the last micro-batch
+        if debug: cdm += [comm_counts(md) for md in modes]
         losses.append(float(total)); graphs.append(graphs_compiled(m))
         counts.append({k: sum(d[k] for d in cdm) for k in cdm[0]} if debug else dict(c))
     full = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach() for n, p in m.named_parameters()}
@@ -94,10 +87,10 @@ def run(name, opts, plan, rank, world, eager_check=False):
                 record=compile_record(m).to_dict() if opts.enabled else None), full
 
 
-def main(out, specs):
-    dist.init_process_group("gloo")
+def main(specs: str = "tiny:aot_eager") -> dict:
+    "Every spec on this rank of the running group; the results (rank 0's are returned by the launcher)."
+    specs = specs.split(",")
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.set_num_threads(1)
     results = {}
     for spec in specs:
         name, _, bes = spec.partition(":")
@@ -125,14 +118,4 @@ def main(out, specs):
             r["max_loss_diff"] = max(abs(a - b) for a, b in zip(r["losses"], ref["losses"]))
             res[be] = r
         results[name] = res
-    dist.barrier()
-    if rank == 0:
-        Path(out).write_text(json.dumps(dict(world=world, steps=STEPS, accum=ACCUM, torch=torch.__version__,
-                                             results=results), indent=1))
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush(); sys.stderr.flush(); os._exit(0)   # skip teardown: gloo threads can abort it
-
-
-if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2].split(",") if len(sys.argv) > 2 else ["tiny:aot_eager"])
+    return dict(world=world, steps=STEPS, accum=ACCUM, torch=torch.__version__, results=results)

@@ -1,13 +1,9 @@
-"""torchrun script: apply FSDP plans to the tiny Llama on gloo and check them against a single-process run.
-
-Run: python -m torch.distributed.run --standalone --nproc_per_node N tests/dist_fsdp.py OUT.json
+"""Ranks' code (launched by tests/test_fsdp.py with `static_dist.launch.launch("tests/dist_fsdp.py:main", N)`): apply
+FSDP plans to the tiny Llama on gloo and check them against a single-process run.
 For each plan: parameters after STEPS SGD steps vs a single-process model trained on the same global batch,
 collectives per step (CommDebugMode) vs `predict_comms`, and (first plan) tracked peak vs `predict_memory`.
 """
 import dataclasses
-import json
-import os
-import sys
 
 import torch
 import torch.distributed as dist
@@ -15,8 +11,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 
-from static_dist.fsdp import (FSDPPlan, FSDPUnit, apply_plan, plan_fsdp, predict_comms, predict_memory,
-                              profile_graph, train_step)
+from static_dist.fsdp import (FSDPPlan, FSDPUnit, apply_plan, comm_counts, plan_fsdp, predict_comms, predict_memory,
+                              profile_graph)
+from static_dist.step import make_optimizer, train_step
 from static_dist.graph import capture
 from static_dist.zoo import get_model
 
@@ -33,17 +30,10 @@ def reference(world, k):
     "Single process, global batch = every rank's micro-batches; loss = mean over all of them."
     zm = get_model("tiny")
     m = zm.build(device="cpu", seed=0)
-    opt = torch.optim.SGD(m.parameters(), lr=LR)
-    for step in range(STEPS):
-        mbs = [mb for r in range(world) for mb in batches(step, r, world, k)]
-        loss = sum(zm.loss(m(x[0]), y) for x, y in mbs) / len(mbs)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
+    opt = make_optimizer("sgd", m.parameters(), lr=LR)
+    for step in range(STEPS):                        # the one step over every rank's micro-batches: their mean loss
+        train_step(m, opt, [mb for r in range(world) for mb in batches(step, r, world, k)], zm.loss)
     return {n: p.detach() for n, p in m.named_parameters()}
-
-
-from static_dist.fsdp import _comm_counts as comm_counts   # CommDebugMode's counts in predict_comms' keys
 
 
 def run_plan(plan, profile, rank, world, track_memory=False):
@@ -52,32 +42,31 @@ def run_plan(plan, profile, rank, world, track_memory=False):
     names = ("replicate", "shard")[-len(plan.mesh_shape):]
     mesh = init_device_mesh("cpu", plan.mesh_shape, mesh_dim_names=names)
     apply_plan(m, plan, mesh)
-    opt = torch.optim.SGD(m.parameters(), lr=LR)
+    opt = make_optimizer("sgd", m.parameters(), lr=LR)
     k = plan.accumulation_steps
     counts, peak = [], None
-    wrap = lambda mb: [(x[0], y) for x, y in mb]
     for step in range(STEPS):
-        mbs = wrap(batches(step, rank, world, k))
+        mbs = batches(step, rank, world, k)
         if track_memory and step == STEPS - 1:
             from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
             fmt = FSDPMemTracker(m, opt)
-            fmt.track_inputs(tuple(t for mb in mbs for t in mb))
-            with fmt: train_step(m, opt, mbs, zm.loss, plan)
+            fmt.track_inputs(tuple(t for (x,), y in mbs for t in (x, y)))
+            with fmt: train_step(m, opt, mbs, zm.loss, plan=plan)
             peak = int(sum(d["Total"] for d in fmt.get_tracker_snapshot("peak").values()))
             continue
         modes = []
         def around():
             modes.append(CommDebugMode())
             return modes[-1]
-        train_step(m, opt, mbs, zm.loss, plan, around=around)
+        train_step(m, opt, mbs, zm.loss, plan=plan, around=around)
         per = [comm_counts(c) for c in modes]
         counts.append({key: sum(c[key] for c in per) for key in per[0]})
     full = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach() for n, p in m.named_parameters()}
     return full, counts, peak
 
 
-def main(out):
-    dist.init_process_group("gloo")
+def main() -> dict:
+    "Every plan on this rank of the running group, against the single process; the results (rank 0's are returned)."
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     zm = get_model("tiny")
@@ -108,15 +97,4 @@ def main(out):
         if peak is not None:
             res.update(tracked_peak=peak, predicted_peak=predict_memory(prof, plan).peak_bytes)
         results[name] = res
-    dist.barrier()
-    if rank == 0:
-        with open(out, "w") as f: json.dump(dict(world=world, results=results), f, indent=1)
-    dist.barrier()
-    dist.destroy_process_group()
-    # skip interpreter teardown: gloo's threads can abort the process there ('terminate called without
-    # an active exception') after all work is done and written
-    sys.stdout.flush(); sys.stderr.flush(); os._exit(0)
-
-
-if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "dist_fsdp.json")
+    return dict(world=world, results=results)

@@ -1,11 +1,8 @@
-"""torchrun script (4 gloo ranks, 2x2 mesh dp x tp): apply sharding plans to the tiny Llama and compare with one process.
+"""Ranks' code (4 gloo ranks, 2x2 mesh dp x tp): apply sharding plans to the tiny Llama and compare with one process.
 
-Usage: python -m torch.distributed.run --standalone --nproc_per_node 4 tests/dist_placement_tp.py OUT.json
-Run by tests/test_placement.py. Every rank computes the single-process reference itself (same seed, full batch).
+Launched by tests/test_placement.py with `static_dist.launch.launch("tests/dist_placement_tp.py:main", 4)`. Every
+rank computes the single-process reference itself (same seed, full batch).
 """
-import json
-import os
-import sys
 from collections import Counter
 
 import torch
@@ -43,8 +40,8 @@ class CommBytes(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def main(out_path):
-    dist.init_process_group("gloo")
+def main() -> dict:
+    "Every plan on this rank of the running 4-rank group; the results (rank 0's are returned by the launcher)."
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     dp_rank = mesh.get_local_rank("dp")
@@ -119,20 +116,10 @@ def main(out_path):
     except Exception as e:
         torch_error = f"{type(e).__name__}: {str(e)[:200]}"
     results["bad_plan"] = dict(caught=caught, torch_error=torch_error)
-    if rank == 0:
-        with open(out_path, "w") as f: json.dump(results, f, indent=2)
-    dist.barrier()
-    dist.destroy_process_group()
-    # skip interpreter teardown: gloo's threads can abort the process there ('terminate called without
-    # an active exception') after all work is done and written
-    sys.stdout.flush(); sys.stderr.flush(); os._exit(0)
+    return results
 
 
 def _collectives(spec, plan, topo, mspec):
     from static_dist.placement import choice_cost
     return [c for n, s, f in plan.styles
             for c in choice_cost(spec.linear(n), s, f, topo, mspec, plan.tp_dim, state_factor=spec.state_factor).collectives]
-
-
-if __name__ == "__main__":
-    main(sys.argv[1])

@@ -20,7 +20,9 @@ import torch
 import torch.distributed as dist
 
 from static_dist.compile import (CompileOptions, apply_compiled, compile_record, count_collectives, fake_pg_counts,
-                                 graphs_compiled, init_single_process_group, step_once)
+                                 graphs_compiled)
+from static_dist.launch import close_process_group, init_process_group
+from static_dist.step import train_step
 from static_dist.fsdp import FSDPPlan, FSDPUnit, predict_comms, profile_graph
 from static_dist.graph import capture
 from static_dist.zoo import Llama, LlamaConfig, get_model
@@ -74,7 +76,7 @@ def main(out_path):
     prof = profile_graph(capture(m0, (xc,), loss_fn=zm.loss, targets=yc, optimizer="sgd"))
     fake = fake_counts(cfg, prof, xc, yc, zm.loss)          # before NCCL: the fake group needs no process group
     print("fake PG counts", fake, flush=True)
-    init_single_process_group("nccl")             # one rank on a free port (static_dist.compile's, shared with the CPU tests)
+    init_process_group("nccl")                    # one rank on a free port (static_dist.launch's, shared with the CPU tests)
     torch.cuda.set_device(0)
     batch = lambda s: ((torch.randint(0, cfg.vocab_size, (B, T), device="cuda", generator=torch.Generator("cuda").manual_seed(s)),),
                        torch.randint(0, cfg.vocab_size, (B, T), device="cuda", generator=torch.Generator("cuda").manual_seed(s + 1)))
@@ -93,18 +95,18 @@ def main(out_path):
         times, losses = [], []
         for s in range(6):
             torch.cuda.synchronize(); t0 = time.perf_counter()
-            losses.append(step_once(m, opt, [batch(10 + s)], zm.loss))
+            losses.append(train_step(m, opt, [batch(10 + s)], zm.loss).item())
             torch.cuda.synchronize(); times.append(time.perf_counter() - t0)
         g1 = graphs_compiled(m)
-        with count_collectives() as counts: step_once(m, opt, [batch(99)], zm.loss)
-        kt = kernel_times(lambda: step_once(m, opt, [batch(98)], zm.loss))
+        with count_collectives() as counts: train_step(m, opt, [batch(99)], zm.loss)
+        kt = kernel_times(lambda: train_step(m, opt, [batch(98)], zm.loss))
         res["runs"].append(dict(config=name, first_step_s=times[0], step_s=statistics.median(times[1:]), losses=losses,
                                 counts=counts, recompiles_after_step1=graphs_compiled(m) - g1, **kt,
                                 record=compile_record(m).to_dict() if opts.enabled else None))
         print({k: v for k, v in res["runs"][-1].items() if k != "record"}, flush=True)
         json.dump(res, open(out_path, "w"), indent=1)
         del m, opt
-    dist.barrier(); dist.destroy_process_group()
+    close_process_group()
     bad = targets(res)
     res["failures"] = bad
     json.dump(res, open(out_path, "w"), indent=1)

@@ -19,7 +19,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from static_dist.compile import init_single_process_group
+from static_dist.launch import close_process_group, init_process_group
+from static_dist.step import train_step
 from static_dist.fsdp import FSDPPlan, FSDPUnit, apply_plan, predict_memory, profile_graph
 from static_dist.graph import capture
 from static_dist.zoo import Llama, LlamaConfig, get_model
@@ -55,7 +56,7 @@ def main(out_path) -> int:
     report = dict(device=torch.cuda.get_device_name(0), torch=torch.__version__, max_rel_error=MAX_REL_ERROR,
                   results=results, failures=["unfinished: stopped before every plan was measured"])
     record_errors(report, out_path)
-    init_single_process_group("nccl")             # one rank on a free port (static_dist.compile's, shared with the CPU tests)
+    init_process_group("nccl")                    # one rank on a free port (static_dist.launch's, shared with the CPU tests)
     torch.cuda.set_device(0)
     cfg = LlamaConfig(dim=1024, n_layers=8, n_heads=16, n_kv_heads=8, ffn_dim=2816, vocab_size=8192, max_seq_len=1024)
     zm = get_model("tiny")
@@ -78,7 +79,7 @@ def main(out_path) -> int:
         for step in range(2):
             if step == 1:
                 torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats()
-            zm.loss(m(x), y).backward(); opt.step(); opt.zero_grad()
+            train_step(m, opt, [((x,), y)], zm.loss, plan=plan)
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
         pred = predict_memory(prof, plan).peak_bytes
@@ -87,7 +88,7 @@ def main(out_path) -> int:
         print(results[-1], flush=True)
         write(report, out_path)                                  # after every plan: a time limit keeps what ran
         del m, opt
-    dist.barrier(); dist.destroy_process_group()
+    close_process_group()
     report["failures"] = check_targets(results)
     write(report, out_path)
     for f in report["failures"]: print("FAILED:", f, file=sys.stderr)

@@ -83,7 +83,7 @@ def bench():
 def main():
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to do here (the CPU tests cover the rest)"); return 2
-    from static_dist.bench import environment
+    from static_dist.util import environment
     report = dict(script="tests/gpu_ops.py", environment=environment(), triton=__import__("triton").__version__)
     section("correctness", correctness, report)
     section("bench_kernels", bench, report)                # the targets before the (compile-heavy) matrices

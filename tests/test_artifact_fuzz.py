@@ -15,7 +15,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey 
 
 from static_dist.artifact import (  # noqa: E402
     MAGIC, ArtifactError, ArtifactFileError, ArtifactUsageError, ArtifactFormatError, BadMagicError, DeviceMismatchError, DigestMismatchError, Fingerprint,
-    PayloadTooLargeError, PlatformPolicy, SignatureError, UnsupportedVersionError, UntrustedKeyError, _signed_message,
+    PayloadTooLargeError, PlatformPolicy, SignatureError, UnsupportedVersionError, UntrustedKeyError, signed_message,
     device_fingerprint, key_id, load_artifact, load_trusted_keys, sign_payload, verify_artifact)
 
 FUZZ = settings(deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -186,7 +186,7 @@ def test_six_items_with_random_fields(rand, which):
 # --- signed by a trusted key, but with a header that lies or is malformed ----------------------------------------
 def _signed(header: dict, payload: bytes = PAYLOAD, key=KEY, outer_kid=None) -> bytes:
     raw = cbor2.dumps(header, canonical=True)
-    return cbor2.dumps([MAGIC, 1, raw, payload, outer_kid or key_id(key), key.sign(_signed_message(1, raw))])
+    return cbor2.dumps([MAGIC, 1, raw, payload, outer_kid or key_id(key), key.sign(signed_message(1, raw))])
 
 
 HEADER = cbor2.loads(TOP[2])
@@ -333,7 +333,7 @@ def test_any_other_encoding_of_a_signed_header_is_refused(data):
     h = dict(HEADER, fingerprint=dict(HEADER["fingerprint"]), meta={"a": "1", "bb": "2"})
     h = dict(data.draw(st.permutations(list(h.items()))))
     raw = _encode(data.draw, h)
-    art = cbor2.dumps([MAGIC, 1, raw, PAYLOAD, key_id(KEY), KEY.sign(_signed_message(1, raw))], canonical=True)
+    art = cbor2.dumps([MAGIC, 1, raw, PAYLOAD, key_id(KEY), KEY.sign(signed_message(1, raw))], canonical=True)
     if raw == cbor2.dumps(h, canonical=True):
         assert verify_artifact(art, trusted_keys=TRUST).header == h
     else:
@@ -353,7 +353,7 @@ def test_duplicate_header_key_signed_by_trusted_key(field):
     "Each header key repeated (cbor2 would keep the last one), signed by the trusted key: refused, naming the key."
     raw = cbor2.dumps(HEADER, canonical=True)
     dup = bytes([raw[0] + 1]) + raw[1:] + cbor2.dumps(field) + cbor2.dumps(HEADER[field])
-    art = cbor2.dumps([MAGIC, 1, dup, PAYLOAD, key_id(KEY), KEY.sign(_signed_message(1, dup))], canonical=True)
+    art = cbor2.dumps([MAGIC, 1, dup, PAYLOAD, key_id(KEY), KEY.sign(signed_message(1, dup))], canonical=True)
     assert f"duplicate CBOR map key {field!r}" in str(rejected(art, ArtifactFormatError))
 
 
@@ -364,7 +364,7 @@ def test_duplicate_key_in_nested_map():
     dup_fp = bytes([fp[0] + 1]) + fp[1:] + cbor2.dumps("os") + cbor2.dumps("Plan9")
     bad = raw.replace(fp, dup_fp)
     assert bad != raw
-    art = cbor2.dumps([MAGIC, 1, bad, PAYLOAD, key_id(KEY), KEY.sign(_signed_message(1, bad))], canonical=True)
+    art = cbor2.dumps([MAGIC, 1, bad, PAYLOAD, key_id(KEY), KEY.sign(signed_message(1, bad))], canonical=True)
     assert "duplicate CBOR map key 'os'" in str(rejected(art, ArtifactFormatError))
 
 
@@ -372,7 +372,7 @@ def test_duplicate_key_in_nested_map():
 @given(st.binary(min_size=1, max_size=16))
 def test_trailing_bytes_in_signed_header(tail):
     raw = cbor2.dumps(HEADER, canonical=True) + tail
-    art = cbor2.dumps([MAGIC, 1, raw, PAYLOAD, key_id(KEY), KEY.sign(_signed_message(1, raw))], canonical=True)
+    art = cbor2.dumps([MAGIC, 1, raw, PAYLOAD, key_id(KEY), KEY.sign(signed_message(1, raw))], canonical=True)
     rejected(art, ArtifactFormatError)
 
 

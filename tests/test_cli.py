@@ -80,3 +80,26 @@ def test_capture_json_and_errors():
 def test_library_error_is_one_line():
     code, out, err = run("plan-fsdp", "--model", "tiny", "--mesh", "3x3", "--world", "8")
     assert code == 2 and "Traceback" not in err and "world" in err and len(err.strip().splitlines()) == 1
+
+
+def test_stability_and_train_take_any_model(hf_tiny_llama, own_loss_model, tmp_path):
+    """One --model on every verb: stability localizes a NaN injected into a user's GPT (its embedding, found in its own
+    module tree), train runs a Hugging Face config and a model that returns its own loss; options a verb cannot honour
+    are refused in one line."""
+    code, out, err = run("stability", "--model", "examples/gpt.py:GPT", "--steps", "12", "--batch", "4", "--seq", "32",
+                         "--strategy", "skip", "--fault", "nan_grad@6", "--json")
+    assert code == 0, err
+    r = json.loads(out)
+    assert [a["step"] for a in r["alarms"]] == [6] and r["alarms"][0]["action"] == "skip", r["alarms"]
+    assert r["alarms"][0]["localization"]["module"] == "transformer.wte" == r["faults"][0]["module"], r
+    for model in (hf_tiny_llama, own_loss_model):
+        code, out, err = run("train", "--model", model, "--steps", "2", "--seq", "16", "--no-compile", "--optimizer", "adam",
+                             "--log", str(tmp_path / "log.json"), "--force")
+        assert code == 0, (model, err[-2000:])
+        assert json.loads(out)["workload"]["optimizer"] == "adam"
+    for argv, msg in ((("stability", "--optimizer", "sgd"), "the stability runs train with adamw"),
+                      (("stability", "--model", "mlp", "--steps", "2"), "does not take token ids"),
+                      (("train", "--optimizer", "none"), "training needs one"),
+                      (("train", "--no-compile", "--backend", "inductor"), "give one of them")):
+        code, out, err = run(*argv)
+        assert code == 2 and msg in err and len(err.strip().splitlines()) == 1, (argv, err)

@@ -11,12 +11,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _torchrun(n: int, tmp_path: Path) -> dict:
-    out = tmp_path / f"fsdp_{n}.json"
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
-                        str(ROOT / "tests" / "dist_fsdp.py"), str(out)], capture_output=True, text=True,
-                       cwd=ROOT, timeout=300)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    return json.loads(out.read_text())
+    "tests/dist_fsdp.py's main on n gloo ranks, through the package's launcher; rank 0's results."
+    from static_dist.launch import launch
+    return launch(f"{ROOT / 'tests' / 'dist_fsdp.py'}:main", n, timeout=300)
 
 
 @pytest.mark.parametrize("n", [2, 4])
@@ -96,3 +93,47 @@ def test_gpu_fsdp_without_cuda_stops_cleanly():
     assert p.returncode == 0 and json.loads(p.stdout) == {"skipped": "no CUDA device: this check needs one (the CPU "
                                                                       "tests cover the rest)"}, p.stdout + p.stderr
     assert not (ROOT / "gpu_fsdp.json").exists()
+
+
+# --- plan files: every field checked, read bounded (issue #22) -------------------------------------------------------
+def _plan_doc() -> dict:
+    from static_dist.fsdp import FSDPPlan, FSDPUnit
+    return json.loads(FSDPPlan(8, (8,), (FSDPUnit(""), FSDPUnit("layers.0")), ignored=("norm",)).to_json())
+
+
+@pytest.mark.parametrize("edit,message", [
+    (dict(ignored=[""]), "ignored[0]: expected a module FQN, not '' (that would leave the whole model unsharded), found \"\""),
+    (dict(world_size=2**70), "world_size: expected an integer from 1 to 2**24 (the number of ranks), found 1180591620717411303424"),
+    (dict(units=[{"module": "", "reshard_after_forward": "yes"}]),
+     'units[0].reshard_after_forward: expected true, false or a group size >= 2 that divides the shard size, found "yes"'),
+    (dict(sync_every_microbatch="yes"), 'sync_every_microbatch: expected true or false, found "yes"'),
+    (dict(units=[{"module": "", "modul": "x"}]), "units[0].modul: unknown field; the fields here are module, "),
+    (dict(mesh_shape=[4]), "mesh_shape: [4] multiplies to 4, not world_size 8: give [8] for FSDP"),
+])
+def test_plan_file_fields_are_checked(edit, message):
+    from static_dist.fsdp import FSDPPlan, PlanError
+    with pytest.raises(PlanError) as e:
+        FSDPPlan.from_json(json.dumps({**_plan_doc(), **edit}))
+    assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_plan_file_is_read_bounded(tmp_path):
+    import os
+    from static_dist.fsdp import MAX_PLAN_BYTES, FSDPPlan, PlanError
+    p = tmp_path / "p.json"
+    p.write_text(json.dumps(_plan_doc()))
+    assert json.loads(FSDPPlan.from_json(p).to_json()) == _plan_doc()
+    os.truncate(p, 20 * 2**30)                                       # a 20 GB sparse file: refused by fstat, nothing read
+    with pytest.raises(PlanError, match=rf"p.json: 21,474,836,480 bytes, more than the {MAX_PLAN_BYTES:,} allowed"):
+        FSDPPlan.from_json(p)
+    os.mkfifo(tmp_path / "fifo")                                     # no writer: a read would block forever
+    with pytest.raises(PlanError, match="fifo: not a regular file"): FSDPPlan.from_json(tmp_path / "fifo")
+    with pytest.raises(PlanError, match="nested deeper than 64 levels"): FSDPPlan.from_json("[" * 10**5 + "]" * 10**5)
+
+
+def test_cli_plan_fsdp_refuses_an_empty_ignored_name(capsys):
+    "`plan-fsdp --ignore ''` once ended in KeyError: None; the plan's own check now names the field."
+    from static_dist.app.cli import main
+    assert main(["plan-fsdp", "--model", "tiny", "--ignore", ""]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "ignored[0]: expected a module FQN, not ''" in err, err

@@ -94,13 +94,8 @@ def test_dp_sharding_chosen_only_under_memory_pressure(tiny):
 
 def test_torchrun_plans_match_single_process(tmp_path):
     "4 gloo ranks, 2x2 mesh: found / Megatron / mixed plans vs one process; CommDebugMode and bytes vs prediction."
-    out = tmp_path / "placement.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "4",
-                        str(ROOT / "tests" / "dist_placement_tp.py"), str(out)], capture_output=True, text=True,
-                       timeout=300, env=env, cwd=ROOT)
-    assert p.returncode == 0, p.stderr[-4000:]
-    r = json.loads(out.read_text())
+    from static_dist.launch import launch
+    r = launch(f"{ROOT / 'tests' / 'dist_placement_tp.py'}:main", 4, timeout=300)
     for label in ("found", "megatron", "mixed", "found_fsdp"):
         x = r[label]
         assert x["out_err"] < 1e-5 and x["grad_err"] < 1e-6, (label, x["out_err"], x["grad_err"])

@@ -47,8 +47,8 @@ def test_zoo_llama_spec_equals_the_config_one():
 def test_gpt_fused_qkv_at_transformer_h(gpt_graph):
     spec = block_spec(gpt_graph)
     assert (spec.prefix, spec.n_layers) == ("transformer.h", 3)
-    assert spec.chains == ((("attn.c_attn",), "attn.c_proj"), (("mlp.c_fc",), "mlp.c_proj"))
-    qkv, proj, fc, out = (spec.linear(n) for n in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"))
+    assert spec.chains == ((("attn.qkv",), "attn.proj"), (("mlp.fc",), "mlp.proj"))
+    qkv, proj, fc, out = (spec.linear(n) for n in ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj"))
     d, B, T = 128, 2, 64
     assert (qkv.in_features, qkv.out_features, qkv.fused, qkv.out_heads) == (d, 3 * d, 3, 12)
     assert (proj.in_heads, fc.out_heads, fc.out_features, out.in_features) == (4, 0, 4 * d, 4 * d)
@@ -57,7 +57,7 @@ def test_gpt_fused_qkv_at_transformer_h(gpt_graph):
     vs = check_plan(spec, megatron_styles(spec), MESH)          # Megatron's plan would split q, k and v apart
     assert [v.check for v in vs] == ["fused projections"]
     found = search_plan(spec, TOPO, MESH, allow_dp_shard=False)
-    assert found.style("attn.c_attn") not in ("colwise", "colwise_gather")
+    assert found.style("attn.qkv") not in ("colwise", "colwise_gather")
     assert check_plan(spec, {n: s for n, s, _ in found.styles}, MESH) == []
     assert found.seconds == pytest.approx(brute_force_plan(spec, TOPO, MESH).seconds, rel=1e-9)
     assert set(found.parallelize_plan()) <= {f"transformer.h.{i}.{l.name}" for i in range(3) for l in spec.linears}

@@ -92,19 +92,16 @@ def test_hierarchical_by_hand_on_three_levels():
 
 def test_mesh_groups_match_torch_device_mesh():
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from static_dist.launch import process_group
     for shape in [(4,), (2, 2), (2, 3, 2), (3, 1, 4)]:
         m = MeshSpec(shape, tuple("abc"[: len(shape)]))
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=m.size)
-        try:
+        with process_group(fake_world=m.size):
             dm = init_device_mesh("cpu", shape, mesh_dim_names=m.names)
             for i, name in enumerate(m.names):
                 want = dm.mesh.movedim(i, -1).reshape(-1, shape[i]).tolist()
                 assert m.groups(name) == want
                 # rank 0's group on this dim, as torch builds it
                 assert sorted(dist.get_process_group_ranks(dm.get_group(name))) == m.groups(name)[0]
-        finally:
-            dist.destroy_process_group()
 
 
 def test_bytes_formula_by_hand():

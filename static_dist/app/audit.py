@@ -15,10 +15,11 @@ from pathlib import Path
 import torch
 from fastcore.basics import patch
 
-from .verbs import export_case, rewrite_case, status, workload_of
-from ..bench import environment
+from .verbs import rewrite_case, status, workload_of
+from ..util import environment
 from ..graph import fmt_bytes
-from ..util import StaticDistError, atomic_write, step_loss
+from ..step import make_optimizer
+from ..util import StaticDistError, TooBigError, atomic_write, check_real_size
 
 # %% auto 0
 __all__ = ['STABILITY_STEPS', 'SECTIONS', 'NotApplicable', 'Context', 'section', 'graph_section', 'fsdp_section',
@@ -134,7 +135,8 @@ def placement_section(c: Context):
 
 # %% ../../nbs/93_audit.ipynb
 def _real_case(c: Context):
-    try: return export_case(c.workload)
+    from static_dist.export import workload_case
+    try: return workload_case(c.workload)
     except StaticDistError as e: raise NotApplicable(str(e).splitlines()[0]) from None
 
 # %% ../../nbs/93_audit.ipynb
@@ -163,7 +165,7 @@ def passes_section(c: Context):
         raise NotApplicable("no RMSNorm/softmax/add+relu pattern to rewrite in the exported forward")
     prof = profile_nodes(new, *inputs)
     prof.to_chrome_trace(c.out / "ops_trace.json")
-    return _passes_markdown(rep, prof, PATTERNS), rep.to_json()
+    return _passes_markdown(rep, prof, PATTERNS), rep.to_dict()
 
 # %% ../../nbs/93_audit.ipynb
 def _passes_markdown(rep, prof, patterns) -> str:
@@ -178,19 +180,11 @@ def _passes_markdown(rep, prof, patterns) -> str:
 # %% ../../nbs/93_audit.ipynb
 STABILITY_STEPS = 12
 
-class _Bound(torch.nn.Module):
-    "The model with its keyword inputs bound, so the trainer can call it with positional ones."
-    def __init__(self, model, kwargs):
-        super().__init__()
-        self.model, self.kwargs = model, kwargs
-    def forward(self, *args): return self.model(*args, **self.kwargs)
-
 # %% ../../nbs/93_audit.ipynb
 def _stability_target(c: Context) -> str:
     "The module to poison: the first repeated block, else the first submodule. Refuses models too big for CPU."
-    from static_dist.export import MAX_CHECK_PARAMS
-    if c.graph.summary()["params"] > MAX_CHECK_PARAMS:
-        raise NotApplicable(f"training runs real weights on CPU, limited to {MAX_CHECK_PARAMS / 1e6:.0f}M parameters")
+    try: check_real_size(c.graph.summary()["params"], "the model")
+    except TooBigError as e: raise NotApplicable(f"training runs real weights on CPU: {e}") from None
     st = c.graph.structure.main
     return st.blocks[0] if st else next(n for n, m in c.workload.build(device="meta").named_modules() if n)
 
@@ -200,21 +194,17 @@ def stability_section(c: Context):
     "A short monitored run of the user's model with a NaN gradient injected; detection, localization, recovery."
     from static_dist.stability import STRATEGIES, Fault, Trainer
     w, target = c.workload, _stability_target(c)
-    args, kwargs, targets = w.inputs()
-    y = targets if targets is not None else kwargs.get("labels", args[0] if args else None)   # the trainer counts tokens from it
-    if y is None: raise NotApplicable("the trainer needs targets or labels to count tokens; this workload has neither")
-    model = _Bound(w.build(device="cpu"), kwargs)
-    loss = lambda out, y: step_loss(w.loss, out, y if targets is not None else None)
-    fault = Fault("nan_grad", STABILITY_STEPS // 2, module=f"model.{target}")
-    tr = Trainer(model, torch.optim.AdamW(model.parameters(), lr=1e-3), loss, STRATEGIES["rewind"], [fault])
-    recs = [tr.step(i, i, [(tuple(args), y)]) for i in range(STABILITY_STEPS)]
+    model, mb = w.build_model(seed=0), w.micro_batch()          # positional or keyword inputs, any loss: the one step's
+    fault = Fault("nan_grad", STABILITY_STEPS // 2, module=target)
+    tr = Trainer(model, make_optimizer("adamw", model.parameters(), lr=1e-3), w.loss, STRATEGIES["rewind"], [fault])
+    recs = [tr.step(i, i, [mb]) for i in range(STABILITY_STEPS)]
     tr.close()
     return _stability_report(recs, fault, target)
 
 # %% ../../nbs/93_audit.ipynb
 def _where(loc) -> str | None:
     "The module a localization points at, as the user's model names it."
-    return (loc.module or "(root)").removeprefix("model.") if loc else None
+    return (loc.module or "(root)") if loc else None
 
 def _step_row(r) -> str:
     norm = "None" if r.grad_norm is None else f"{r.grad_norm:.3g}"

@@ -5,8 +5,8 @@
 # %% ../../nbs/94_benches.ipynb 4
 from __future__ import annotations
 
-import importlib
 import json
+import resource
 import statistics
 import subprocess
 import sys
@@ -14,13 +14,14 @@ import time
 from pathlib import Path
 
 from .cli import UsageError
+from ..util import environment, resolve
 
 # %% auto 0
-__all__ = ['BENCHES', 'bench_function', 'bench_cli', 'cmd_bench']
+__all__ = ['BENCHES', 'bench_function', 'capture_once', 'bench_capture', 'bench_cli', 'cmd_bench']
 
 # %% ../../nbs/94_benches.ipynb
 BENCHES = {
-    "capture": "static_dist.bench:bench_capture",
+    "capture": "static_dist.app.benches:bench_capture",
     "cli": "static_dist.app.benches:bench_cli",
     "compile": "static_dist.compile:bench_compile",
     "fsdp": "static_dist.fsdp:bench_fsdp",
@@ -33,8 +34,40 @@ BENCHES = {
 def bench_function(name: str):
     "The benchmark function registered as `name`."
     if name not in BENCHES: raise UsageError(f"unknown bench {name!r}; choose one of {', '.join(BENCHES)}")
-    mod, fn = BENCHES[name].split(":")
-    return getattr(importlib.import_module(mod), fn)
+    return resolve(BENCHES[name])                     # the package's one `module:NAME` resolver
+
+# %% ../../nbs/94_benches.ipynb
+def capture_once(model: str, batch: int, seq: int, optimizer: str = "adamw") -> dict:
+    "Resolve and capture one workload (a zoo name, file.py:NAME, hf:CONFIG) in this process; time and memory of each part."
+    from static_dist.workload import load_workload
+    t0 = time.perf_counter()
+    w = load_workload(model, batch=batch, seq=seq, optimizer=optimizer)
+    t1 = time.perf_counter()
+    g = w.graph()
+    t2 = time.perf_counter()
+    s = g.summary()
+    return dict(model=model, batch=batch, seq=seq, optimizer=optimizer, build_seconds=round(t1 - t0, 3),
+                capture_seconds=round(t2 - t1, 3), ops=len(g.ops), storages=len(g.storages), params=s["params"],
+                peak_bytes=s["peak_bytes"], peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+
+_CAPTURE_CASES = (("tiny", 2, 256), ("llama3-8b", 1, 4096), ("llama3-70b", 1, 4096))
+
+def bench_capture(cases=_CAPTURE_CASES, repeat: int = 1, progress=None) -> dict:
+    "Run `capture_once` for each (model, batch, seq) in a fresh process; JSON-ready results."
+    results = []
+    for model, batch, seq in cases:
+        for r in range(repeat):
+            if progress: progress(f"capture {model} (batch {batch}, seq {seq}) run {r + 1}/{repeat}")
+            code = (f"import json; from static_dist.app.benches import capture_once; "
+                    f"print(json.dumps(capture_once({model!r}, {batch}, {seq})))")
+            t0 = time.perf_counter()
+            p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+            if p.returncode != 0:
+                raise UsageError(f"capturing {model} failed in its subprocess: {p.stderr.strip().splitlines()[-1:]}")
+            res = json.loads(p.stdout.strip().splitlines()[-1])
+            res["process_seconds"] = round(time.perf_counter() - t0, 3)   # python + imports + build + capture
+            results.append(res)
+    return dict(bench="capture", environment=environment(), results=results)
 
 # %% ../../nbs/94_benches.ipynb
 _CLI_CASES = {"static-dist --help": ["-m", "static_dist.app", "--help"],
@@ -44,7 +77,7 @@ _CLI_CASES = {"static-dist --help": ["-m", "static_dist.app", "--help"],
 
 def bench_cli(progress=None, repeat: int = 5) -> dict:
     "Median wall time of each command's process, side by side, and its ratio to importing torch."
-    from static_dist.bench import environment
+    from static_dist.util import environment
     times = {k: [] for k in _CLI_CASES}
     for r in range(repeat):
         for name, argv in _CLI_CASES.items():
@@ -75,7 +108,7 @@ def _workload_kwargs(args, fn) -> dict:
 def cmd_bench(args) -> int:
     "`static-dist bench NAME`: run it, write NAME.json into --out, print the results."
     from static_dist.app.verbs import status
-    from static_dist.bench import write_result
+    from static_dist.util import write_result
     fn = bench_function(args.name)
     kwargs = _workload_kwargs(args, fn)
     args.out.mkdir(parents=True, exist_ok=True)

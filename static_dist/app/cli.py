@@ -11,7 +11,8 @@ import os
 import sys
 from pathlib import Path
 
-from ..util import InputError, StaticDistError, parse_bytes
+from .. import __version__
+from ..util import InputError, StaticDistError, parse_bytes, resolve
 
 # %% auto 0
 __all__ = ['MAX_COUNT', 'MAX_RANKS', 'VERBS', 'count', 'number', 'size', 'mesh', 'infile', 'outfile', 'outdir', 'Parser',
@@ -108,14 +109,13 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 # %% ../../nbs/90_cli.ipynb
-def _workload_args(p, batch: int | None = None, seq: int | None = None):
-    "The workload options; None leaves the choice to the workload (2 x 64, adamw, float32, or what a Workload function sets)."
+def _workload_args(p):
+    "The workload options, the same on every verb; None leaves the choice to the workload (2 x 64, adamw, float32, or what a Workload function sets)."
     g = p.add_argument_group("workload (the model and the step to analyse)")
     g.add_argument("--model", default="tiny", help="zoo name, path/to/file.py:NAME, package.module:NAME or hf:CONFIG "
                    "(default: tiny)")
-    g.add_argument("--batch", type=count("--batch"), default=batch, help=f"batch size (default {batch or 'the workload’s, 2'})")
-    g.add_argument("--seq", type=count("--seq"), default=seq,
-                   help=f"sequence length (default {seq or 'the workload’s: 64, at most the model’s maximum'})")
+    g.add_argument("--batch", type=count("--batch"), help="batch size (default: the workload’s, 2)")
+    g.add_argument("--seq", type=count("--seq"), help="sequence length (default: the workload’s, 64, at most the model’s maximum)")
     g.add_argument("--optimizer", default=None, choices=["sgd", "adam", "adamw", "none"],
                    help="optimizer in the captured step (default adamw)")
     g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
@@ -147,7 +147,7 @@ def _capture_parser(sub):
 # %% ../../nbs/90_cli.ipynb
 def _fsdp_parser(sub):
     p = sub.add_parser("plan-fsdp", help="plan FSDP2 units, resharding, prefetch and checkpointing, or check a given plan")
-    _workload_args(p, batch=1)
+    _workload_args(p)
     p.add_argument("--world", type=count("--world", hi=MAX_RANKS), default=8, help="number of ranks (default 8)")
     p.add_argument("--budget", type=size("--budget"), default="80GiB", help="memory per rank (default 80GiB)")
     p.add_argument("--mesh", type=mesh, help="HSDP mesh RxS, e.g. 16x64 (default: pure FSDP over all ranks)")
@@ -192,7 +192,7 @@ def _offload_parser(sub):
 # %% ../../nbs/90_cli.ipynb
 def _export_parser(sub):
     p = sub.add_parser("check-export", help="export / ONNX / TorchScript / AOTI pre-flight report")
-    _workload_args(p, batch=2, seq=16)
+    _workload_args(p)
     p.add_argument("--targets", default="onnx,torchscript,aoti", help="comma-separated: onnx, torchscript, aoti")
     p.add_argument("--out", type=outdir, default=Path("export-check"), help="folder for export_report.json/.md")
     p.add_argument("--json", action="store_true", help="print the JSON report instead of markdown")
@@ -206,7 +206,7 @@ def _passes_parser(sub):
     p = sub.add_parser("passes", help="graph passes on exported programs")
     s = p.add_subparsers(dest="passes_command", required=True, metavar="ACTION", parser_class=Parser)
     r = s.add_parser("rewrite", help="rewrite the model's exported forward to the bridged ops and check it")
-    _workload_args(r, batch=2, seq=32)
+    _workload_args(r)
     r.add_argument("--trace", type=outfile, help="also write a Chrome trace of the rewritten program's nodes here")
     _force(r)
     r.set_defaults(run="static_dist.app.verbs:cmd_passes")
@@ -226,14 +226,12 @@ def _ops_parser(sub):
 
 # %% ../../nbs/90_cli.ipynb
 def _stability_parser(sub):
-    p = sub.add_parser("stability", help="train a zoo language model with injected faults under a mitigation strategy")
-    p.add_argument("--model", default="tiny", help="zoo language model (default tiny)")
+    p = sub.add_parser("stability", help="train a language model with injected faults under a mitigation strategy")
+    _workload_args(p)
     p.add_argument("--strategy", default="rewind", help="mitigation strategy (default rewind)")
     p.add_argument("--fault", action="append", default=[], help="KIND@STEP[xDURATION], repeatable")
     p.add_argument("--steps", type=count("--steps", hi=10**6), default=200)
     p.add_argument("--lr", type=number("--lr", hi=10.0), default=3e-3)
-    p.add_argument("--seq", type=count("--seq", hi=1 << 16), default=32)
-    p.add_argument("--batch", type=count("--batch", hi=1 << 16), default=8)
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--plot", type=outfile, help="write the loss / grad-norm plot to this .png file")
     _force(p)
@@ -274,11 +272,11 @@ def _bench_parser(sub):
 # %% ../../nbs/90_cli.ipynb
 def _train_parser(sub):
     t = sub.add_parser("train", help="plan, apply and compile FSDP, then train with the stability monitors on")
-    _workload_args(t, batch=4, seq=64)
+    _workload_args(t)
     t.add_argument("--steps", type=count("--steps", hi=10**6), default=20)
     t.add_argument("--budget", type=size("--budget"), default="80GiB", help="memory per rank (default 80GiB)")
     t.add_argument("--no-compile", action="store_true", help="train eagerly")
-    t.add_argument("--backend", default="aot_eager", choices=["aot_eager", "inductor", "eager"],
+    t.add_argument("--backend", default=None, choices=["aot_eager", "inductor", "eager"],
                    help="torch.compile backend per block (default aot_eager: seconds to compile on CPU)")
     t.add_argument("--log", type=outfile, default=Path("train_log.json"), help="step log (default train_log.json)")
     _force(t)
@@ -292,6 +290,7 @@ def build_parser() -> Parser:
     "The `static-dist` parser: every verb, with its handler named by `run` ('module:function')."
     p = Parser(prog="static-dist", description="Capture a training step once; check, plan and verify its distribution "
                "from the static graph.")
+    p.add_argument("--version", action="version", version=f"static-dist {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=Parser)
     for add in VERBS: add(sub)
     return p
@@ -302,9 +301,8 @@ class UsageError(StaticDistError):
 
 # %% ../../nbs/90_cli.ipynb
 def _handler(spec: str):
-    import importlib
-    mod, fn = spec.split(":")
-    return getattr(importlib.import_module(mod), fn)
+    "The verb's function, named 'module:function' (the package's one resolver)."
+    return resolve(spec)
 
 # %% ../../nbs/90_cli.ipynb
 def main(argv: list[str] | None = None) -> int:

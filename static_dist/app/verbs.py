@@ -15,12 +15,12 @@ import torch
 import torch.nn as nn
 
 from .cli import UsageError
-from ..util import atomic_write, check_writable
+from ..util import atomic_write, check_real_size, check_writable
 
 # %% auto 0
 __all__ = ['status', 'workload_of', 'print_markdown', 'cmd_capture', 'cmd_plan_fsdp', 'topology_arg', 'mesh_spec',
-           'cmd_plan_placement', 'cmd_plan_offload', 'export_case', 'cmd_check_export', 'rewrite_case', 'cmd_passes',
-           'cmd_ops', 'parse_fault', 'cmd_stability', 'cmd_keygen', 'cmd_sign', 'cmd_verify', 'cmd_train']
+           'cmd_plan_placement', 'cmd_plan_offload', 'cmd_check_export', 'rewrite_case', 'cmd_passes', 'cmd_ops',
+           'parse_fault', 'cmd_stability', 'cmd_keygen', 'cmd_sign', 'cmd_verify', 'cmd_train']
 
 # %% ../../nbs/92_verbs.ipynb
 @contextmanager
@@ -59,11 +59,10 @@ def cmd_capture(args) -> int:
 # %% ../../nbs/92_verbs.ipynb
 def _fsdp_profile(args, w, given):
     "The step profiled in the compute dtype (the given plan's param_dtype, else --precision), fp32 masters under bf16."
-    from static_dist.fsdp import profile_graph
+    from static_dist.fsdp import profile_workload
     bf16 = given.param_dtype == "bfloat16" if given else args.precision == "bf16"
-    with status(f"capturing {w.source}") as update:
-        g = w.graph(dtype="bfloat16" if bf16 else None, progress=update)
-    return profile_graph(g, "float32" if bf16 else None)
+    with status(f"capturing {w.source}") as update:   # a few blocks, extrapolated where they are identical
+        return profile_workload(w, "bfloat16" if bf16 else None, "float32" if bf16 else None, progress=update)
 
 # %% ../../nbs/92_verbs.ipynb
 def _fsdp_report(args, prof, given):
@@ -92,7 +91,7 @@ def cmd_plan_fsdp(args) -> int:
     w = workload_of(args)
     prof = _fsdp_profile(args, w, given)
     rep = _fsdp_report(args, prof, given)
-    what = "evaluated as given" if args.plan else f"searched {rep.evaluated} plans in {rep.seconds:.1f} s"
+    what = ("evaluated as given" if args.plan else f"searched {rep.evaluated} plans in {rep.seconds:.1f} s") + f"; profile: {prof.path}"
     print_markdown(f"**{w.source}** (batch {w.batch}, seq {w.seq}), world {rep.plan.world_size}, mesh "
                    f"{rep.plan.mesh_shape}, budget {fmt_bytes(args.budget)}: {what}\n\n" + rep.table())
     for k, v in rep.plan.reasons: print(f"- {k}: {v}")
@@ -179,38 +178,6 @@ def cmd_plan_offload(args) -> int:
     return 0
 
 # %% ../../nbs/92_verbs.ipynb
-def export_case(w):
-    "(model in eval mode on CPU with real weights, positional inputs, dynamic shapes, flags) for the export checks."
-    from static_dist.export import MAX_CHECK_PARAMS, zoo_case
-    n = sum(p.numel() for p in w.build(device="meta").parameters())
-    if n > MAX_CHECK_PARAMS:
-        raise UsageError(f"{w.source} has {n / 1e9:.1f}B parameters; the export checks run real forward passes on CPU "
-                         f"and are limited to {MAX_CHECK_PARAMS / 1e6:.0f}M: check a smaller config of the same architecture")
-    args, kwargs, _ = w.inputs()
-    model = w.build(device="cpu").eval()
-    if kwargs:                           # export takes positional inputs: bind the keyword ones into a wrapper
-        keys = tuple(k for k, v in kwargs.items() if k not in ("labels",))
-        model, args = _KwargsCall(model, keys), (*args, *(kwargs[k] for k in keys))
-    if w.source in _zoo_names():
-        _, _, ds, flags = zoo_case(w.source, w.batch, w.seq or 16)
-        return model, tuple(args), ds, flags
-    return model, tuple(args), None, None
-
-# %% ../../nbs/92_verbs.ipynb
-def _zoo_names():
-    from static_dist.zoo import ZOO
-    return set(ZOO)
-
-# %% ../../nbs/92_verbs.ipynb
-class _KwargsCall(nn.Module):
-    "model(*args, **dict(zip(keys, rest))): keyword inputs as positional ones, for torch.export."
-    def __init__(self, model, keys): super().__init__(); self.model, self.keys, self.n = model, keys, len(keys)
-    def forward(self, *xs):
-        pos, kw = xs[:len(xs) - self.n], dict(zip(self.keys, xs[len(xs) - self.n:]))
-        out = self.model(*pos, **kw)
-        return getattr(out, "logits", out)
-
-# %% ../../nbs/92_verbs.ipynb
 def cmd_check_export(args) -> int:
     "`static-dist check-export`: the export pre-flight report; exit 0 clean, 1 problems found."
     from static_dist.export import ExportReport, check_export, rules_markdown
@@ -220,12 +187,13 @@ def cmd_check_export(args) -> int:
     if bad or not targets: raise UsageError(f"--targets {args.targets!r}: use a comma-separated list of onnx, torchscript, aoti")
     base = None
     if args.baseline:
-        try: base = ExportReport.from_json(Path(args.baseline).read_text())
+        try: base = ExportReport.load(args.baseline)
         except (ValueError, KeyError, TypeError) as e:
             raise UsageError(f"--baseline {args.baseline}: not a report written by check-export ({e})") from None
     args.out.mkdir(parents=True, exist_ok=True)
     w = workload_of(args)
-    model, inputs, ds, flags = export_case(w)
+    from static_dist.export import workload_case
+    model, inputs, ds, flags = workload_case(w)
     with status(f"checking export of {w.source}"):
         rep = check_export(model, inputs, targets=targets, dynamic_shapes=ds, flags=flags, opset=args.opset, name=w.source)
     atomic_write(args.out / "export_report.json", rep.to_json())
@@ -253,9 +221,10 @@ def cmd_passes(args) -> int:
     from static_dist.passes import profile_nodes
     if args.trace: check_writable(args.trace, force=args.force)
     w = workload_of(args)
-    model, inputs, _, _ = export_case(w)
+    from static_dist.export import workload_case
+    model, inputs, _, _ = workload_case(w)
     new, rep = rewrite_case(model, inputs)
-    print(json.dumps(dict(workload=w.describe(), **rep.to_json()), indent=2))
+    print(json.dumps(dict(workload=w.describe(), **rep.to_dict()), indent=2))
     if args.trace: print(f"wrote {profile_nodes(new, *inputs).to_chrome_trace(args.trace)}")
     return 0
 
@@ -274,7 +243,7 @@ def cmd_ops(args) -> int:
     if bad: raise UsageError(f"--skip {','.join(bad)}: unknown path; choose from {','.join(PATHS)}")
     if args.device == "cuda" and not torch.cuda.is_available(): raise UsageError("--device cuda: no CUDA device here")
     rep = compat_matrix(args.op, device=args.device, dtype=getattr(torch, args.dtype), skip=skip)
-    print(json.dumps(rep.to_json(), indent=2) if args.json else rep.to_markdown())
+    print(rep.to_json() if args.json else rep.to_markdown())
     return 0 if rep.ok else 1
 
 # %% ../../nbs/92_verbs.ipynb
@@ -297,15 +266,20 @@ def cmd_stability(args) -> int:
     faults = [parse_fault(f) for f in args.fault]
     late = [f for f in faults if f.step >= args.steps]
     if late: raise UsageError(f"--fault at step {late[0].step} is past the end of the run (--steps {args.steps})")
+    if args.optimizer not in (None, "adamw"): raise UsageError(f"--optimizer {args.optimizer}: the stability runs train with adamw")
+    if args.dtype not in (None, "float32"):
+        raise UsageError(f"--dtype {args.dtype}: the stability runs train in float32 (their configurations add bf16 autocast)")
+    w = workload_of(args)                  # the same workload every verb reads: its batch, seq and checks
+    check_real_size(sum(p.numel() for p in w.build(device="meta").parameters()), f"{w.source} (the stability runs train it on CPU)")
     try:
-        cfg = RunConfig(model=args.model, steps=args.steps, lr=args.lr, seq_len=args.seq, batch_size=args.batch)
+        cfg = RunConfig(model=args.model, steps=args.steps, lr=args.lr, seq_len=w.seq or 1, batch_size=w.batch)
         with status("clean run") as update:
             clean, base = train(cfg, "unmonitored", progress=update), train(cfg, "unmonitored", faults, progress=update)
             run = train(cfg, args.strategy, faults, progress=update)
     except ValueError as e: raise UsageError(str(e).rstrip(".")) from None
     rows = [dict(step=r.step, alarms=list(r.alarms), action=r.action,
                  localization=None if r.localization is None else asdict(r.localization)) for r in run.records if r.alarms]
-    out = dict(strategy=args.strategy, faults=[asdict(f) for f in faults], clean_loss=clean.eval_loss,
+    out = dict(strategy=args.strategy, faults=[asdict(f) for f in run.faults], clean_loss=clean.eval_loss,
                unmitigated_loss=base.eval_loss, loss=run.eval_loss, alarms=rows)
     if args.plot:
         import io
@@ -384,10 +358,12 @@ def cmd_train(args) -> int:
     "`static-dist train`: plan, apply and compile FSDP on one process, train with the monitors on, write the step log."
     from static_dist.compile import CompileOptions, TrainConfig, train
     check_writable(args.log, force=args.force)
+    if args.no_compile and args.backend is not None:
+        raise UsageError(f"--no-compile with --backend {args.backend}: give one of them")
     w = workload_of(args)
-    opt = w.optimizer if w.optimizer in ("sgd", "adamw") else "sgd"
-    cfg = TrainConfig(model=w.source, steps=args.steps, batch=w.batch, seq=w.seq or 1, optimizer=opt, budget=args.budget,
-                      compile=CompileOptions(enabled=not args.no_compile, backend=args.backend))
+    check_real_size(sum(p.numel() for p in w.build(device="meta").parameters()), f"{w.source} (train runs it on CPU)")
+    cfg = TrainConfig(model=w.source, steps=args.steps, batch=w.batch, seq=w.seq or 1, optimizer=w.optimizer, dtype=w.dtype,
+                      budget=args.budget, compile=CompileOptions(enabled=not args.no_compile, backend=args.backend or "aot_eager"))
     with status(f"training {w.source}") as update: log = train(cfg, progress=update, workload=w)
     atomic_write(args.log, json.dumps(log, indent=2, default=str), force=args.force)
     print(json.dumps(dict(workload=w.describe(), **log["summary"]), indent=2))

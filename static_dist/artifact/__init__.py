@@ -9,7 +9,7 @@ __all__ = []
 from .keys import *
 from .sign import *
 from .verify import *
-from .sign import _signed_message   # tests/test_artifact_fuzz.py builds artifacts by hand
+
 from . import keys, sign, verify
 
 __all__ = [*keys.__all__, *sign.__all__, *verify.__all__]

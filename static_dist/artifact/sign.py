@@ -14,14 +14,14 @@ from .keys import (MAGIC, PROTOCOL_VERSION, _DOMAIN, ArtifactUsageError, Fingerp
                                        PayloadTooLargeError, PlatformPolicy, PolicyError, _ed, _fingerprint, _require, key_id, policy_for)
 
 # %% auto 0
-__all__ = ['sign_payload', 'check_exported_program', 'save_artifact']
+__all__ = ['signed_message', 'sign_payload', 'check_exported_program', 'save_artifact']
 
 # %% ../../nbs/11b_artifact_sign.ipynb
 def _cbor():
     "The cbor2 module (install hint if missing)."
     return _require('cbor2')
 
-def _signed_message(version: int, header: bytes) -> bytes:
+def signed_message(version: int, header: bytes) -> bytes:
     "The bytes the Ed25519 signature covers."
     return _DOMAIN + MAGIC + struct.pack('>I', version) + header
 
@@ -67,7 +67,7 @@ def sign_payload(payload: bytes, *, signing_key, device: Fingerprint | str | tor
     _check_policy(policy_for(fp, policy), fp, version, len(payload))
     kid = key_id(signing_key)
     header = _header_bytes(version, fp, payload, kid, meta)
-    return cbor2.dumps([MAGIC, version, header, payload, kid, signing_key.sign(_signed_message(version, header))], canonical=True)
+    return cbor2.dumps([MAGIC, version, header, payload, kid, signing_key.sign(signed_message(version, header))], canonical=True)
 
 # %% ../../nbs/11b_artifact_sign.ipynb
 def _archive_layout(payload: bytes, name: str) -> tuple[list[str], str | None, bytes | None]:

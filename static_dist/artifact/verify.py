@@ -13,7 +13,7 @@ from .keys import (MAGIC, SUPPORTED_VERSIONS, _HEADER_MAX, ArtifactFileError, Ar
                                        BadMagicError, DeserializationError, DeviceMismatchError, DigestMismatchError, Fingerprint,
                                        PayloadTooLargeError, PlatformPolicy, SignatureError, UnsupportedVersionError, UntrustedKeyError,
                                        _fingerprint, _trusted, policy_for)
-from .sign import _cbor, _signed_message
+from .sign import _cbor, signed_message
 
 # %% auto 0
 __all__ = ['VerifiedArtifact', 'verify_artifact', 'load_artifact']
@@ -174,7 +174,7 @@ def _check_signature(trusted: dict, kid: str, header: dict, sig: bytes, version:
     "SignatureError or UntrustedKeyError unless a trusted key signed this header."
     if kid != header['key_id']: raise SignatureError(f"unsigned key id {kid} disagrees with the signed header's {header['key_id']}")
     if kid not in trusted: raise UntrustedKeyError(f"signed by key {kid}, which is not trusted; trusted: {sorted(trusted) or 'none'}")
-    try: trusted[kid].verify(sig, _signed_message(version, raw_header))
+    try: trusted[kid].verify(sig, signed_message(version, raw_header))
     except Exception: raise SignatureError(f"the signature does not verify with trusted key {kid}: the header or signature was modified") from None
 
 def _check_digest(header: dict, payload: bytes) -> None:

@@ -5,14 +5,9 @@
 # %% ../../nbs/42e_compile_bench.ipynb 3
 from __future__ import annotations
 
-import functools
-import importlib
-import json
 import os
 import statistics
-import tempfile
 import time
-from pathlib import Path
 from typing import Sequence
 
 import torch
@@ -20,19 +15,19 @@ from torch import nn
 
 from .apply import apply_compiled, compile_record, graphs_compiled
 from .options import CompileError, CompileOptions
-from .step import _free_port
 from ..fsdp import FSDPPlan
-from ..util import step_loss
+from ..launch import launch
+from ..step import make_optimizer, train_step
 
 # %% auto 0
-__all__ = ['cpu_cost_model', 'cpu_step', 'calibrate_world', 'bench_compile', 'bench_table']
+__all__ = ['cpu_cost_model', 'cpu_step', 'calibrate_world', 'measure_world', 'bench_compile', 'bench_table']
 
 # %% ../../nbs/42e_compile_bench.ipynb
 def cpu_cost_model(world_size: int, efficiency: float, device_flops: float | None = None, calibration=None):
     "A `fsdp.CostModel` for this CPU: measured matmul FLOP/s, the gloo link of `calibration` (or an in-memory copy)."
     from static_dist.fsdp import CostModel
-    from static_dist.topology import Level, Link, Topology, _matmul_flops
-    flops = device_flops or (calibration.device_flops if calibration is not None and calibration.device_flops else _matmul_flops())
+    from static_dist.topology import Level, Link, Topology, matmul_flops
+    flops = device_flops or (calibration.device_flops if calibration is not None and calibration.device_flops else matmul_flops())
     link = calibration.link() if calibration is not None else Link("shm", 5e9, 2e-5)
     topo = Topology("cpu-gloo", world_size, "CPU", flops, 2**34, link, (Level("host", world_size, link),))
     return CostModel(topo, efficiency, algorithm="ring")
@@ -87,23 +82,19 @@ class _CommClock:
         for n, fn in self._saved.items(): setattr(dist, n, fn)
 
 # %% ../../nbs/42e_compile_bench.ipynb
-def _timed_run(build, batch, loss_fn, plan, opts, steps):
-    "Fresh model, apply + compile, `steps` timed steps on `batch`: seconds per step, in its collectives and in the optimizer; graphs; record."
+def _timed_run(build, mb, loss_fn, plan, opts, steps):
+    "Fresh model, apply + compile, `steps` timed steps (the one step) on micro-batch `mb`: seconds per step, in its collectives and in the optimizer; graphs; record."
     import torch.distributed as dist
     torch._dynamo.reset()
     m = build()
-    apply_compiled(m, plan, None, opts, example_inputs=batch[0])
-    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    apply_compiled(m, plan, None, opts, example_inputs=mb.args, example_kwargs=mb.kwargs)
+    opt = make_optimizer("sgd", m.parameters(), lr=0.1)
     times, comm_times, opt_times, graphs, k = [], [], [], [], plan.accumulation_steps
     for s in range(steps):
-        dist.barrier(); t0 = time.perf_counter()
-        with _CommClock() as clock:
-            for i, (x, y) in enumerate([batch] * k):         # step_once, with the optimizer timed on its own
-                m.set_requires_gradient_sync(i == k - 1)
-                (loss_fn(m(*x), y) / k).backward()
-        t1 = time.perf_counter()
-        opt.step(); opt.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - t0); opt_times.append(time.perf_counter() - t1); comm_times.append(clock.seconds)
+        dist.barrier(); t0 = time.perf_counter(); t1 = []
+        with _CommClock() as clock:                          # the optimizer step of FSDP2 is local: no collective in it
+            train_step(m, opt, [mb] * k, loss_fn, plan=plan, before_update=lambda loss: t1.append(time.perf_counter()))
+        times.append(time.perf_counter() - t0); opt_times.append(time.perf_counter() - t1[0]); comm_times.append(clock.seconds)
         graphs.append(graphs_compiled(m))
     return times, comm_times, opt_times, graphs, (compile_record(m) if opts.enabled else None)
 
@@ -136,17 +127,17 @@ def _busy_link(sizes: Sequence[int], repeat: int, gap_matmuls: int, gap_s: float
     the step's compute term counts): the fit to the slowest rank's mean per point, and the median gap's wall time."""
     import torch.distributed as dist
     from static_dist.topology import CalibrationPoint
-    from static_dist.topology.calibration import _fitted, _make_buffers, _run_once
+    from static_dist.topology import collective_buffers, fit_calibration, run_collective
     a, world, raw, gaps = torch.randn(128, 128), dist.get_world_size(), [], []
     for kind in ("all_gather", "reduce_scatter"):
         for size in sizes:
-            nbytes, full, part = _make_buffers(kind, size, world)
-            _run_once(kind, full, part); dist.barrier()
+            nbytes, full, part = collective_buffers(kind, size, world)
+            run_collective(kind, full, part); dist.barrier()
             ts = []
             for _ in range(repeat):
                 t0 = time.perf_counter()
                 for _ in range(gap_matmuls): a @ a
-                t1 = time.perf_counter(); _run_once(kind, full, part); t2 = time.perf_counter()
+                t1 = time.perf_counter(); run_collective(kind, full, part); t2 = time.perf_counter()
                 gaps.append(t1 - t0); ts.append(t2 - t1)
             t = torch.tensor([statistics.fmean(ts)], dtype=torch.float64)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -156,18 +147,18 @@ def _busy_link(sizes: Sequence[int], repeat: int, gap_matmuls: int, gap_s: float
     gap_wall = float(g) / world
     shared_wait = max(0.0, gap_s / share - gap_wall)    # ranks took turns on the cores: the gap ran unshared, the wait shows here
     pts = [CalibrationPoint(k, n, world, max(t - shared_wait, 0.1 * t)) for k, n, t in raw]   # floored: times stay positive for the log fit
-    return _fitted(pts, "gloo", world), gap_wall, shared_wait
+    return fit_calibration(pts, "gloo", world), gap_wall, shared_wait
 
 # %% ../../nbs/42e_compile_bench.ipynb
 def calibrate_world(sizes: Sequence[int] = (2**14, 2**18, 2**20, 2**22), repeat: int = 25, probes: int = 5,
                     gap_matmuls: int = 0, gap_s: float = 0.0) -> dict:
     "On every rank of the running gloo group: the rank's share of this CPU's matmul FLOP/s, and the typical gloo link (world > 1)."
     import torch.distributed as dist
-    from static_dist.topology import _matmul_flops
+    from static_dist.topology import matmul_flops
     world, best = dist.get_world_size(), 0.0
     for _ in range(probes):
         dist.barrier()
-        best = max(best, _matmul_flops())
+        best = max(best, matmul_flops())
     f = torch.tensor([best], dtype=torch.float64)
     dist.all_reduce(f)
     share = min(1.0, (os.cpu_count() or 1) / world)    # ranks beyond the cores take turns on them
@@ -182,56 +173,23 @@ def _workload(spec: dict):
     from static_dist.workload import load_workload
     return load_workload(spec["model"], batch=spec["batch"], seq=spec["seq"], optimizer="sgd")
 
-def _step_data(w) -> tuple:
-    "((inputs, targets), loss(out, targets)): the workload's example batch, every micro-batch (a step's time is its shapes')."
-    args, kwargs, targets = w.inputs()
-    if kwargs: raise CompileError(f"bench_compile feeds positional inputs; {w.source} takes keyword inputs ({', '.join(kwargs)}): "
-                                  "wrap the model in a module whose forward takes them in order")
-    return (tuple(args), targets), functools.partial(step_loss, w.loss)
+
 
 # %% ../../nbs/42e_compile_bench.ipynb
-def _measure_world(spec: dict) -> dict:
-    "Calibrate, then time each configuration of `spec` on this rank of the running group."
+def measure_world(spec: dict) -> dict:
+    "Calibrate, then time each configuration of `spec` on this rank of the running group (every micro-batch: the workload's example batch)."
     import torch.distributed as dist
     world, w = dist.get_world_size(), _workload(spec)
-    build, (batch, loss) = (lambda: w.build(device="cpu")), _step_data(w)
+    build, mb = (lambda: w.build(device="cpu")), w.micro_batch()
     calib = calibrate_world(gap_matmuls=spec.get("gap_matmuls", 0), gap_s=spec.get("gap_s", 0.0))
     configs = list(spec["configs"]) + (list(spec["world1_configs"]) if world == 1 else [])
     rows = []
     for k in spec["accumulation"]:
         for c in configs:
             plan = _block_units(build(), world, k)
-            t = _timed_run(build, batch, loss, plan, _options(c), spec["steps"])
+            t = _timed_run(build, mb, w.loss, plan, _options(c), spec["steps"])
             rows.append(dict(_measured_row(c, k, world, *t, w.batch * (w.seq or 1)), load_avg_1min=os.getloadavg()[0]))
     return dict(world=world, calibration=calib, rows=rows)
-
-# %% ../../nbs/42e_compile_bench.ipynb
-def _bench_rank(rank: int, world: int, port: int, spec: dict, out: str):
-    "One spawned rank: a gloo group over a TCP store on `port`, `_measure_world`, rank 0 writes `out`."
-    import datetime
-    import warnings
-    import torch.distributed as dist
-    torch.set_num_threads(1)                  # one core's worth per rank, as torchrun sets OMP_NUM_THREADS=1
-    warnings.filterwarnings("ignore", module="torch")   # a spawned rank's torch notes would print through the caller's stderr
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=datetime.timedelta(seconds=600))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-    try:
-        res = _measure_world(spec)
-        if rank == 0: Path(out).write_text(json.dumps(res))
-        dist.barrier()
-    finally: dist.destroy_process_group()
-
-# %% ../../nbs/42e_compile_bench.ipynb
-def _launch(world: int, spec: dict) -> dict:
-    "Run `_bench_rank` on `world` spawned processes; rank 0's result."
-    import torch.multiprocessing as mp
-    from unittest import mock
-    # a spawned interpreter finds the target by module name: the package's, never a notebook's __main__ copy
-    target = importlib.import_module("static_dist.compile.bench")._bench_rank
-    with tempfile.TemporaryDirectory() as d, mock.patch.dict(os.environ, OMP_NUM_THREADS="1"):   # as torchrun sets it
-        out = Path(d) / "rank0.json"
-        mp.start_processes(target, args=(world, _free_port(), spec, str(out)), nprocs=world, start_method="spawn")
-        return json.loads(out.read_text())
 
 # %% ../../nbs/42e_compile_bench.ipynb
 def _cost_of(world_res: dict, efficiency: float, one_rank_flops: float):
@@ -293,14 +251,14 @@ def bench_compile(progress=None, *, model: str = "tiny", batch: int = 8, seq: in
                   worlds: Sequence[int] = (1, 2, 4), backends: Sequence[str] = ("eager", "aot_eager"),
                   world1_backends: Sequence[str] = ("inductor", "inductor+comm"), accumulation: Sequence[int] = (1, 2)) -> dict:
     "Eager vs compiled FSDP2 step time at each gloo world size on this CPU, side by side, each next to the calibrated time model."
-    from static_dist.bench import environment
+    from static_dist.util import environment
     from static_dist.fsdp import profile_graph
     import psutil
     say, busy_before = progress or (lambda s: None), psutil.cpu_percent(interval=1.0)   # other work on the cores, not a lagging average
     if not worlds or worlds[0] != 1: raise CompileError(f"worlds={tuple(worlds)}: start with 1 (the efficiency is fitted there).")
     spec = _spec(model, batch, seq, steps, backends, world1_backends, accumulation)
     w = _workload(spec)
-    _step_data(w)                                        # its errors here, not in every spawned rank
+    w.micro_batch()                                      # its errors here, not in every launched rank
     say(f"capture {model} B{batch} S{seq}")
     meta = w.build(device="meta")
     _block_units(meta, 1)                               # a model without a stack of blocks stops here, not in a spawned rank
@@ -308,7 +266,7 @@ def bench_compile(progress=None, *, model: str = "tiny", batch: int = 8, seq: in
     res = []
     for w in worlds:
         say(f"world {w}: calibrate, then time {len(spec['configs']) + (w == 1) * len(spec['world1_configs'])} configurations")
-        res.append(_launch(w, dict(spec, **(_gap(prof, meta, w, res[0]) if res else {}))))
+        res.append(launch("static_dist.compile.bench:measure_world", w, dict(spec, **(_gap(prof, meta, w, res[0]) if res else {})), timeout=1800))
     effs = _predict_rows(prof, lambda w, k: _block_units(meta, w, k), res)
     return dict(bench="compile", model=model, batch=batch, seq=seq, steps=steps, worlds=list(worlds), efficiency=effs,
                 cores=os.cpu_count(), cpu_busy_before_pct=busy_before, loaded=busy_before > 50,

@@ -16,6 +16,7 @@ from torch import nn
 from .apply import block_inputs, compile_targets
 from .options import CompileError
 from ..fsdp import FSDPPlan
+from ..step import MicroBatch
 
 # %% auto 0
 __all__ = ['RecompileFinding', 'preflight']
@@ -72,6 +73,10 @@ def _block_findings(feed: _Feed, name: str, base_args: tuple, other: dict, flags
     return found
 
 # %% ../../nbs/42d_compile_guards.ipynb
+def _args_kwargs(v) -> tuple[tuple, dict]:
+    "A change's inputs: a tuple of positional inputs, or a `step.MicroBatch` (positional and keyword)."
+    return (v.args, v.kwargs) if isinstance(v, MicroBatch) else (tuple(v), {})
+
 def preflight(model: nn.Module, plan: FSDPPlan | None, example_inputs: tuple, *, changes: dict[str, tuple] | None = None,
               flags: dict[str, Sequence] | None = None, blocks: Sequence[str] | None = None,
               example_kwargs: dict | None = None) -> tuple[RecompileFinding, ...]:
@@ -81,7 +86,7 @@ def preflight(model: nn.Module, plan: FSDPPlan | None, example_inputs: tuple, *,
     mods = dict(model.named_modules())
     names = compile_targets(model, plan, blocks)
     base = block_inputs(model, names, example_inputs, example_kwargs)
-    other = {k: block_inputs(model, names, v) for k, v in (changes or {}).items()}
+    other = {k: block_inputs(model, names, *_args_kwargs(v)) for k, v in (changes or {}).items()}
     out, seen = [], {}
     for n in (n for n in names if n in base):
         key = type(mods[n])   # same class, same code: the same guards (Dynamo shares the compiled code between them)

@@ -12,10 +12,12 @@ from dataclasses import dataclass
 
 import torch
 
+from ..step import OPTIMIZERS, MicroBatch, make_optimizer
+from ..util import DTYPES
 from .apply import apply_compiled, compile_record, graphs_compiled
 from .options import CompileError, CompileOptions
 from .guards import preflight
-from .step import process_group
+from ..launch import process_group
 
 # %% auto 0
 __all__ = ['TrainConfig', 'train']
@@ -23,9 +25,9 @@ __all__ = ['TrainConfig', 'train']
 # %% ../../nbs/42f_compile_training.ipynb
 @dataclass(frozen=True)
 class TrainConfig:
-    "What `train` runs: a zoo model, planned, sharded and compiled, trained with the stability monitors on."
+    "What `train` runs: a model, planned, sharded and compiled, trained with the stability monitors on."
     model: str = "tiny"
-    "A `static_dist.zoo` name."
+    "A workload source: a zoo name, 'path/file.py:NAME', 'package.module:NAME' or 'hf:CONFIG'."
     steps: int = 6
     batch: int = 2
     "Sequences per micro-batch per rank."
@@ -34,7 +36,9 @@ class TrainConfig:
     "Micro-batches per optimizer step."
     lr: float = 0.05
     optimizer: str = "sgd"
-    "'sgd' or 'adamw'."
+    "'sgd', 'adam' or 'adamw' (the step's optimizer table)."
+    dtype: str = "float32"
+    "'float32', 'bfloat16' or 'float16': the model is built and trained in it, the graph captured in it."
     compile: CompileOptions = CompileOptions(backend="aot_eager")
     "aot_eager compiles in seconds on CPU; backend='inductor' generates kernels (about 20 s+ cold per process)."
     budget: int | str = "2GiB"
@@ -47,29 +51,39 @@ class TrainConfig:
     def __post_init__(self):
         for f in ("steps", "batch", "seq", "accumulation"):
             if int(getattr(self, f)) < 1: raise CompileError(f"TrainConfig.{f}={getattr(self, f)!r}: give a positive integer.")
-        if self.optimizer not in ("sgd", "adamw"): raise CompileError(f"TrainConfig.optimizer={self.optimizer!r}: use 'sgd' or 'adamw'.")
+        if self.optimizer not in OPTIMIZERS:
+            raise CompileError(f"TrainConfig.optimizer={self.optimizer!r}: use one of {', '.join(OPTIMIZERS)} (training needs one).")
+        if self.dtype not in DTYPES: raise CompileError(f"TrainConfig.dtype={self.dtype!r}: use one of {', '.join(DTYPES)}.")
 
 # %% ../../nbs/42f_compile_training.ipynb
+def _data(w) -> callable:
+    "data(step, micro, rank) -> MicroBatch: seeded fresh tokens for a token model, else the workload's example batch."
+    if w.from_tokens is None:
+        mb = w.micro_batch()
+        return lambda step, j, rank: mb
+    def data(step, j, rank):
+        g = torch.Generator().manual_seed(1_000_003 * step + 1009 * rank + j)
+        return w.token_batch(torch.randint(w.vocab, (w.batch, (w.seq or 1) + 1), generator=g))
+    return data
+
 def _source(c: TrainConfig, workload):
-    "(build, loss, data(step, micro, rank) -> (inputs, targets), graph()) for the config's zoo model or a given Workload."
+    "(workload, data(step, micro, rank) -> MicroBatch) for the config's model, or a given Workload in the config's dtype."
     if workload is None:
         from static_dist.workload import load_workload
-        workload = load_workload(c.model, batch=c.batch, seq=c.seq, optimizer=c.optimizer)
-    args, kwargs, targets = workload.inputs()
-    if kwargs: raise CompileError(f"train feeds positional inputs; {workload.source} takes keyword inputs "
-                                  f"({', '.join(kwargs)}): wrap the model in a module whose forward takes them in order")
-    if targets is None: raise CompileError(f"train needs targets for the loss; {workload.source} computes its own loss")
-    # a Workload makes one example batch (make_inputs takes no seed), so every step and rank trains on it: enough to
-    # watch the loss fall, the monitors and the recompile count; data loading is the user's own training loop's job
-    data = lambda step, j, rank: (tuple(args), targets)
-    return (lambda: workload.build(device="cpu")), workload.loss, data, workload.graph
+        workload = load_workload(c.model, batch=c.batch, seq=c.seq, optimizer=c.optimizer, dtype=c.dtype)
+    elif workload.dtype != c.dtype:
+        raise CompileError(f"TrainConfig.dtype is {c.dtype} but the workload's is {workload.dtype}: make them agree")
+    return workload, _data(workload)
 
 # %% ../../nbs/42f_compile_training.ipynb
-def _changes(x: tuple) -> dict:
-    "The pre-flight changes for inputs `x`: for token inputs, the same batch 8 tokens longer."
-    if x and x[0].dim() >= 2 and not x[0].is_floating_point():
-        return {f"seq {x[0].shape[1]} → {x[0].shape[1] + 8}": (torch.cat([x[0], x[0][:, :8]], 1), *x[1:])}
-    return {}
+def _changes(mb: MicroBatch) -> dict:
+    "The pre-flight changes for micro-batch `mb`: for token inputs, the same batch 8 tokens longer."
+    ids = next((t for t in (*mb.args, *mb.kwargs.values()) if isinstance(t, torch.Tensor) and t.dim() == 2
+                and not t.is_floating_point()), None)
+    if ids is None: return {}
+    longer = lambda t: torch.cat([t, t[:, :8]], 1) if isinstance(t, torch.Tensor) and t.shape == ids.shape else t
+    return {f"seq {ids.shape[1]} → {ids.shape[1] + 8}": MicroBatch(tuple(map(longer, mb.args)),
+                                                                  {k: longer(v) for k, v in mb.kwargs.items()})}
 
 # %% ../../nbs/42f_compile_training.ipynb
 def _train_steps(tr, model, data, c: TrainConfig, world: int, say) -> list[dict]:
@@ -79,7 +93,7 @@ def _train_steps(tr, model, data, c: TrainConfig, world: int, say) -> list[dict]
         rec = tr.step(i, i, [data(i, j) for j in range(c.accumulation)])
         row = dict(step=i, loss=rec.loss, grad_norm=rec.grad_norm, action=rec.action, alarms=list(rec.alarms),
                    seconds=rec.seconds, tokens_per_s=rec.tokens * world / rec.seconds,
-                   peak_bytes_measured=rec.peak_bytes, graphs_compiled=graphs_compiled(model))
+                   peak_rss_bytes=rec.peak_bytes, graphs_compiled=graphs_compiled(model))
         log.append(row)
         say(f"step {i} loss {rec.loss:.4f} {row['tokens_per_s']:.0f} tok/s")
     return log
@@ -90,8 +104,8 @@ def _summary(log: list[dict], mem, budget: int) -> dict:
     steady = [r["tokens_per_s"] for r in log[1:]] or [log[0]["tokens_per_s"]]
     norms = [r["grad_norm"] for r in log if r["grad_norm"] is not None]
     return dict(tokens_per_s=statistics.median(steady), peak_predicted_bytes=mem.peak_bytes,
-                peak_measured_bytes=max(r["peak_bytes_measured"] for r in log),
-                peak_measured_is="process peak RSS (CPU: everything the process holds, not only the step)",
+                peak_rss_bytes=max(r["peak_rss_bytes"] for r in log),
+                peak_rss_is="the process's peak RSS: everything it holds (Python, torch, the compiler), not the step's peak",
                 oom_predicted=mem.peak_bytes > budget, budget_bytes=budget,
                 grad_norm_variance=statistics.pvariance(norms) if len(norms) > 1 else 0.0,
                 recompiles_after_step1=log[-1]["graphs_compiled"] - log[0]["graphs_compiled"])
@@ -117,22 +131,24 @@ def train(config: TrainConfig = TrainConfig(), progress=None, workload=None) -> 
     say, c = progress or (lambda s: None), config
     if c.strategy not in STRATEGIES: raise CompileError(f"TrainConfig.strategy={c.strategy!r}: use one of {', '.join(STRATEGIES)}.")
     budget = parse_bytes(c.budget, "budget")
-    build, loss_fn, batches, graph = _source(c, workload)
+    w, batches = _source(c, workload)
     with process_group() as world:
         rank = dist.get_rank()
         data = lambda step, j: batches(step, j, rank)
-        x, y = data(0, 0)
-        say("capture"); prof = profile_graph(graph())
+        mb = data(0, 0)
+        say("capture"); prof = profile_graph(w.graph())
         say("plan"); plan = _plan(prof, c, world, budget)
-        model = build()
-        say("preflight"); findings = preflight(model, plan, x, changes=_changes(x)) if c.compile.enabled else ()
-        say("apply + compile"); apply_compiled(model, plan, None, c.compile, example_inputs=x)
-        opt = (torch.optim.SGD if c.optimizer == "sgd" else torch.optim.AdamW)(model.parameters(), lr=c.lr)
-        tr = Trainer(model, opt, loss_fn, STRATEGIES[c.strategy])
+        model = w.build_model(seed=0)
+        say("preflight")
+        findings = preflight(model, plan, mb.args, changes=_changes(mb), example_kwargs=mb.kwargs) if c.compile.enabled else ()
+        say("apply + compile"); apply_compiled(model, plan, None, c.compile, example_inputs=mb.args, example_kwargs=mb.kwargs)
+        opt = make_optimizer(c.optimizer, model.parameters(), lr=c.lr)
+        tr = Trainer(model, opt, w.loss, STRATEGIES[c.strategy], sync_every_microbatch=plan.sync_every_microbatch)
+        ran = dict(optimizer=type(opt).__name__, dtype=str(next(model.parameters()).dtype))   # what ran, not what was asked
         try: log = _train_steps(tr, model, data, c, world, say)
         finally: tr.close()
         record = compile_record(model) if c.compile.enabled else None
-    out = dict(config=dataclasses.asdict(c), world=world, plan_units=[u.module for u in plan.units],
+    out = dict(config=dataclasses.asdict(c), world=world, ran=ran, plan_units=[u.module for u in plan.units],
                compile=record.to_dict() if record else None, preflight=[dataclasses.asdict(f) for f in findings],
                steps=log, summary=_summary(log, predict_memory(prof, plan), budget))
     if c.log is not None: _write_log(c.log, log)

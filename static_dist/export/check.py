@@ -13,9 +13,10 @@ from .runtime import aoti_readiness, onnx_export, ort_run, ort_session
 from .rules import RULES, _finding, error_findings, graph_findings
 from .numerics import compare, input_suite
 from .guards import analyze_guards
+from ..util import check_real_size
 
 # %% auto 0
-__all__ = ['MAX_CHECK_PARAMS', 'check_export', 'zoo_case', 'check_zoo']
+__all__ = ['check_export', 'KwargsCall', 'workload_case', 'zoo_case', 'check_zoo']
 
 # %% ../../nbs/10g_export_check.ipynb
 def _stage(report: ExportReport, name: str, fn: Callable, target: str = 'export'):
@@ -217,32 +218,44 @@ def check_export(model: torch.nn.Module, example_inputs: tuple, *, targets: Sequ
     return _finish(rep, model, example_inputs, flags, t_all)
 
 # %% ../../nbs/10g_export_check.ipynb
-MAX_CHECK_PARAMS = 200_000_000  # real weights on CPU: ~0.8 GB in float32
-
-def _zoo_model(name: str):
-    "The zoo entry `name`, refused (ValueError) when it is over MAX_CHECK_PARAMS."
-    from static_dist.zoo import get_model
-    zm = get_model(name)  # ValueError with the known names
-    n = sum(p.numel() for p in zm.build(device='meta').parameters())
-    if n > MAX_CHECK_PARAMS:
-        raise ValueError(f"{name} has {n / 1e9:.1f}B parameters: the export check runs real forward passes on CPU and is limited to "
-                         f"{MAX_CHECK_PARAMS / 1e6:.0f}M; check a small preset with the same architecture (e.g. tiny)")
-    return zm
+class KwargsCall(torch.nn.Module):
+    "`model(*args, **dict(zip(keys, rest)))`: keyword inputs as positional ones, for torch.export; returns the logits."
+    def __init__(self, model, keys): super().__init__(); self.model, self.keys, self.n = model, tuple(keys), len(keys)
+    def forward(self, *xs):
+        pos, kw = xs[:len(xs) - self.n], dict(zip(self.keys, xs[len(xs) - self.n:]))
+        out = self.model(*pos, **kw)
+        return getattr(out, "logits", out)
 
 # %% ../../nbs/10g_export_check.ipynb
-def _zoo_dims(model, batch: int, seq: int):
-    "Dynamic batch and sequence dims of a dense zoo transformer (None for other models)."
-    cfg = getattr(model, 'cfg', None)
-    if cfg is None or getattr(cfg, 'n_experts', 0) != 0 or not hasattr(cfg, 'max_seq_len'): return None
-    return ({0: torch.export.Dim('batch', min=1, max=2 * batch), 1: torch.export.Dim('seq', min=2, max=min(4 * seq, cfg.max_seq_len))},)
+def _token_dims(model, args: tuple, batch: int, seq: int):
+    "Dynamic batch and sequence dims of a first positional (batch, seq) integer input, for a model that declares its longest sequence."
+    from static_dist.workload import max_positions
+    limit, x = max_positions(model), args[0] if args else None
+    if limit is None or not isinstance(x, torch.Tensor) or x.dim() != 2 or x.is_floating_point(): return None
+    dims = {0: torch.export.Dim('batch', min=1, max=2 * batch), 1: torch.export.Dim('seq', min=2, max=min(4 * seq, limit))}
+    return (dims, *(None,) * (len(args) - 1))
+
+def _flags(model) -> dict | None:
+    "Flags to flip in the guard analysis: `training`, with the model's own public boolean attributes (none: no flags)."
+    own = {k: [v, not v] for k, v in vars(model).items() if isinstance(v, bool) and not k.startswith('_') and k != 'training'}
+    return {'training': [False, True], **own} if own else None
+
+# %% ../../nbs/10g_export_check.ipynb
+def workload_case(w) -> tuple[torch.nn.Module, tuple, Any, dict | None]:
+    "(model in eval mode on CPU with real weights, positional inputs, dynamic shapes, flags) of a `static_dist.workload.Workload`."
+    check_real_size(sum(p.numel() for p in w.build(device='meta').parameters()),
+                    f"{w.source} (the export checks run real forward passes on CPU)", bytes_per_param=4)
+    mb = w.micro_batch()
+    model, args = w.build_model(seed=0).eval(), tuple(mb.args)
+    keys = tuple(k for k in mb.kwargs if k != 'labels')
+    if keys:                                    # export takes positional inputs: bind the keyword ones into a wrapper
+        return KwargsCall(model, keys), (*args, *(mb.kwargs[k] for k in keys)), None, _flags(model)
+    return model, args, _token_dims(model, args, w.batch, w.seq or 16), _flags(model)
 
 def zoo_case(name: str, batch: int = 2, seq: int = 16) -> tuple[torch.nn.Module, tuple, Any, dict | None]:
-    "(model in eval mode, example inputs, dynamic_shapes, flags) for a zoo model."
-    zm = _zoo_model(name)
-    model = zm.build(device='cpu').eval()
-    inputs, _ = zm.batch(batch, seq)
-    flags = {'training': [False, True], 'use_gate': [model.use_gate, not model.use_gate]} if hasattr(model, 'use_gate') else None
-    return model, tuple(inputs), _zoo_dims(model, batch, seq), flags
+    "`workload_case` of zoo model `name` at (batch, seq)."
+    from static_dist.workload import load_workload
+    return workload_case(load_workload(name, batch=batch, seq=seq))
 
 def check_zoo(name: str, targets: Sequence[str] = ('onnx', 'torchscript', 'aoti'), batch: int = 2, seq: int = 16, opset: int | None = None) -> ExportReport:
     "`check_export` on a zoo model with its dims and flags."

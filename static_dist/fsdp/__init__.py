@@ -13,9 +13,6 @@ from .steptime import *
 from .search import *
 from .apply import *
 from .verify import *
-from .profile import _expand        # private names that other modules and tests import from here
-from .verify import _comm_counts
-from ..util import parse_bytes            # examples/train_fsdp.py imports it from here
 
 # %% ../../nbs/40_fsdp.ipynb
 import math

@@ -14,7 +14,7 @@ from .plan import FSDPPlan, validate
 from .profile import PlanError
 
 # %% auto 0
-__all__ = ['apply_plan', 'train_step']
+__all__ = ['apply_plan']
 
 # %% ../../nbs/40f_fsdp_apply.ipynb
 def _default_mesh(plan: FSDPPlan):
@@ -52,13 +52,9 @@ def _set_prefetch(model: nn.Module, plan: FSDPPlan, mods: dict) -> None:
             m.set_modules_to_backward_prefetch(rev[i + 1:i + 1 + plan.backward_prefetch])
 
 # %% ../../nbs/40f_fsdp_apply.ipynb
-def apply_plan(model: nn.Module, plan: FSDPPlan, mesh=None, compile=None, **compile_kw) -> nn.Module:
+def apply_plan(model: nn.Module, plan: FSDPPlan, mesh=None) -> nn.Module:
     """Shard `model` in place as `plan` says (mesh: a DeviceMesh of plan.mesh_shape; default: init one on CPU/CUDA).
-    The plan is validated against the model first; nothing is sharded when it does not fit. `compile`: a
-    `static_dist.compile.CompileOptions` to also compile each block after sharding (`compile.apply_compiled`)."""
-    if compile is not None:
-        from static_dist.compile import apply_compiled   # compile builds on this module: imported here, not at the top
-        return apply_compiled(model, plan, mesh, compile, **compile_kw)
+    The plan is validated against the model first; nothing is sharded when it does not fit."""
     validate(plan, None, model)
     mods = dict(model.named_modules())
     mesh = _default_mesh(plan) if mesh is None else mesh
@@ -68,23 +64,3 @@ def apply_plan(model: nn.Module, plan: FSDPPlan, mesh=None, compile=None, **comp
     _shard_units(plan, mesh, mods)
     _set_prefetch(model, plan, mods)
     return model
-
-# %% ../../nbs/40f_fsdp_apply.ipynb
-def train_step(model: nn.Module, optimizer, micro_batches, loss_fn, plan: FSDPPlan, around=None) -> torch.Tensor:
-    "One optimizer step over `micro_batches` [(inputs, targets)], syncing gradients as the plan says; mean loss."
-    from contextlib import nullcontext
-    around = around or nullcontext
-    k = len(micro_batches)
-    if k != plan.accumulation_steps:
-        raise PlanError(f"got {k} micro-batches but the plan accumulates {plan.accumulation_steps}.")
-    total = None
-    for i, (x, y) in enumerate(micro_batches):
-        last = i == k - 1
-        if k > 1 and not plan.sync_every_microbatch: model.set_requires_gradient_sync(last)
-        with around():                                 # e.g. a fresh CommDebugMode per micro-batch
-            loss = loss_fn(model(x), y) / k
-            loss.backward()
-        total = loss.detach() if total is None else total + loss.detach()
-    optimizer.step()
-    optimizer.zero_grad()
-    return total

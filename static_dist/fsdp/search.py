@@ -22,7 +22,7 @@ from ..graph import StaticGraph, fmt_bytes
 
 # %% auto 0
 __all__ = ['Overrides', 'candidate_unit_sets', 'Evaluated', 'PlanReport', 'evaluate', 'predict_plan', 'plan_fsdp',
-           'baseline_plans', 'reduce_scatter_order']
+           'baseline_plans', 'given_reasons', 'reduce_scatter_order']
 
 # %% ../../nbs/40e_fsdp_search.ipynb
 @dataclass(frozen=True)
@@ -70,17 +70,23 @@ def _ends(profile: GraphProfile, blocks: list[str]) -> list[str]:
     anc = set(_prefixes(parent.rpartition(".")[0])) | {parent} if parent else {""}
     return [m for m in profile.modules if m and m.rpartition(".")[0] in anc and not any(_under(b, m) for b in blocks)]
 
-def _param_bytes(profile: GraphProfile, m: str) -> int:
-    return sum(p.numel * p.itemsize for p in profile.params if _under(p.name, m))
+def _subtree_bytes(profile: GraphProfile) -> dict[str, int]:
+    "{module: bytes of the parameters under it} ('': all of them), from one pass over the parameters."
+    out: dict[str, int] = {}
+    for p in profile.params:
+        for a in _prefixes(p.name): out[a] = out.get(a, 0) + p.numel * p.itemsize
+    return out
 
 # %% ../../nbs/40e_fsdp_search.ipynb
 def candidate_unit_sets(profile: GraphProfile, ov: Overrides = Overrides()) -> dict[str, tuple[str, ...]]:
     "{name: unit modules in forward order ('' first)} for the planner's unit-set search."
-    blocks = _blocks(profile)
-    total = _param_bytes(profile, "") or 1
-    ends = [m for m in _ends(profile, blocks) if _param_bytes(profile, m) >= 0.01 * total]
-    subs = [m for b in blocks for m in profile.modules
-            if m.startswith(b + ".") and m.count(".") == b.count(".") + 1 and _param_bytes(profile, m) >= 0.1 * _param_bytes(profile, b)]
+    blocks, size = _blocks(profile), _subtree_bytes(profile)
+    total = size.get("", 0) or 1
+    ends = [m for m in _ends(profile, blocks) if size.get(m, 0) >= 0.01 * total]
+    kids: dict[str, list] = {}
+    for m in profile.modules:
+        if m: kids.setdefault(m.rpartition(".")[0], []).append(m)
+    subs = [m for b in blocks for m in kids.get(b, []) if size.get(m, 0) >= 0.1 * size.get(b, 0)]
     sets = {"whole": [""]}
     if blocks:
         sets["blocks"] = ["", *blocks]
@@ -165,19 +171,23 @@ def predict_plan(profile: GraphProfile, plan: FSDPPlan, *, cost: CostModel | Non
     cost = cost or default_cost_model(plan.world_size)
     mem, step = predict_memory(profile, plan), predict_step(profile, plan, cost)
     fits = budget is None or mem.peak_bytes <= budget
-    return PlanReport(plan, mem, step, None if budget is None else int(budget), fits, (), 1, time.perf_counter() - t0,
-                      ("evaluated as given: nothing searched",))
+    notes = ("evaluated as given: nothing searched",) + ((f"the plan's {len(plan.reasons)} stored reasons were replaced by "
+                                                          "reasons computed for the plan as it is",) if plan.reasons else ())
+    explained = dataclasses.replace(plan, units=_unit_reasons(plan, profile, _blocks(profile), searched=False),
+                                    reasons=given_reasons(profile, plan, budget))
+    return PlanReport(explained, mem, step, None if budget is None else int(budget), fits, (), 1,
+                      time.perf_counter() - t0, notes)
 
 # %% ../../nbs/40e_fsdp_search.ipynb
 def _units(mods, blocks, *, reshard, ac_first: int, ov: Overrides, why: dict) -> tuple[FSDPUnit, ...]:
-    out = []
+    out, ac_blocks = [], set(blocks[:ac_first])
     inner = [m for m in mods if m]
     for m in mods:
         r, ac = True, False
         if m and reshard == "last-kept" and m == inner[-1]: r = False
         if m and reshard == "none": r = False
         if m and isinstance(reshard, int) and not isinstance(reshard, bool): r = False if m == inner[-1] else reshard
-        if m in blocks[:ac_first] or any(_under(m, b) for b in blocks[:ac_first]): ac = True
+        if any(a in ac_blocks for a in _prefixes(m)): ac = True        # inside one of the first `ac_first` blocks
         pin = ov.pinned.get(m, {})
         r, ac = pin.get("reshard_after_forward", r), pin.get("activation_checkpointing", ac)
         out.append(FSDPUnit(m, r, bool(ac) and bool(m), "pinned by user" if pin else why.get(m, "")))
@@ -279,9 +289,9 @@ def _pinned(prof, plan: FSDPPlan, world_size, mesh_shape, cost, budget, model) -
 # %% ../../nbs/40e_fsdp_search.ipynb
 def baseline_plans(profile: GraphProfile, base: FSDPPlan) -> dict[str, FSDPPlan]:
     "Whole-model wrap, per-block wrap (torchtitan's default) and ZeRO-3-like defaults, with `base`'s mesh and dtypes."
-    blocks = _blocks(profile)
+    blocks, order = _blocks(profile), {m: i for i, m in enumerate(profile.modules)}
     owners = sorted({p.module for p in profile.params if unit_of(p.name, base) is not None and p.module},
-                    key=lambda m: profile.modules.index(m) if m in profile.modules else 0)
+                    key=lambda m: order.get(m, 0))
     titan = tuple(FSDPUnit(b, i < len(blocks) - 1, reason="torchtitan: all but the last block reshard")
                   for i, b in enumerate(blocks))
     R = lambda units, name, **kw: dataclasses.replace(base, units=(FSDPUnit(""), *units), name=name,
@@ -314,13 +324,14 @@ def _search_reasons(plan: FSDPPlan, budget: int, sets: dict, sname: str, r, ac: 
                        f"{_gib(budget)}; fewer checkpointed blocks did not fit")]
 
 # %% ../../nbs/40e_fsdp_search.ipynb
-def _setting_reasons(plan: FSDPPlan, prof: GraphProfile) -> list:
-    "Why this prefetch, accumulation and precision, and the reduce-scatter order they give."
-    reasons = [("prefetch", f"forward {plan.forward_prefetch}, backward {plan.backward_prefetch}: the fastest "
-                f"of the depths tried (deeper prefetch holds more gathered units)")]
+def _setting_reasons(plan: FSDPPlan, prof: GraphProfile, searched: bool = True) -> list:
+    "Why this prefetch, accumulation and precision (or, not `searched`, what they do), and the reduce-scatter order they give."
+    reasons = [("prefetch", f"forward {plan.forward_prefetch}, backward {plan.backward_prefetch}: " +
+                ("the fastest of the depths tried (deeper prefetch holds more gathered units)" if searched else
+                 "as written; deeper prefetch overlaps more all-gathers and holds more gathered units"))]
     if plan.accumulation_steps > 1:
-        reasons.append(("accumulation", ("reduce-scatter every micro-batch: holding unsharded gradients across "
-                        "micro-batches (no-sync) did not fit or was slower") if plan.sync_every_microbatch else
+        reasons.append(("accumulation", ("reduce-scatter every micro-batch" + (": holding unsharded gradients across "
+                        "micro-batches (no-sync) did not fit or was slower" if searched else ", as written")) if plan.sync_every_microbatch else
                         ("set_requires_gradient_sync(False) until the last micro-batch: one reduce-scatter per unit "
                          "per step; costs the unsharded gradients between micro-batches")))
     reasons.append(("reduce_scatter_order", "one bucket per unit, in backward order: " +
@@ -331,7 +342,7 @@ def _setting_reasons(plan: FSDPPlan, prof: GraphProfile) -> list:
     return reasons
 
 # %% ../../nbs/40e_fsdp_search.ipynb
-def _unit_reasons(plan: FSDPPlan, prof: GraphProfile, blocks: list) -> tuple[FSDPUnit, ...]:
+def _unit_reasons(plan: FSDPPlan, prof: GraphProfile, blocks: list, searched: bool = True) -> tuple[FSDPUnit, ...]:
     "Each unit with a reason: its size, its role, whether it is checkpointed (pinned units keep theirs)."
     lay = {l.module: l for l in layout(prof, plan)}
     units = []
@@ -342,7 +353,7 @@ def _unit_reasons(plan: FSDPPlan, prof: GraphProfile, blocks: list) -> tuple[FSD
         if u.module == "": parts.append("root: owns parameters no other unit takes; never resharded after forward")
         elif u.module in blocks: parts.append("repeated block: one all-gather/reduce-scatter bucket per block")
         else: parts.append("large leaf module: own bucket so the root does not hold it all step")
-        if u.activation_checkpointing: parts.append("checkpointed to fit the budget")
+        if u.activation_checkpointing: parts.append("checkpointed to fit the budget" if searched else "checkpointed")
         units.append(dataclasses.replace(u, reason="; ".join(parts)))
     return tuple(units)
 
@@ -352,6 +363,35 @@ def _explain_plan(plan, prof, cost, budget, sets, sname, r, ac, blocks, seen, fi
     reasons = [*_search_reasons(plan, budget, sets, sname, r, ac, blocks, seen), *_setting_reasons(plan, prof)]
     return dataclasses.replace(plan, units=_unit_reasons(plan, prof, blocks), reasons=tuple(reasons),
                                name=f"planned ({sname})")
+
+def _reshard_reason(plan: FSDPPlan) -> str:
+    "What the units' reshard_after_forward settings do, as written."
+    rs = [u.reshard_after_forward for u in plan.units if u.module]
+    if not rs: return "one unit, the root: FSDP2 keeps its parameters gathered from forward to backward"
+    if all(r is True for r in rs): return "every unit frees its gathered parameters after forward (lowest memory)"
+    if all(r is False for r in rs): return "no unit reshards: one all-gather per unit per micro-batch instead of two, paid in memory"
+    kept = [u.module for u in plan.units if u.module and u.reshard_after_forward is False]
+    groups = sorted({r for r in rs if not isinstance(r, bool)})
+    return (f"{len(rs) - len(kept)} of {len(rs)} units reshard" + (f" (to groups of {groups} ranks)" if groups else "") +
+            (f"; kept gathered: {', '.join(kept[:3])}{' ...' if len(kept) > 3 else ''}" if kept else ""))
+
+def given_reasons(prof: GraphProfile, plan: FSDPPlan, budget: int | None = None) -> tuple:
+    "Reasons for `plan` as written (nothing searched): what its units, resharding and checkpointing do, with this profile's numbers."
+    blocks = set(_blocks(prof))
+    inner = [u.module for u in plan.units if u.module]
+    nb = sum(m in blocks for m in inner)
+    reasons = [("units", f"{len(plan.units)} units as written: the root, {nb} of {len(blocks)} repeated blocks"
+                         + (f" and {len(inner) - nb} other modules" if len(inner) > nb else ""))]
+    reasons.append(("reshard_after_forward", _reshard_reason(plan)))
+    ac = [u.module for u in plan.units if u.activation_checkpointing]
+    if not ac: reasons.append(("activation_checkpointing", "none"))
+    else:
+        off = dataclasses.replace(plan, units=tuple(dataclasses.replace(u, activation_checkpointing=False) for u in plan.units))
+        p0 = predict_memory(prof, off).peak_bytes
+        vs = "" if budget is None else (f" > budget {_gib(budget)}" if p0 > budget else f" <= budget {_gib(budget)}: it fits without")
+        reasons.append(("activation_checkpointing", f"{len(ac)} units recompute activations ({', '.join(ac[:3])}"
+                        f"{' ...' if len(ac) > 3 else ''}); without it the predicted peak is {_gib(p0)}{vs}"))
+    return tuple(reasons + _setting_reasons(plan, prof, searched=False))
 
 def reduce_scatter_order(profile: GraphProfile, plan: FSDPPlan) -> list[str]:
     "Units in the order their reduce-scatters are issued (end of each unit's backward)."

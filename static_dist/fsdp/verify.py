@@ -21,27 +21,20 @@ from .plan import FSDPPlan, FSDPUnit, validate
 from .profile import GraphProfile, PlanError, profile_graph
 from .search import plan_fsdp
 from .steptime import predict_comms
-from ..graph import fmt_bytes
-from ..util import step_loss
+from ..graph import explain_failure, fmt_bytes, quiet_torch_logs
+from ..launch import process_group
+from ..step import OPTIMIZERS, MicroBatch, make_optimizer, train_step
 
 # %% auto 0
-__all__ = ['memtracker_fsdp_peak', 'Verification', 'verify_plan', 'verify_workload', 'bench_fsdp']
+__all__ = ['comm_counts', 'memtracker_fsdp_peak', 'Verification', 'verify_plan', 'verify_workload', 'bench_fsdp']
 
 # %% ../../nbs/40g_fsdp_verify.ipynb
 def _one_step(m, opt, inputs, kwargs, targets, loss_fn, plan: FSDPPlan):
-    "One optimizer step of `plan.accumulation_steps` micro-batches; the output is dropped once the loss is made."
-    k = plan.accumulation_steps
-    for j in range(k):
-        if k > 1 and not plan.sync_every_microbatch: m.set_requires_gradient_sync(j == k - 1)
-        out = m(*inputs, **kwargs)
-        loss = step_loss(loss_fn, out, targets)
-        del out
-        loss.backward()
-    opt.step()
-    opt.zero_grad()
+    "The package's one step over `plan.accumulation_steps` copies of the micro-batch, synced as the plan says."
+    train_step(m, opt, [MicroBatch(inputs, kwargs, targets)] * plan.accumulation_steps, loss_fn, plan=plan)
 
 # %% ../../nbs/40g_fsdp_verify.ipynb
-def _comm_counts(mode) -> dict:
+def comm_counts(mode) -> dict:
     "CommDebugMode's counts in predict_comms' keys."
     out = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
     for op, n in mode.get_comm_counts().items():
@@ -70,18 +63,10 @@ class _Where:
         if exc[0] is not None and self.stack: self.failed_in = self.stack[-1]
 
 # %% ../../nbs/40g_fsdp_verify.ipynb
-_OPTIMIZERS = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}
-
-@contextmanager
-def _fake_group(world_size: int):
-    "A fake process group that makes this process rank 0 of `world_size` ranks; destroyed on exit."
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-    if dist.is_initialized(): raise PlanError("a process group is already initialised: run this in a fresh process "
-                                              f"(it makes its own fake group of {world_size} ranks)")
-    dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
-    try: yield
-    finally: dist.destroy_process_group()
+def _mesh(plan: FSDPPlan):
+    "The plan's mesh on CPU (made outside fake mode, as the recipe needs), dims named replicate/shard."
+    from torch.distributed.device_mesh import init_device_mesh
+    return init_device_mesh("cpu", plan.mesh_shape, mesh_dim_names=("replicate", "shard")[-len(plan.mesh_shape):])
 
 # %% ../../nbs/40g_fsdp_verify.ipynb
 def _measure(m: nn.Module, plan: FSDPPlan, inputs, kwargs, targets, loss_fn, optimizer: str) -> tuple[int, dict]:
@@ -89,31 +74,29 @@ def _measure(m: nn.Module, plan: FSDPPlan, inputs, kwargs, targets, loss_fn, opt
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed.tensor.debug import CommDebugMode
-    from static_dist.graph import _explain, _quiet_torch_logs
     where = _Where(m)
     with FakeTensorMode(allow_non_fake_inputs=True):
         m.to_empty(device="cpu")
-        opt = _OPTIMIZERS[optimizer](m.parameters(), lr=1e-3)
+        opt = make_optimizer(optimizer, m.parameters(), lr=1e-3)
         fmt = FSDPMemTracker(m, opt)
         fmt.track_inputs(tuple(t for t in (*inputs, *kwargs.values(), targets) if isinstance(t, torch.Tensor)))
         try:
-            with fmt, _quiet_torch_logs(), warnings.catch_warnings():  # the error below says it in one line
+            with fmt, quiet_torch_logs(), warnings.catch_warnings():  # the error below says it in one line
                 warnings.filterwarnings("ignore", message="(FSDP2-wrapped module|Full backward hook|For backward hooks to be called)")  # torch's notes
                 with where: _one_step(m, opt, inputs, kwargs, targets, loss_fn, plan)
                 fmt.reset_mod_stats()
                 with CommDebugMode() as cdm, where: _one_step(m, opt, inputs, kwargs, targets, loss_fn, plan)
         except PlanError: raise
-        except Exception as e: raise _explain(e, "the FSDP step under FSDPMemTracker", where.failed_in) from None
-    return int(sum(d["Total"] for d in fmt.get_tracker_snapshot("peak").values())), _comm_counts(cdm)
+        except Exception as e: raise explain_failure(e, "the FSDP step under FSDPMemTracker", where.failed_in) from None
+    return int(sum(d["Total"] for d in fmt.get_tracker_snapshot("peak").values())), comm_counts(cdm)
 
 # %% ../../nbs/40g_fsdp_verify.ipynb
 def _tracked(build, plan: FSDPPlan, inputs, kwargs, targets, loss_fn, optimizer: str) -> tuple[int, dict]:
     "(FSDPMemTracker's peak on rank 0, CommDebugMode's counts) of the second (steady) step under a fake process group."
-    from torch.distributed.device_mesh import init_device_mesh
-    if optimizer not in _OPTIMIZERS: raise PlanError(f"optimizer {optimizer!r}: use 'adamw', 'adam' or 'sgd'")
-    with _fake_group(plan.world_size):
+    if optimizer not in OPTIMIZERS: raise PlanError(f"optimizer {optimizer!r}: use one of {', '.join(OPTIMIZERS)}")
+    with process_group(fake_world=plan.world_size):
         m = build()
-        apply_plan(m, plan, init_device_mesh("cpu", plan.mesh_shape, mesh_dim_names=("replicate", "shard")[-len(plan.mesh_shape):]))
+        apply_plan(m, plan, _mesh(plan))
         return _measure(m, plan, inputs, kwargs, targets, loss_fn, optimizer)
 
 # %% ../../nbs/40g_fsdp_verify.ipynb
@@ -171,53 +154,80 @@ def verify_workload(w, plan: FSDPPlan, profile: GraphProfile | None = None) -> V
                        targets=targets, loss_fn=w.loss, optimizer=w.optimizer)
 
 # %% ../../nbs/40g_fsdp_verify.ipynb
-_BENCH_PLANS = (("tiny", 2, 64, 8), ("llama3-8b", 1, 4096, 64), ("llama3-70b", 1, 4096, 1024),
-                ("llama3-405b", 1, 4096, 1024))
+import subprocess
+import sys
 
-def _bench_planning(progress=None) -> list[dict]:
-    "Capture and planning time of each `_BENCH_PLANS` (model, batch, seq, world) at 80 GiB per rank."
+from .profile import profile_workload
+from .search import PlanReport
+
+# %% ../../nbs/40g_fsdp_verify.ipynb
+_BENCH_PLANS = (("tiny", 2, 64, 8), ("small", 2, 128, 8), ("llama3-8b", 1, 4096, 64), ("llama3-70b", 1, 64, 1024),
+                ("llama3-70b", 1, 4096, 1024), ("llama3-405b", 1, 4096, 1024))
+"(zoo preset, batch, seq, world); ('llama3-70b', 1, 64, 1024) is `plan-fsdp --model llama3-70b --world 1024`'s own case."
+
+def _plan_once(name: str, batch: int, seq: int, world: int, expand: bool) -> tuple[dict, PlanReport, GraphProfile]:
+    "Profile (the fast path, or the full capture) and plan one case at 80 GiB per rank: (its record, report, profile)."
     from static_dist.workload import load_workload
-    plans = []
-    for name, b, s, w in _BENCH_PLANS:
-        if progress: progress(f"bench fsdp: planning {name} world {w}")
-        t0 = time.perf_counter()
-        prof = profile_graph(load_workload(name, batch=b, seq=s, dtype="bfloat16").graph(), "float32")   # bf16 compute, fp32 masters
-        t1 = time.perf_counter()
-        rep = plan_fsdp(prof, world_size=w, budget=80 * 2**30)
-        plans.append(dict(model=name, batch=b, seq=s, world=w, capture_seconds=round(t1 - t0, 2),
-                          plan_seconds=round(rep.seconds, 2), evaluated=rep.evaluated, fits=rep.fits,
-                          peak_bytes=rep.memory.peak_bytes, step_seconds=rep.step.step_seconds,
-                          unit_set=rep.plan.name))
-    return plans
+    t0 = time.perf_counter()
+    prof = profile_workload(load_workload(name, batch=batch, seq=seq), "bfloat16", "float32", expand=expand)
+    t1 = time.perf_counter()
+    rep = plan_fsdp(prof, world_size=world, budget=80 * 2**30)
+    t2 = time.perf_counter()
+    return dict(path=prof.path, ops=len(prof.op_module), profile_seconds=round(t1 - t0, 2),
+                plan_seconds=round(t2 - t1, 2), seconds=round(t2 - t0, 2), peak_bytes=rep.memory.peak_bytes,
+                step_seconds=rep.step.step_seconds, evaluated=rep.evaluated, unit_set=rep.plan.name,
+                units=len(rep.plan.units), fits=rep.fits), rep, prof
+
+# %% ../../nbs/40g_fsdp_verify.ipynb
+def _bench_case(name: str, batch: int, seq: int, world: int) -> dict:
+    "One planning case by both paths, side by side: times, paths, plans, and the predicted peaks (which must agree)."
+    fast, rep, _ = _plan_once(name, batch, seq, world, expand=True)
+    full, rep_full, prof_full = _plan_once(name, batch, seq, world, expand=False)
+    return dict(model=name, batch=batch, seq=seq, world=world, expanded=fast, full=full,
+                full_over_expanded=round(full["seconds"] / max(fast["seconds"], 1e-9), 2),
+                same_plan=rep.plan == rep_full.plan, same_peak=fast["peak_bytes"] == full["peak_bytes"],
+                expanded_plan_peak_on_full_profile=predict_memory(prof_full, rep.plan).peak_bytes)
+
+def _import_seconds() -> float:
+    "Wall time of a fresh interpreter importing the planner and the workloads: what a plan-fsdp command pays first."
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import static_dist.fsdp, static_dist.workload"], check=True)
+    return round(time.perf_counter() - t0, 2)
+
+# %% ../../nbs/40g_fsdp_verify.ipynb
+def _bench_planning(progress=None, cases=_BENCH_PLANS) -> list[dict]:
+    "Every `cases` entry planned by the fast path and by the full capture (`_bench_case`)."
+    _plan_once("tiny", 2, 16, 8, expand=False)      # the process's first capture pays one-time setup: not in a case
+    out = []
+    for name, b, s, w in cases:
+        if progress: progress(f"bench fsdp: planning {name} batch {b} seq {s} world {w}, expanded and full capture")
+        out.append(_bench_case(name, b, s, w))
+    return out
 
 # %% ../../nbs/40g_fsdp_verify.ipynb
 def _bench_memory(progress=None, worlds=(8, 64, 256, 1024)) -> list[dict]:
-    "Predicted vs FSDPMemTracker peak of a small Llama, per-block and planned, at each world size."
-    from static_dist.graph import capture
-    from static_dist.zoo import Llama, LlamaConfig, get_model
-    cfg = LlamaConfig(dim=256, n_layers=4, n_heads=8, n_kv_heads=4, ffn_dim=768, vocab_size=1024, max_seq_len=256)
-    zm = get_model("tiny")
-    x, y = torch.randint(0, 1024, (2, 128)), torch.randint(0, 1024, (2, 128))
-    def build():
-        with torch.device("meta"): return Llama(cfg)
-    prof = profile_graph(capture(build(), (x,), loss_fn=zm.loss, targets=y, optimizer="adamw"))
-    errors = []
-    for w in worlds:
-        units = (FSDPUnit(""), *(FSDPUnit(f"layers.{i}", r) for i, r in enumerate((True, True, True, False))))
-        for name, plan in (("per-block", FSDPPlan(w, (w,), units, forward_prefetch=0)),
-                           ("planned", plan_fsdp(prof, world_size=w, budget=2**30, param_dtype=None,
+    "Predicted (from the `small` preset's expanded profile) vs FSDPMemTracker peak, per-block and planned, per world."
+    from static_dist.workload import load_workload
+    w = load_workload("small", batch=2, seq=128)
+    prof = profile_workload(w)
+    units = (FSDPUnit(""), *(FSDPUnit(b, r) for b, r in zip(prof.blocks, (True, True, True, False))))
+    out = []
+    for world in worlds:
+        for name, plan in (("per-block", FSDPPlan(world, (world,), units, forward_prefetch=0)),
+                           ("planned", plan_fsdp(prof, world_size=world, budget=2**30, param_dtype=None,
                                                  reduce_dtype=None).plan)):
-            if progress: progress(f"bench fsdp: FSDPMemTracker world {w} {name}")
-            t0 = time.perf_counter()
-            meas = memtracker_fsdp_peak(build, plan, (x,), y, zm.loss)
-            pred = predict_memory(prof, plan).peak_bytes
-            errors.append(dict(world=w, plan=name, predicted=pred, tracked=meas, rel_error=pred / meas - 1,
-                               tracker_seconds=round(time.perf_counter() - t0, 2)))
-    return errors
+            if progress: progress(f"bench fsdp: FSDPMemTracker world {world} {name}")
+            v = verify_workload(w, plan, prof)
+            out.append(dict(world=world, plan=name, path=prof.path, predicted=v.predicted_bytes,
+                            tracked=v.measured_bytes, rel_error=v.ratio - 1, counts_match=v.counts_match,
+                            tracker_seconds=round(v.seconds, 2)))
+    return out
 
 # %% ../../nbs/40g_fsdp_verify.ipynb
 def bench_fsdp(progress=None) -> dict:
-    "Planning time for zoo models, and predicted vs FSDPMemTracker peak for a small Llama at world 8..1024."
-    from static_dist.bench import environment
+    """Planning by the fast path beside the full capture (times, paths, plans, peaks) for zoo presets, and the `small`
+    preset's predicted vs FSDPMemTracker peak at world 8 to 1024."""
+    from static_dist.util import environment
     return dict(bench="fsdp", environment=environment(),
-                results=dict(planning=_bench_planning(progress), memory_error=_bench_memory(progress)))
+                results=dict(import_seconds=_import_seconds(), planning=_bench_planning(progress),
+                             memory_error=_bench_memory(progress)))

@@ -14,7 +14,5 @@ from .files import *
 
 # %% ../../nbs/00_graph.ipynb
 from . import files, query, recorder, records, step
-from .recorder import _explain, _quiet_torch_logs
-from .step import _OPTIMIZERS
 
 __all__ = [*records.__all__, *recorder.__all__, *step.__all__, *query.__all__, *files.__all__]

@@ -16,9 +16,9 @@ from fastcore.basics import patch
 
 from .records import (PHASES, ROLES, Lifetime, ModuleStats, Peak, StaticGraph, StorageRecord,
                                        fmt_bytes, fmt_flops)
-from .recorder import _explain, _module_in
+from .recorder import explain_failure, _module_in
 from .step import _build_optimizer, _check_inputs, _check_kwargs
-from ..util import step_loss
+from ..step import MicroBatch, forward_backward, train_step
 
 # %% auto 0
 __all__ = ['ROLE_COLORS', 'storage_differences', 'memtracker_peak', 'pyplot', 'plot_memory']
@@ -79,13 +79,10 @@ def storage_differences(a: StaticGraph, b: StaticGraph) -> list[tuple[int, str, 
 
 # %% ../../nbs/00e_graph_query.ipynb
 def _plain_step(work: nn.Module, inputs: tuple, kwargs: dict, loss_fn, targets, opt) -> None:
-    "The training step `capture(..., mode='real')` runs, without a recorder."
-    out = work(*inputs, **kwargs)
-    loss = step_loss(loss_fn, out, targets)
-    del out
-    loss.backward()
-    del loss
-    if opt is not None: opt.step()
+    "The training step `capture(..., mode='real')` runs, without a recorder: the package's one step."
+    mb = [MicroBatch(inputs, kwargs, targets)]
+    if opt is None: forward_backward(work, mb, loss_fn)
+    else: train_step(work, opt, mb, loss_fn)
 
 # %% ../../nbs/00e_graph_query.ipynb
 def memtracker_peak(model: nn.Module, example_inputs=(), *, example_kwargs: dict | None = None, loss_fn=None,
@@ -102,7 +99,7 @@ def memtracker_peak(model: nn.Module, example_inputs=(), *, example_kwargs: dict
                       *([targets] if targets is not None else []))
     try:
         with mt: _plain_step(work, inputs, kwargs, loss_fn, targets, opt)
-    except Exception as e: raise _explain(e, "the step under MemTracker", _module_in(e.__traceback__, work)) from None
+    except Exception as e: raise explain_failure(e, "the step under MemTracker", _module_in(e.__traceback__, work)) from None
     return int(sum(d["Total"] for d in mt.get_tracker_snapshot("peak").values()))
 
 # %% ../../nbs/00e_graph_query.ipynb

@@ -18,7 +18,7 @@ import torch.nn as nn
 from fastcore.basics import patch
 from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException,
                                            UnsupportedOperatorException)
-from torch.distributed._tools.mod_tracker import ModTracker
+from torch.utils.module_tracker import ModuleTracker
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
@@ -28,7 +28,7 @@ from .records import OpRecord, StorageRecord, TensorRecord
 from ..util import StaticDistError
 
 # %% auto 0
-__all__ = ['CaptureError', 'CaptureTypeError', 'op_flops']
+__all__ = ['CaptureError', 'CaptureTypeError', 'explain_failure', 'quiet_torch_logs', 'op_flops']
 
 # %% ../../nbs/00c_graph_recorder.ipynb
 class CaptureError(StaticDistError, RuntimeError):
@@ -92,7 +92,7 @@ _OTHER = ("{stage} failed{at}: {kind}: {msg}. Fix: run the same step eagerly on 
           "too the model is at fault, if not capture with mode='real'.")
 
 # %% ../../nbs/00c_graph_recorder.ipynb
-def _explain(e: BaseException, stage: str, module: str = "") -> CaptureError:
+def explain_failure(e: BaseException, stage: str, module: str = "") -> CaptureError:
     "Turn an exception raised while running `stage` (in `module`) into a one-line CaptureError with a fix."
     at = _where(module, traceback.extract_tb(e.__traceback__))
     msg = str(e).strip().splitlines()[0].rstrip(".") if str(e).strip() else type(e).__name__
@@ -106,7 +106,7 @@ def _explain(e: BaseException, stage: str, module: str = "") -> CaptureError:
 _NOISY_LOGGERS = ("torch._subclasses.fake_tensor", "torch._subclasses.fake_tensor.not_implemented")
 
 @contextmanager
-def _quiet_torch_logs():
+def quiet_torch_logs():
     "Disable torch's fake-tensor error logs for the duration of the block."
     loggers = [logging.getLogger(n) for n in _NOISY_LOGGERS]
     before = [l.disabled for l in loggers]
@@ -141,7 +141,7 @@ def op_flops(func, args, kwargs, out) -> int:
 _SKIP_NAMESPACES = ("profiler", "prim")
 
 class _Recorder(TorchDispatchMode):
-    def __init__(self, tracker: ModTracker, root: str, progress: Callable[[str, int], None] | None = None):
+    def __init__(self, tracker: ModuleTracker, root: str, progress: Callable[[str, int], None] | None = None):
         super().__init__()
         self.tracker, self.root, self.progress = tracker, root, progress
         self.phase: str = "forward"

@@ -13,13 +13,13 @@ from typing import Callable, Literal
 import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.distributed._tools.mod_tracker import ModTracker
+from torch.utils.module_tracker import ModuleTracker
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .records import StaticGraph
-from .recorder import CaptureError, CaptureTypeError, _explain, _module_in, _quiet_torch_logs, _Recorder
+from .recorder import CaptureError, CaptureTypeError, explain_failure, _module_in, quiet_torch_logs, _Recorder
 from ..structure import find_structure
-from ..util import step_loss
+from ..step import StepError, make_optimizer, step_loss
 
 # %% auto 0
 __all__ = ['capture']
@@ -44,10 +44,6 @@ def _copy_model(model: nn.Module, mode: str, fake_mode, device) -> tuple[nn.Modu
     return copy.deepcopy(model, memo), mapping
 
 # %% ../../nbs/00d_graph_step.ipynb
-_OPTIMIZERS = {"sgd": lambda ps, **kw: torch.optim.SGD(ps, lr=1e-2, **kw),
-               "adam": lambda ps, **kw: torch.optim.Adam(ps, **kw),
-               "adamw": lambda ps, **kw: torch.optim.AdamW(ps, **kw)}
-
 def _trainable(work: nn.Module) -> list[nn.Parameter]:
     return [p for p in work.parameters() if p.requires_grad]
 
@@ -69,11 +65,9 @@ def _rebuild_optimizer(optimizer: torch.optim.Optimizer, mapping: dict[int, torc
 def _build_optimizer(optimizer, model: nn.Module, mapping: dict[int, torch.Tensor], work: nn.Module,
                      foreach: bool | None = None):
     if optimizer is None: return None
-    if isinstance(optimizer, str):
-        if optimizer.lower() not in _OPTIMIZERS:
-            raise CaptureError(f"unknown optimizer {optimizer!r}; use one of {sorted(_OPTIMIZERS)}, a factory "
-                               "`params -> torch.optim.Optimizer`, or an optimizer instance")
-        return _OPTIMIZERS[optimizer.lower()](_trainable(work), foreach=foreach)
+    if isinstance(optimizer, str):                   # the package's one table of optimizers by name
+        try: return make_optimizer(optimizer, work.parameters(), foreach=foreach)
+        except StepError as e: raise CaptureError(f"{e}; or pass a factory `params -> torch.optim.Optimizer`, or an optimizer instance") from None
     if isinstance(optimizer, torch.optim.Optimizer): return _rebuild_optimizer(optimizer, mapping, foreach)
     if callable(optimizer):
         opt = optimizer(_trainable(work))
@@ -178,7 +172,7 @@ def _check_token_ids(work: nn.Module, ranges: dict[int, tuple]) -> None:
 # %% ../../nbs/00d_graph_step.ipynb
 def _start_recorder(work: nn.Module, named: list[tuple[str, object]], targets, progress) -> tuple[_Recorder, dict]:
     "A recorder with the step's existing tensors numbered, and {id(parameter): FQN}."
-    rec = _Recorder(ModTracker(), type(work).__name__, progress)
+    rec = _Recorder(ModuleTracker(), type(work).__name__, progress)
     names = {id(p): n for n, p in work.named_parameters(remove_duplicate=False)}
     bnames = {id(b): n for n, b in work.named_buffers(remove_duplicate=False)}
     for p in work.parameters(): rec.tensor_id(p, "parameter", names[id(p)])
@@ -208,7 +202,7 @@ def _run_step(rec: _Recorder, work: nn.Module, inputs, kwargs, loss_fn, targets,
     def step(stage: str, f):
         try: return f()
         except CaptureError: raise
-        except Exception as e: raise _explain(e, stage, rec.failed_in or _module_in(e.__traceback__, work)) from None
+        except Exception as e: raise explain_failure(e, stage, rec.failed_in or _module_in(e.__traceback__, work)) from None
     if progress: progress("forward", 0)
     out = step("the model's forward", lambda: work(*inputs, **kwargs))
     loss = step("the loss function", lambda: step_loss(loss_fn, out, targets))
@@ -277,7 +271,7 @@ def capture(
     real_inputs, real_kwargs = _check_args(model, mode, example_inputs, example_kwargs, targets, loss_fn)
     t0 = time.perf_counter()
     device = _check_device(device) if device is not None else _model_device(model)
-    with _quiet_torch_logs():
+    with quiet_torch_logs():
         return _capture(model, real_inputs, real_kwargs, loss_fn, targets, optimizer, mode, device, progress, t0)
 
 # %% ../../nbs/00d_graph_step.ipynb

@@ -16,7 +16,8 @@ import numpy as np
 import torch
 
 from ..graph import StaticGraph
-from ..util import silent_stderr_fd, step_loss
+from ..step import step_loss
+from ..util import silent_stderr_fd
 from .executor import OffloadExecutor, refuse_compiled
 from .spill import checksum_rate
 from .lifetimes import calibrate_device
@@ -170,7 +171,7 @@ def _checksum_cost(st: dict) -> dict:
 # %% ../../nbs/50f_offload_bench.ipynb
 def bench_offload(progress=None, model: str = "tiny", batch: int = 8, seq: int = 256, repeat: int = 5) -> dict:
     "No offload vs torch.autograd.graph.save_on_cpu vs OffloadExecutor on one step: time, peak, gradients, disk rate, checksum cost."
-    from static_dist.bench import environment
+    from static_dist.util import environment
     from static_dist.graph import capture
     from static_dist.workload import load_workload
     say, cuda = progress or (lambda s: None), torch.cuda.is_available()

@@ -99,7 +99,7 @@ def bench_kernels(progress=None, cases=_BENCH_CASES) -> dict:
     "Time every kernel against eager and torch.compile on the GPU; bandwidth as a fraction of measured copy bandwidth."
     if not torch.cuda.is_available():
         raise NoGPUError("bench kernels needs a CUDA GPU (none found); run it on a GPU machine, e.g. python tests/gpu_ops.py")
-    from static_dist.bench import environment
+    from static_dist.util import environment
     copy_bw, results = copy_bandwidth(), []
     for op, pas, shape, units, dtypes in cases:
         for dt in dtypes:

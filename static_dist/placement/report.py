@@ -89,7 +89,7 @@ def solve_case(model: str, topo_name: str, topo_kw: dict, shape, names, batch: i
 
 def bench_placement(progress=None, cases=_BENCH_CASES) -> dict:
     "`static-dist bench placement`: solve times and found-vs-Megatron costs for the large presets."
-    from static_dist.bench import environment
+    from static_dist.util import environment
     res = []
     for c in cases:
         if progress: progress(f"placement: {c[0]} on {c[1]} mesh {c[3]}")

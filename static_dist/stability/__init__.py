@@ -13,7 +13,6 @@ from .mitigate import *
 from .run import *
 from .bench import *
 from . import monitors, localize, faults, mitigate, run, bench
-from .faults import _DEFAULT_FAULT_MODULE
 
 # %% ../../nbs/60_stability.ipynb
 __all__ = [*monitors.__all__, *localize.__all__, *faults.__all__, *mitigate.__all__, *run.__all__, *bench.__all__,
@@ -37,7 +36,7 @@ def stability_widget():
     except ImportError: raise ImportError("stability_widget needs ipywidgets: pip install ipywidgets") from None
     cu = dict(continuous_update=False)
     return W.interactive(lambda **kw: _widget_run(**kw)[0], strategy=W.Dropdown(options=list(STRATEGIES), value="rewind"),
-                         fault=W.Dropdown(options=list(_DEFAULT_FAULT_MODULE), value="lr_spike"),
+                         fault=W.Dropdown(options=list(FAULT_KINDS), value="lr_spike"),
                          fault_step=W.IntSlider(60, 25, 110, **cu), lr=W.FloatLogSlider(3e-3, base=10, min=-4, max=-1.5, **cu),
                          window=W.IntSlider(64, 8, 128, **cu), ratio=W.FloatSlider(0.45, min=0.1, max=1.0, step=0.05, **cu),
                          z=W.FloatSlider(6.0, min=2.0, max=10.0, step=0.5, **cu), steps=W.fixed(120))

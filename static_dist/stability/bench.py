@@ -13,8 +13,11 @@ from typing import Sequence
 
 import torch
 
+from ..launch import launch
 from .faults import Fault
 from .mitigate import STRATEGIES, Trainer
+from ..step import forward_backward, make_optimizer, train_step
+from ..structure import find_structure
 from .monitors import _local, grad_norms, total_norm
 from .run import RunConfig, RunReport, detection, localized, measure_overhead, recover_steps, train
 
@@ -26,8 +29,9 @@ __all__ = ['BENCH_FAULTS', 'CONFIGS', 'stability_bench', 'config_checks', 'fsdp_
 BENCH_FAULTS = (Fault("grad_spike", 100), Fault("nan_grad", 100), Fault("nan_activation", 100),
                 Fault("lr_spike", 100), Fault("bad_batches", 100, duration=20))
 
-def _fault_row(run: RunReport, f: Fault, clean_losses, ref: float) -> dict:
-    "The scores of one faulted run against the clean reference."
+def _fault_row(run: RunReport, clean_losses, ref: float) -> dict:
+    "The scores of a run with one fault (its target resolved on the model) against the clean reference."
+    f = run.faults[0]
     det = detection(run, [f])
     return dict(strategy=run.strategy.name, fault=f.kind, detected=det["detected"][0], alarm_steps=det["alarm_steps"],
                 false_alarms=det["false_alarms"], localized=localized(run, f),
@@ -71,7 +75,7 @@ def stability_bench(config: RunConfig = RunConfig(), strategies: Sequence[str] =
                     faults: Sequence[Fault] = BENCH_FAULTS, clean_steps: int = 1000, overhead_steps: int = 300,
                     configs: bool = True, progress=None) -> dict:
     "Every strategy against every fault, side by side; JSON-ready."
-    from static_dist.bench import environment
+    from static_dist.util import environment
     if "unmonitored" not in strategies: raise ValueError("strategies must include 'unmonitored' (the clean reference).")
     if clean_steps < config.steps: raise ValueError(f"clean_steps={clean_steps} < config.steps={config.steps}: the clean run must cover the faulted ones.")
     t0, say = time.perf_counter(), progress or (lambda m: None)
@@ -81,7 +85,7 @@ def stability_bench(config: RunConfig = RunConfig(), strategies: Sequence[str] =
     for s in strategies:
         for f in faults:
             say(f"{s}: {f.kind}")
-            rows.append(_fault_row(train(config, s, [f]), f, ref_losses, ref))
+            rows.append(_fault_row(train(config, s, [f]), ref_losses, ref))
     summary = {s: _strategy_summary([r for r in rows if r["strategy"] == s], clean[s], clean_steps, ref) for s in strategies}
     say("overhead")
     res = dict(config=asdict(config), faults=[asdict(f) for f in faults], clean_reference_loss=ref,
@@ -100,6 +104,7 @@ def _localization_check(cfg: RunConfig, steps: int) -> dict:
     loc = {}
     for f in (Fault("nan_grad", steps // 2), Fault("nan_activation", steps // 2)):
         r = train(cfg, "skip", [f])
+        f = r.faults[0]                                          # its target, resolved on the model
         loc[f.kind] = dict(expected=f.module, found=localized(r, f), step=r.alarm_steps, final_finite=math.isfinite(r.eval_loss))
     return loc
 
@@ -118,28 +123,20 @@ def config_checks(config: RunConfig = RunConfig(), names: Sequence[str] = tuple(
     return out
 
 # %% ../../nbs/60f_stability_bench.ipynb
-def _fsdp_data(world: int, steps: int, accum: int, batch_per_rank: int, seq_len: int):
-    "mb(step, rank, j) -> ((inputs,), targets): micro-batch j of `rank` at `step`, all from one seeded token pool."
+def _fsdp_data(w, world: int, steps: int, accum: int, batch_per_rank: int, seq_len: int):
+    "mb(step, rank, j) -> MicroBatch j of `rank` at `step` as workload `w` feeds it, all from one seeded token pool."
     from static_dist.zoo import MarkovTokens
-    tokens = MarkovTokens(256, seq_len, steps * world * accum * batch_per_rank, seed=0, sample_seed=7).tokens
+    tokens = MarkovTokens(min(w.vocab, 4096), seq_len, steps * world * accum * batch_per_rank, seed=0, sample_seed=7).tokens
     def mb(step, r, j):
         k = ((step * world + r) * accum + j) * batch_per_rank
-        t = tokens[k:k + batch_per_rank]
-        return (t[:, :-1],), t[:, 1:]
+        return w.token_batch(tokens[k:k + batch_per_rank])
     return mb
 
-def _backward_all(model, zm, batches, scale: float):
-    "Accumulate the gradients of `batches` in `model`, each loss divided by `scale`."
-    for (x,), y in batches: (zm.loss(model(x), y) / scale).backward()
-
 # %% ../../nbs/60f_stability_bench.ipynb
-def _norm_check(model, ref, zm, mb, rank: int, world: int, accum: int) -> dict:
+def _norm_check(model, ref, loss, mb, rank: int, world: int, accum: int) -> dict:
     "Norms of accumulated gradients: FSDP2 shards (global via grad_norms) against the single process."
-    for j in range(accum):
-        model.set_requires_gradient_sync(j == accum - 1)
-        (x,), y = mb(0, rank, j)
-        (zm.loss(model(x), y) / accum).backward()
-    _backward_all(ref, zm, [mb(0, r, j) for r in range(world) for j in range(accum)], accum * world)
+    forward_backward(model, [mb(0, rank, j) for j in range(accum)], loss, sync_every_microbatch=False)
+    forward_backward(ref, [mb(0, r, j) for r in range(world) for j in range(accum)], loss)   # the mean over every rank's
     got, want = grad_norms(list(model.parameters())), grad_norms(list(ref.parameters()))
     local_only = total_norm(torch.stack([_local(p.grad).norm() for p in model.parameters()])).item()
     model.zero_grad(set_to_none=True); ref.zero_grad(set_to_none=True)
@@ -148,22 +145,20 @@ def _norm_check(model, ref, zm, mb, rank: int, world: int, accum: int) -> dict:
                 total_norm_local_shards_only=local_only)
 
 # %% ../../nbs/60f_stability_bench.ipynb
-def _nan_run(model, zm, mb, rank: int, world: int, steps: int, accum: int, nan_step: int) -> list:
+def _nan_run(model, loss, mb, rank: int, world: int, steps: int, accum: int, nan_step: int) -> list:
     "`skip` with a NaN gradient injected on the last rank only; every step's record."
     faults = [Fault("nan_grad", nan_step)] if rank == world - 1 else []
-    tr = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.05), zm.loss, STRATEGIES["skip"], faults)
+    tr = Trainer(model, make_optimizer("sgd", model.parameters(), lr=0.05), loss, STRATEGIES["skip"], faults,
+                 sync_every_microbatch=False)
     recs = [tr.step(i, i, [mb(i, rank, j) for j in range(accum)]) for i in range(steps)]
     tr.close()
     return recs
 
-def _reference_run(ref, zm, mb, world: int, steps: int, accum: int, nan_step: int):
-    "The same SGD steps in one process over every rank's micro-batches, step `nan_step` skipped."
-    opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+def _reference_run(ref, loss, mb, world: int, steps: int, accum: int, nan_step: int):
+    "The same SGD steps in one process over every rank's micro-batches (the one step), step `nan_step` skipped."
+    opt = make_optimizer("sgd", ref.parameters(), lr=0.05)
     for i in range(steps):
-        opt.zero_grad(set_to_none=True)
-        if i == nan_step: continue
-        _backward_all(ref, zm, [mb(i, r, j) for r in range(world) for j in range(accum)], accum * world)
-        opt.step()
+        if i != nan_step: train_step(ref, opt, [mb(i, r, j) for r in range(world) for j in range(accum)], loss)
 
 # %% ../../nbs/60f_stability_bench.ipynb
 def _rank_report(model, ref, recs, rank: int, world: int) -> tuple[list, float, bool]:
@@ -178,48 +173,28 @@ def _rank_report(model, ref, recs, rank: int, world: int) -> tuple[list, float, 
     return every, pdiff, all(torch.isfinite(v).all().item() for v in full.values())
 
 # %% ../../nbs/60f_stability_bench.ipynb
-def fsdp_check(steps: int = 4, nan_step: int = 2, accum: int = 2, batch_per_rank: int = 2, seq_len: int = 16) -> dict:
-    "Run under torchrun: FSDP2 norms vs a single process, and a NaN on one rank skipped by all. Returns rank 0's report."
+def fsdp_check(model: str = "tiny", steps: int = 4, nan_step: int = 2, accum: int = 2, batch_per_rank: int = 2,
+               seq_len: int = 16) -> dict:
+    "On every rank of the running group: FSDP2 norms vs a single process, and a NaN on one rank skipped by all; the report."
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
-    from static_dist.zoo import get_model
-    if not dist.is_initialized(): dist.init_process_group("gloo")
+    from static_dist.workload import load_workload
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
-    zm, mb = get_model("tiny"), _fsdp_data(world, steps, accum, batch_per_rank, seq_len)
-    ref, model = zm.build(device="cpu", seed=0), zm.build(device="cpu", seed=0)
-    for layer in model.layers: fully_shard(layer)
-    fully_shard(model)
-    norms = _norm_check(model, ref, zm, mb, rank, world, accum)
-    recs = _nan_run(model, zm, mb, rank, world, steps, accum, nan_step)
-    _reference_run(ref, zm, mb, world, steps, accum, nan_step)
-    every, pdiff, finite = _rank_report(model, ref, recs, rank, world)
-    dist.barrier()
-    return dict(world=world, accum=accum, **norms, final_param_max_abs_diff=pdiff, finite=finite, ranks=every)
+    w = load_workload(model, batch=batch_per_rank, seq=seq_len)
+    mb = _fsdp_data(w, world, steps, accum, batch_per_rank, seq_len)
+    ref, sharded = w.build_model(seed=0), w.build_model(seed=0)
+    for b in find_structure(sharded).main.blocks: fully_shard(sharded.get_submodule(b))
+    fully_shard(sharded)
+    norms = _norm_check(sharded, ref, w.loss, mb, rank, world, accum)
+    recs = _nan_run(sharded, w.loss, mb, rank, world, steps, accum, nan_step)
+    _reference_run(ref, w.loss, mb, world, steps, accum, nan_step)
+    every, pdiff, finite = _rank_report(sharded, ref, recs, rank, world)
+    return dict(model=model, world=world, accum=accum, **norms, final_param_max_abs_diff=pdiff, finite=finite, ranks=every)
 
 # %% ../../nbs/60f_stability_bench.ipynb
-_FSDP_SCRIPT = """
-import json, sys, torch, torch.distributed as dist
-from static_dist.stability import fsdp_check
-torch.set_num_threads(1)
-rep = fsdp_check()
-if dist.get_rank() == 0: open(sys.argv[1], "w").write(json.dumps(rep))
-dist.barrier(); dist.destroy_process_group()
-import os; sys.stdout.flush(); os._exit(0)   # skip teardown: gloo threads can abort there
-"""
-
-def run_fsdp_check(nproc: int = 2, timeout: float = 300) -> dict:
-    "Launch `fsdp_check` with torchrun on `nproc` gloo ranks in a subprocess; rank 0's report."
-    import os, subprocess, sys, tempfile
-    from pathlib import Path
-    with tempfile.TemporaryDirectory() as d:
-        script, out = Path(d) / "fsdp_stability.py", Path(d) / "out.json"
-        script.write_text(_FSDP_SCRIPT)
-        p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-                            str(script), str(out)], capture_output=True, text=True, timeout=timeout,
-                           env={**os.environ, "OMP_NUM_THREADS": "1"})
-        if p.returncode != 0: raise RuntimeError(f"torchrun fsdp_check failed (exit {p.returncode}):\n{p.stderr[-3000:]}")
-        return json.loads(out.read_text())
+def run_fsdp_check(nproc: int = 2, timeout: float = 300, model: str = "tiny") -> dict:
+    "`fsdp_check` of `model` on `nproc` gloo ranks of this host (`launch`); rank 0's report."
+    return launch("static_dist.stability.bench:fsdp_check", nproc, model, timeout=timeout)   # by name: a rank imports the package's copy
 
 # %% ../../nbs/60f_stability_bench.ipynb
 def _distributed_and_configs(config: RunConfig, say) -> dict:
@@ -228,7 +203,7 @@ def _distributed_and_configs(config: RunConfig, say) -> dict:
     out = dict(configurations=config_checks(config, progress=say))
     say("FSDP over gloo (torchrun, 2 ranks)")
     try: out["fsdp"] = run_fsdp_check()
-    except (RuntimeError, OSError) as e: out["fsdp"] = dict(error=str(e)[-500:])
+    except (RuntimeError, OSError) as e: out["fsdp"] = dict(error=str(e)[-500:])     # LaunchError is a RuntimeError
     return out
 
 # %% ../../nbs/60f_stability_bench.ipynb

@@ -5,6 +5,7 @@
 # %% ../../nbs/60c_stability_faults.ipynb 3
 from __future__ import annotations
 
+import dataclasses
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal, Sequence
@@ -14,15 +15,17 @@ import torch.nn as nn
 from fastcore.basics import patch
 
 from .localize import CompiledHookError, clean_fqn, compiled_blocks, compiled_owner
+from ..step import MicroBatch, micro_batch
+from ..structure import find_structure
 
 # %% auto 0
-__all__ = ['FaultKind', 'Fault', 'FaultInjector']
+__all__ = ['FaultKind', 'FAULT_KINDS', 'Fault', 'first_embedding', 'default_targets', 'resolve_faults', 'FaultInjector']
 
 # %% ../../nbs/60c_stability_faults.ipynb
 FaultKind = Literal["grad_spike", "nan_grad", "nan_activation", "lr_spike", "bad_batches"]
-_DEFAULT_FAULT_MODULE = {"grad_spike": "output", "nan_grad": "tok_embeddings",
-                         "nan_activation": "layers.0.attention.wo", "lr_spike": "", "bad_batches": ""}
+FAULT_KINDS: tuple[str, ...] = FaultKind.__args__
 _DEFAULT_FACTOR = {"grad_spike": 1e4, "nan_grad": 1.0, "nan_activation": 1.0, "lr_spike": 100.0, "bad_batches": 1.0}
+_MODULE_KINDS = ("grad_spike", "nan_grad", "nan_activation")     # the kinds that strike one module
 
 # %% ../../nbs/60c_stability_faults.ipynb
 @dataclass(frozen=True)
@@ -37,14 +40,14 @@ class Fault:
     factor: float | None = None
     "Gradient or learning-rate multiplier (default: 1e4 for grad_spike, 100 for lr_spike)."
     module: str | None = None
-    "Module that produces it (grad_spike, nan_grad, nan_activation); default per kind."
+    "Module that produces it (grad_spike, nan_grad, nan_activation); None: the model's default (`default_targets`)."
 
     def __post_init__(self):
-        if self.kind not in _DEFAULT_FAULT_MODULE:
-            raise ValueError(f"Fault kind {self.kind!r}: choose one of {', '.join(_DEFAULT_FAULT_MODULE)}.")
+        if self.kind not in FAULT_KINDS:
+            raise ValueError(f"Fault kind {self.kind!r}: choose one of {', '.join(FAULT_KINDS)}.")
         if not (isinstance(self.step, int) and self.step >= 0): raise ValueError(f"Fault.step={self.step!r}: use an int >= 0.")
         if not (isinstance(self.duration, int) and self.duration >= 1): raise ValueError(f"Fault.duration={self.duration!r}: use an int >= 1.")
-        if self.module is None: object.__setattr__(self, "module", _DEFAULT_FAULT_MODULE[self.kind])
+        if self.kind not in _MODULE_KINDS: object.__setattr__(self, "module", "")
         if self.factor is None: object.__setattr__(self, "factor", _DEFAULT_FACTOR[self.kind])
 
     def active(self, i: int) -> bool: return self.step <= i < self.step + self.duration
@@ -74,10 +77,46 @@ def _nan_output(m, args, out):
 _FAULT_HOOKS = {"nan_grad": _poison_output, "nan_activation": _nan_output}
 
 # %% ../../nbs/60c_stability_faults.ipynb
+def _names(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    "Modules with wrapper segments (checkpoint, compile) removed from their names, in order."
+    return [(clean_fqn(n), m) for n, m in model.named_modules()]
+
+def first_embedding(model: nn.Module) -> str | None:
+    "The (clean) name of the first `nn.Embedding` in `model`, or None."
+    return next((n for n, m in _names(model) if n and isinstance(m, nn.Embedding)), None)
+
+def _first_sublayer_output(model: nn.Module) -> str | None:
+    "The last linear of the first child of block 0 that holds linears (attention's output projection), or None."
+    st = find_structure(model).main
+    if st is None or not st.linears: return None
+    first = st.linears[0].name.split(".")[0]
+    group = [l.name for l in st.linears if l.name.split(".")[0] == first]
+    return clean_fqn(f"{st.blocks[0]}.{group[-1]}" if group[-1] else st.blocks[0])
+
+def default_targets(model: nn.Module) -> dict[str, str]:
+    "{fault kind: module} where `grad_spike`, `nan_grad` and `nan_activation` strike by default on `model`."
+    mods = [(n, m) for n, m in _names(model) if n]
+    own = [n for n, m in mods if next(m.parameters(recurse=False), None) is not None]
+    if not own: raise ValueError(f"{type(model).__name__} has no parameters: no module to inject a fault into.")
+    emb = first_embedding(model) or own[0]
+    st = find_structure(model).main
+    inside = lambda n: st is not None and st.index_of(n) is not None
+    linears = [n for n, m in mods if isinstance(m, nn.Linear)]
+    head = next((n for n in reversed(linears) if not inside(n)), linears[-1] if linears else own[-1])
+    act = _first_sublayer_output(model) or (linears[0] if linears else own[0])
+    return {"grad_spike": head, "nan_grad": emb, "nan_activation": act}
+
+def resolve_faults(model: nn.Module, faults: Sequence[Fault]) -> tuple[Fault, ...]:
+    "`faults` with every unnamed target replaced by `default_targets(model)`'s."
+    need = any(f.module is None for f in faults)
+    targets = default_targets(model) if need else {}
+    return tuple(dataclasses.replace(f, module=targets[f.kind]) if f.module is None else f for f in faults)
+
+# %% ../../nbs/60c_stability_faults.ipynb
 class FaultInjector:
-    "Applies `faults` to a model, its optimizer and its batches, step by step."
+    "Applies `faults` to a model, its optimizer and its batches, step by step; `faults` holds them with their targets resolved."
     def __init__(self, model: nn.Module, faults: Sequence[Fault] = ()):
-        self.faults = tuple(faults)
+        self.faults = resolve_faults(model, faults)
         self.modules = {clean_fqn(n): m for n, m in model.named_modules()}
         blocks = compiled_blocks(model)
         for f in self.faults:
@@ -100,13 +139,15 @@ def _hidden_by_compile(f: Fault, block: str) -> str:
 
 # %% ../../nbs/60c_stability_faults.ipynb
 @patch
-def batch(self: FaultInjector, data_index: int, inputs: tuple, targets: torch.Tensor):
-    "Degenerate data for bad_batches: every row is its first token repeated (targets too)."
-    if not any(f.kind == "bad_batches" and f.active(data_index) for f in self.faults): return inputs, targets
-    tok = inputs[0]
-    if tok.is_floating_point(): raise ValueError("bad_batches needs token (integer) inputs, as the zoo's language models take.")
-    first = tok[:, :1].expand_as(tok).clone()
-    return (first, *inputs[1:]), first.clone()
+def batch(self: FaultInjector, data_index: int, mb) -> MicroBatch:
+    "Micro-batch `mb` (any form `step.micro_batch` reads), degenerate for bad_batches: every row of its token ids (positional or keyword, and integer targets or labels of their shape) is its first token repeated."
+    mb = micro_batch(mb)
+    if not any(f.kind == "bad_batches" and f.active(data_index) for f in self.faults): return mb
+    tokens = [t for t in (*mb.args, *mb.kwargs.values()) if isinstance(t, torch.Tensor) and t.dim() == 2 and not t.is_floating_point()]
+    if not tokens: raise ValueError("bad_batches needs token (integer, batch x seq) inputs, as language models take.")
+    shape, first = tokens[0].shape, tokens[0][:, :1].expand_as(tokens[0]).clone()
+    bad = lambda t: first.clone() if isinstance(t, torch.Tensor) and t.shape == shape and not t.is_floating_point() else t
+    return MicroBatch(tuple(bad(a) for a in mb.args), {k: bad(v) for k, v in mb.kwargs.items()}, bad(mb.targets))
 
 # %% ../../nbs/60c_stability_faults.ipynb
 @patch

@@ -20,7 +20,8 @@ import torch
 import torch.nn as nn
 from fastcore.basics import patch
 
-from .faults import Fault, FaultInjector
+from .faults import Fault, FaultInjector, first_embedding
+from ..step import batch_loss, forward_backward, micro_batch
 from .localize import (CompiledHookError, Localization, Localizer, _eager_replay, _quiet_backward_hooks,
                                             clean_fqn, compiled_blocks, compiled_owner)
 from .monitors import SpikeDetector, SpikeRule, WindowClipper, WindowRule, _local, grad_norms, total_norm
@@ -127,6 +128,13 @@ def _peak_bytes(device: torch.device) -> int:
     if device.type == "cuda": return int(torch.cuda.max_memory_allocated(device))
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
+def _tokens(mb) -> int:
+    "Tokens a micro-batch trains on: its targets' elements, else its first integer input's, else its batch size."
+    if isinstance(mb.targets, torch.Tensor): return int(mb.targets.numel())
+    ts = [t for t in (*mb.args, *mb.kwargs.values()) if isinstance(t, torch.Tensor)]
+    ids = next((t for t in ts if not t.is_floating_point()), None)
+    return int(ids.numel()) if ids is not None else (int(ts[0].shape[0]) if ts and ts[0].dim() else 1)
+
 def _shrink_hook(alpha: float):
     def hook(m, args, out): return out * alpha + out.detach() * (1 - alpha)
     return hook
@@ -154,8 +162,10 @@ class Trainer:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Callable,
                  strategy: Strategy = STRATEGIES["rewind"], faults: Sequence[Fault] = (), *, amp: bool = False,
                  snapshot_every: int = 10, keep_snapshots: int = 3, max_rewinds: int = 10,
-                 embedding: str = "tok_embeddings"):
+                 embedding: str | None = None, sync_every_microbatch: bool = True):
         self.model, self.opt, self.loss_fn, self.s, self.amp = model, optimizer, loss_fn, strategy, amp
+        self.sync_every = sync_every_microbatch           # a plan's rule for FSDP2 gradient sync over micro-batches
+        embedding = embedding if embedding is not None else first_embedding(model)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.pnames, self.device = _param_names(model, self.params), _local(self.params[0]).device
         self.injector, self.handles, self.world = FaultInjector(model, faults), [], _world_size()
@@ -177,8 +187,9 @@ class Trainer:
 
 # %% ../../nbs/60d_stability_mitigate.ipynb
 @patch
-def _shrink_embedding(self: Trainer, embedding: str):
+def _shrink_embedding(self: Trainer, embedding: str | None):
     "Install GLM-130B's embedding-gradient shrink on the module named `embedding`."
+    if embedding is None: raise ValueError("embed_grad_shrink: the model has no nn.Embedding; pass embedding=<the module to shrink>.")
     emb = self.injector.modules.get(embedding)
     if emb is None: raise ValueError(f"embed_grad_shrink: the model has no module {embedding!r}; pass embedding=<its name>.")
     self.handles.append(emb.register_forward_hook(_shrink_hook(self.s.embed_grad_shrink), prepend=True))
@@ -192,7 +203,7 @@ def _refuse_hooks_in_compiled(self: Trainer, embedding: str):
     if self.s.localize == "hooks":
         raise CompiledHookError(f"Strategy {self.s.name!r}: localize='hooks' cannot see inside the torch.compile'd blocks "
                                 f"{blocks}; use localize='replay', which replays a bad step eagerly")
-    owner = compiled_owner(embedding, blocks)
+    owner = compiled_owner(embedding, blocks) if embedding is not None else None
     if self.s.embed_grad_shrink is not None and owner is not None:
         raise CompiledHookError(f"Strategy {self.s.name!r}: embed_grad_shrink hooks {embedding!r}, inside the "
                                 f"torch.compile'd block {owner or '(the whole model)'!r}; compile the blocks after the embedding only")
@@ -204,13 +215,8 @@ def _autocast(self: Trainer):
 
 @patch
 def _forward_backward(self: Trainer, mbs) -> torch.Tensor:
-    "Forward and backward of every micro-batch; the mean loss (a 0-dim tensor, not synced)."
-    total = torch.zeros((), device=self.device)
-    for inputs, targets in mbs:
-        with self._autocast(): loss = self.loss_fn(self.model(*inputs), targets) / len(mbs)
-        loss.backward()
-        total += loss.detach().float()
-    return total
+    "Forward and backward of every micro-batch (`step.forward_backward`); the mean loss (a 0-dim tensor, not synced)."
+    return forward_backward(self.model, mbs, self.loss_fn, sync_every_microbatch=self.sync_every, autocast=self._autocast)
 
 # %% ../../nbs/60d_stability_mitigate.ipynb
 @patch
@@ -286,8 +292,8 @@ def _weights_damaged(self: Trainer) -> bool:
     if self.prev is None: return True
     mbs, before = self.prev
     now = torch.zeros((), device=self.device)
-    for inputs, targets in mbs:
-        with self._autocast(): now += self.loss_fn(self.model(*inputs), targets).float() / len(mbs)
+    for mb in mbs:
+        with self._autocast(): now += batch_loss(self.model, mb, self.loss_fn).float() / len(mbs)
     return self._mean_over_ranks(now).item() > self.s.loss_rule.min_ratio * before
 
 # %% ../../nbs/60d_stability_mitigate.ipynb
@@ -421,10 +427,10 @@ def _respond(self: Trainer, st: _StepState, i: int):
 
 # %% ../../nbs/60d_stability_mitigate.ipynb
 @patch
-def step(self: Trainer, i: int, data_index: int, microbatches: Sequence[tuple]) -> StepRecord:
-    "Iteration `i` on `microbatches` = [(inputs tuple, targets), ...] (their gradients are accumulated)."
+def step(self: Trainer, i: int, data_index: int, microbatches: Sequence) -> StepRecord:
+    "Iteration `i` on `microbatches` (each `(inputs, targets)`, `(args, kwargs, targets)` or a `MicroBatch`; gradients accumulated)."
     t0 = time.perf_counter()
-    st = _StepState([self.injector.batch(data_index, x, y) for x, y in microbatches])
+    st = _StepState([self.injector.batch(data_index, mb) for mb in microbatches])
     self._maybe_snapshot(i)
     self.opt.zero_grad(set_to_none=True)
     with self.injector.step(i, self.opt):
@@ -433,6 +439,6 @@ def step(self: Trainer, i: int, data_index: int, microbatches: Sequence[tuple]) 
         self._monitor(st, i)
         self._respond(st, i)
     if st.alarms: self.last_alarm = i
-    tokens = sum(int(y.numel()) for _, y in st.mbs)
+    tokens = sum(_tokens(mb) for mb in st.mbs)
     return StepRecord(i, data_index, st.loss, st.norm, st.threshold, tuple(st.alarms), st.action, st.loc,
                       time.perf_counter() - t0, tokens, _peak_bytes(self.device))

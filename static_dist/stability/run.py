@@ -17,6 +17,8 @@ from fastcore.basics import patch
 
 from .faults import Fault
 from .mitigate import STRATEGIES, StepRecord, Strategy, Trainer
+from ..step import batch_loss, make_optimizer
+from ..structure import find_structure
 
 # %% auto 0
 __all__ = ['RunConfig', 'RunReport', 'train', 'recover_steps', 'detection', 'localized', 'measure_overhead', 'plot_run']
@@ -26,7 +28,7 @@ __all__ = ['RunConfig', 'RunReport', 'train', 'recover_steps', 'detection', 'loc
 class RunConfig:
     "A short, reproducible training run."
     model: str = "tiny"
-    "Zoo language model."
+    "A workload source that takes token ids: a zoo name, 'path/file.py:NAME', 'package.module:NAME' or 'hf:CONFIG'."
     steps: int = 200
     "Iterations."
     batch_size: int = 8
@@ -93,52 +95,58 @@ def summary(self: RunReport) -> dict:
 
 # %% ../../nbs/60e_stability_run.ipynb
 @patch
-def to_json(self: RunReport) -> dict:
+def to_dict(self: RunReport) -> dict:
     "The whole report as JSON-ready data (NaN kept as NaN)."
-    d = asdict(self)
-    d["records"] = [{k: v for k, v in r.items()} for r in d["records"]]
-    return json.loads(json.dumps(d, default=str, allow_nan=True))
+    return json.loads(self.to_json())
+
+@patch
+def to_json(self: RunReport) -> str:
+    "The whole report as JSON text (NaN kept as NaN; what JSON cannot hold, as its string)."
+    return json.dumps(asdict(self), default=str, allow_nan=True)
 
 # %% ../../nbs/60e_stability_run.ipynb
+def _checkpoint_blocks(model: torch.nn.Module) -> None:
+    "Wrap every block of the model's main stack in `checkpoint_wrapper` (non-reentrant), in place."
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+    st = find_structure(model).main
+    if st is None: raise ValueError(f"{type(model).__name__} has no stack of repeated blocks to checkpoint; run without checkpoint.")
+    for fqn in st.blocks:
+        parent, _, name = fqn.rpartition(".")
+        owner = model.get_submodule(parent)
+        setattr(owner, name, checkpoint_wrapper(owner.get_submodule(name), checkpoint_impl=CheckpointImpl.NO_REENTRANT))
+
 def _build_lm(config: RunConfig):
-    "(zoo model, built model) for a language-model run; typed errors for a model the bench cannot train."
-    from static_dist.zoo import get_model
-    zm = get_model(config.model)
-    model = zm.build(device="cpu", seed=config.seed)
-    cfg = getattr(model, "cfg", None)
-    if cfg is None or not hasattr(cfg, "vocab_size"):
-        raise ValueError(f"model {config.model!r} is not a language model; the stability bench needs one (e.g. 'tiny').")
-    if config.seq_len > cfg.max_seq_len:
-        raise ValueError(f"seq_len={config.seq_len} > max_seq_len={cfg.max_seq_len} of {config.model!r}: shorten it.")
-    if config.checkpoint:
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
-        for j, layer in enumerate(model.layers):
-            model.layers[j] = checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
-    return zm, model
+    "(workload, built model) for a language-model run; typed errors for a model the run cannot train."
+    from static_dist.workload import load_workload
+    w = load_workload(config.model, batch=config.batch_size, seq=config.seq_len)
+    if w.vocab is None:
+        raise ValueError(f"model {config.model!r} does not take token ids; the stability runs train a language model "
+                         "on Markov-chain tokens (e.g. 'tiny', examples/gpt.py:GPT or an hf: causal LM)")
+    model = w.build_model(device="cpu", seed=config.seed)
+    if config.checkpoint: _checkpoint_blocks(model)
+    return w, model
 
 # %% ../../nbs/60e_stability_run.ipynb
-def _microbatches(tokens: torch.Tensor, config: RunConfig) -> Callable[[int], list]:
-    "microbatches(d) -> [((inputs,), targets)] × accum for data index d, from the pool `tokens`."
+def _microbatches(w, tokens: torch.Tensor, config: RunConfig) -> Callable[[int], list]:
+    "microbatches(d) -> [MicroBatch] × accum for data index d, from the pool `tokens`, as workload `w` feeds them."
     B, P = config.batch_size, config.pool
     def microbatches(d: int) -> list:
-        out = []
-        for j in range(config.accum):
-            rows = (torch.arange(B) + (d * config.accum + j) * B) % P
-            t = tokens[rows]
-            out.append(((t[:, :-1],), t[:, 1:]))
-        return out
+        rows = lambda j: (torch.arange(B) + (d * config.accum + j) * B) % P
+        return [w.token_batch(tokens[rows(j)]) for j in range(config.accum)]
     return microbatches
 
 # %% ../../nbs/60e_stability_run.ipynb
+_MARKOV_VOCAB = 4096   # MarkovTokens keeps a dense transition table: a larger vocabulary trains on its first ids
+
 def _lm_setup(config: RunConfig):
-    "(zoo model, model, microbatches(d), held-out tokens, entropy rate) of a run."
+    "(workload, model, microbatches(d), held-out tokens, entropy rate) of a run."
     from static_dist.zoo import MarkovTokens
-    zm, model = _build_lm(config)
-    cfg = model.cfg
-    data = MarkovTokens(cfg.vocab_size, config.seq_len, config.pool, seed=0, sample_seed=config.seed + 1)
-    held = MarkovTokens(cfg.vocab_size, config.seq_len, config.eval_batches * config.batch_size, seed=0,
+    w, model = _build_lm(config)
+    v = min(w.vocab, _MARKOV_VOCAB)
+    data = MarkovTokens(v, config.seq_len, config.pool, seed=0, sample_seed=config.seed + 1)
+    held = MarkovTokens(v, config.seq_len, config.eval_batches * config.batch_size, seed=0,
                         sample_seed=config.seed + 10_000).tokens
-    return zm, model, _microbatches(data.tokens, config), held, data.entropy_rate()
+    return w, model, _microbatches(w, data.tokens, config), held, data.entropy_rate()
 
 # %% ../../nbs/60e_stability_run.ipynb
 @contextmanager
@@ -151,8 +159,9 @@ def _threads(n: int | None):
 
 # %% ../../nbs/60e_stability_run.ipynb
 @torch.no_grad()
-def _eval(model, loss_fn, held, batch_size) -> float:
-    ls = [loss_fn(model(t[:, :-1]), t[:, 1:]).item() for t in held.split(batch_size)]
+def _eval(model, w, held, batch_size) -> float:
+    "Mean loss of `model` over the held-out tokens, fed as workload `w` feeds them."
+    ls = [batch_loss(model, w.token_batch(t), w.loss).item() for t in held.split(batch_size)]
     return sum(ls) / len(ls)
 
 def _strategy(strategy: Strategy | str) -> Strategy:
@@ -163,20 +172,20 @@ def _strategy(strategy: Strategy | str) -> Strategy:
 # %% ../../nbs/60e_stability_run.ipynb
 def train(config: RunConfig = RunConfig(), strategy: Strategy | str = "rewind", faults: Sequence[Fault] = (),
           progress: Callable[[str], None] | None = None, eval_at: Sequence[int] = ()) -> RunReport:
-    "Train the zoo model under `strategy` with `faults` injected; the full record of the run."
+    "Train the config's model under `strategy` with `faults` injected (their targets resolved on the model); the full record of the run."
     strategy = _strategy(strategy)
     with _threads(config.threads):
-        zm, model, microbatches, held, h = _lm_setup(config)
-        opt = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0)
-        tr = Trainer(model, opt, zm.loss, strategy, faults, amp=config.amp, snapshot_every=config.snapshot_every)
+        w, model, microbatches, held, h = _lm_setup(config)
+        opt = make_optimizer("adamw", model.parameters(), lr=config.lr, weight_decay=0.0)
+        tr = Trainer(model, opt, w.loss, strategy, faults, amp=config.amp, snapshot_every=config.snapshot_every)
         t0, recs, evals = time.perf_counter(), [], []
         for i in range(config.steps):
             recs.append(tr.step(i, i, microbatches(i)))
-            if i + 1 in eval_at: evals.append((i + 1, _eval(model, zm.loss, held, config.batch_size)))
+            if i + 1 in eval_at: evals.append((i + 1, _eval(model, w, held, config.batch_size)))
             if progress and i % 50 == 0: progress(f"{strategy.name}: step {i}/{config.steps}")
         tr.close()
-        ev = _eval(model, zm.loss, held, config.batch_size)
-        return RunReport(strategy, config, tuple(faults), tuple(recs), ev, h, time.perf_counter() - t0, tuple(evals))
+        ev = _eval(model, w, held, config.batch_size)
+        return RunReport(strategy, config, tr.injector.faults, tuple(recs), ev, h, time.perf_counter() - t0, tuple(evals))
 
 # %% ../../nbs/60e_stability_run.ipynb
 def _smooth(xs: Sequence[float], k: int = 5, skip: range = range(0)) -> list[float]:
@@ -218,9 +227,9 @@ def _interleaved_times(config: RunConfig, strategies: list, steps: int, warmup: 
     "[(strategy, step times)]: one trainer per strategy, stepped round-robin with the order rotated every iteration."
     runs = []
     for s in strategies:
-        zm, model, microbatches, _, _ = _lm_setup(config)
-        opt = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.0)
-        runs.append((s, Trainer(model, opt, zm.loss, s, amp=config.amp), []))
+        w, model, microbatches, _, _ = _lm_setup(config)
+        opt = make_optimizer("adamw", model.parameters(), lr=config.lr, weight_decay=0.0)
+        runs.append((s, Trainer(model, opt, w.loss, s, amp=config.amp), []))
     for i in range(warmup + steps):
         mbs, k = microbatches(i), i % len(runs)
         for s, tr, times in runs[k:] + runs[:k]:

@@ -8,7 +8,6 @@ __all__ = []
 # %% ../../nbs/02_topology.ipynb
 from .model import *
 from .calibration import *
-from .calibration import _matmul_flops   # compile's roofline times one rank's matmul with it
 from . import model, calibration
 
 __all__ = [*model.__all__, *calibration.__all__]

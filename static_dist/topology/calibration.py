@@ -5,23 +5,19 @@
 # %% ../../nbs/02b_topology_calibration.ipynb 3
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 import numpy as np
 from fastcore.basics import patch
 
 from .model import (COLLECTIVES, Level, Link, Topology, _check_kind, alpha_beta, collective_bytes,
                                         collective_steps)
+from ..launch import launch
 
 # %% auto 0
-__all__ = ['CalibrationPoint', 'measure_collectives', 'fit_alpha_beta', 'Calibration', 'calibrate', 'launch_calibration',
+__all__ = ['CalibrationPoint', 'collective_buffers', 'run_collective', 'measure_collectives', 'fit_alpha_beta', 'Calibration',
+           'fit_calibration', 'matmul_flops', 'calibrate', 'calibration_on_ranks', 'launch_calibration',
            'plot_calibration', 'calibration_table']
 
 # %% ../../nbs/02b_topology_calibration.ipynb
@@ -44,14 +40,16 @@ class CalibrationPoint:
     def ratio_kind(self) -> float: return self.predicted_kind / self.measured
 
 # %% ../../nbs/02b_topology_calibration.ipynb
-def _make_buffers(kind: str, nbytes: int, p: int):
+def collective_buffers(kind: str, nbytes: int, p: int):
+    "(bytes, full buffer, 1/p part) in float32 for one `kind` of collective of about `nbytes` over `p` ranks."
     import torch
     n = max(p, nbytes // 4 // p * p)                     # float32 elements, divisible by p
     full, part = torch.ones(n), torch.ones(n // p)
     return n * 4, full, part
 
 # %% ../../nbs/02b_topology_calibration.ipynb
-def _run_once(kind: str, full, part, group=None):
+def run_collective(kind: str, full, part, group=None):
+    "Issue one collective of `kind` on `collective_buffers`' tensors in `group` (default: the whole world)."
     import torch.distributed as dist
     if kind == "all_reduce": dist.all_reduce(full, group=group)
     elif kind == "all_gather": dist.all_gather_into_tensor(full, part, group=group)
@@ -66,12 +64,12 @@ def _time_collective(kind: str, full, part, group, warmup: int, repeat: int) -> 
     "Fastest of `repeat` timed runs (after `warmup`), as seen by the slowest rank."
     import torch
     import torch.distributed as dist
-    for _ in range(warmup): _run_once(kind, full, part, group)
+    for _ in range(warmup): run_collective(kind, full, part, group)
     ts = []
     for _ in range(repeat):
         dist.barrier(group=group)
         t0 = time.perf_counter()
-        _run_once(kind, full, part, group)
+        run_collective(kind, full, part, group)
         ts.append(time.perf_counter() - t0)
     t = torch.tensor([min(ts)], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
@@ -90,7 +88,7 @@ def measure_collectives(kinds=COLLECTIVES, sizes=(2**12, 2**14, 2**16, 2**18, 2*
     for kind in kinds:
         _check_kind(kind)
         for size in sizes:
-            nbytes, full, part = _make_buffers(kind, size, p)
+            nbytes, full, part = collective_buffers(kind, size, p)
             points.append(CalibrationPoint(kind, nbytes, p, _time_collective(kind, full, part, group, warmup, repeat)))
     return points
 
@@ -127,7 +125,7 @@ class Calibration:
     def link(self, kind: str = "shm") -> Link: return Link(kind, self.beta, self.alpha)
 
 # %% ../../nbs/02b_topology_calibration.ipynb
-def _fitted(pts, backend: str, world_size: int, algorithm: str = "ring", flops: float = 0.0) -> Calibration:
+def fit_calibration(pts, backend: str, world_size: int, algorithm: str = "ring", flops: float = 0.0) -> Calibration:
     "Fit one (alpha, beta) to all points and one per collective; attach the predictions."
     alpha, beta = fit_alpha_beta(pts, algorithm)
     per = {}
@@ -177,7 +175,8 @@ def from_dict(cls: Calibration, d: dict) -> Calibration:
                {k: tuple(v) for k, v in d.get("per_kind", {}).items()})
 
 # %% ../../nbs/02b_topology_calibration.ipynb
-def _matmul_flops(n: int = 512, repeat: int = 5) -> float:
+def matmul_flops(n: int = 512, repeat: int = 5) -> float:
+    "Measured fp32 FLOP/s of `repeat` n x n matmuls on this process's threads (after one warm-up)."
     import torch
     a, b = torch.randn(n, n), torch.randn(n, n)
     a @ b
@@ -191,47 +190,18 @@ def calibrate(kinds=COLLECTIVES, sizes=(2**12, 2**14, 2**16, 2**18, 2**20, 2**22
     "Measure collectives on the running backend (every rank calls it) and fit alpha/beta to them."
     import torch.distributed as dist
     pts = measure_collectives(kinds, sizes, repeat=repeat, warmup=warmup, group=group)
-    return _fitted(pts, dist.get_backend(group), dist.get_world_size(group), algorithm, _matmul_flops())
+    return fit_calibration(pts, dist.get_backend(group), dist.get_world_size(group), algorithm, matmul_flops())
 
 # %% ../../nbs/02b_topology_calibration.ipynb
-def _parse(argv=None):
-    import argparse
-    ap = argparse.ArgumentParser(prog="python -m static_dist.topology")
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--sizes", default="4096,65536,1048576")
-    ap.add_argument("--kinds", default=",".join(COLLECTIVES))
-    ap.add_argument("--repeat", type=int, default=5)
-    return ap.parse_args(argv)
-
-# %% ../../nbs/02b_topology_calibration.ipynb
-def _main(argv=None) -> int:
-    "torchrun entry point: calibrate on gloo and write the JSON from rank 0."
-    import torch.distributed as dist
-    a = _parse(argv)
-    dist.init_process_group("gloo")
-    try:
-        cal = calibrate(a.kinds.split(","), [int(s) for s in a.sizes.split(",")], repeat=a.repeat)
-        if dist.get_rank() == 0: Path(a.out).write_text(json.dumps(cal.to_dict(), indent=2))
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    # skip interpreter teardown: gloo's threads can abort the process there after all work is written
-    sys.stdout.flush(); os._exit(0)
+def calibration_on_ranks(kinds, sizes, repeat: int = 5) -> dict:
+    "What each launched rank runs: `calibrate` in its process group, as a JSON-ready dict (every rank gets the same)."
+    return calibrate(list(kinds), [int(s) for s in sizes], repeat=repeat).to_dict()
 
 # %% ../../nbs/02b_topology_calibration.ipynb
 def launch_calibration(nproc: int = 4, sizes=(2**12, 2**16, 2**20), kinds=COLLECTIVES, *, repeat: int = 5,
                        timeout: float = 300) -> Calibration:
-    "Run `calibrate` under torchrun with `nproc` gloo ranks on this host; return its Calibration."
-    with tempfile.TemporaryDirectory() as d:
-        out = Path(d) / "calibration.json"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               "-m", "static_dist.topology", "--out", str(out), "--sizes", ",".join(map(str, sizes)),
-               "--kinds", ",".join(kinds), "--repeat", str(repeat)]
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-        if p.returncode != 0 or not out.exists():
-            raise RuntimeError(f"calibration launch failed (exit {p.returncode}):\n{p.stderr[-3000:]}")
-        return Calibration.from_dict(json.loads(out.read_text()))
+    "Run `calibrate` on `nproc` gloo ranks of this host (`launch`); return its Calibration."
+    return Calibration.from_dict(launch("static_dist.topology.calibration:calibration_on_ranks", nproc, list(kinds), list(sizes), repeat, timeout=timeout))
 
 # %% ../../nbs/02b_topology_calibration.ipynb
 def plot_calibration(cal: Calibration, ax=None):
