@@ -164,7 +164,12 @@ def _add_unsharded(C: _Curves, l: UnitLayout, u, plan: FSDPPlan) -> None:
     "Unit `l`'s gathered parameters over its forward and backward (and between them unless it reshards fully)."
     r = u.reshard_after_forward
     if r is not True and r is not False and r >= plan.shard_size: r = True   # a group of all: same as True
-    if l.module == "" or r is False:
+    if l.module == "":
+        # the root's post-backward (autograd's final callback) reshards before it fills its reduce-scatter input;
+        # its last op is charged with the reduce-scatter input and the gradients instead (the same bytes or more)
+        C.add("unsharded_params", l.fwd[0], l.bwd[1] - 1, l.unsharded_bytes)
+        return
+    if r is False:
         C.add("unsharded_params", l.fwd[0], l.bwd[1], l.unsharded_bytes)
         return
     C.add("unsharded_params", l.fwd[0], l.fwd[1], l.unsharded_bytes)
@@ -205,6 +210,9 @@ def _add_all_gathers(C: _Curves, profile: GraphProfile, plan: FSDPPlan, lays) ->
     inside = [i for i in range(fwd_end + 1) if profile.op_module[i]]
     model_end = inside[-1] if inside else fwd_end        # the model's last op; the loss runs after it
     bwd_need = [l for l in sorted(lays, key=lambda l: l.bwd[0]) if l.module and l.params]
+    root = next((l for l in lays if l.module == "" and l.params), None)
+    nb = [i for i in np.flatnonzero(profile.op_phase == 1) if profile.op_module[i]]
+    root_pre_bwd = int(nb[0]) if nb else (root.bwd[0] if root else 0)   # when the model output's grad arrives
     for seq, p, key in ((list(lays), plan.forward_prefetch, 0), (bwd_need, plan.backward_prefetch, 1)):
         seq = [l for l in seq if l.params]
         for i, l in enumerate(seq):
@@ -213,6 +221,7 @@ def _add_all_gathers(C: _Curves, profile: GraphProfile, plan: FSDPPlan, lays) ->
             prefetched = bool(p) and i >= 1          # by the unit p before it (the first ones by the first unit)
             q = seq[max(i - p, 0)]
             issue = (q.bwd[0] + 1 if key else q.fwd[0]) if prefetched else start
+            if key and i == 0 and p and root is not None: issue = root_pre_bwd   # the root's implicit prefetch
             # forward, unit not prefetched: the result is kept (`all_gather_state`) until the next unit's
             # copy-out, the last one to the root's post-forward; a prefetched unit's is freed at its copy-out
             if key or prefetched: end = start

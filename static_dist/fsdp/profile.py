@@ -20,7 +20,8 @@ from ..structure import BlockStack, find_structure
 from ..util import DTYPE_BYTES, StaticDistError, torch_dtype
 
 # %% auto 0
-__all__ = ['PlanError', 'BlockMismatchError', 'ParamInfo', 'GraphProfile', 'profile_graph', 'block_mismatch', 'expand_blocks',
+__all__ = ['PlanError', 'BlockMismatchError', 'ParamInfo', 'GraphProfile', 'module_order', 'main_stack', 'shared_params',
+           'tokens_of', 'param_infos', 'to_master', 'profile_graph', 'block_mismatch', 'expand_blocks',
            'expand_profile', 'profile_expanded', 'first_blocks', 'block_attr_mismatch', 'profile_workload']
 
 # %% ../../nbs/40a_fsdp_profile.ipynb
@@ -95,7 +96,7 @@ def _under(name: str, unit: str) -> bool:
     "Is module/param `name` inside module `unit` ('' is the root)."
     return unit == "" or name == unit or name.startswith(unit + ".")
 
-def _module_order(first_op: dict[str, int], extra, n: int) -> tuple[str, ...]:
+def module_order(first_op: dict[str, int], extra, n: int) -> tuple[str, ...]:
     "Every module and its ancestors, ordered by the first forward op inside it (its subtree)."
     first: dict[str, int] = {}
     for m, i in [*first_op.items(), *((m, n) for m in extra)]:
@@ -107,7 +108,7 @@ def _module_order(first_op: dict[str, int], extra, n: int) -> tuple[str, ...]:
     return tuple(sorted(first, key=lambda m: (first[m], m.count("."), m)))
 
 # %% ../../nbs/40a_fsdp_profile.ipynb
-def _main_stack(g: StaticGraph) -> tuple[str, tuple[str, ...]]:
+def main_stack(g: StaticGraph) -> tuple[str, tuple[str, ...]]:
     "(container, block FQNs) of the graph's main block stack; read from parameter names when it has no structure."
     main = getattr(getattr(g, "structure", None), "main", None)
     if main is not None: return main.path, tuple(main.blocks)
@@ -129,7 +130,7 @@ def _stack_from_names(params: Sequence[str]) -> tuple[str, tuple[str, ...]]:
     return c, tuple(f"{c}.{i}" if c else str(i) for i in range(len(kids[c])))
 
 # %% ../../nbs/40a_fsdp_profile.ipynb
-def _shared_params(g: StaticGraph, by_storage: dict) -> tuple[tuple[str, ...], ...]:
+def shared_params(g: StaticGraph, by_storage: dict) -> tuple[tuple[str, ...], ...]:
     """Groups of names of one parameter storage: its names, plus `M.weight` for each module M (not around its owner)
     whose forward ops read it, as a tied embedding/output weight is read by both modules under one name."""
     groups = {sid: list(v) for sid, v in by_storage.items()}
@@ -145,14 +146,14 @@ def _shared_params(g: StaticGraph, by_storage: dict) -> tuple[tuple[str, ...], .
     return tuple(tuple(v) for v in groups.values() if len(v) > 1)
 
 # %% ../../nbs/40a_fsdp_profile.ipynb
-def _tokens(g: StaticGraph) -> int:
+def tokens_of(g: StaticGraph) -> int:
     "Elements of the first tensor input (positional, else keyword), 0 when there is none."
     shapes = [s for s in (g.meta.get("inputs") or []) if isinstance(s, list)]
     kw = [s for s in (g.meta.get("kwargs") or {}).values() if isinstance(s, list)] if isinstance(g.meta.get("kwargs"), dict) else []
     return math.prod((shapes or kw or [[0]])[0])
 
 # %% ../../nbs/40a_fsdp_profile.ipynb
-def _param_infos(g: StaticGraph) -> tuple[list[ParamInfo], dict[int, list[str]]]:
+def param_infos(g: StaticGraph) -> tuple[list[ParamInfo], dict[int, list[str]]]:
     "Each parameter's `ParamInfo`, and the names on each parameter storage."
     shapes = {}
     for t in g.tensors: shapes.setdefault(t.storage, t)
@@ -172,7 +173,7 @@ def _param_infos(g: StaticGraph) -> tuple[list[ParamInfo], dict[int, list[str]]]
     return params, by_storage
 
 # %% ../../nbs/40a_fsdp_profile.ipynb
-def _to_master(params: list, native: np.ndarray, temporary: np.ndarray, phase: np.ndarray, master_dtype: str | None):
+def to_master(params: list, native: np.ndarray, temporary: np.ndarray, phase: np.ndarray, master_dtype: str | None):
     "(params, native, temporary, compute itemsize) with parameters kept in `master_dtype` (itemsize 0: no change)."
     cap = params[0].itemsize if params else 4
     if master_dtype is None or DTYPE_BYTES[master_dtype] == cap: return params, native, temporary, 0
@@ -193,22 +194,22 @@ def profile_graph(g: StaticGraph, master_dtype: str | None = None) -> GraphProfi
     bad = next((s for s in g.storages if s.nbytes < 0), None)
     if bad is not None: raise PlanError(f"storage {bad.id} ({bad.name or bad.role}) has nbytes={bad.nbytes}: the graph "
                                         f"is corrupt; capture the model again")
-    params, by_storage = _param_infos(g)   # tied weights appear once (one storage); apply/validate ask the model
+    params, by_storage = param_infos(g)   # tied weights appear once (one storage); apply/validate ask the model
     n, live = len(g.ops), g.live_bytes()
     native = sum(live[r] for r in ("activation", "temporary", "input", "buffer", "other")).astype(np.int64)
     phase = np.array([("forward", "backward", "optimizer").index(o.phase) for o in g.ops], dtype=np.int8)
     seen = {}
     for o in g.ops:
         if o.phase == "forward": seen.setdefault(o.module, o.index)
-    order = _module_order(seen, [p.module for p in params], n)
+    order = module_order(seen, [p.module for p in params], n)
     saved = tuple((s.nbytes, s.saved_in or "", s.created, n if s.freed is None else s.freed)
                   for s in g.storages if s.role == "activation")
     opt_temp = live["temporary"][phase == 2].max() if (phase == 2).any() else 0
-    params, native, temp, cap = _to_master(params, native, live["temporary"], phase, master_dtype)
-    stack, blocks = _main_stack(g)
+    params, native, temp, cap = to_master(params, native, live["temporary"], phase, master_dtype)
+    stack, blocks = main_stack(g)
     return GraphProfile(tuple(params), tuple(order), tuple(o.module for o in g.ops), phase,
                         np.array([o.flops for o in g.ops], dtype=np.float64), native, temp.astype(np.int64), saved,
-                        int(opt_temp), _shared_params(g, by_storage), g.meta.get("model", ""), cap, _tokens(g),
+                        int(opt_temp), shared_params(g, by_storage), g.meta.get("model", ""), cap, tokens_of(g),
                         blocks, stack, tuple(o.op for o in g.ops))
 
 # %% ../../nbs/40a_fsdp_profile.ipynb
@@ -386,7 +387,7 @@ def expand_profile(P: GraphProfile, n_blocks: int) -> GraphProfile:
         if phase[i] == 0: seen.setdefault(m, i)
     blocks = tuple(f"{P.stack}.{i}" if P.stack else str(i) for i in range(n_blocks))
     return dataclasses.replace(P, **ops, params=tuple(params), saved=tuple(_expand_saved(P, where, ren, extra)),
-                               modules=_module_order(seen, [p.module for p in params], len(phase)), blocks=blocks,
+                               modules=module_order(seen, [p.module for p in params], len(phase)), blocks=blocks,
                                path=f"expanded from {len(P.blocks)} of {n_blocks} blocks")
 
 # %% ../../nbs/40a_fsdp_profile.ipynb

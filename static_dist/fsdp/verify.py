@@ -26,7 +26,7 @@ from ..launch import process_group
 from ..step import OPTIMIZERS, MicroBatch, make_optimizer, train_step
 
 # %% auto 0
-__all__ = ['comm_counts', 'memtracker_fsdp_peak', 'Verification', 'verify_plan', 'verify_workload', 'bench_fsdp']
+__all__ = ['comm_counts', 'measure_step', 'memtracker_fsdp_peak', 'Verification', 'verify_plan', 'verify_workload', 'bench_fsdp']
 
 # %% ../../nbs/40g_fsdp_verify.ipynb
 def _one_step(m, opt, inputs, kwargs, targets, loss_fn, plan: FSDPPlan):
@@ -69,17 +69,21 @@ def _mesh(plan: FSDPPlan):
     return init_device_mesh("cpu", plan.mesh_shape, mesh_dim_names=("replicate", "shard")[-len(plan.mesh_shape):])
 
 # %% ../../nbs/40g_fsdp_verify.ipynb
-def _measure(m: nn.Module, plan: FSDPPlan, inputs, kwargs, targets, loss_fn, optimizer: str) -> tuple[int, dict]:
-    "Materialise the sharded `m` under FakeTensorMode, track two steps: the second's peak on rank 0 and its collectives."
+def measure_step(m: nn.Module, plan: FSDPPlan, inputs, kwargs, targets, loss_fn, optimizer: str) -> tuple[int, object]:
+    """Materialise the (sharded, meta-device) `m` under FakeTensorMode and track two steps of `plan`'s micro-batches:
+    (the second's peak on rank 0 by FSDPMemTracker, or MemTracker for a model FSDP does not wrap; its CommDebugMode)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor.debug import CommDebugMode
     where = _Where(m)
     with FakeTensorMode(allow_non_fake_inputs=True):
         m.to_empty(device="cpu")
         opt = make_optimizer(optimizer, m.parameters(), lr=1e-3)
-        fmt = FSDPMemTracker(m, opt)
-        fmt.track_inputs(tuple(t for t in (*inputs, *kwargs.values(), targets) if isinstance(t, torch.Tensor)))
+        ins = tuple(t for t in (*inputs, *kwargs.values(), targets) if isinstance(t, torch.Tensor))
+        if isinstance(m, FSDPModule): fmt = FSDPMemTracker(m, opt); fmt.track_inputs(ins)
+        else: fmt = MemTracker(); fmt.track_external(m, opt, *ins)
         try:
             with fmt, quiet_torch_logs(), warnings.catch_warnings():  # the error below says it in one line
                 warnings.filterwarnings("ignore", message="(FSDP2-wrapped module|Full backward hook|For backward hooks to be called)")  # torch's notes
@@ -88,7 +92,7 @@ def _measure(m: nn.Module, plan: FSDPPlan, inputs, kwargs, targets, loss_fn, opt
                 with CommDebugMode() as cdm, where: _one_step(m, opt, inputs, kwargs, targets, loss_fn, plan)
         except PlanError: raise
         except Exception as e: raise explain_failure(e, "the FSDP step under FSDPMemTracker", where.failed_in) from None
-    return int(sum(d["Total"] for d in fmt.get_tracker_snapshot("peak").values())), comm_counts(cdm)
+    return int(sum(d["Total"] for d in fmt.get_tracker_snapshot("peak").values())), cdm
 
 # %% ../../nbs/40g_fsdp_verify.ipynb
 def _tracked(build, plan: FSDPPlan, inputs, kwargs, targets, loss_fn, optimizer: str) -> tuple[int, dict]:
@@ -97,7 +101,8 @@ def _tracked(build, plan: FSDPPlan, inputs, kwargs, targets, loss_fn, optimizer:
     with process_group(fake_world=plan.world_size):
         m = build()
         apply_plan(m, plan, _mesh(plan))
-        return _measure(m, plan, inputs, kwargs, targets, loss_fn, optimizer)
+        peak, cdm = measure_step(m, plan, inputs, kwargs, targets, loss_fn, optimizer)
+        return peak, comm_counts(cdm)
 
 # %% ../../nbs/40g_fsdp_verify.ipynb
 def memtracker_fsdp_peak(build, plan: FSDPPlan, inputs: tuple, targets, loss_fn, optimizer: str = "adamw",

@@ -18,6 +18,7 @@ import torch.nn as nn
 from fastcore.basics import patch
 from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException,
                                            UnsupportedOperatorException)
+from torch.autograd.graph import register_multi_grad_hook
 from torch.utils.module_tracker import ModuleTracker
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -28,7 +29,7 @@ from .records import OpRecord, StorageRecord, TensorRecord
 from ..util import StaticDistError
 
 # %% auto 0
-__all__ = ['CaptureError', 'CaptureTypeError', 'explain_failure', 'quiet_torch_logs', 'op_flops']
+__all__ = ['CaptureError', 'CaptureTypeError', 'explain_failure', 'quiet_torch_logs', 'op_flops', 'ModuleScopes']
 
 # %% ../../nbs/00c_graph_recorder.ipynb
 class CaptureError(StaticDistError, RuntimeError):
@@ -137,11 +138,33 @@ def op_flops(func, args, kwargs, out) -> int:
     return 0
 
 # %% ../../nbs/00c_graph_recorder.ipynb
+class ModuleScopes(ModuleTracker):
+    "`ModuleTracker` whose backward scopes also close on keyword tensor inputs (for modules of `model`)."
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model, self._kw_handles = model, []
+
+    def _kw_pre_hook(self, mod, args, kwargs) -> None:
+        grad = lambda xs: [a for a in tree_flatten(xs)[0] if isinstance(a, torch.Tensor) and a.requires_grad]
+        if grad(args) or not (kw := grad(kwargs)): return     # the positional case is ModuleTracker's own
+        self._hooks.append(register_multi_grad_hook(kw, self._get_pop_fn(self._get_mod_name(mod), True)))
+
+    def __enter__(self):
+        super().__enter__()        # the global hooks first, so the root's name is settled before ours run
+        self._kw_handles = [m.register_forward_pre_hook(self._kw_pre_hook, with_kwargs=True) for m in self.model.modules()]
+        return self
+
+    def __exit__(self, *args):
+        for h in self._kw_handles: h.remove()
+        self._kw_handles = []
+        return super().__exit__(*args)
+
+# %% ../../nbs/00c_graph_recorder.ipynb
 # profiler markers, and metadata queries (`prim.device`) that fake tensors route through the mode: not ops.
 _SKIP_NAMESPACES = ("profiler", "prim")
 
 class _Recorder(TorchDispatchMode):
-    def __init__(self, tracker: ModuleTracker, root: str, progress: Callable[[str, int], None] | None = None):
+    def __init__(self, tracker: ModuleScopes, root: str, progress: Callable[[str, int], None] | None = None):
         super().__init__()
         self.tracker, self.root, self.progress = tracker, root, progress
         self.phase: str = "forward"

@@ -13,11 +13,10 @@ from typing import Callable, Literal
 import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils.module_tracker import ModuleTracker
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .records import StaticGraph
-from .recorder import CaptureError, CaptureTypeError, explain_failure, _module_in, quiet_torch_logs, _Recorder
+from .recorder import CaptureError, CaptureTypeError, ModuleScopes, explain_failure, _module_in, quiet_torch_logs, _Recorder
 from ..structure import find_structure
 from ..step import StepError, make_optimizer, step_loss
 
@@ -172,7 +171,7 @@ def _check_token_ids(work: nn.Module, ranges: dict[int, tuple]) -> None:
 # %% ../../nbs/00d_graph_step.ipynb
 def _start_recorder(work: nn.Module, named: list[tuple[str, object]], targets, progress) -> tuple[_Recorder, dict]:
     "A recorder with the step's existing tensors numbered, and {id(parameter): FQN}."
-    rec = _Recorder(ModuleTracker(), type(work).__name__, progress)
+    rec = _Recorder(ModuleScopes(work), type(work).__name__, progress)
     names = {id(p): n for n, p in work.named_parameters(remove_duplicate=False)}
     bnames = {id(b): n for n, b in work.named_buffers(remove_duplicate=False)}
     for p in work.parameters(): rec.tensor_id(p, "parameter", names[id(p)])
@@ -275,6 +274,21 @@ def capture(
         return _capture(model, real_inputs, real_kwargs, loss_fn, targets, optimizer, mode, device, progress, t0)
 
 # %% ../../nbs/00d_graph_step.ipynb
+_aten = torch.ops.aten
+_SAME_DTYPE_OPS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default, _aten.mv.default,
+                   _aten.addmv.default, _aten.dot.default, _aten.convolution.default}
+
+class _SameDtype(torch.utils._python_dispatch.TorchDispatchMode):
+    "In fake mode, refuse what eager refuses: a matrix product or convolution of floating tensors of different dtypes."
+    def __init__(self, mode: str): super().__init__(); self.on = mode == "fake"
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.on and func in _SAME_DTYPE_OPS:
+            dts = sorted({str(a.dtype) for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()})
+            if len(dts) > 1: raise RuntimeError(f"expected the inputs of {func.__name__} to have the same dtype, but got "
+                                                f"{' and '.join(dts)} (eager refuses it too: cast the inputs or the model)")
+        return func(*args, **(kwargs or {}))
+
+# %% ../../nbs/00d_graph_step.ipynb
 def _capture(model, real_inputs, real_kwargs, loss_fn, targets, optimizer, mode, device, progress, t0) -> StaticGraph:
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if mode == "fake" else nullcontext()
     work, mapping = _copy_model(model, mode, fake_mode, device)
@@ -286,7 +300,7 @@ def _capture(model, real_inputs, real_kwargs, loss_fn, targets, optimizer, mode,
     _check_token_ids(work, _id_ranges(zip([n for n, _ in named], [*real_inputs, *real_kwargs.values()],
                                           [x for _, x in named])))
     rec, names = _start_recorder(work, named, targets, progress)
-    with fake_mode, rec.tracker, rec, torch.autograd.graph.saved_tensors_hooks(rec.pack, rec.unpack):
+    with fake_mode, rec.tracker, rec, torch.autograd.graph.saved_tensors_hooks(rec.pack, rec.unpack), _SameDtype(mode):
         _run_step(rec, work, inputs, kwargs, loss_fn, targets, opt, progress)
         _settle_roles(rec, work, names, opt)
     storages = rec.close()
