@@ -16,12 +16,13 @@ from pathlib import Path
 from typing import Sequence
 
 # %% auto 0
-__all__ = ['MAX_BYTES', 'DTYPE_BYTES', 'DTYPES', 'MAX_JSON_BYTES', 'MAX_JSON_DEPTH', 'MAX_REAL_PARAMS', 'INT64_MIN', 'INT64_MAX',
-           'StaticDistError', 'InputError', 'parse_bytes', 'check_writable', 'atomic_write', 'silent_stderr_fd',
+__all__ = ['MAX_BYTES', 'DTYPE_BYTES', 'DTYPES', 'MAX_JSON_BYTES', 'MAX_JSON_DEPTH', 'MAX_SMALL_BYTES', 'MAX_REAL_PARAMS',
+           'INT64_MIN', 'INT64_MAX', 'StaticDistError', 'InputError', 'parse_bytes', 'file_kind', 'stat_or_none',
+           'check_name', 'check_writable', 'umask', 'new_mode', 'place', 'atomic_write', 'silent_stderr_fd',
            'first_line', 'is_file_ref', 'import_file', 'import_ref', 'resolve', 'torch_dtype', 'read_bounded',
-           'loads_json', 'read_json', 'environment', 'write_result', 'TooBigError', 'check_real_size', 'Bad', 'shown',
-           'Check', 'integer', 'number', 'string', 'boolean', 'mapping', 'anything', 'either', 'one_of', 'dtype_name',
-           'list_of', 'optional', 'Fields', 'errors_as']
+           'loads_json', 'read_json', 'environment', 'write_result', 'TooBigError', 'check_memory', 'check_real_size',
+           'Bad', 'shown', 'Check', 'integer', 'number', 'string', 'boolean', 'mapping', 'anything', 'either', 'one_of',
+           'dtype_name', 'list_of', 'optional', 'Fields', 'errors_as']
 
 # %% ../nbs/00a_util.ipynb
 class StaticDistError(Exception):
@@ -54,36 +55,86 @@ def parse_bytes(text: str | int | float, what: str = "size") -> int:
     return int(round(b))
 
 # %% ../nbs/00a_util.ipynb
+def file_kind(st) -> str:
+    "What an `os.stat` result is, in words: 'a regular file', 'a folder', 'a FIFO', 'a device', 'a socket'."
+    import stat as S
+    m = st.st_mode
+    return ("a regular file" if S.S_ISREG(m) else "a folder" if S.S_ISDIR(m) else "a FIFO" if S.S_ISFIFO(m) else
+            "a device" if S.S_ISCHR(m) or S.S_ISBLK(m) else "a socket" if S.S_ISSOCK(m) else "not a file")
+
+def stat_or_none(p: Path):
+    "os.stat of `p` (links followed), or None when nothing is there; InputError when it cannot be looked at."
+    try: return os.stat(p)
+    except FileNotFoundError: return None
+    except OSError as e: raise InputError(f"{str(p)[:80]}: {e.strerror}") from None
+
+# %% ../nbs/00a_util.ipynb
+def check_name(p: Path) -> None:
+    "InputError for a path with a part longer than file systems allow (255 bytes), before any work is spent on it."
+    for part in Path(p).parts:
+        if len(os.fsencode(part)) > 255:
+            raise InputError(f"{part[:24]}...: a name of {len(os.fsencode(part))} bytes; a file name has at most 255")
+
 def _same_file(a: Path, b) -> bool:
     try: return os.path.samefile(a, b)
     except OSError: return False
 
+# %% ../nbs/00a_util.ipynb
 def check_writable(path, *, force: bool = True, inputs: Sequence = ()) -> Path:
-    "Refuse, before any work starts, an output that is a folder, one of `inputs`, an existing file (unless `force`), or unwritable."
+    "Refuse, before any work starts: a folder or non-regular file, one of `inputs`, an existing file (unless `force`), an unwritable folder."
     p = Path(path)
     if not str(path).strip(): raise InputError("output path is empty; give a file name")
+    check_name(p)
     for i in inputs:
         if i is not None and _same_file(p, i): raise InputError(f"{p}: the output is the same file as input {i}; "
                                                                  "write to another path")
-    if p.is_dir(): raise InputError(f"{p} is a folder; give a file path inside it")
-    if p.exists() and not force: raise InputError(f"{p} exists; pass --force to replace it, or choose another path")
+    st = stat_or_none(p)
+    if st is not None and file_kind(st) == "a folder": raise InputError(f"{p} is a folder; give a file path inside it")
+    if st is not None and file_kind(st) != "a regular file":
+        raise InputError(f"{p} is {file_kind(st)}, not a regular file, and is never replaced; write to a file path")
+    if st is not None and not force: raise InputError(f"{p} exists; pass --force to replace it, or choose another path")
     parent = p.parent if str(p.parent) else Path(".")
     if not parent.is_dir(): raise InputError(f"{p}: folder {parent} does not exist; create it first")
     if not os.access(parent, os.W_OK | os.X_OK): raise InputError(f"{p}: folder {parent} is not writable")
     return p
 
 # %% ../nbs/00a_util.ipynb
-def atomic_write(path, data: bytes | str, *, force: bool = True, inputs: Sequence = ()) -> Path:
-    "Write `data` to `path` through a temporary file in the same folder and a rename; nothing is left behind on error."
+def umask() -> int:
+    "This process's umask, read from /proc where it can be (`os.umask` reads it only by setting it)."
+    try: return int(next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith("Umask:")).split()[1], 8)
+    except (OSError, ValueError, IndexError, StopIteration): m = os.umask(0o022); os.umask(m); return m
+
+def new_mode(p: Path, mode: int | None = None) -> int:
+    "The mode for a file written at `p`: `mode` if given, else that of the regular file it replaces, else 0666 less the umask."
+    if mode is not None: return mode
+    st = stat_or_none(p)
+    return st.st_mode & 0o7777 if st is not None and file_kind(st) == "a regular file" else 0o666 & ~umask()
+
+# %% ../nbs/00a_util.ipynb
+def place(tmp, p: Path, force: bool) -> None:
+    "Move finished file `tmp` to `p`: over a regular file with `force`, else only where nothing is (exclusive)."
+    if force:
+        st = stat_or_none(p)              # checked again at the last moment: a device swapped in is still not replaced
+        if st is not None and file_kind(st) != "a regular file": raise InputError(f"{p} is {file_kind(st)}; it is never replaced")
+        return os.replace(tmp, p)
+    try:
+        try: os.link(tmp, p); os.unlink(tmp)          # fails if anything is at p: two runs cannot both create it
+        except FileExistsError: raise
+        except OSError:                              # no hard links on this file system: claim the name, then rename
+            os.close(os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)); os.replace(tmp, p)
+    except FileExistsError: raise InputError(f"{p} appeared while writing; pass --force to replace it") from None
+
+# %% ../nbs/00a_util.ipynb
+def atomic_write(path, data: bytes | str, *, force: bool = True, inputs: Sequence = (), mode: int | None = None) -> Path:
+    "Write `data` to `path` through a temporary file in the same folder, then `place` it; nothing is left behind on error."
     p = check_writable(path, force=force, inputs=inputs)
     raw = data.encode() if isinstance(data, str) else bytes(data)
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent if str(p.parent) else ".")
+    fd, tmp = tempfile.mkstemp(prefix=f".{p.name[:200]}.", suffix=".tmp", dir=p.parent if str(p.parent) else ".")
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(raw)
-            f.flush(); os.fsync(f.fileno())
-        if p.exists() and not force: raise InputError(f"{p} appeared while writing; pass --force to replace it")
-        os.replace(tmp, p)
+            f.flush(); os.fchmod(f.fileno(), new_mode(p, mode)); os.fsync(f.fileno())
+        place(tmp, p, force)
     except BaseException:
         try: os.unlink(tmp)
         except FileNotFoundError: pass
@@ -120,15 +171,13 @@ def is_file_ref(ref: str) -> bool:
     return ref.endswith(".py") or "/" in ref or os.sep in ref
 
 # %% ../nbs/00a_util.ipynb
-#| export
-
-# %% ../nbs/00a_util.ipynb
 def import_file(path) -> types.ModuleType:
     "Import the Python file at `path` (once per process); InputError when it is missing, not .py, or fails to import."
     import hashlib, importlib.util
     p = Path(path).expanduser()
     if not p.is_file(): raise InputError(f"file {str(path)!r} does not exist; give path/to/file.py relative to {os.getcwd()}")
     if p.suffix != ".py": raise InputError(f"{path}: not a Python file; give a path ending in .py")
+    if p.stat().st_size > 64 * 2**20: raise InputError(f"{path}: {p.stat().st_size:,} bytes, too large for a model's source")
     p = p.resolve()
     name = f"_static_dist_user_{p.stem}_{hashlib.sha1(str(p).encode()).hexdigest()[:10]}"
     if name in sys.modules: return sys.modules[name]
@@ -178,25 +227,34 @@ def torch_dtype(name: str):
 # %% ../nbs/00a_util.ipynb
 MAX_JSON_BYTES = 512 * 2**20   # a graph of a 405B step is ~60 MB of JSON; plans and reports are far smaller
 MAX_JSON_DEPTH = 64
+MAX_SMALL_BYTES = 1 * 2**20    # a key, a device fingerprint, a topology, a config: a few KB each when written by hand
 
-def read_bounded(path, limit: int, what: str = "file") -> bytes:
-    "The bytes of regular file `path`, at most `limit` of them; InputError for a missing, non-regular or larger file."
-    import stat
-    try: fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    except FileNotFoundError: raise InputError(f"{what} {path}: no such file") from None
-    except IsADirectoryError: raise InputError(f"{what} {path}: is a folder, not a file") from None
-    except OSError as e: raise InputError(f"{what} {path}: cannot open it ({e.strerror})") from None
+def _open_bounded(path, what: str, stream: bool, error) -> int:
+    "A descriptor of `path` (a FIFO opened without blocking unless `stream`); `error` for a missing, folder or (unless `stream`) non-regular file."
+    try: fd = os.open(path, os.O_RDONLY | (0 if stream else getattr(os, "O_NONBLOCK", 0)) | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError: raise error(f"{what} {path}: no such file") from None
+    except IsADirectoryError: raise error(f"{what} {path}: is a folder, not a file") from None
+    except OSError as e: raise error(f"{what} {path}: cannot open it ({e.strerror})") from None
+    kind = file_kind(os.fstat(fd))          # what was opened, not what a stat before the open saw
+    if kind != "a regular file" and not (stream and kind in ("a FIFO", "a device", "a socket")):
+        os.close(fd)
+        raise error(f"{what} {path}: is a folder, not a file" if kind == "a folder" else f"{what} {path}: not a regular file ({kind})")
+    return fd
+
+# %% ../nbs/00a_util.ipynb
+def read_bounded(path, limit: int, what: str = "file", *, stream: bool = False, error=InputError, too_big=None) -> bytes:
+    "At most `limit` bytes of regular file `path` (a FIFO or device too, if `stream`); `error` (`too_big`) when it cannot be read (is larger)."
+    too_big = too_big or error
+    fd = _open_bounded(path, what, stream, error)
     try:
-        st = os.fstat(fd)
-        if stat.S_ISDIR(st.st_mode): raise InputError(f"{what} {path}: is a folder, not a file")
-        if not stat.S_ISREG(st.st_mode): raise InputError(f"{what} {path}: not a regular file (a device, FIFO or socket)")
-        if st.st_size > limit: raise InputError(f"{what} {path}: {st.st_size:,} bytes, more than the {limit:,} allowed")
+        size = os.fstat(fd).st_size
+        if size > limit: raise too_big(f"{what} {path}: {size:,} bytes, more than the {limit:,} allowed")
         chunks, n = [], 0
         while n <= limit:
-            b = os.read(fd, min(1 << 20, limit + 1 - n))
+            b = os.read(fd, min(1 << 20, limit + 1 - n))   # chunks: never a buffer of `limit` bytes reserved up front
             if not b: break
             chunks.append(b); n += len(b)
-        if n > limit: raise InputError(f"{what} {path}: grew past the {limit:,} bytes allowed while it was read")
+        if n > limit: raise too_big(f"{what} {path}: more than the {limit:,} bytes allowed (it grew while it was read)")
         return b"".join(chunks)
     finally: os.close(fd)
 
@@ -265,18 +323,22 @@ class TooBigError(InputError):
     "A step that would run on real weights needs more memory than this machine has; the message gives the numbers."
 
 # %% ../nbs/00a_util.ipynb
+def check_memory(need: int, what: str, available: int | None = None, why: str = "") -> None:
+    "Refuse (TooBigError) `what` before it allocates when `need` bytes exceed half the memory available now (psutil)."
+    if available is None:
+        import psutil
+        available = psutil.virtual_memory().available
+    if need > available // 2:
+        raise TooBigError(f"{what} needs about {need / 2**30:,.1f} GiB{f' ({why})' if why else ''}, more than half of the "
+                          f"{available / 2**30:.1f} GiB free: use a smaller batch, shape or config")
+
 def check_real_size(n_params: int, what: str, bytes_per_param: int = 16, available: int | None = None) -> None:
     "Refuse (TooBigError) to run `what` on real weights when its parameters exceed `MAX_REAL_PARAMS` or half the free memory."
     if n_params > MAX_REAL_PARAMS:
         raise TooBigError(f"{what} has {n_params / 1e6:,.0f}M parameters; steps on real weights are limited to "
                           f"{MAX_REAL_PARAMS / 1e6:.0f}M here: use a smaller config of the same architecture")
-    if available is None:
-        import psutil
-        available = psutil.virtual_memory().available
-    need = n_params * bytes_per_param
-    if need > available // 2:
-        raise TooBigError(f"{what} needs about {need / 2**30:.1f} GiB on real weights ({n_params / 1e6:,.1f}M parameters "
-                          f"x {bytes_per_param} B), more than half of the {available / 2**30:.1f} GiB free: use a smaller config")
+    check_memory(n_params * bytes_per_param, what, available,
+                 f"on real weights: {n_params / 1e6:,.1f}M parameters x {bytes_per_param} B")
 
 # %% ../nbs/00a_util.ipynb
 import copy

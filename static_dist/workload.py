@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import inspect
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,17 +19,22 @@ from fastcore.basics import patch
 
 from .graph import StaticGraph, capture
 from .step import OPTIMIZERS as _STEP_OPTIMIZERS, MicroBatch
-from .util import DTYPES as _DTYPE_NAMES, InputError, StaticDistError, first_line, import_ref, is_file_ref, torch_dtype
+from .usercode import ModelCodeError, model_code
+from .util import (DTYPES as _DTYPE_NAMES, InputError, StaticDistError, check_memory, check_real_size, errors_as,
+                              first_line, import_ref, is_file_ref, torch_dtype)
+from .workload_hf import hf_config, hf_head, hf_parts, hf_sizes, quiet_transformers
 
 # %% auto 0
-__all__ = ['DTYPES', 'OPTIMIZERS', 'DEFAULT_BATCH', 'DEFAULT_SEQ', 'WorkloadError', 'Workload', 'module_builder', 'max_positions',
-           'token_loss', 'token_inputs', 'square_loss', 'shape_inputs', 'parse_input_shape', 'load_workload']
+__all__ = ['MAX_DIM', 'DTYPES', 'OPTIMIZERS', 'DEFAULT_BATCH', 'DEFAULT_SEQ', 'WorkloadError', 'Workload', 'module_builder',
+           'max_positions', 'token_loss', 'token_inputs', 'square_loss', 'shape_inputs', 'parse_input_shape',
+           'load_workload']
 
 # %% ../nbs/03_workload.ipynb
 class WorkloadError(StaticDistError, ValueError):
     "A workload could not be resolved: the message names the bad input and what to give instead."
 
 # %% ../nbs/03_workload.ipynb
+MAX_DIM = 2**31 - 1   # a size in an input shape: the command line's limit for --batch
 DTYPES: dict[str, torch.dtype] = {n: torch_dtype(n) for n in _DTYPE_NAMES}   # util's table, as torch dtypes
 OPTIMIZERS = (*sorted(_STEP_OPTIMIZERS), "none")   # the step's table; 'none': forward and backward only, no optimizer step
 
@@ -81,8 +87,9 @@ class Workload:
 # %% ../nbs/03_workload.ipynb
 @patch
 def inputs(self: Workload, device="cpu", dtype: str | None = None) -> tuple[tuple, dict, torch.Tensor | None]:
-    "`(args, kwargs, targets)` for this batch and seq on `device`, floating tensors in `dtype` (default: the workload's)."
-    out = self.make_inputs(self.batch, self.seq, device=device)
+    "`(args, kwargs, targets)` for this batch and seq on `device` (real tensors only once their bytes fit), floating tensors in `dtype`."
+    if torch.device(device).type != "meta": _check_input_bytes(self, dtype)
+    with model_code(f"make_inputs of {self.source}"): out = self.make_inputs(self.batch, self.seq, device=device)
     if not (isinstance(out, tuple) and len(out) == 3 and isinstance(out[0], (tuple, list)) and isinstance(out[1], dict)):
         raise WorkloadError(f"make_inputs of {self.source!r} returned {type(out).__name__}; it must return "
                             "(args: tuple, kwargs: dict, targets: Tensor or None)")
@@ -95,10 +102,11 @@ def build_model(self: Workload, device="cpu", seed: int = 0, dtype: str | None =
     dt = DTYPES[dtype or self.dtype]
     try: takes_seed = "seed" in inspect.signature(self.build).parameters
     except (TypeError, ValueError): takes_seed = False
-    if takes_seed: return self.build(device=device, dtype=dt, seed=seed)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return self.build(device=device, dtype=dt)
+    with model_code(f"the model code of {self.source}"):
+        if takes_seed: return self.build(device=device, dtype=dt, seed=seed)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return self.build(device=device, dtype=dt)
 
 @patch
 def micro_batch(self: Workload, device="cpu", dtype: str | None = None) -> MicroBatch:
@@ -130,18 +138,37 @@ def _validate(w: Workload) -> None:
         raise WorkloadError(f"workload {w.source!r}: build and make_inputs must be callables")
 
 # %% ../nbs/03_workload.ipynb
-def _progress_adapter(progress):
-    "capture's progress(phase, ops) as one-string progress messages."
+def _progress_adapter(progress, about: str = ""):
+    "capture's progress(phase, ops) as one-string progress messages, with the estimate `about` of a long capture."
     if progress is None: return None
-    return lambda phase, n=None: progress(f"capturing: {phase}" + (f" ({n} ops so far)" if n else ""))
+    return lambda phase, n=None: progress(f"capturing: {phase}" + (f" ({n:,} ops so far)" if n else "") + about)
 
-def _capture_kwargs(kwargs: dict) -> dict:
-    "{'example_kwargs': kwargs} if there are keyword inputs (and capture accepts them)."
-    if not kwargs: return {}
-    if "example_kwargs" not in inspect.signature(capture).parameters:
-        raise WorkloadError("this workload passes keyword inputs, but this static_dist.graph.capture takes "
-                            "positional inputs only; update static_dist")
-    return {"example_kwargs": kwargs}
+# %% ../nbs/03_workload.ipynb
+def _nbytes(x) -> int:
+    "Bytes of the tensors in `x` (a tensor, or tuples, lists and dicts of them)."
+    if isinstance(x, torch.Tensor): return x.numel() * x.element_size()
+    if isinstance(x, (tuple, list)): return sum(map(_nbytes, x))
+    return sum(map(_nbytes, x.values())) if isinstance(x, dict) else 0
+
+def _check_input_bytes(w: Workload, dtype) -> None:
+    "TooBigError before real inputs whose bytes, read from their meta shapes, exceed half the free memory."
+    check_memory(_nbytes(w.inputs("meta", dtype)), f"the inputs of {w.source} (batch {w.batch}, seq {w.seq})", why="real tensors")
+
+# %% ../nbs/03_workload.ipynb
+def _check_real_step(w: Workload, dtype: str, progress) -> None:
+    "TooBigError before a real-mode capture that does not fit: its parameters, then the fake capture's peak."
+    check_real_size(sum(p.numel() for p in w.build_model("meta", dtype=dtype).parameters()), f"{w.source} (a real-mode capture)")
+    try: peak = int(w.graph(dtype, "fake", progress).peak().bytes)
+    except StaticDistError: return                     # no fake capture (a data-dependent branch): real mode is the way
+    check_memory(peak, f"the real step of {w.source}", why="its fake capture's peak")
+
+_CAPTURE_S_PER_MODULE = 0.05   # measured here: 0.03-0.07 s per module (tiny, small, llama3-8b, HF Llamas of 8 and 64 layers)
+
+def _about(model: nn.Module) -> str:
+    "'; about N min for M modules' when the capture of `model` should take a minute or more, else ''."
+    n = sum(1 for _ in model.modules())
+    s = n * _CAPTURE_S_PER_MODULE
+    return f"; about {s / 60:,.0f} min in all for {n:,} modules" if s >= 60 else ""
 
 # %% ../nbs/03_workload.ipynb
 @patch
@@ -154,12 +181,14 @@ def graph(self: Workload, dtype: str | None = None, mode: str = "fake", progress
     key = (self.batch, self.seq, self.optimizer)
     if key != self._key: self._graphs.clear(); self._key = key
     if (dtype, mode) in self._graphs: return self._graphs[(dtype, mode)]
+    if mode == "real": _check_real_step(self, dtype, progress)
     if progress: progress(f"building {self.source} ({dtype}, {'meta' if mode == 'fake' else 'cpu'})")
-    model = self.build(device="meta" if mode == "fake" else "cpu", dtype=DTYPES[dtype])
-    args, kwargs, targets = self.inputs(dtype=dtype)
-    g = capture(model, args, **_capture_kwargs(kwargs), loss_fn=self.loss, targets=targets,
-                optimizer=None if self.optimizer == "none" else self.optimizer, mode=mode,
-                progress=_progress_adapter(progress))
+    with model_code(f"the model code of {self.source}"):
+        model = self.build(device="meta" if mode == "fake" else "cpu", dtype=DTYPES[dtype])
+        args, kwargs, targets = self.inputs(device="meta" if mode == "fake" else "cpu", dtype=dtype)
+        g = capture(model, args, example_kwargs=kwargs or None, loss_fn=self.loss, targets=targets,
+                    optimizer=None if self.optimizer == "none" else self.optimizer, mode=mode,
+                    progress=_progress_adapter(progress, _about(model)))
     self._graphs[(dtype, mode)] = g
     return g
 
@@ -178,18 +207,19 @@ def _call_on(factory: Callable, what: str, device: torch.device, seed: int):
     "factory() with `device` as the default device; seeded off meta. Meta falls back to a CPU build moved to meta."
     if device.type == "meta":
         try:
-            with torch.device("meta"): return factory()
+            with torch.device("meta"), model_code(f"building {what}"): return factory()
+        except ModelCodeError: raise
         except Exception:
             return _construct(factory, what, torch.device("cpu"), seed).to("meta")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        with torch.device(device): return factory()
+        with torch.device(device), model_code(f"building {what}"): return factory()
 
 # %% ../nbs/03_workload.ipynb
 def _construct(factory: Callable, what: str, device: torch.device, seed: int = 0) -> nn.Module:
     "factory() on `device` (meta: CPU fallback for constructors that read values), checked to be an nn.Module."
     try: m = _call_on(factory, what, device, seed)
-    except WorkloadError: raise
+    except (WorkloadError, ModelCodeError): raise
     except Exception as e:
         raise WorkloadError(f"constructing {what} failed: {type(e).__name__}: {first_line(e)}; it must build with no "
                             "arguments (wrap it in a function that returns the model or a Workload)") from None
@@ -249,7 +279,8 @@ def token_loss(vocab: int) -> Callable:
 def token_inputs(vocab: int, seed: int = 0) -> Callable:
     "make_inputs for a token model: (tokens (batch, seq) int64 < vocab,), {}, next tokens."
     def make_inputs(batch: int, seq: int, device="cpu"):
-        t = torch.randint(vocab, (batch, seq + 1), generator=torch.Generator().manual_seed(seed)).to(device)
+        if torch.device(device).type == "meta": t = torch.empty(batch, seq + 1, dtype=torch.long, device="meta")
+        else: t = torch.randint(vocab, (batch, seq + 1), generator=torch.Generator().manual_seed(seed)).to(device)
         return (t[:, :-1].contiguous(),), {}, t[:, 1:].contiguous()
     return make_inputs
 
@@ -261,6 +292,7 @@ def square_loss(out) -> torch.Tensor:
 def shape_inputs(shape: tuple[int, ...], seed: int = 0) -> Callable:
     "make_inputs for `--input-shape`: (float32 randn (batch, *shape),), {}, None; `seq` is not used."
     def make_inputs(batch: int, seq=None, device="cpu"):
+        if torch.device(device).type == "meta": return (torch.empty(batch, *shape, device="meta"),), {}, None
         return (torch.randn(batch, *shape, generator=torch.Generator().manual_seed(seed)).to(device),), {}, None
     return make_inputs
 
@@ -288,6 +320,10 @@ def _next_token_batch(t: torch.Tensor) -> tuple:
     "(tokens[:, :-1],), {}, tokens[:, 1:]: a language model's inputs and its next-token targets."
     return (t[:, :-1].contiguous(),), {}, t[:, 1:].contiguous()
 
+def _grown(t: torch.Tensor, b: int) -> torch.Tensor:
+    "An empty meta tensor like one-sample batch `t`, with `b` samples."
+    return torch.empty(b, *t.shape[1:], dtype=t.dtype, device="meta")
+
 def _zoo_workload(name: str, batch, seq, input_shape) -> Workload:
     from static_dist.zoo import PRESETS, get_model
     try: zm = get_model(name)
@@ -298,6 +334,9 @@ def _zoo_workload(name: str, batch, seq, input_shape) -> Workload:
     notes = [f"zoo: {zm.description}"]
     seq = _zoo_seq(name, seq, notes)
     def make_inputs(b, s, device="cpu"):
+        if torch.device(device).type == "meta":      # the shapes of a one-sample batch, grown to b: nothing allocated
+            inputs, targets = zm.batch(1, s if s is not None else 0)
+            return tuple(_grown(x, b) for x in inputs), {}, _grown(targets, b)
         inputs, targets = zm.batch(b, s if s is not None else 0, device=device)
         return tuple(inputs), {}, targets
     def build(device="meta", dtype=torch.float32, seed: int = 0): return zm.build(device=device, dtype=dtype, seed=seed)
@@ -334,11 +373,14 @@ def _from_callable(obj: Callable, what: str):
     "(Workload, None) for a Workload-returning function, else (None, factory)."
     if isinstance(obj, type): return None, obj
     try:
-        with torch.device("meta"): first = obj()
+        with torch.device("meta"), model_code(f"calling {what}()"): first = obj()
+    except ModelCodeError: raise
     except Exception as e:
         first = e
     if isinstance(first, Workload) or (isinstance(first, BaseException) and "Workload" in str(inspect.signature(obj).return_annotation)):
-        try: w = obj()
+        try:
+            with model_code(f"calling {what}()"): w = obj()
+        except ModelCodeError: raise
         except Exception as e:
             raise WorkloadError(f"calling {what}() failed: {type(e).__name__}: {first_line(e)}") from None
         if not isinstance(w, Workload): raise WorkloadError(f"{what}() returned {type(w).__name__}, not a Workload")
@@ -347,13 +389,16 @@ def _from_callable(obj: Callable, what: str):
 
 # %% ../nbs/03_workload.ipynb
 def parse_input_shape(text) -> tuple[int, ...]:
-    "'3x32x32' (or '3,32,32', or a tuple) → (3, 32, 32): one sample's shape, positive integers."
+    "'3x32x32' (or '3,32,32', or a tuple) → (3, 32, 32): one sample's shape, each from 1 to 2**31-1 like --batch."
     if isinstance(text, (tuple, list)): parts = list(text)
     else: parts = [p for p in str(text).lower().replace(",", "x").replace(" ", "").split("x")]
     try: shape = tuple(int(p) for p in parts)
     except (TypeError, ValueError): shape = ()
     if not shape or any(d <= 0 for d in shape):
         raise WorkloadError(f"input shape {text!r} is not a list of positive integers like 3x32x32 (one sample, no batch)")
+    if max(shape) > MAX_DIM or math.prod(shape) > 2**48:
+        raise WorkloadError(f"input shape {str(text)[:40]!r}: each size must be at most {MAX_DIM:,} (like --batch) and a "
+                            f"sample at most 2**48 elements; this one has {math.prod(shape):.3g}")
     return shape
 
 # %% ../nbs/03_workload.ipynb
@@ -384,78 +429,19 @@ def _model_workload(source: str, factory: Callable, what: str, batch, seq, input
                            "against the next tokens",), vocab=emb.num_embeddings, from_tokens=_next_token_batch)
 
 # %% ../nbs/03_workload.ipynb
-def _import_transformers():
-    try:
-        import transformers
-    except ImportError:
-        raise WorkloadError('hf: sources need transformers, which is not installed: pip install "static_dist[hf]"') from None
-    return transformers
-
-def _hf_config(path: str):
-    p = Path(path).expanduser()
-    if p.is_dir(): p = p / "config.json"
-    if not p.is_file():
-        raise WorkloadError(f"hf:{path}: no config.json there; give hf:path/to/config.json or a directory holding one")
-    transformers = _import_transformers()
-    try:
-        cfg = transformers.AutoConfig.from_pretrained(str(p.parent if p.name == "config.json" else p), local_files_only=True)
-    except Exception as e:
-        raise WorkloadError(f"hf:{path}: cannot read the config: {type(e).__name__}: {first_line(e)}") from None
-    cfg.use_cache = False        # a training step keeps no KV cache
-    return transformers, cfg
-
-# %% ../nbs/03_workload.ipynb
-def _hf_auto(transformers, cfg, source: str) -> tuple[bool, type]:
-    "(causal, the Auto class to build `cfg` with): AutoModelForCausalLM if it knows the config, else AutoModel."
-    try:
-        with torch.device("meta"): transformers.AutoModelForCausalLM.from_config(cfg)
-        return True, transformers.AutoModelForCausalLM
-    except ValueError:                       # "Unrecognized configuration class ... for AutoModelForCausalLM"
-        return False, transformers.AutoModel
-    except Exception as e:
-        raise WorkloadError(f"{source}: transformers cannot build a model from this config: {type(e).__name__}: "
-                            f"{first_line(e)}") from None
-
-# %% ../nbs/03_workload.ipynb
-def _hf_inputs(vocab: int, causal: bool) -> Callable:
-    "make_inputs for a Hugging Face model: seeded input_ids (and labels, for a causal LM) as keyword inputs."
-    def make_inputs(b, s, device="cpu"):
-        ids = torch.randint(vocab, (b, s), generator=torch.Generator().manual_seed(0)).to(device)
-        return (), ({"input_ids": ids, "labels": ids.clone()} if causal else {"input_ids": ids}), None
-    return make_inputs
-
-def _hf_token_batch(causal: bool) -> Callable:
-    "from_tokens of a Hugging Face model: input_ids (and labels = input_ids, which the model shifts itself) as keywords."
-    def from_tokens(t):
-        ids = t[:, :-1].contiguous()
-        return (), ({"input_ids": ids, "labels": ids.clone()} if causal else {"input_ids": ids}), None
-    return from_tokens
-
-def _hf_loss(out): return out.loss
-def _hidden_loss(out):
-    h = getattr(out, "last_hidden_state", None)
-    return (h if h is not None else _logits(out)).float().pow(2).mean()
-
-# %% ../nbs/03_workload.ipynb
 def _hf_workload(source: str, path: str, batch, seq, input_shape) -> Workload:
     if input_shape is not None:
         raise WorkloadError("hf: models take token ids: give seq (--seq), not input_shape (--input-shape)")
-    transformers, cfg = _hf_config(path)
-    causal, auto = _hf_auto(transformers, cfg, source)
-    build = module_builder(lambda: auto.from_config(cfg), f"{source} ({type(cfg).__name__})")
-    vocab = getattr(cfg, "vocab_size", None)
-    if not isinstance(vocab, int) or vocab <= 0:
-        raise WorkloadError(f"{source}: the config has no vocab_size; hf: sources must take token ids")
-    limit = next((getattr(cfg, a) for a in _MAX_POS_ATTRS if isinstance(getattr(cfg, a, None), int)), None)
+    with errors_as(WorkloadError):
+        transformers, cfg, heard = hf_config(path)
+        causal, auto = hf_head(transformers, cfg, source)
+        vocab, limit = hf_sizes(cfg, source)
+    def make():
+        with quiet_transformers([]): return auto.from_config(cfg)
     seq = seq if seq is not None else min(DEFAULT_SEQ, limit or DEFAULT_SEQ)
     _positive("seq", seq); _check_seq(seq, limit, source)
-    make_inputs, tok = _hf_inputs(vocab, causal), dict(vocab=vocab, from_tokens=_hf_token_batch(causal))
-    if causal:
-        return Workload(source=source, build=build, batch=batch, seq=seq, make_inputs=make_inputs, loss=_hf_loss,
-                        notes=(f"{type(cfg).__name__} as a causal LM: input_ids and labels, the model's own loss",), **tok)
-    return Workload(source=source, build=build, batch=batch, seq=seq, make_inputs=make_inputs, loss=_hidden_loss, **tok,
-                    notes=(f"{type(cfg).__name__} has no causal-LM head in transformers: built with AutoModel, the "
-                           "loss is a stand-in (mean of the squared last hidden state)",))
+    return Workload(source=source, build=module_builder(make, f"{source} ({type(cfg).__name__})"), batch=batch, seq=seq,
+                    **hf_parts(cfg, vocab, causal, heard))
 
 # %% ../nbs/03_workload.ipynb
 def _named_workload(source: str, batch, seq, input_shape) -> Workload:
@@ -463,7 +449,8 @@ def _named_workload(source: str, batch, seq, input_shape) -> Workload:
     ref, name = source.rsplit(":", 1)
     if not name.isidentifier():
         raise WorkloadError(f"{source!r}: {name!r} is not a Python name; give path/file.py:NAME or package.module:NAME")
-    try: mod = import_ref(ref)                     # util's one resolver of `module:NAME` references
+    try:
+        with model_code(f"importing {ref}"): mod = import_ref(ref)      # util's one resolver of `module:NAME` references
     except InputError as e: raise WorkloadError(f"model {e}") from None
     w, factory = _from_callable(_resolve(mod, name, ref), source)
     if w is None: return _model_workload(source, factory, source, batch or DEFAULT_BATCH, seq, input_shape)

@@ -399,19 +399,19 @@ def test_device_files_refused(path):
     if not os.path.exists(path): pytest.skip(f"{path} does not exist here")
     out = _within(10, lambda: verify_artifact(path, trusted_keys=TRUST))
     assert isinstance(out.get("error"), ArtifactFileError), out
-    assert "is a device, not a regular file" in str(out["error"])
+    assert "not a regular file (a device)" in str(out["error"])
 
 
 def test_fifo_refused_without_blocking(tmp_path):
     fifo = tmp_path / "a.sdxa"
     os.mkfifo(fifo)
     out = _within(10, lambda: verify_artifact(fifo, trusted_keys=TRUST))     # nobody writes: an open() would block
-    assert isinstance(out.get("error"), ArtifactFileError) and "is a FIFO" in str(out["error"]), out
+    assert isinstance(out.get("error"), ArtifactFileError) and "not a regular file (a FIFO)" in str(out["error"]), out
 
 
 def test_directory_and_missing_file_refused(tmp_path):
-    assert "is a directory" in str(rejected(tmp_path, ArtifactFileError))
-    assert "No such file" in str(rejected(tmp_path / "none.sdxa", ArtifactFileError))
+    assert "is a folder, not a file" in str(rejected(tmp_path, ArtifactFileError))
+    assert "no such file" in str(rejected(tmp_path / "none.sdxa", ArtifactFileError))
 
 
 def test_regular_file_round_trip(tmp_path):

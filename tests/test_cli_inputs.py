@@ -20,9 +20,10 @@ BAD = {
     "number": ["0", "-1", "inf", "-inf", "nan", "abc", "1e999"],
     "size": ["-1", "inf", "nan", "1e99GiB", "12 apples", "GiB", ""],
     "mesh": ["axb", "0x4", "-2x4", "", "x", "1000000x1000000"],
-    "infile": ["/nonexistent/file.json", "/", "/dev/zero", ""],
+    "infile": ["/nonexistent/file.json", "/", "/dev/zero", "", "x" * 300],
     "outfile": [""],
-    "outdir": ["/etc/hostname", ""],
+    "outdir": ["/etc/hostname", "", "x" * 300],
+    "prefix": ["", "/", "/tmp/", "x" * 300 + "/"],
 }
 
 
@@ -41,7 +42,8 @@ def _required(sp):
     out, pos = [], []
     for a in sp._actions:
         kind = getattr(a.type, "kind", None)
-        good = {"infile": __file__, "outfile": "/tmp/x.out", "outdir": "/tmp", "count": "1", "size": "1", "mesh": "1"}.get(kind, "x")
+        good = {"infile": __file__, "outfile": "/tmp/x.out", "outdir": "/tmp", "count": "1", "size": "1", "mesh": "1",
+                "prefix": "/tmp/x"}.get(kind, "x")
         if not a.option_strings and a.dest not in ("help",) and a.nargs is None: pos.append(good)
         elif a.required: out += [a.option_strings[-1], good]
     return pos + out

@@ -307,3 +307,36 @@ def test_gpu_executor_identical_and_lower_peak():
         with OffloadExecutor(g, p): got = step()
         torch.cuda.synchronize()
         assert _same(got, ref)
+
+
+# --- #22: typed errors for every misuse of the API --------------------------------------------------------------
+
+def test_api_misuse_is_a_typed_error(offload_tiny):
+    from static_dist.offload import OffloadUsageError
+    from static_dist.util import StaticDistError
+    g = offload_tiny.g
+    plan = plan_offload(g)
+    for call, words in [(lambda: OffloadExecutor(None, None), "graph must be a StaticGraph"),
+                        (lambda: OffloadExecutor(g, None), "plan must be an OffloadPlan"),
+                        (lambda: OffloadExecutor(g, plan, workers=0), "workers must be an integer from 1 to 64"),
+                        (lambda: OffloadExecutor(g, plan, disk_dir=""), "disk_dir must be a directory path"),
+                        (lambda: plan_offload(g, tiers=["nvme"]), "pass tier('nvme') for a preset"),
+                        (lambda: plan_offload(g, min_bytes=-1), "min_bytes must be an integer >= 0"),
+                        (lambda: plan_offload(g, host_limit=float("nan")), "host_limit must be a number of bytes >= 0"),
+                        (lambda: plan_offload(None), "graph must be a StaticGraph"),
+                        (lambda: plan_offload(g, lookahead=-1), "lookahead must be an integer >= 0")]:
+        with pytest.raises(OffloadUsageError, match=words.replace("(", r"\(").replace(")", r"\)")):
+            call()
+    assert issubclass(OffloadUsageError, (StaticDistError, ValueError))
+
+
+def test_a_spill_file_closed_under_the_step_is_a_typed_error(offload_tiny):
+    from static_dist.offload import OffloadDiskError
+    t = offload_tiny
+    ex = OffloadExecutor(t.g, t.disk)
+    with pytest.raises(OffloadDiskError, match="spill file"):
+        with ex:
+            t.m.zero_grad(set_to_none=True)
+            loss = t.zm.loss(t.m(t.x), t.y)
+            ex._poll_writes(wait=True); ex._spill.close()
+            loss.backward()

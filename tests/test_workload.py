@@ -278,3 +278,50 @@ def test_two_files_with_one_name_do_not_collide(tmp_path):
     a = load_workload(f"{tmp_path}/a/model.py:make", seq=4).describe()["params"]
     b = load_workload(f"{tmp_path}/b/model.py:make", seq=4).describe()["params"]
     assert (a, b) == (10 * 3 + 3 * 10 + 10, 10 * 5 + 5 * 10 + 10)
+
+
+# --- #22: model code sandboxed in its failures, resource guards before allocation ---------------------------------
+
+@pytest.mark.parametrize("where, body, did", [
+    ("import", "import sys\nsys.exit(0)\n", "called sys.exit(0)"),
+    ("constructor", "import os, torch.nn as nn\nclass Model(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+                    "        os._exit(4)\n", "called os._exit(4)"),
+    ("forward", "import torch.nn as nn\nclass Model(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+                "        self.e = nn.Embedding(8, 4)\n    def forward(self, x):\n        raise GeneratorExit\n", "raised GeneratorExit"),
+])
+def test_model_code_that_exits_is_a_typed_error_naming_its_line(tmp_path, where, body, did):
+    from static_dist.usercode import ModelCodeError
+    (tmp_path / f"{where}.py").write_text(body)
+    with pytest.raises(ModelCodeError) as e:
+        load_workload(f"{tmp_path}/{where}.py:Model", seq=4).graph()
+    assert did in str(e.value) and f"{where}.py:" in str(e.value) and "\n" not in str(e.value)
+    assert isinstance(e.value, StaticDistError)
+
+
+def test_a_fake_capture_builds_no_real_input_and_real_ones_are_checked_first():
+    w = load_workload("tiny", batch=2**31 - 1, seq=64)
+    (x,), kw, y = w.inputs(device="meta")
+    assert x.is_meta and y.is_meta and x.shape == (2**31 - 1, 64)
+    with pytest.raises(StaticDistError, match=r"the inputs of tiny \(batch 2147483647, seq 64\) needs about .* GiB"):
+        w.inputs()                                             # before torch.randint is asked for 1 TB
+    hf_shapes = load_workload("mlp", batch=3).inputs(device="meta")
+    assert hf_shapes[0][0].shape == (3, 32) and hf_shapes[0][0].is_meta
+
+
+def test_input_shape_has_the_limits_of_batch():
+    with pytest.raises(WorkloadError, match="at most 2,147,483,647"):
+        load_workload(f"{GPT}:GPT", input_shape="99999999999999999999x8")
+    with pytest.raises(WorkloadError, match="a sample at most 2\\*\\*48 elements"):
+        load_workload(f"{GPT}:GPT", input_shape="100000x100000x100000")
+
+
+def test_hf_warnings_are_counted_in_one_note(tmp_path):
+    "A config transformers doubts (bos/eos ids outside a 4-token vocabulary): its warnings become one note, none printed."
+    import json
+    transformers.LlamaConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                             vocab_size=64).save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "vocab_size": 2, "bos_token_id": 5, "eos_token_id": 6}))
+    w = load_workload(f"hf:{tmp_path}", seq=4)
+    said = [n for n in w.notes if n.startswith("transformers warned")]
+    assert len(said) <= 1 and all("(silenced)" in n for n in said)

@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import Iterable, Mapping
 from fastcore.basics import patch
 import torch
-from ..util import InputError, StaticDistError, atomic_write
+from ..util import InputError, StaticDistError, atomic_write, loads_json, read_bounded
 
 # %% auto 0
-__all__ = ['INSTALL_HINT', 'MAGIC', 'PROTOCOL_VERSION', 'SUPPORTED_VERSIONS', 'DEFAULT_POLICY', 'ArtifactError',
+__all__ = ['INSTALL_HINT', 'MAGIC', 'PROTOCOL_VERSION', 'SUPPORTED_VERSIONS', 'MAX_KEY_BYTES', 'DEFAULT_POLICY', 'ArtifactError',
            'ArtifactUsageError', 'ArtifactFileError', 'ArtifactKeyError', 'NotExportedProgramError',
            'ArtifactFormatError', 'BadMagicError', 'UnsupportedVersionError', 'DeviceMismatchError', 'PolicyError',
            'PayloadTooLargeError', 'UntrustedKeyError', 'SignatureError', 'DigestMismatchError', 'DeserializationError',
@@ -99,9 +99,8 @@ def from_dict(cls: Fingerprint, d) -> Fingerprint:
 @patch(cls_method=True)
 def from_json(cls: Fingerprint, text: str) -> Fingerprint:
     "From JSON text (see `from_dict`)."
-    import json
-    try: d = json.loads(text)
-    except (ValueError, TypeError) as e: raise ArtifactUsageError(f"the device fingerprint is not JSON ({e}); write an object with {list(_FP_EXAMPLE)}") from None
+    try: d = loads_json(text, "the device fingerprint")                        # bytes decoded, depth limited
+    except InputError as e: raise ArtifactUsageError(f"{e}; write an object with {list(_FP_EXAMPLE)}") from None
     return cls.from_dict(d)
 
 # %% ../../nbs/11a_artifact_keys.ipynb
@@ -136,6 +135,7 @@ PROTOCOL_VERSION = 1
 SUPPORTED_VERSIONS = frozenset({1})
 _DOMAIN = b'static_dist.artifact.v1\x00'
 _HEADER_MAX = 64 * 1024      # bytes a header + framing may add to the payload
+MAX_KEY_BYTES = 64 * 1024    # a key file: one PEM key is ~120 bytes, a trusted-keys file of 500 keys fits
 
 # %% ../../nbs/11a_artifact_keys.ipynb
 @dataclass(frozen=True)
@@ -203,19 +203,17 @@ def public_key_bytes(key) -> bytes:
 # %% ../../nbs/11a_artifact_keys.ipynb
 def save_private_key(key, path, *, force: bool = True) -> Path:
     "Write a private key as PEM, atomically, readable by the owner only (`force=False` refuses to replace a file)."
-    return atomic_write(path, private_key_bytes(key), force=force)    # mkstemp made the file 0600; the rename keeps it
+    return atomic_write(path, private_key_bytes(key), force=force, mode=0o600)
 
 def save_public_key(key, path, *, force: bool = True) -> Path:
-    "Write the public key (of a private or public key) as PEM, atomically."
-    p = atomic_write(path, public_key_bytes(key), force=force)
-    p.chmod(0o644); return p
+    "Write the public key (of a private or public key) as PEM, atomically, with the mode the umask gives (0644 under 022)."
+    return atomic_write(path, public_key_bytes(key), force=force)
 
 # %% ../../nbs/11a_artifact_keys.ipynb
 def _read_key_file(path, what: str) -> bytes:
     "The bytes of a key file (ArtifactKeyError naming it if it cannot be read)."
     if not isinstance(path, (str, os.PathLike)): raise ArtifactUsageError(f"{what} must be a path, found {type(path).__name__}")
-    try: return Path(path).read_bytes()
-    except OSError as e: raise ArtifactKeyError(f"cannot read {what} {path}: {e.strerror or e}") from None
+    return read_bounded(path, MAX_KEY_BYTES, what, error=ArtifactKeyError)    # a key is ~120 bytes: never a 20 GB file, a FIFO
 
 def load_private_key(path):
     "Read an Ed25519 private key from PEM (ArtifactKeyError with the path if it is not one)."

@@ -70,6 +70,19 @@ def sign_payload(payload: bytes, *, signing_key, device: Fingerprint | str | tor
     return cbor2.dumps([MAGIC, version, header, payload, kid, signing_key.sign(signed_message(version, header))], canonical=True)
 
 # %% ../../nbs/11b_artifact_sign.ipynb
+_MEMBER_MAX = 64   # bytes of the one member sign reads: archive_format holds 'pt2'
+
+def _member(z, member: str, name: str) -> bytes:
+    "Member `member` of zip `z`, refused (NotExportedProgramError) when its declared or its inflated size passes `_MEMBER_MAX`."
+    info = z.getinfo(member)
+    if info.file_size > _MEMBER_MAX:
+        raise NotExportedProgramError(f"{name}: {member} declares {info.file_size:,} bytes inflated, more than the {_MEMBER_MAX} "
+                                      "a torch.export.save archive has there; not read")
+    with z.open(info) as f: data = f.read(_MEMBER_MAX + 1)        # what it really inflates to, read no further
+    if len(data) > _MEMBER_MAX: raise NotExportedProgramError(f"{name}: {member} inflates past {_MEMBER_MAX} bytes; not read")
+    return data
+
+# %% ../../nbs/11b_artifact_sign.ipynb
 def _archive_layout(payload: bytes, name: str) -> tuple[list[str], str | None, bytes | None]:
     "(names, the single root folder, its archive_format) of a zip; NotExportedProgramError if it is not a readable zip."
     import zipfile
@@ -78,7 +91,7 @@ def _archive_layout(payload: bytes, name: str) -> tuple[list[str], str | None, b
             names = z.namelist()
             roots = {n.split('/', 1)[0] for n in names}
             root = roots.pop() if len(roots) == 1 else None
-            return names, root, z.read(f'{root}/archive_format') if root and f'{root}/archive_format' in names else None
+            return names, root, _member(z, f'{root}/archive_format', name) if root and f'{root}/archive_format' in names else None
     except (zipfile.BadZipFile, OSError, ValueError, EOFError, RuntimeError, NotImplementedError) as e:
         raise NotExportedProgramError(f"{name} is not a torch.export.save archive (not a readable zip: {e}); save one with torch.export.save(ep, path)") from None
 

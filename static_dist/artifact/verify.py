@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 import torch
+from ..util import read_bounded
 from .keys import (MAGIC, SUPPORTED_VERSIONS, _HEADER_MAX, ArtifactFileError, ArtifactFormatError, ArtifactUsageError,
                                        BadMagicError, DeserializationError, DeviceMismatchError, DigestMismatchError, Fingerprint,
                                        PayloadTooLargeError, PlatformPolicy, SignatureError, UnsupportedVersionError, UntrustedKeyError,
@@ -71,27 +72,10 @@ def _is_canonical(obj, data: bytes) -> bool:
     return out.same and out.pos == len(data)
 
 # %% ../../nbs/11c_artifact_verify.ipynb
-def _regular(st, path) -> None:
-    "ArtifactFileError unless `st` (an os.stat result) is a regular file; the message says what it is."
-    if not stat.S_ISREG(st.st_mode):
-        kind = ('a directory' if stat.S_ISDIR(st.st_mode) else 'a FIFO' if stat.S_ISFIFO(st.st_mode) else
-                'a device' if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) else 'a socket' if stat.S_ISSOCK(st.st_mode) else 'not a file')
-        raise ArtifactFileError(f"{path} is {kind}, not a regular file; give the path of an artifact file")
-
-# %% ../../nbs/11c_artifact_verify.ipynb
 def _read_bounded(path, limit: int, why: str) -> bytes:
-    "The bytes of the regular file `path`, at most `limit` of them: never a device, FIFO or directory, never an unbounded read."
-    try: st = os.stat(path)
-    except OSError as e: raise ArtifactFileError(f"cannot read artifact {path}: {e.strerror or e}") from None
-    _regular(st, path)
-    if st.st_size > limit: raise PayloadTooLargeError(f"{path} is {st.st_size:,} bytes; {why}")
-    try: fd = os.open(path, os.O_RDONLY | getattr(os, 'O_NONBLOCK', 0) | getattr(os, 'O_CLOEXEC', 0))   # a FIFO swapped in cannot block
-    except OSError as e: raise ArtifactFileError(f"cannot read artifact {path}: {e.strerror or e}") from None
-    with os.fdopen(fd, 'rb', buffering=0) as f:
-        _regular(os.fstat(fd), path)                          # what was opened, not what was stat'ed
-        data = f.read(limit + 1)
-    if data is None or len(data) > limit: raise PayloadTooLargeError(f"{path} grew past {limit:,} bytes while being read; {why}")
-    return data
+    "The bytes of the regular file `path`, at most `limit` of them: never a device, FIFO or folder, never an unbounded read."
+    try: return read_bounded(path, limit, "artifact", error=ArtifactFileError, too_big=PayloadTooLargeError)
+    except PayloadTooLargeError as e: raise PayloadTooLargeError(f"{e}; {why}") from None
 
 # %% ../../nbs/11c_artifact_verify.ipynb
 def _decode_one(data: bytes, what: str):

@@ -171,11 +171,12 @@ def _checksum_cost(st: dict) -> dict:
 # %% ../../nbs/50f_offload_bench.ipynb
 def bench_offload(progress=None, model: str = "tiny", batch: int = 8, seq: int = 256, repeat: int = 5) -> dict:
     "No offload vs torch.autograd.graph.save_on_cpu vs OffloadExecutor on one step: time, peak, gradients, disk rate, checksum cost."
-    from static_dist.util import environment
+    from static_dist.util import check_real_size, environment
     from static_dist.graph import capture
     from static_dist.workload import load_workload
     say, cuda = progress or (lambda s: None), torch.cuda.is_available()
     dev, w = "cuda" if cuda else "cpu", load_workload(model, batch=batch, seq=seq)
+    check_real_size(sum(p.numel() for p in w.build(device="meta").parameters()), f"{model} (bench offload runs it on real weights)")
     m = w.build(device=dev)
     args, kwargs, y = w.inputs(device=dev)
     def step():

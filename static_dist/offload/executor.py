@@ -18,7 +18,7 @@ from fastcore.basics import patch
 
 from .. import structure
 from ..graph import StaticGraph, fmt_bytes
-from .plan import OffloadDecision, OffloadPlan, Tier, _hook_ticks, _tick_at_or_after
+from .plan import OffloadDecision, OffloadPlan, OffloadUsageError, Tier, _hook_ticks, _tick_at_or_after
 from .planfile import OffloadError, OffloadPlanError, check_plan
 from .spill import (CHECKSUM, OffloadDiskError, _close_spill, _file_readinto, _file_write, _open_spill,
                                        checksum)
@@ -138,10 +138,22 @@ def _work_list(graph: StaticGraph, plan: OffloadPlan) -> list[tuple[int, int, in
                   + [(d.prefetch_at, 2, d.storage) for d in plan.offloaded])
 
 # %% ../../nbs/50e_offload_executor.ipynb
+def _check_executor_args(graph, plan, disk_dir, workers, model) -> None:
+    "OffloadUsageError for arguments of the wrong kind, before anything else runs."
+    if not isinstance(graph, StaticGraph): raise OffloadUsageError(f"graph must be a StaticGraph (from capture), found {type(graph).__name__}")
+    if not isinstance(plan, OffloadPlan): raise OffloadUsageError(f"plan must be an OffloadPlan (from plan_offload or load_plan), found {type(plan).__name__}")
+    if isinstance(workers, bool) or not isinstance(workers, int) or not 1 <= workers <= 64:
+        raise OffloadUsageError(f"workers must be an integer from 1 to 64 (threads moving bytes to disk), found {workers!r}")
+    if disk_dir is not None and (not isinstance(disk_dir, (str, os.PathLike)) or not str(disk_dir).strip()):
+        raise OffloadUsageError(f"disk_dir must be a directory path, or None for the system's temporary directory; found {disk_dir!r}")
+    if model is not None and not isinstance(model, torch.nn.Module): raise OffloadUsageError(f"model must be an nn.Module or None, found {type(model).__name__}")
+
+# %% ../../nbs/50e_offload_executor.ipynb
 class OffloadExecutor:
     "Carry out `plan` for one run of the captured step: `with OffloadExecutor(graph, plan): loss_fn(model(x), y).backward()`."
     def __init__(self, graph: StaticGraph, plan: OffloadPlan, *, disk_dir: str | os.PathLike | None = None,
                  workers: int = 2, model: torch.nn.Module | None = None):
+        _check_executor_args(graph, plan, disk_dir, workers, model)
         check_plan(plan, graph)
         if plan.offloaded and not graph.saves:
             raise OffloadPlanError("this graph has no record of autograd's saves (it was written by an older static_dist, "
@@ -351,10 +363,18 @@ def _offload(self: OffloadExecutor, e: _Entry):
     self.stats["offloaded_bytes"][e.tier.name] += e.dec.nbytes
     if e.tier.kind == "disk":
         e.offset, self._end = self._end, self._end + e.dec.nbytes      # its region of the step's one spill file
-        e.write = self._pool.submit(_write_entry, e, self._spill.fileno(), self.dir)
+        e.write = self._pool.submit(_write_entry, e, self._spill_fd(), self.dir)
         self._writing.append(e)
         e.state = "offloading"
     else: e.state = "away"
+
+# %% ../../nbs/50e_offload_executor.ipynb
+@patch
+def _spill_fd(self: OffloadExecutor) -> int:
+    "The descriptor of the step's spill file; OffloadDiskError if it was closed while the step ran."
+    if self._spill is None or self._spill.closed:
+        raise OffloadDiskError("the step's spill file was closed while the step ran, and its tensors with it: run the step again")
+    return self._spill.fileno()
 
 # %% ../../nbs/50e_offload_executor.ipynb
 def _write_entry(e: _Entry, fd: int, directory: str) -> tuple[float, float]:
@@ -404,7 +424,7 @@ def _prefetch(self: OffloadExecutor, e: _Entry):
     else:
         if cuda: e.host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
         else: e.dev = torch.empty(n, dtype=torch.uint8)
-        e.read = self._pool.submit(_read_entry, e, self._spill.fileno(), self.dir)
+        e.read = self._pool.submit(_read_entry, e, self._spill_fd(), self.dir)
     e.state = "loading"
 
 # %% ../../nbs/50e_offload_executor.ipynb
@@ -413,9 +433,13 @@ def _read_entry(e: _Entry, fd: int, directory: str) -> tuple[float, float]:
     t0 = time.perf_counter()
     n, arr = e.dec.nbytes, (e.host if e.host is not None else e.dev).numpy()
     where = f"its spill file in {directory} (unlinked, bytes {e.offset} to {e.offset + n})"
-    if (size := os.fstat(fd).st_size) < e.offset + n:
+    try: size, got = os.fstat(fd).st_size, None
+    except OSError as err: raise OffloadDiskError(f"{_label(e.dec)}: {where} cannot be read back ({err.strerror or err}): refused") from None
+    if size < e.offset + n:
         raise OffloadCorruptionError(f"{_label(e.dec)}: {where} was truncated to {size} bytes: refusing to use it")
-    if (got := _file_readinto(fd, arr, e.offset)) != n:
+    try: got = _file_readinto(fd, arr, e.offset)
+    except OSError as err: raise OffloadDiskError(f"{_label(e.dec)}: reading {where} failed ({err.strerror or err}): refused") from None
+    if got != n:
         raise OffloadCorruptionError(f"{_label(e.dec)}: read {got} of {n} bytes from {where}: refusing to use it")
     t1 = time.perf_counter(); digest = checksum(arr); dh = time.perf_counter() - t1
     if digest != e.digest:

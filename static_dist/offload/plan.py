@@ -14,11 +14,19 @@ import numpy as np
 
 from ..graph import PHASES, StaticGraph, fmt_bytes, pyplot
 from .lifetimes import DEVICE_PRESETS, DeviceModel, SavedTensor, op_times, saved_tensors
+from ..util import StaticDistError
 
 # %% auto 0
-__all__ = ['GB', 'TIER_PRESETS', 'Klass', 'CLASSES', 'CLASS_COLORS', 'Tier', 'tier', 'tiers_from_topology', 'classify',
-           'OffloadDecision', 'OffloadPlan', 'graph_signature', 'planned_live_bytes', 'plan_offload', 'plan_summary',
-           'plan_markdown', 'plot_lifetimes', 'plot_offload_memory']
+__all__ = ['GB', 'TIER_PRESETS', 'Klass', 'CLASSES', 'CLASS_COLORS', 'OffloadError', 'OffloadUsageError', 'Tier', 'tier',
+           'tiers_from_topology', 'classify', 'OffloadDecision', 'OffloadPlan', 'graph_signature', 'planned_live_bytes',
+           'plan_offload', 'plan_summary', 'plan_markdown', 'plot_lifetimes', 'plot_offload_memory']
+
+# %% ../../nbs/50b_offload_plan.ipynb
+class OffloadError(StaticDistError, RuntimeError):
+    "An offloaded tensor could not be stored or brought back, or the offload chapter was misused; the message says which."
+
+class OffloadUsageError(OffloadError, ValueError):
+    "A wrong argument to plan_offload, a Tier or the OffloadExecutor (a type, NaN, a negative size); the message says what to pass."
 
 # %% ../../nbs/50b_offload_plan.ipynb
 @dataclass(frozen=True)
@@ -36,10 +44,10 @@ class Tier:
     "How the executor stores it: 'cpu' = a host tensor (pinned on GPU), 'disk' = a file."
 
     def __post_init__(self):
-        if not self.bandwidth > 0: raise ValueError(f"Tier {self.name!r}: bandwidth must be > 0 bytes/s, got {self.bandwidth!r}")
-        if not self.latency >= 0: raise ValueError(f"Tier {self.name!r}: latency must be >= 0 s, got {self.latency!r}")
-        if not self.capacity >= 0: raise ValueError(f"Tier {self.name!r}: capacity must be >= 0 bytes, got {self.capacity!r}")
-        if self.kind not in ("cpu", "disk"): raise ValueError(f"Tier {self.name!r}: kind must be 'cpu' or 'disk', got {self.kind!r}")
+        if not self.bandwidth > 0: raise OffloadUsageError(f"Tier {self.name!r}: bandwidth must be > 0 bytes/s, got {self.bandwidth!r}")
+        if not self.latency >= 0: raise OffloadUsageError(f"Tier {self.name!r}: latency must be >= 0 s, got {self.latency!r}")
+        if not self.capacity >= 0: raise OffloadUsageError(f"Tier {self.name!r}: capacity must be >= 0 bytes, got {self.capacity!r}")
+        if self.kind not in ("cpu", "disk"): raise OffloadUsageError(f"Tier {self.name!r}: kind must be 'cpu' or 'disk', got {self.kind!r}")
 
     def transfer_time(self, nbytes: int) -> float:
         "Seconds to move `nbytes` one way."
@@ -57,7 +65,7 @@ TIER_PRESETS: dict[str, Tier] = {
 def tier(preset: str, **changes) -> Tier:
     "A preset tier with some fields replaced, e.g. `tier('pcie5-pinned', capacity=64e9)`."
     if preset not in TIER_PRESETS:
-        raise ValueError(f"unknown tier preset {preset!r}; choose one of {sorted(TIER_PRESETS)}")
+        raise OffloadUsageError(f"unknown tier preset {preset!r}; choose one of {sorted(TIER_PRESETS)}")
     return dataclasses.replace(TIER_PRESETS[preset], **changes)
 
 # %% ../../nbs/50b_offload_plan.ipynb
@@ -259,18 +267,31 @@ def planned_live_bytes(graph: StaticGraph, plan: OffloadPlan) -> np.ndarray:
 # %% ../../nbs/50b_offload_plan.ipynb
 def _device_model(device: DeviceModel | str) -> DeviceModel:
     if isinstance(device, str):
-        if device not in DEVICE_PRESETS: raise ValueError(f"unknown device {device!r}; choose one of {sorted(DEVICE_PRESETS)} or pass a DeviceModel")
+        if device not in DEVICE_PRESETS: raise OffloadUsageError(f"unknown device {device!r}; choose one of {sorted(DEVICE_PRESETS)} or pass a DeviceModel")
         device = DEVICE_PRESETS[device]
+    if not isinstance(device, DeviceModel): raise OffloadUsageError(f"device must be a preset name or a DeviceModel, found {type(device).__name__}")
     return device
 
 def _plan_tiers(tiers: Sequence[Tier], host_limit: float | None) -> tuple[Tier, ...]:
     "The tiers, checked, with the CPU-kind ones capped at the host-memory limit."
-    tiers = tuple(tiers)
-    if not tiers: raise ValueError("no tiers given: pass e.g. tiers=(tier('pcie5-pinned'),)")
-    if len({t.name for t in tiers}) != len(tiers): raise ValueError(f"tier names must be unique, got {[t.name for t in tiers]}")
+    tiers = tuple(tiers) if isinstance(tiers, (tuple, list)) else (tiers,)
+    if not tiers: raise OffloadUsageError("no tiers given: pass e.g. tiers=(tier('pcie5-pinned'),)")
+    bad = next((t for t in tiers if not isinstance(t, Tier)), None)
+    if bad is not None: raise OffloadUsageError(f"tiers must be Tier objects, found {bad!r}: pass tier({bad!r}) for a preset" if isinstance(bad, str)
+                                                else f"tiers must be Tier objects, found {type(bad).__name__}")
+    if len({t.name for t in tiers}) != len(tiers): raise OffloadUsageError(f"tier names must be unique, got {[t.name for t in tiers]}")
     if host_limit is None: return tiers
-    if host_limit < 0: raise ValueError(f"host_limit must be >= 0 bytes, got {host_limit}")
+    if isinstance(host_limit, bool) or not isinstance(host_limit, (int, float)) or not host_limit >= 0:   # NaN fails >= 0
+        raise OffloadUsageError(f"host_limit must be a number of bytes >= 0 (or None: no limit), got {host_limit!r}")
     return tuple(dataclasses.replace(t, capacity=min(t.capacity, host_limit)) if t.kind == "cpu" else t for t in tiers)
+
+def _check_args(graph, safety, min_bytes, lookahead) -> None:
+    "OffloadUsageError for a graph that is not a StaticGraph, or a safety, min_bytes or lookahead out of range."
+    if not isinstance(graph, StaticGraph): raise OffloadUsageError(f"graph must be a StaticGraph (from capture or Workload.graph()), found {type(graph).__name__}")
+    if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 0: raise OffloadUsageError(f"lookahead must be an integer >= 0 ops, got {lookahead!r}")
+    if isinstance(safety, bool) or not isinstance(safety, (int, float)) or not 1 <= safety < math.inf:
+        raise OffloadUsageError(f"safety must be a finite number >= 1 (a multiple of the round trip), got {safety!r}")
+    if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0: raise OffloadUsageError(f"min_bytes must be an integer >= 0 bytes, got {min_bytes!r}")
 
 # %% ../../nbs/50b_offload_plan.ipynb
 def _decisions(rows: list[SavedTensor], chosen: dict, release: dict, prefetch: dict) -> tuple[OffloadDecision, ...]:
@@ -283,9 +304,8 @@ def plan_offload(graph: StaticGraph, tiers: Sequence[Tier] = (TIER_PRESETS["pcie
                  *, host_limit: float | None = None, device: DeviceModel | str = "cpu", recomputed: Sequence[str] = (),
                  safety: float = 2.0, min_bytes: int = 16384, lookahead: int = 8) -> OffloadPlan:
     "Decide per saved tensor of `graph`: keep it, or move it to a tier, with when; and predict the effect."
+    _check_args(graph, safety, min_bytes, lookahead)
     device, tiers = _device_model(device), _plan_tiers(tiers, host_limit)
-    if lookahead < 0: raise ValueError(f"lookahead must be >= 0 ops, got {lookahead}")
-    if safety < 1: raise ValueError(f"safety must be >= 1 (a multiple of the round trip), got {safety}")
     t, rows = op_times(graph, device), saved_tensors(graph, device, recomputed)
     chosen = _choose(rows, tiers, safety, min_bytes)
     release, prefetch, stall = _schedule_kept(rows, chosen, tiers, t, _hook_ticks(graph), lookahead)

@@ -14,18 +14,15 @@ import torch
 
 from ..graph import StaticGraph, fmt_bytes
 from .lifetimes import DeviceModel
-from .plan import CLASSES, OffloadDecision, OffloadPlan, Tier, graph_signature
+from .plan import CLASSES, OffloadDecision, OffloadError, OffloadPlan, Tier, graph_signature
 from ..util import (MAX_BYTES, Fields, StaticDistError, atomic_write, boolean, dtype_name, errors_as, integer,
                               list_of, number, one_of, optional, read_json, shown, string)
 
 # %% auto 0
-__all__ = ['OFFLOAD_SCHEMA', 'OffloadError', 'OffloadPlanError', 'plan_to_dict', 'plan_from_dict', 'save_plan', 'load_plan',
-           'check_plan']
+__all__ = ['OFFLOAD_SCHEMA', 'MAX_PLAN_FILE_BYTES', 'OffloadPlanError', 'plan_to_dict', 'plan_from_dict', 'save_plan',
+           'load_plan', 'check_plan']
 
 # %% ../../nbs/50c_offload_planfile.ipynb
-class OffloadError(StaticDistError, RuntimeError):
-    "An offloaded tensor could not be stored or brought back; the message names it."
-
 class OffloadPlanError(OffloadError, ValueError):
     "An offload plan (or plan file) is malformed or does not fit the graph; the message names the field and its path."
 
@@ -136,9 +133,11 @@ def save_plan(plan: OffloadPlan, path, *, force: bool = True) -> Path:
     "Write the plan as JSON, atomically (`force=False` refuses to replace an existing file)."
     return atomic_write(path, json.dumps(plan_to_dict(plan), indent=1), force=force)
 
+MAX_PLAN_FILE_BYTES = 256 * 2**20   # a plan holds one decision per saved tensor: ~40 MB for a 405B step
+
 def load_plan(path) -> OffloadPlan:
     "Read a plan written by `save_plan` (a bounded, depth-limited read); an `OffloadPlanError` names the file and the bad field."
-    with errors_as(OffloadPlanError, "; give the file `plan-offload --save` wrote"): d = read_json(path, "offload plan")
+    with errors_as(OffloadPlanError, "; give the file `plan-offload --save` wrote"): d = read_json(path, "offload plan", MAX_PLAN_FILE_BYTES)
     return plan_from_dict(d, str(path))
 
 # %% ../../nbs/50c_offload_planfile.ipynb

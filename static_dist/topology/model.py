@@ -13,12 +13,18 @@ from pathlib import Path
 import numpy as np
 from fastcore.basics import patch
 
+from ..util import (Fields, InputError, atomic_write, errors_as, integer, number, one_of, read_json,
+                              string)
+
 # %% auto 0
-__all__ = ['LINK_KINDS', 'NVSWITCH_H100', 'PCIE_GEN5', 'PCIE_GEN4', 'NICS', 'PRESETS', 'COLLECTIVES', 'ALGORITHMS', 'Link',
-           'Level', 'Topology', 'load_topology', 'preset', 'MeshSpec', 'check_mesh', 'collective_bytes',
-           'collective_steps', 'alpha_beta', 'collective_time']
+__all__ = ['LINK_KINDS', 'MAX_DEVICES', 'MAX_TOPOLOGY_BYTES', 'NVSWITCH_H100', 'PCIE_GEN5', 'PCIE_GEN4', 'NICS', 'PRESETS',
+           'COLLECTIVES', 'ALGORITHMS', 'TopologyError', 'Link', 'Level', 'Topology', 'load_topology', 'preset',
+           'MeshSpec', 'check_mesh', 'collective_bytes', 'collective_steps', 'alpha_beta', 'collective_time']
 
 # %% ../../nbs/02a_topology_model.ipynb
+class TopologyError(InputError):
+    "A topology (a file, or values given in code) that is not valid; the message names the field and what to give."
+
 LINK_KINDS = ("nvlink", "nvswitch", "pcie", "numa", "ib", "ethernet", "shm", "local")
 
 @dataclass(frozen=True)
@@ -32,9 +38,9 @@ class Link:
     "Seconds per message (the alpha of the alpha-beta model)."
     def __post_init__(self):
         if self.kind not in LINK_KINDS:
-            raise ValueError(f"unknown link kind {self.kind!r}; use one of {LINK_KINDS}")
-        if not self.bandwidth > 0: raise ValueError(f"link bandwidth must be > 0 bytes/s, got {self.bandwidth}")
-        if not self.latency >= 0: raise ValueError(f"link latency must be >= 0 s, got {self.latency}")
+            raise TopologyError(f"unknown link kind {self.kind!r}; use one of {LINK_KINDS}")
+        if not self.bandwidth > 0: raise TopologyError(f"link bandwidth must be > 0 bytes/s, got {self.bandwidth}")
+        if not self.latency >= 0: raise TopologyError(f"link latency must be >= 0 s, got {self.latency}")
 
 # %% ../../nbs/02a_topology_model.ipynb
 @dataclass(frozen=True)
@@ -65,13 +71,13 @@ class Topology:
 # %% ../../nbs/02a_topology_model.ipynb
 def _check_levels(t: Topology):
     "Raise unless the levels of `t` multiply to its device count."
-    if t.n_devices < 1: raise ValueError(f"a topology needs at least one device, got {t.n_devices}")
+    if t.n_devices < 1: raise TopologyError(f"a topology needs at least one device, got {t.n_devices}")
     if not t.levels and t.n_devices > 1:
-        raise ValueError(f"topology {t.name!r} has {t.n_devices} devices but no levels connecting them; pass "
+        raise TopologyError(f"topology {t.name!r} has {t.n_devices} devices but no levels connecting them; pass "
                          f"levels=(Level('node', {t.n_devices}, Link(...)),) or use preset()")
     prod = math.prod(l.size for l in t.levels)
     if prod != t.n_devices:
-        raise ValueError(f"topology {t.name!r}: level sizes {[l.size for l in t.levels]} multiply to {prod}, "
+        raise TopologyError(f"topology {t.name!r}: level sizes {[l.size for l in t.levels]} multiply to {prod}, "
                          f"not n_devices={t.n_devices}")
 
 # %% ../../nbs/02a_topology_model.ipynb
@@ -123,7 +129,14 @@ def group_link(self: Topology, ranks) -> Link:
     return Link(slow.kind, slow.bandwidth, max(l.latency for l in links))
 
 # %% ../../nbs/02a_topology_model.ipynb
-def _link_from(d: dict) -> Link: return Link(d["kind"], float(d["bandwidth"]), float(d["latency"]))
+MAX_DEVICES = 2**20              # a million devices, as many ranks as the command line allows
+MAX_TOPOLOGY_BYTES = 2**20       # a hand-written topology is a few hundred bytes
+_LINK_KEYS, _LEVEL_KEYS = ("kind", "bandwidth", "latency"), ("name", "size", "link")
+_TOPOLOGY_KEYS = ("schema", "name", "n_devices", "device", "device_flops", "device_memory", "host_link", "levels")
+
+def _link_from(f: Fields) -> Link:
+    "The Link of checked fields `f`: a known kind, a finite bandwidth > 0 and a finite latency >= 0."
+    return Link(f("kind", one_of(*LINK_KINDS)), float(f("bandwidth", number(above=0))), float(f("latency", number(lo=0))))
 
 @patch
 def to_dict(self: Topology) -> dict:
@@ -133,24 +146,25 @@ def to_dict(self: Topology) -> dict:
 # %% ../../nbs/02a_topology_model.ipynb
 @patch(cls_method=True)
 def from_dict(cls: Topology, d: dict) -> Topology:
-    "Inverse of `to_dict`; clear errors for missing fields."
-    missing = {"name", "n_devices", "device", "device_flops", "device_memory", "host_link", "levels"} - set(d)
-    if missing: raise ValueError(f"topology JSON lacks fields {sorted(missing)}")
-    return cls(d["name"], int(d["n_devices"]), d["device"], float(d["device_flops"]), int(d["device_memory"]),
-               _link_from(d["host_link"]),
-               tuple(Level(l["name"], int(l["size"]), _link_from(l["link"])) for l in d["levels"]))
+    "Inverse of `to_dict`, each field checked: TopologyError naming the field, the value found and what to give."
+    f = Fields(d, "topology", TopologyError, _TOPOLOGY_KEYS)
+    levels = tuple(Level(l("name", string(nonempty=True)), l("size", integer(1, MAX_DEVICES, "devices or groups")),
+                         _link_from(l.nested("link", _LINK_KEYS))) for l in f.each("levels", _LEVEL_KEYS))
+    return cls(f("name", string()), f("n_devices", integer(1, MAX_DEVICES, "devices")), f("device", string(nonempty=True)),
+               float(f("device_flops", number(above=0))), f("device_memory", integer(1, of="bytes")),
+               _link_from(f.nested("host_link", _LINK_KEYS)), levels)
 
 # %% ../../nbs/02a_topology_model.ipynb
 @patch
 def save(self: Topology, path) -> Path:
-    "Write the topology as indented JSON."
-    path = Path(path)
-    path.write_text(json.dumps(self.to_dict(), indent=2))
-    return path
+    "Write the topology as indented JSON (atomically)."
+    return atomic_write(path, json.dumps(self.to_dict(), indent=2))
 
 def load_topology(path) -> Topology:
-    "Read a topology written by `Topology.save`."
-    return Topology.from_dict(json.loads(Path(path).read_text()))
+    "Read a topology written by `Topology.save` (or by hand): bounded, then checked field by field (TopologyError)."
+    with errors_as(TopologyError, "; give a topology JSON file (Topology.save writes one)"):
+        d = read_json(path, "topology", MAX_TOPOLOGY_BYTES)
+    return Topology.from_dict(d)
 
 # %% ../../nbs/02a_topology_model.ipynb
 # H100 SXM5: 989 TFLOPS dense BF16 (datasheet: 1,979 "with sparsity"), 80 GB HBM3, NVLink 4 at 900 GB/s
