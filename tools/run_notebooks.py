@@ -4,8 +4,9 @@
     python tools/run_notebooks.py --write [NB ...]          # run, then save outputs into the .ipynb (paths stripped, nbdev_clean'd)
     python tools/run_notebooks.py --write --out DIR [NB ...] # save the executed copies under DIR instead (nbs/ untouched)
     options: -j N (parallel notebooks), --timeout S (per notebook), --timing FILE (JSON), --diff (run twice, report
-             outputs that differ), --harness NB [NB ...] (notebooks that must show a widget), --fail-on-stderr,
-             --keep-errors (--write saves a notebook even when it has an error; by default it is left as it was)
+             outputs that differ), --harness NB [NB ...] (notebooks that must show a widget, and a picture of it beside
+             it), --fail-on-stderr, --keep-errors (--write saves a notebook even when it has an error; by default it is
+             left as it was)
 
 Every cell runs even after an error (nbclient allow_errors), so one run lists every failing cell; JupyterLab's Run All
 would stop at the first one, and later errors are marked as such.
@@ -22,7 +23,7 @@ import tempfile, time, uuid
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-HARNESS_DEFAULT = ["nbs/30_placement", "nbs/40_fsdp", "nbs/50_offload", "nbs/60_stability"]
+HARNESS_DEFAULT = ["nbs/30_placement", "nbs/40_fsdp", "nbs/45_parallel", "nbs/50_offload", "nbs/60_stability"]
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
@@ -193,6 +194,13 @@ def has_widget(nb: dict) -> bool:
     return any(WIDGET_MIME in o.get("data", {}) for c in nb.get("cells", []) for o in c.get("outputs", []))
 
 
+def widgets_without_picture(nb: dict) -> list[int]:
+    """Cells displaying a widget whose output carries no image/png beside it: an untrusted notebook (a fresh clone) or a
+    viewer without live widgets shows that widget's text/plain, `interactive(children=(...`, instead of a picture."""
+    return [i for i, c in enumerate(nb.get("cells", [])) for o in c.get("outputs", [])
+            if WIDGET_MIME in o.get("data", {}) and "image/png" not in o["data"]]
+
+
 def slowest_cells(nb: dict, n: int = 3) -> list[dict]:
     "The `n` slowest cells from nbclient's timing metadata: cell index, seconds, first source line."
     from datetime import datetime
@@ -314,7 +322,8 @@ def main(argv=None) -> int:
     ap.add_argument("--timing", type=Path, help="write per-notebook seconds, errors and slowest cells as JSON here")
     ap.add_argument("--diff", action="store_true", help="run each notebook twice and report outputs that differ")
     ap.add_argument("--harness", nargs="*", default=HARNESS_DEFAULT,
-                    help="notebooks that must display a widget (default: %(default)s); give none to skip the check")
+                    help="notebooks that must display a widget with a picture of it beside it (default: %(default)s); "
+                         "give none to skip the check")
     ap.add_argument("--keep-errors", action="store_true", help="with --write: save a notebook even if it has problems")
     ap.add_argument("--fail-on-stderr", action="store_true", help="also fail when a cell writes to stderr")
     ap.add_argument("--_worker", nargs=2, help=argparse.SUPPRESS)
@@ -365,6 +374,9 @@ def _main(a) -> int:
         if ex_nb and a.harness and harness_matches(a.harness, nb) and not has_widget(ex_nb):
             failures.append(f"{name}: harness notebook shows no widget (no {WIDGET_MIME} output): end the harness cell "
                             "with the widget or call display(w)")
+        elif ex_nb and a.harness and harness_matches(a.harness, nb) and widgets_without_picture(ex_nb):
+            failures.append(f"{name}: cell(s) {widgets_without_picture(ex_nb)} display a widget with no picture beside it "
+                            "(no image/png in its output): build it with static_dist.harness.harness")
         warn = stderr_cells(ex_nb) if ex_nb else []
         entry["stderr_cells"] = [i for i, _ in warn]
         for i, line in warn:

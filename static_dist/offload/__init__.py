@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from ..graph import StaticGraph, pyplot
+from ..graph import StaticGraph
 
 # %% auto 0
 __all__ = ['offload_report', 'offload_widget']
@@ -46,26 +46,33 @@ def offload_report(seq: int = 128, cpu_gbps: float = 1.0, nvme_gbps: float = 0.5
     return g, plan_offload(g, tiers, host_limit=host_limit_mib * 2**20, device=device)
 
 # %% ../../nbs/50_offload.ipynb
-def _show_offload(model: str, batch: int, seq: int, cpu_gbps: float, nvme_gbps: float, host_limit_mib: float) -> OffloadPlan:
-    "Plan and draw one setting of the harness; return the plan."
-    from IPython.display import Markdown, display
-    plt = pyplot("the offload plots")
+from ..graph import fmt_bytes
+from ..harness import View, harness, harness_figure, widgets
+
+def _transfers(plan: OffloadPlan) -> str:
+    "Each tier's traffic per step and its time at the tier's bandwidth, against the step's compute and the stall."
+    parts = []
+    for t in plan.tiers:
+        n, moved = 2 * sum(d.tier == t.name for d in plan.decisions), plan.bytes_per_tier.get(t.name, 0)
+        parts.append(f"`{t.name}` {fmt_bytes(moved)} at {t.bandwidth / 1e9:.3g} GB/s, "
+                     f"{(n * t.latency + moved / t.bandwidth) * 1e3:.3g} ms")
+    return f"Transfers per step: {'; '.join(parts)}. Compute {plan.step_s * 1e3:.3g} ms, stall {plan.stall_s * 1e3:.3g} ms."
+
+# %% ../../nbs/50_offload.ipynb
+def _offload_view(model: str, batch: int, seq: int, cpu_gbps: float, nvme_gbps: float, host_limit_mib: float) -> View:
+    "One setting of the harness: the plan's table and traffic, device memory with and without it, and the lifetimes."
     g, plan = offload_report(seq, cpu_gbps, nvme_gbps, host_limit_mib, model, batch)
-    display(Markdown(plan_markdown(plan)))
-    fig, axs = plt.subplots(2, 1, figsize=(9, 7), dpi=80)
-    plot_offload_memory(g, plan, ax=axs[0]); plot_lifetimes(g, plan, ax=axs[1], top=30)
-    fig.tight_layout()
-    display(fig); plt.close(fig)   # displayed explicitly: the inline backend's implicit show drew a blank first figure
-    return plan
+    fig, (mem, life) = harness_figure(9, 8, rows=2, heights=(2, 3))
+    plot_offload_memory(g, plan, ax=mem); plot_lifetimes(g, plan, ax=life, top=24)
+    off = {"cpu_gbps": "host limit 0 MiB: the CPU tier holds nothing, so its bandwidth changes nothing"} if host_limit_mib <= 0 else {}
+    return View(plan, plan_markdown(plan) + "\n\n" + _transfers(plan), fig, off)
 
 # %% ../../nbs/50_offload.ipynb
 def offload_widget(model: str = "tiny", batch: int = 4, seqs: Sequence[int] = (32, 64, 128, 256)):
-    "ipywidgets harness: tier bandwidths, host-memory limit and sequence length -> plan table and plots."
-    try: import ipywidgets as W
-    except ImportError as e: raise ImportError("offload_widget needs ipywidgets: pip install ipywidgets") from e
-    style = dict(continuous_update=False)
-    show = lambda seq, cpu_gbps, nvme_gbps, host_limit_mib: _show_offload(model, batch, seq, cpu_gbps, nvme_gbps, host_limit_mib)
-    return W.interactive(show, seq=W.SelectionSlider(options=list(seqs), value=list(seqs)[-2], description="seq len", **style),
-                         cpu_gbps=W.FloatLogSlider(value=1.0, base=10, min=-2, max=2, description="CPU GB/s", **style),
-                         nvme_gbps=W.FloatLogSlider(value=0.5, base=10, min=-2, max=2, description="NVMe GB/s", **style),
-                         host_limit_mib=W.FloatSlider(value=4.0, min=0, max=64, step=0.5, description="host MiB", **style))
+    "Harness: tier bandwidths, host-memory limit and sequence length -> plan table, traffic and plots."
+    W, style = widgets(), dict(continuous_update=False)
+    return harness(lambda **kw: _offload_view(model, batch, **kw),
+                   seq=W.SelectionSlider(options=list(seqs), value=list(seqs)[-2], description="seq len", **style),
+                   cpu_gbps=W.FloatLogSlider(value=1.0, base=10, min=-2, max=2, description="CPU GB/s", **style),
+                   nvme_gbps=W.FloatLogSlider(value=0.5, base=10, min=-2, max=2, description="NVMe GB/s", **style),
+                   host_limit_mib=W.FloatSlider(value=4.0, min=0, max=64, step=0.5, description="host MiB", **style))

@@ -19,24 +19,108 @@ __all__ = [*monitors.__all__, *localize.__all__, *faults.__all__, *mitigate.__al
            "stability_widget"]
 
 # %% ../../nbs/60_stability.ipynb
-def _widget_run(strategy: str = "rewind", fault: str = "lr_spike", fault_step: int = 60, lr: float = 3e-3,
-                window: int = 64, ratio: float = 0.45, z: float = 6.0, steps: int = 120):
-    "Train `strategy` (with the given rule settings) and the unmonitored baseline on one fault; their figure."
-    from dataclasses import replace
-    base = STRATEGIES[strategy]
-    s = replace(base, window=replace(base.window, window=window, ratio=ratio), grad_rule=replace(base.grad_rule, z=z))
-    cfg, f = RunConfig(steps=steps, lr=lr), [Fault(fault, fault_step, duration=10 if fault == "bad_batches" else 1)]
-    runs = [train(cfg, "unmonitored", f), train(cfg, s, f)]
-    return plot_run(runs), runs
+import functools
+import math
+from dataclasses import replace
+
+from ..harness import View, harness, harness_figure, widgets
 
 # %% ../../nbs/60_stability.ipynb
-def stability_widget():
-    "ipywidgets harness over `_widget_run` (created only when called)."
-    try: import ipywidgets as W
-    except ImportError: raise ImportError("stability_widget needs ipywidgets: pip install ipywidgets") from None
-    cu = dict(continuous_update=False)
-    return W.interactive(lambda **kw: _widget_run(**kw)[0], strategy=W.Dropdown(options=list(STRATEGIES), value="rewind"),
-                         fault=W.Dropdown(options=list(FAULT_KINDS), value="lr_spike"),
-                         fault_step=W.IntSlider(60, 25, 110, **cu), lr=W.FloatLogSlider(3e-3, base=10, min=-4, max=-1.5, **cu),
-                         window=W.IntSlider(64, 8, 128, **cu), ratio=W.FloatSlider(0.45, min=0.1, max=1.0, step=0.05, **cu),
-                         z=W.FloatSlider(6.0, min=2.0, max=10.0, step=0.5, **cu), steps=W.fixed(120))
+def _tuned(s: Strategy, window: int, ratio: float, z: float) -> Strategy:
+    "`s` with the seed rule's window and ratio, and its spike detectors' z, set from the harness."
+    return replace(s, window=replace(s.window, window=window, ratio=ratio), grad_rule=replace(s.grad_rule, z=z),
+                   loss_rule=replace(s.loss_rule, z=z))
+
+def _users(uses) -> str: return ", ".join(n for n, s in STRATEGIES.items() if uses(s))
+_WINDOW = lambda s: s.clip == "window"
+_SPIKES = lambda s: bool({"grad", "loss"} & set(s.detect))
+
+def _unused(s: Strategy) -> dict[str, str]:
+    "The controls that change nothing under `s`, each with the reason (its tooltip)."
+    why = {}
+    if not _WINDOW(s): why |= dict.fromkeys(("window", "ratio"), f"{s.name} does not clip by the seed's window rule; "
+                                            f"only {_users(_WINDOW)} does")
+    if not _SPIKES(s): why["z"] = f"{s.name} runs no spike detector; z is the threshold of those of {_users(_SPIKES)}"
+    return why
+
+# %% ../../nbs/60_stability.ipynb
+def _zscores(values, rule: SpikeRule) -> list[float]:
+    "Each value's z-score under `rule`'s running statistics just before it (nan while they warm up), replayed."
+    det, out = SpikeDetector(rule), []
+    for v in values:
+        ok = v is not None and math.isfinite(v)
+        x = (math.log(max(v, 1e-30)) if rule.log else v) if ok else math.nan
+        out.append((x - det.mean) / (math.sqrt(det.var) + 1e-12) if ok and det.mean is not None else math.nan)
+        if ok: det.update(v)
+    return out
+
+def _noise(norms, rule: WindowRule) -> list[float]:
+    "std / mean of the last `rule.window` gradient norms at each step (nan until the window is full), replayed."
+    wc, out = WindowClipper(rule), []
+    for v in norms:
+        if v is not None and math.isfinite(v): wc.update(v)
+        m, sd = wc.stats() if len(wc.values) >= rule.window else (math.nan, math.nan)
+        out.append(sd / m if m else math.nan)
+    return out
+
+# %% ../../nbs/60_stability.ipynb
+def _plot_rule(ax, run: RunReport, s: Strategy):
+    "The statistic `s`'s rule thresholds, replayed from `run`, and the threshold the controls set."
+    steps, norms = [r.step for r in run.records], [r.grad_norm for r in run.records]
+    if _WINDOW(s):
+        ax.plot(steps, _noise(norms, s.window), lw=1, color="C1", label=f"std / mean of the last {s.window.window} norms")
+        ax.axhline(s.window.ratio, color="k", ls="--", lw=0.8, label=f"ratio {s.window.ratio:g}")
+        ax.set_ylabel("window noise")
+    else:
+        if "grad" in s.detect: ax.plot(steps, _zscores(norms, s.grad_rule), lw=1, color="C1", label="grad-norm z-score")
+        if "loss" in s.detect: ax.plot(steps, _zscores([r.loss for r in run.records], s.loss_rule), lw=1, color="C2", label="loss z-score")
+        ax.axhline(s.grad_rule.z, color="k", ls="--", lw=0.8, label=f"z {s.grad_rule.z:g}")
+        ax.set_yscale("symlog", linthresh=10); ax.set_ylabel("z-score")
+    ax.set_xlabel("step"); ax.legend(fontsize=7, loc="upper left")
+
+# %% ../../nbs/60_stability.ipynb
+def _stability_figure(runs, s: Strategy):
+    "Loss and gradient norm of both runs (`plot_run`), over the statistic the strategy's rule thresholds, if it has one."
+    rule = _WINDOW(s) or _SPIKES(s)
+    fig, axs = harness_figure(7, 6.5 if rule else 4.5, rows=3 if rule else 2, heights=(3, 2, 2) if rule else (3, 2), sharex=True)
+    plot_run(runs, ax=axs[:2])
+    if rule:
+        axs[1].set_xlabel(""); _plot_rule(axs[2], runs[1], s); fig.tight_layout()
+    return fig
+
+# %% ../../nbs/60_stability.ipynb
+def _runs_table(runs, s: Strategy) -> str:
+    "Held-out loss, alarms and actions of each run, and the rule's settings in force."
+    rows = ["| run | held-out loss | alarms | skipped | rewound |", "|---|---:|---:|---:|---:|"]
+    for r in runs:
+        acts = [x.action for x in r.records]
+        rows.append(f"| {r.strategy.name} | {r.eval_loss:.4f} | {sum(bool(x.alarms) for x in r.records)} | "
+                    f"{acts.count('skip')} | {acts.count('rewind')} |")
+    rule = (f"window {s.window.window}, ratio {s.window.ratio:g}" if _WINDOW(s) else "") + \
+           (f"spike detectors' z {s.grad_rule.z:g}" if _SPIKES(s) else "")
+    return "\n".join(rows) + (f"\n\n{s.name}'s rule: {rule}." if rule else "")
+
+# %% ../../nbs/60_stability.ipynb
+@functools.lru_cache(maxsize=32)
+def _trained(cfg: RunConfig, strategy: Strategy, faults: tuple) -> RunReport:
+    "A run of the harness, kept: moving a control back, or one the baseline ignores, does not train the baseline again."
+    return train(cfg, strategy, faults)
+
+def _stability_view(strategy: str = "rewind", fault: str = "lr_spike", fault_step: int = 60, lr: float = 3e-3,
+                    window: int = 64, ratio: float = 0.45, z: float = 6.0, steps: int = 120) -> View:
+    "The unmonitored baseline and `strategy` (its rules set from the controls) on one fault: their table and figure."
+    s = _tuned(STRATEGIES[strategy], window, ratio, z)
+    cfg, f = RunConfig(steps=steps, lr=lr), (Fault(fault, fault_step, duration=10 if fault == "bad_batches" else 1),)
+    runs = [_trained(cfg, STRATEGIES["unmonitored"], f), _trained(cfg, s, f)]
+    return View(runs, _runs_table(runs, s), _stability_figure(runs, s), _unused(s))
+
+# %% ../../nbs/60_stability.ipynb
+def stability_widget(steps: int = 120):
+    "Harness over `_stability_view`: strategy, fault, its step, lr and the rules' settings -> both runs, the rule's statistic."
+    W, cu = widgets(), dict(continuous_update=False)
+    return harness(_stability_view, strategy=W.Dropdown(options=list(STRATEGIES), value="rewind"),
+                   fault=W.Dropdown(options=list(FAULT_KINDS), value="lr_spike"),
+                   fault_step=W.IntSlider(min(60, steps // 2), 25, steps - 10, **cu),
+                   lr=W.FloatLogSlider(3e-3, base=10, min=-4, max=-1.5, **cu),
+                   window=W.IntSlider(64, 8, 128, **cu), ratio=W.FloatSlider(0.45, min=0.1, max=1.0, step=0.05, **cu),
+                   z=W.FloatSlider(6.0, min=2.0, max=10.0, step=0.5, **cu), steps=W.fixed(steps))

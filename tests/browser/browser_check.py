@@ -1,6 +1,6 @@
 """Browser checks with headless Chromium (Debian's `chromium` + `chromium-driver`) driven by Selenium.
 
-    python tests/browser/browser_check.py [docs|docs-features|lab|widget ...]     # all when none is named
+    python tests/browser/browser_check.py [docs|docs-features|lab|harness|clone ...]     # all when none is named
 
 1. docs: every page of the built docs site (`python tools/build_docs.py` -> _docs/, or $BROWSER_DOCS), served over
    http on a free localhost port, loads with no missing image, no failed request to the site, and every internal link
@@ -13,9 +13,8 @@
    folders), one notebook ($BROWSER_NOTEBOOK, default nbs/00a_util.ipynb, copied to the temp root so nothing in the
    repo is written) opened, Run All Cells executed through JupyterLab's own command, the kernel awaited, and no error
    output, both in the page and in the saved file.
-3. widget: a temp notebook that displays a harness ($BROWSER_WIDGET = "module:function", default
-   static_dist.placement:placement_widget) is run; the widget must render its output, and changing its first control
-   (a dropdown, or a slider moved with the arrow keys) must redraw that output, with no error in it.
+3. harness, clone: every control of the four chapter harnesses, and the chapter notebooks as a fresh clone shows
+   them (untrusted, not run; clean on open): see harness_check.py.
 
 Screenshots go to $BROWSER_OUT (default /tmp/browser-shots), never into the repo.
 """
@@ -294,8 +293,9 @@ def check_docs_features(docs: Path, shots: Path, api_query: str = "plan_fsdp", p
 # ---------------------------------------------------------------- 2 and 3. JupyterLab
 
 @contextlib.contextmanager
-def jupyterlab(root_dir: Path, python: str = sys.executable, timeout: float = 90):
-    "JupyterLab on a free localhost port with a random token, its state in temp folders; yields (base url, token)."
+def jupyterlab(root_dir: Path, python: str = sys.executable, timeout: float = 90, settings: dict | None = None):
+    """JupyterLab on a free localhost port with a random token, its state in temp folders; yields (base url, token).
+    `settings`: {"@jupyterlab/<extension>/<plugin>": {setting: value}} written as the user's settings."""
     port, token = free_port(), secrets.token_hex(16)
     state = Path(tempfile.mkdtemp(prefix="lab_state_"))
     env = dict(os.environ, JUPYTER_CONFIG_DIR=str(state / "config"), JUPYTER_RUNTIME_DIR=str(state / "runtime"),
@@ -305,6 +305,10 @@ def jupyterlab(root_dir: Path, python: str = sys.executable, timeout: float = 90
     if shutil.which("nvidia-smi") is None: env.setdefault("TRITON_INTERPRET", "1")
     news = state / "settings" / "@jupyterlab" / "apputils-extension"   # no "get notified about Jupyter news?" popup
     news.mkdir(parents=True); (news / "notification.jupyterlab-settings").write_text('{"fetchNews": "false"}')
+    for plugin, values in (settings or {}).items():
+        ext, name = plugin.rsplit("/", 1)
+        (state / "settings" / ext).mkdir(parents=True, exist_ok=True)
+        (state / "settings" / ext / f"{name}.jupyterlab-settings").write_text(json.dumps(values))
     log = open(state / "lab.log", "w")
     proc = subprocess.Popen([python, "-m", "jupyter", "lab", "--no-browser", "--allow-root", "--ip=127.0.0.1",
                              f"--ServerApp.port={port}", "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}",
@@ -401,77 +405,21 @@ def check_lab_run_all(shots: Path, notebook: Path | None = None, timeout: float 
     return dict(notebook=nb.name, seconds=round(secs, 1), code_cells=len(state["cells"]), stderr_outputs=len(state["domErrors"]))
 
 
-WIDGET_OUT = ".jp-OutputArea-output .widget-output"
-
-
-def widget_notebook(spec: str) -> dict:
-    mod, _, fn = spec.partition(":")
-    assert mod and fn, f"BROWSER_WIDGET={spec!r}: give module:function, e.g. static_dist.placement:placement_widget"
-    cells = [dict(cell_type="code", id="c0", metadata={}, execution_count=None, outputs=[],
-                  source=f"from {mod} import {fn}\nw = {fn}()\nw")]
-    return dict(cells=cells, metadata=dict(kernelspec=dict(name="python3", display_name="python3", language="python")),
-                nbformat=4, nbformat_minor=5)
-
-
-def _output_sig(drv) -> str | None:
-    "A fingerprint of what the widget's output area shows now (None while it is empty)."
-    html = drv.execute_script(f"const o = document.querySelector('{WIDGET_OUT}'); return o ? o.innerHTML : null;")
-    if not html or ("<img" not in html and len(html) < 200): return None
-    return hashlib.sha1(html.encode()).hexdigest()
-
-
-def check_widget(shots: Path, spec: str | None = None, timeout: float = 150) -> dict:
-    "Display a harness in JupyterLab, then change its first control and check its output redraws, with no error."
-    from selenium.webdriver.common.by import By
-    from selenium.webdriver.common.keys import Keys
-    from selenium.webdriver.support.ui import Select
-    spec = spec or os.environ.get("BROWSER_WIDGET", "static_dist.placement:placement_widget")
-    with tempfile.TemporaryDirectory(prefix="lab_widget_") as tmp:
-        (Path(tmp) / "widget_check.ipynb").write_text(json.dumps(widget_notebook(spec), indent=1))
-        with jupyterlab(Path(tmp)) as (base, token), chrome() as drv:
-            open_notebook(drv, base, token, "widget_check.ipynb")
-            state = run_all(drv, timeout)
-            errs = [e for c in state["cells"] for e in c["errors"]]
-            assert not errs, f"the harness cell raised: {errs}"
-            before = wait_for(lambda: _output_sig(drv), 60, f"{spec} to draw its output")
-            def no_widget_error():
-                return not drv.find_elements(By.CSS_SELECTOR, f"{WIDGET_OUT} .jp-RenderedText[data-mime-type='application/vnd.jupyter.stderr']")
-            assert no_widget_error(), f"{spec}: the widget shows an error: " + \
-                drv.find_element(By.CSS_SELECTOR, WIDGET_OUT).text[-300:]
-            widget = drv.find_element(By.CSS_SELECTOR, ".jp-OutputArea-output .jupyter-widgets")
-            drv.execute_script("arguments[0].scrollIntoView()", widget)
-            drv.save_screenshot(str(shots / "widget_before.png"))
-            selects = drv.find_elements(By.CSS_SELECTOR, ".jp-OutputArea-output .widget-dropdown select")
-            if selects:
-                sel = Select(selects[-1])  # the last dropdown: for placement that is the mesh
-                old = sel.first_selected_option.text
-                new_i = next(i for i, o in enumerate(sel.options) if o.text != old)
-                sel.select_by_index(new_i); control = f"dropdown {old!r} -> {sel.options[new_i].text!r}"
-            else:
-                handle = drv.find_element(By.CSS_SELECTOR, ".jp-OutputArea-output .widget-slider .noUi-handle")
-                handle.click(); handle.send_keys(Keys.ARROW_LEFT); control = "slider moved one step left"
-            after = wait_for(lambda: (s := _output_sig(drv)) and s != before and s, timeout,
-                             f"{spec} to redraw after the {control}")
-            time.sleep(1.0)
-            wait_for(lambda: drv.execute_script(JS_STATE)["kernel"] == "idle", timeout, "the kernel to go idle")
-            imgs_drawn = f"return [...document.querySelectorAll('{WIDGET_OUT} img')].every(i => i.complete && i.naturalWidth > 0)"
-            wait_for(lambda: drv.execute_script(imgs_drawn), 30, "the redrawn plot to finish loading")
-            drv.execute_script("arguments[0].scrollIntoView()", widget)
-            drv.save_screenshot(str(shots / "widget_after.png"))
-            assert no_widget_error(), f"{spec}: after the {control} the widget shows an error: " + \
-                drv.find_element(By.CSS_SELECTOR, WIDGET_OUT).text[-300:]
-            imgs = len(drv.find_elements(By.CSS_SELECTOR, f"{WIDGET_OUT} img"))
-    return dict(widget=spec, control=control, redrawn=before != after, images_after=imgs)
-
-
 def docs_dir() -> Path:
     "The built site: $BROWSER_DOCS, else _docs/ of the repo (build it first with python tools/build_docs.py)."
     d = Path(os.environ.get("BROWSER_DOCS") or ROOT / "_docs")
     return d
 
 
+def _harness_check():
+    "harness_check.py, next to this file (it imports this module, so it is imported when first needed)."
+    sys.path.insert(0, str(Path(__file__).parent))
+    import harness_check
+    return harness_check
+
+
 def main(argv=None) -> int:
-    which = (argv if argv is not None else sys.argv[1:]) or ["docs", "docs-features", "lab", "widget"]
+    which = (argv if argv is not None else sys.argv[1:]) or ["docs", "docs-features", "lab", "harness", "clone"]
     if MISSING_BROWSER: print(f"SKIP: {MISSING_BROWSER}"); return 0
     shots, rc = out_dir(), 0
     for w in which:
@@ -485,8 +433,9 @@ def main(argv=None) -> int:
                 r = check_docs(d, shots); r = dict(pages=len(r), images=sum(v["images"] for v in r.values()))
             elif w == "docs-features": r = check_docs_features(d, shots)
             elif w == "lab": r = check_lab_run_all(shots)
-            elif w == "widget": r = check_widget(shots)
-            else: print(f"unknown check {w!r}: give docs, docs-features, lab or widget"); return 2
+            elif w == "harness": r = _harness_check().check_harnesses(shots)
+            elif w == "clone": r = _harness_check().check_fresh_clone(shots)
+            else: print(f"unknown check {w!r}: give docs, docs-features, lab, harness or clone"); return 2
             print(f"ok   {w:13s} {time.time() - t0:5.1f} s  {r}")
         except AssertionError as e:
             print(f"FAIL {w:13s} {time.time() - t0:5.1f} s  {e}"); rc = 1

@@ -51,6 +51,9 @@ def test_cell_and_widget_errors():
     (e,) = rn.cell_errors(nb)
     assert (e["cell"], e["ename"], e["source"], e["traceback"]) == (1, "ZeroDivisionError", "1/0", ["ZeroDivisionError: division by zero"])
     assert rn.widget_errors(widget_nb()) == [] and rn.has_widget(widget_nb()) and not rn.has_widget(nb)
+    assert rn.widgets_without_picture(widget_nb()) == [1]                 # interactive(...) text is all an untrusted copy shows
+    pictured = widget_nb(); pictured["cells"][1]["outputs"][0]["data"]["image/png"] = "iVBORw0KGgo="
+    assert rn.widgets_without_picture(pictured) == []
     (w,) = rn.widget_errors(widget_nb(err=True))
     assert (w["cell"], w["ename"], w["evalue"]) == (1, "ValueError", ["bad mesh"])
 
