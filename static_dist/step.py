@@ -100,17 +100,19 @@ def forward_backward(model: nn.Module, micro_batches: Sequence, loss_fn: Callabl
 # %% ../nbs/00g_step.ipynb
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Sequence, loss_fn: Callable | None = None, *,
                plan=None, sync_every_microbatch: bool | None = None, around=None, autocast=None,
-               before_update: Callable[[torch.Tensor], bool | None] | None = None) -> torch.Tensor:
+               before_update: Callable[[torch.Tensor], bool | None] | None = None,
+               accumulate: Callable | None = None) -> torch.Tensor:
     """One optimizer step: `forward_backward`, then `optimizer.step()` and `zero_grad`; the mean loss. `plan` (an FSDP or
     parallel plan) fixes the number of micro-batches and the sync rule; `before_update(loss)` runs before the update
-    and skips it by returning False."""
+    and skips it by returning False. `accumulate` takes `forward_backward`'s place (same arguments, returns the loss):
+    a pipeline schedule, which runs the forward and backward of its micro-batches itself, plugs in here."""
     mbs = list(micro_batches)
     if plan is not None:
         if len(mbs) != plan.accumulation_steps:
             raise StepError(f"got {len(mbs)} micro-batches but the plan accumulates {plan.accumulation_steps}")
         if sync_every_microbatch is None: sync_every_microbatch = plan.sync_every_microbatch
-    loss = forward_backward(model, mbs, loss_fn, sync_every_microbatch=True if sync_every_microbatch is None else sync_every_microbatch,
-                            around=around, autocast=autocast)
+    loss = (accumulate or forward_backward)(model, mbs, loss_fn, around=around, autocast=autocast,
+                                            sync_every_microbatch=True if sync_every_microbatch is None else sync_every_microbatch)
     if before_update is None or before_update(loss) is not False: optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return loss

@@ -29,11 +29,11 @@ class LinearInfo:
 # %% ../nbs/01a_structure.ipynb
 @dataclass(frozen=True)
 class BlockStack:
-    "A container of identically structured blocks."
+    "Identically structured blocks, consecutive children of one container (usually all of them)."
     path: str
     "FQN of the container: `layers`, `model.layers`, `transformer.h`; '' when the model itself is the container."
     blocks: tuple[str, ...]
-    "FQNs of the blocks in order, e.g. `('model.layers.0', 'model.layers.1')`."
+    "FQNs of the blocks in order, e.g. `('model.layers.0', 'model.layers.1')`; a part of `path`'s children when it holds others too."
     block_type: str
     "Class name of a block."
     params_per_block: int
@@ -148,16 +148,22 @@ def _stack(root: nn.Module, path: str, kids: list[tuple[str, nn.Module]]) -> Blo
                       _n_params(block), linears, **_heads(block, root, linears))
 
 # %% ../nbs/01a_structure.ipynb
+def _runs(kids: list[tuple[str, nn.Module]], sig: dict[int, int]) -> list[list[tuple[str, nn.Module]]]:
+    "Longest runs of consecutive children with one structure and no module twice, 2+ long and holding parameters."
+    runs = [[]]
+    for n, c in kids:
+        cur = runs[-1]
+        if cur and (sig[id(c)] != sig[id(cur[0][1])] or any(c is d for _, d in cur)): runs.append(cur := [])
+        cur.append((n, c))
+    return [r for r in runs if len(r) >= 2 and _n_params(r[0][1])]
+
 def find_structure(model: nn.Module) -> ModelStructure:
     "Every stack of identically structured blocks in `model` (any depth), most parameters first; works on meta."
     sig, stacks = _signatures(model), []
     for path, m in model.named_modules():
-        if not isinstance(m, (nn.ModuleList, nn.Sequential)): continue
-        kids = [(n, c) for n, c in m._modules.items() if c is not None]
-        if len(kids) < 2 or len({id(c) for _, c in kids}) < len(kids) or len({sig[id(c)] for _, c in kids}) > 1: continue
-        if _n_params(kids[0][1]) == 0: continue
-        stacks.append(_stack(model, path, kids))
-    stacks.sort(key=lambda s: (-s.params_per_block * len(s.blocks), _natural(s.path)))
+        if isinstance(m, (nn.ModuleList, nn.Sequential)):
+            stacks += [_stack(model, path, run) for run in _runs([(n, c) for n, c in m._modules.items() if c is not None], sig)]
+    stacks.sort(key=lambda s: (-s.params_per_block * len(s.blocks), _natural(s.path), _natural(s.blocks[0])))
     return ModelStructure(tuple(stacks))
 
 # %% ../nbs/01a_structure.ipynb

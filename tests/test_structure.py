@@ -57,8 +57,8 @@ def test_root_sequential_and_no_repeats():
 def test_different_widths_are_not_a_stack():
     model = nn.Module(); model.layers = nn.ModuleList([Block(16, 4), Block(32, 4)])
     assert find_structure(model).stacks == ()
-    model.layers = nn.ModuleList([Block(16, 4), Block(16, 4), Block(32, 4)])   # one odd one out spoils the container
-    assert find_structure(model).stacks == ()
+    model.layers = nn.ModuleList([Block(16, 4), Block(16, 4), Block(32, 4)])   # the odd one out is no block of the run
+    assert [s.blocks for s in find_structure(model).stacks] == [("layers.0", "layers.1")]
     model.layers = nn.ModuleList([Block(16, 4), Block(16, 4)]); model.layers[1].qkv.weight.data = model.layers[1].qkv.weight.data.half()
     assert find_structure(model).stacks == ()                                   # same shapes, other dtype
 
@@ -68,6 +68,68 @@ def test_same_module_twice_is_not_a_stack():
     model = nn.Module(); model.layers = nn.ModuleList([b, b])
     assert find_structure(model).stacks == ()
 
+
+
+# --- blocks inside a Sequential beside other modules, and torchvision's ResNet nesting (written here: torchvision
+# does not import against this torch) --------------------------------------------------------------------------------
+def test_identical_blocks_between_a_stem_and_a_head():
+    """Four identical sibling blocks in a Sequential that also holds a stem and a head, as the model and as a child:
+    the four are the stack (before: 'no stack of repeated blocks', since the whole container had to be alike)."""
+    seq = nn.Sequential(nn.Linear(8, 16), *[Block() for _ in range(4)], nn.Linear(16, 2))
+    st = find_structure(seq)
+    assert (st.main.path, st.main.blocks, st.main.block_type) == ("", ("1", "2", "3", "4"), "Block")
+    assert (st.main.n_heads, st.main.head_dim) == (4, 4) and st.main.index_of("0") is None and st.main.index_of("5") is None
+    model = nn.Module(); model.body = seq
+    assert find_structure(model).main.blocks == ("body.1", "body.2", "body.3", "body.4")
+    seq2 = nn.Sequential(*[Block() for _ in range(2)], nn.Linear(16, 16), *[Block() for _ in range(3)])
+    assert [s.blocks for s in find_structure(seq2).stacks] == [("3", "4", "5"), ("0", "1")]   # two runs, larger first
+
+
+class BasicBlock(nn.Module):
+    "torchvision.models.resnet.BasicBlock: one ReLU called twice; a downsampling block starts each later stage."
+    def __init__(self, cin, cout, stride=1):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False); self.bn1 = nn.BatchNorm2d(cout)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False); self.bn2 = nn.BatchNorm2d(cout)
+        self.downsample = (nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout))
+                           if stride != 1 or cin != cout else None)
+
+    def forward(self, x):
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        return self.relu(out + (x if self.downsample is None else self.downsample(x)))
+
+
+class ResNet(nn.Module):
+    "torchvision's ResNet layout (stem, layer1..layer4 Sequentials, head) with ResNet-34's depths at small widths."
+    def __init__(self, widths=(8, 16, 32, 64), depths=(3, 4, 6, 3)):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, widths[0], 7, 2, 3, bias=False); self.bn1 = nn.BatchNorm2d(widths[0])
+        self.relu, self.maxpool = nn.ReLU(inplace=True), nn.MaxPool2d(3, 2, 1)
+        cin = widths[0]
+        for i, (w, d) in enumerate(zip(widths, depths)):
+            setattr(self, f"layer{i + 1}", nn.Sequential(*[BasicBlock(cin if j == 0 else w, w, 1 if i == 0 or j else 2)
+                                                            for j in range(d)]))
+            cin = w
+        self.avgpool, self.fc = nn.AdaptiveAvgPool2d(1), nn.Linear(widths[-1], 10)
+
+    def forward(self, x):
+        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        return self.fc(self.avgpool(x).flatten(1))
+
+
+def test_resnet_stages_are_stacks_after_their_downsampling_block():
+    """Each stage after the first opens with a downsampling block unlike the rest: the rest are the stage's stack.
+    Stage 1 (no downsampling) is one stack of 3; the main stack is the one with most parameters (stage 4's two)."""
+    st = find_structure(ResNet())
+    got = {s.path: s.blocks for s in st.stacks}
+    assert got == {"layer1": ("layer1.0", "layer1.1", "layer1.2"), "layer2": ("layer2.1", "layer2.2", "layer2.3"),
+                   "layer3": tuple(f"layer3.{i}" for i in range(1, 6)), "layer4": ("layer4.1", "layer4.2")}
+    assert st.main.path == "layer4" and st.main.block_type == "BasicBlock"
+    assert st.main.params_per_block == sum(p.numel() for p in ResNet().layer4[1].parameters())
+    with torch.device("meta"): assert find_structure(ResNet()) == st       # shapes only: the same on meta
 
 @pytest.mark.parametrize("name", ["tiny", "tiny-moe", "llama3-70b"])
 def test_zoo_llama_on_meta(name):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,12 +20,13 @@ from .verbs import rewrite_case, status, workload_of
 from ..util import environment
 from ..graph import fmt_bytes
 from ..step import make_optimizer
+from ..outputs import OutputFolder
 from ..util import StaticDistError, TooBigError, atomic_write, check_real_size
 
 # %% auto 0
-__all__ = ['STABILITY_STEPS', 'SECTIONS', 'NotApplicable', 'Context', 'section', 'graph_section', 'fsdp_section',
-           'offload_section', 'placement_section', 'export_section', 'passes_section', 'stability_section', 'audit',
-           'cmd_audit']
+__all__ = ['STABILITY_STEPS', 'SECTIONS', 'REPORT_FILES', 'NotApplicable', 'Context', 'section', 'graph_section',
+           'layout_section', 'fsdp_section', 'offload_section', 'placement_section', 'export_section', 'passes_section',
+           'stability_section', 'audit', 'cmd_audit']
 
 # %% ../../nbs/93_audit.ipynb
 class NotApplicable(Exception):
@@ -79,6 +81,29 @@ def graph_section(c: Context):
              "No stack of repeated blocks found in the module tree."
     md = [c.graph.summary_markdown(), "", blocks, "", c.figure(plot_memory(c.graph), "memory.png"), "", _module_table(c.graph)]
     return "\n".join(md), c.graph.summary()
+
+# %% ../../nbs/93_audit.ipynb
+@section("Parallel layout")
+def layout_section(c: Context):
+    "The fastest layout (dp_replicate × dp_shard × cp × tp × pp, checkpointing per block) for `world` ranks that fits `budget`, searched on the audit's one capture."
+    from static_dist.parallel import ParallelPlanError, layout_figure, predict_parallel_memory, search_layouts
+    from static_dist.topology import preset
+    if c.graph.structure is None or c.graph.structure.main is None:
+        raise NotApplicable("no stack of repeated blocks in the model: the layout search lays out a repeated block")
+    topo = preset("cluster", n_nodes=max(c.world // 8, 1), gpus_per_node=min(c.world, 8))
+    try: r = search_layouts(c.graph, c.world, topo, c.budget)
+    except ParallelPlanError as e: raise NotApplicable(str(e).splitlines()[0]) from None
+    md = [f"{r.considered} layouts of {c.world} ranks on {topo.name} considered, {r.evaluated} evaluated in {r.seconds:.2f} s, "
+          f"{fmt_bytes(c.budget)} per rank (`static-dist plan --world {c.world}` prints the layout in full and writes it "
+          "for `static-dist train --plan`):", "", r.table()]
+    data = dict(seconds=r.seconds, considered=r.considered, evaluated=r.evaluated, best=None)
+    if r.best is None: return "\n".join(md + ["", f"No layout fits {fmt_bytes(c.budget)} per rank."]), data
+    mem = predict_parallel_memory(c.graph, r.best.plan)
+    data.update(best=r.best.label(), plan=json.loads(r.best.plan.to_json()), peak_bytes=[m.peak_bytes for m in mem.ranks],
+                step=r.best.time.to_dict())
+    md += ["", f"**Best**: {r.best.label()}: {r.best.time.line()}", "",
+           c.figure(layout_figure(mem, r.best.time, c.budget), "parallel_layout.png")]
+    return "\n".join(md), data
 
 # %% ../../nbs/93_audit.ipynb
 @section("FSDP plan")
@@ -147,6 +172,7 @@ def export_section(c: Context):
     model, inputs, ds, flags = _real_case(c)
     rep = check_export(model, inputs, targets=("onnx", "torchscript", "aoti"), dynamic_shapes=ds, flags=flags,
                        name=c.workload.source)
+    rep.meta["dtype"] = c.workload.dtype           # the model and inputs were built in the workload's dtype
     atomic_write(c.out / "export_report.json", rep.to_json())
     verdict = "✅ clean" if rep.ok else "❌ problems found"
     md = f"**{verdict}** in {rep.meta.get('seconds', 0):.1f} s (full report: `export_report.json`).\n" + \
@@ -225,8 +251,8 @@ def _stability_report(recs, fault, target):
     return "\n".join(md), data
 
 # %% ../../nbs/93_audit.ipynb
-SECTIONS = (graph_section, export_section, passes_section, placement_section, fsdp_section, offload_section,
-            stability_section)
+SECTIONS = (graph_section, export_section, passes_section, placement_section, layout_section, fsdp_section,
+            offload_section, stability_section)
 
 # %% ../../nbs/93_audit.ipynb
 def _outcome(fn, c: Context) -> tuple[str, str, dict]:
@@ -251,10 +277,17 @@ def _run_section(fn, c: Context, update) -> dict:
                 seconds=round(time.perf_counter() - t0, 2))
 
 # %% ../../nbs/93_audit.ipynb
-def audit(workload, out, *, world: int = 8, budget: int = 80 * 2**30, sections=SECTIONS, progress=None) -> dict:
-    "Capture `workload` once, run every section on that graph, write audit.md, audit.json, graph.json and plots to `out`."
-    out = Path(out); out.mkdir(parents=True, exist_ok=True)
-    update = progress or (lambda s: None)
+def audit(workload, out, *, world: int = 8, budget: int = 80 * 2**30, sections=SECTIONS, progress=None, force: bool = True) -> dict:
+    "Capture `workload` once, run every section on that graph; audit.md, audit.json, graph.json and plots go to `out`, whole or not at all."
+    with OutputFolder(out, REPORT_FILES, force=force, what="audit report") as stage:
+        return _audit_into(workload, stage, world, budget, sections, progress or (lambda s: None))
+
+REPORT_FILES = ("audit.md", "audit.json", "graph.json", "memory.png", "export_report.json", "ops_trace.json", "placement.png",
+                "fsdp_memory.png", "fsdp_timeline.png", "offload_lifetimes.png", "offload_memory.png")   # what an audit writes
+
+# %% ../../nbs/93_audit.ipynb
+def _audit_into(workload, out: Path, world: int, budget: int, sections, update) -> dict:
+    "The audit written into folder `out` (the staging folder): graph.json, each section, audit.md, audit.json."
     t0 = time.perf_counter()
     update(f"capturing {workload.source}")
     graph = workload.graph(progress=update)
@@ -277,15 +310,16 @@ def _audit_markdown(w, results) -> str:
         shape = r["workload"]
         md += [f"## {r['title']}", "", f"*Workload: batch {shape['batch']}, seq {shape['seq']}, {shape['dtype']}.*", "",
                r["markdown"], ""]
-    return "\n".join(md)
+    return re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", "\n".join(md))     # no terminal colour codes from a tool's captured output
 
 # %% ../../nbs/93_audit.ipynb
 def cmd_audit(args) -> int:
     "`static-dist audit`: the full report in --out; exit 0 when no section failed, 1 otherwise."
     import sys
+    OutputFolder(args.out, REPORT_FILES, force=args.force, what="audit report").check()      # before the capture
     w = workload_of(args)
     with status(f"auditing {w.source}") as update:
-        rep = audit(w, args.out, world=args.world, budget=args.budget, progress=update)
+        rep = audit(w, args.out, world=args.world, budget=args.budget, progress=update, force=args.force)
     g = rep["sections"]["Captured training step"]["data"]
     print(f"{w.source}: {sum(g['ops'].values()):,} ops, peak {fmt_bytes(g['peak_bytes'])}; report in "
           f"{args.out / 'audit.md'} ({rep['seconds']} s)")

@@ -14,7 +14,8 @@ import time
 from pathlib import Path
 
 from .cli import UsageError
-from ..util import environment, resolve
+from ..outputs import OutputFolder
+from ..util import check_memory, check_real_size, environment, resolve
 
 # %% auto 0
 __all__ = ['BENCHES', 'bench_function', 'capture_once', 'bench_capture', 'bench_cli', 'cmd_bench']
@@ -28,6 +29,7 @@ BENCHES = {
     "kernels": "static_dist.ops:bench_kernels",
     "offload": "static_dist.offload:bench_offload",
     "placement": "static_dist.placement:bench_placement",
+    "plan": "static_dist.parallel:bench_plan",
     "stability": "static_dist.stability:bench_stability",
 }
 
@@ -50,6 +52,7 @@ def capture_once(model: str, batch: int, seq: int, optimizer: str = "adamw") -> 
                 capture_seconds=round(t2 - t1, 3), ops=len(g.ops), storages=len(g.storages), params=s["params"],
                 peak_bytes=s["peak_bytes"], peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 
+# %% ../../nbs/94_benches.ipynb
 _CAPTURE_CASES = (("tiny", 2, 256), ("llama3-8b", 1, 4096), ("llama3-70b", 1, 4096))
 
 def bench_capture(cases=_CAPTURE_CASES, repeat: int = 1, progress=None) -> dict:
@@ -105,15 +108,27 @@ def _workload_kwargs(args, fn) -> dict:
     return given
 
 # %% ../../nbs/94_benches.ipynb
+def _check_real_bench(name: str, fn, kwargs: dict) -> None:
+    "TooBigError before bench `fn` runs a user's model on real weights that do not fit: its parameters, then its step's peak."
+    import inspect
+    from static_dist.workload import load_workload
+    sig = inspect.signature(fn).parameters
+    shape = {k: kwargs.get(k, sig[k].default if k in sig else None) for k in ("batch", "seq")}   # the bench's own defaults
+    w = load_workload(kwargs["model"], **shape)
+    check_real_size(sum(p.numel() for p in w.build_model("meta").parameters()), f"{w.source} (bench {name} runs it on real weights)")
+    check_memory(int(w.graph().peak().bytes), f"a step of {w.source} in bench {name}", why="its fake capture's peak")
+
+# %% ../../nbs/94_benches.ipynb
 def cmd_bench(args) -> int:
     "`static-dist bench NAME`: run it, write NAME.json into --out, print the results."
     from static_dist.app.verbs import status
     from static_dist.util import write_result
     fn = bench_function(args.name)
     kwargs = _workload_kwargs(args, fn)
-    args.out.mkdir(parents=True, exist_ok=True)
+    folder = OutputFolder(args.out, (f"{args.name}.json",), force=args.force, what=f"{args.name} bench result").check()
+    if "model" in kwargs: _check_real_bench(args.name, fn, kwargs)
     with status(f"bench {args.name}") as update: res = fn(progress=update, **kwargs)
-    path = write_result(res, args.out / f"{args.name}.json")
+    with folder as stage: write_result(res, stage / f"{args.name}.json")
     print(json.dumps(res.get("results", res), indent=2))
-    print(f"wrote {path}", file=sys.stderr)
+    print(f"wrote {args.out / f'{args.name}.json'}", file=sys.stderr)
     return 0

@@ -12,11 +12,12 @@ import sys
 from pathlib import Path
 
 from .. import __version__
-from ..util import InputError, StaticDistError, parse_bytes, resolve
+from ..usercode import last_signal, model_code, watch_interrupts
+from ..util import InputError, StaticDistError, check_name, file_kind, parse_bytes, resolve, stat_or_none
 
 # %% auto 0
-__all__ = ['MAX_COUNT', 'MAX_RANKS', 'VERBS', 'count', 'number', 'size', 'mesh', 'infile', 'outfile', 'outdir', 'Parser',
-           'build_parser', 'UsageError', 'main']
+__all__ = ['MAX_COUNT', 'MAX_RANKS', 'VERBS', 'count', 'number', 'size', 'mesh', 'infile', 'outfile', 'prefix', 'outdir',
+           'Parser', 'build_parser', 'UsageError', 'main']
 
 # %% ../../nbs/90_cli.ipynb
 MAX_COUNT = 2**31 - 1   # ranks, steps, batch: beyond this no array or process group is sensible
@@ -52,12 +53,14 @@ def number(name: str, lo: float = 0.0, hi: float = math.inf, lo_open: bool = Tru
     return parse
 
 # %% ../../nbs/90_cli.ipynb
-def size(name: str):
-    "argparse type: a size in bytes ('80GiB', '512MB', '1.5e9'); 0 and up."
+def size(name: str, lo: int = 0):
+    "argparse type: a size in bytes ('80GiB', '512MB', '1.5e9'), at least `lo` (a budget: 1)."
     @_kind("size")
     def parse(v: str) -> int:
-        try: return parse_bytes(v, name)
+        try: n = parse_bytes(v, name)
         except InputError as e: raise argparse.ArgumentTypeError(str(e)) from None
+        if n < lo: raise argparse.ArgumentTypeError(f"{name} must be at least {lo} byte{'s' * (lo != 1)}, got {v!r}")
+        return n
     return parse
 
 # %% ../../nbs/90_cli.ipynb
@@ -81,8 +84,10 @@ def infile(v: str) -> Path:
     "argparse type: an existing regular file."
     p = Path(v)
     if not v.strip(): raise argparse.ArgumentTypeError("file name is empty")
-    if not p.exists(): raise argparse.ArgumentTypeError(f"{v}: no such file")
-    if not p.is_file(): raise argparse.ArgumentTypeError(f"{v}: not a regular file")
+    try: check_name(p); st = stat_or_none(p)
+    except InputError as e: raise argparse.ArgumentTypeError(str(e)) from None
+    if st is None: raise argparse.ArgumentTypeError(f"{v}: no such file")
+    if file_kind(st) != "a regular file": raise argparse.ArgumentTypeError(f"{v}: is {file_kind(st)}, not a regular file")
     if not os.access(p, os.R_OK): raise argparse.ArgumentTypeError(f"{v}: not readable")
     return p
 
@@ -93,13 +98,23 @@ def outfile(v: str) -> Path:
     if not v.strip(): raise argparse.ArgumentTypeError("output file name is empty")
     return Path(v)
 
+@_kind("prefix")
+def prefix(v: str) -> Path:
+    "argparse type: a path prefix for several files (`keygen --out keys/k`: keys/k.key and keys/k.pub), not a folder."
+    if not v.strip(): raise argparse.ArgumentTypeError("output prefix is empty")
+    if v.endswith(("/", os.sep)) or Path(v).is_dir():
+        raise argparse.ArgumentTypeError(f"{v} is a folder; give a path prefix in it, e.g. {Path(v) / 'mykey'}")
+    return Path(v)
+
 # %% ../../nbs/90_cli.ipynb
 @_kind("outdir")
 def outdir(v: str) -> Path:
     "argparse type: an output folder (created if missing; must not be a file)."
     if not v.strip(): raise argparse.ArgumentTypeError("output folder name is empty")
     p = Path(v)
-    if p.exists() and not p.is_dir(): raise argparse.ArgumentTypeError(f"{v} is a file, not a folder")
+    try: check_name(p); st = stat_or_none(p)
+    except InputError as e: raise argparse.ArgumentTypeError(str(e)) from None
+    if st is not None and file_kind(st) != "a folder": raise argparse.ArgumentTypeError(f"{v} is {file_kind(st)}, not a folder")
     return p
 
 # %% ../../nbs/90_cli.ipynb
@@ -123,7 +138,8 @@ def _workload_args(p):
     g.add_argument("--input-shape", help="shape of one sample for models whose inputs cannot be inferred, e.g. 3x32x32")
 
 # %% ../../nbs/90_cli.ipynb
-def _force(p): p.add_argument("--force", action="store_true", help="replace output files that exist")
+def _force(p): p.add_argument("--force", action="store_true", help="replace output files (or an earlier report) that exist; "
+                              "a device, FIFO or folder is never replaced")
 
 # %% ../../nbs/90_cli.ipynb
 def _audit_parser(sub):
@@ -131,7 +147,8 @@ def _audit_parser(sub):
     _workload_args(a)
     a.add_argument("--out", type=outdir, default=Path("audit"), help="report folder (default: ./audit)")
     a.add_argument("--world", type=count("--world", hi=MAX_RANKS), default=8, help="ranks for the FSDP plan (default 8)")
-    a.add_argument("--budget", type=size("--budget"), default="80GiB", help="memory per rank (default 80GiB)")
+    a.add_argument("--budget", type=size("--budget", lo=1), default="80GiB", help="memory per rank (default 80GiB)")
+    _force(a)
     a.set_defaults(run="static_dist.app.audit:cmd_audit")
 
 # %% ../../nbs/90_cli.ipynb
@@ -148,8 +165,8 @@ def _capture_parser(sub):
 def _fsdp_parser(sub):
     p = sub.add_parser("plan-fsdp", help="plan FSDP2 units, resharding, prefetch and checkpointing, or check a given plan")
     _workload_args(p)
-    p.add_argument("--world", type=count("--world", hi=MAX_RANKS), default=8, help="number of ranks (default 8)")
-    p.add_argument("--budget", type=size("--budget"), default="80GiB", help="memory per rank (default 80GiB)")
+    p.add_argument("--world", type=count("--world", hi=MAX_RANKS), help="number of ranks (default 8; a --plan has its own)")
+    p.add_argument("--budget", type=size("--budget", lo=1), default="80GiB", help="memory per rank (default 80GiB)")
     p.add_argument("--mesh", type=mesh, help="HSDP mesh RxS, e.g. 16x64 (default: pure FSDP over all ranks)")
     p.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
     p.add_argument("--accumulation", type=count("--accumulation", hi=1 << 16), default=1,
@@ -162,6 +179,26 @@ def _fsdp_parser(sub):
     p.add_argument("--out", type=outfile, help="write the plan as JSON here")
     _force(p)
     p.set_defaults(run="static_dist.app.verbs:cmd_plan_fsdp")
+
+# %% ../../nbs/90_cli.ipynb
+def _layout_parser(sub):
+    p = sub.add_parser("plan", help="search the fastest layout (dp_replicate × dp_shard × cp × tp × pp, checkpointing per "
+                       "block) that fits the budget, print its memory and step time, write it for `train --plan`")
+    _workload_args(p)
+    p.add_argument("--world", type=count("--world", hi=MAX_RANKS), default=8, help="number of ranks (default 8)")
+    p.add_argument("--topology", help="preset name or topology JSON (default: a cluster of 8-GPU H100 nodes sized to --world)")
+    p.add_argument("--budget", type=size("--budget", lo=1), default="80GiB", help="memory per rank (default 80GiB)")
+    pins = p.add_argument_group("pins (fix a degree; the search chooses the others)")
+    for dim in ("dp-replicate", "dp-shard", "cp", "tp", "pp"):
+        pins.add_argument(f"--{dim}", type=count(f"--{dim}", hi=MAX_RANKS), help=f"{dim.replace('-', '_')} degree")
+    p.add_argument("--ac", default="auto", choices=["auto", "none", "full", "selective"],
+                   help="activation checkpointing: auto (the cheapest mix that fits, default) or one mode for every block")
+    p.add_argument("--compile", action="store_true", help="mark every block for torch.compile in the plan")
+    p.add_argument("--verify", action="store_true", help="measure the chosen layout with FSDPMemTracker under a fake process "
+                   "group and print predicted / measured peak and collectives (pp = 1 layouts)")
+    p.add_argument("--out", type=outfile, help="write the plan as JSON here (for `static-dist train --plan`)")
+    _force(p)
+    p.set_defaults(run="static_dist.app.layout:cmd_plan")
 
 # %% ../../nbs/90_cli.ipynb
 def _placement_parser(sub):
@@ -193,12 +230,13 @@ def _offload_parser(sub):
 def _export_parser(sub):
     p = sub.add_parser("check-export", help="export / ONNX / TorchScript / AOTI pre-flight report")
     _workload_args(p)
-    p.add_argument("--targets", default="onnx,torchscript,aoti", help="comma-separated: onnx, torchscript, aoti")
+    p.add_argument("--targets", help="comma-separated: onnx, torchscript, aoti (default: all three)")
     p.add_argument("--out", type=outdir, default=Path("export-check"), help="folder for export_report.json/.md")
     p.add_argument("--json", action="store_true", help="print the JSON report instead of markdown")
     p.add_argument("--baseline", type=infile, help="an earlier export_report.json: print what changed")
     p.add_argument("--opset", type=count("--opset", lo=7, hi=30), help="ONNX opset (default: the exporter's)")
     p.add_argument("--rules", action="store_true", help="print the rule table and exit")
+    _force(p)
     p.set_defaults(run="static_dist.app.verbs:cmd_check_export")
 
 # %% ../../nbs/90_cli.ipynb
@@ -240,7 +278,7 @@ def _stability_parser(sub):
 # %% ../../nbs/90_cli.ipynb
 def _artifact_parsers(sub):
     k = sub.add_parser("keygen", help="generate an Ed25519 signing key pair for artifacts")
-    k.add_argument("--out", type=outfile, required=True, help="path prefix: writes PREFIX.key (private) and PREFIX.pub")
+    k.add_argument("--out", type=prefix, required=True, help="path prefix: writes PREFIX.key (private) and PREFIX.pub")
     _force(k)
     k.set_defaults(run="static_dist.app.verbs:cmd_keygen")
     s = sub.add_parser("sign", help="sign a torch.export .pt2 archive into a device-bound artifact")
@@ -261,30 +299,35 @@ def _artifact_parsers(sub):
 # %% ../../nbs/90_cli.ipynb
 def _bench_parser(sub):
     b = sub.add_parser("bench", help="run a benchmark and write JSON with the machine and versions")
-    b.add_argument("name", help="which benchmark: capture, cli, compile, fsdp, kernels, offload, placement, stability")
+    b.add_argument("name", help="which benchmark: capture, cli, compile, fsdp, kernels, offload, placement, plan, stability")
     b.add_argument("--out", type=outdir, default=Path("bench"), help="folder for NAME.json (default: ./bench)")
-    g = b.add_argument_group("workload (for the benches that take one: compile, offload)")
+    g = b.add_argument_group("workload (for the benches that take one: compile, offload; plan takes --seq)")
     g.add_argument("--model", help="zoo name, path/to/file.py:NAME, package.module:NAME or hf:CONFIG (default: the bench's)")
     g.add_argument("--batch", type=count("--batch"), help="batch size (default: the bench's)")
     g.add_argument("--seq", type=count("--seq"), help="sequence length (default: the bench's)")
+    _force(b)
     b.set_defaults(run="static_dist.app.benches:cmd_bench")
 
 # %% ../../nbs/90_cli.ipynb
 def _train_parser(sub):
-    t = sub.add_parser("train", help="plan, apply and compile FSDP, then train with the stability monitors on")
+    t = sub.add_parser("train", help="plan, apply and compile FSDP (or apply a `plan --out` layout), then train; under "
+                       "torchrun every rank trains and rank 0 writes the log")
     _workload_args(t)
+    t.add_argument("--plan", type=infile, help="a parallel plan from `static-dist plan --out`: apply it (its world must "
+                   "be torchrun's WORLD_SIZE, or 1 without torchrun) and train it")
     t.add_argument("--steps", type=count("--steps", hi=10**6), default=20)
-    t.add_argument("--budget", type=size("--budget"), default="80GiB", help="memory per rank (default 80GiB)")
+    t.add_argument("--budget", type=size("--budget", lo=1), default="80GiB",
+                   help="memory per rank (default 80GiB); a predicted OOM exits 3 unless --force")
     t.add_argument("--no-compile", action="store_true", help="train eagerly")
     t.add_argument("--backend", default=None, choices=["aot_eager", "inductor", "eager"],
                    help="torch.compile backend per block (default aot_eager: seconds to compile on CPU)")
     t.add_argument("--log", type=outfile, default=Path("train_log.json"), help="step log (default train_log.json)")
     _force(t)
-    t.set_defaults(run="static_dist.app.verbs:cmd_train")
+    t.set_defaults(run="static_dist.app.layout:cmd_train")
 
 # %% ../../nbs/90_cli.ipynb
-VERBS = (_audit_parser, _capture_parser, _fsdp_parser, _placement_parser, _offload_parser, _export_parser,
-         _passes_parser, _ops_parser, _stability_parser, _artifact_parsers, _bench_parser, _train_parser)
+VERBS = (_audit_parser, _capture_parser, _fsdp_parser, _layout_parser, _placement_parser, _offload_parser,
+         _export_parser, _passes_parser, _ops_parser, _stability_parser, _artifact_parsers, _bench_parser, _train_parser)
 
 def build_parser() -> Parser:
     "The `static-dist` parser: every verb, with its handler named by `run` ('module:function')."
@@ -305,15 +348,20 @@ def _handler(spec: str):
     return resolve(spec)
 
 # %% ../../nbs/90_cli.ipynb
+def _fail(args, msg: str) -> int:
+    "Print `msg` as the verb's one-line error; exit status 2."
+    print(f"static-dist {args.command}: error: {' '.join(msg.split(chr(10), 1)[0].split())}", file=sys.stderr)
+    return 2
+
 def main(argv: list[str] | None = None) -> int:
     "Entry point of the `static-dist` command."
+    import signal
     args = build_parser().parse_args(argv)
     try:
-        return _handler(args.run)(args)
-    except StaticDistError as e:
-        msg = " ".join(str(e).split("\n", 1)[0].split()) or type(e).__name__
-        print(f"static-dist {args.command}: error: {msg}", file=sys.stderr)
-        return 2
+        with watch_interrupts(), model_code("the model's code"): return _handler(args.run)(args)
+    except StaticDistError as e: return _fail(args, str(e) or type(e).__name__)
+    except OSError as e: return _fail(args, f"{e.strerror or e}" + (f": {e.filename}" if e.filename else ""))
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+        term = last_signal() == signal.SIGTERM
+        print("terminated" if term else "interrupted", file=sys.stderr)
+        return 143 if term else 130

@@ -15,19 +15,25 @@ import torch
 import torch.nn as nn
 
 from .cli import UsageError
-from ..util import atomic_write, check_real_size, check_writable
+from ..outputs import OutputFolder
+from ..util import MAX_SMALL_BYTES, atomic_write, check_memory, check_real_size, check_writable, read_bounded
 
 # %% auto 0
-__all__ = ['status', 'workload_of', 'print_markdown', 'cmd_capture', 'cmd_plan_fsdp', 'topology_arg', 'mesh_spec',
+__all__ = ['EXPORT_FILES', 'status', 'workload_of', 'print_markdown', 'cmd_capture', 'cmd_plan_fsdp', 'topology_arg', 'mesh_spec',
            'cmd_plan_placement', 'cmd_plan_offload', 'cmd_check_export', 'rewrite_case', 'cmd_passes', 'cmd_ops',
-           'parse_fault', 'cmd_stability', 'cmd_keygen', 'cmd_sign', 'cmd_verify', 'cmd_train']
+           'parse_fault', 'cmd_stability', 'cmd_keygen', 'cmd_sign', 'cmd_verify']
 
 # %% ../../nbs/92_verbs.ipynb
 @contextmanager
 def status(text: str):
-    "A rich spinner on stderr while work runs; yields `update(text)` to pass to library `progress` callbacks."
+    "A rich spinner on stderr while work runs; yields `update(text)` for library `progress` callbacks (off a terminal, an estimate is printed once)."
     from rich.console import Console
-    with Console(stderr=True).status(text) as s: yield s.update
+    console, said = Console(stderr=True), []
+    def update(msg: str):
+        s.update(msg)
+        if "; about " in msg and not said and not console.is_terminal:
+            said.append(print(f"capturing: {msg.split('; ', 1)[1]} (estimated)", file=sys.stderr))
+    with console.status(text) as s: yield update
 
 # %% ../../nbs/92_verbs.ipynb
 def workload_of(args):
@@ -41,7 +47,7 @@ def print_markdown(text: str):
     "Markdown rendered by rich on a terminal, plain text in a pipe or a notebook cell's captured stdout."
     from rich.console import Console
     from rich.markdown import Markdown
-    Console(file=sys.stdout).print(Markdown(text))
+    Console(file=sys.stdout, force_jupyter=False).print(Markdown(text))   # in a notebook: text, not a display
 
 # %% ../../nbs/92_verbs.ipynb
 def cmd_capture(args) -> int:
@@ -65,15 +71,25 @@ def _fsdp_profile(args, w, given):
         return profile_workload(w, "bfloat16" if bf16 else None, "float32" if bf16 else None, progress=update)
 
 # %% ../../nbs/92_verbs.ipynb
-def _fsdp_report(args, prof, given):
-    "A searched plan, or the given one (--plan) evaluated exactly as written."
+def _fsdp_flags(args) -> None:
+    "Refuse contradictory options before any work: --plan with search options, a module both ignored and a unit, a mesh of another size than --world."
     import math
-    from static_dist.fsdp import Overrides, plan_fsdp, predict_plan
-    if given:
-        with status("evaluating the given plan"): return predict_plan(prof, given, budget=args.budget)
+    given = next((o for o, v in (("--world", args.world), ("--mesh", args.mesh), ("--unit", args.unit), ("--ignore", args.ignore)) if v), None)
+    if args.plan and given:
+        raise UsageError(f"--plan with {given}: the plan has its own world, mesh, units and ignored modules; drop {given}, or --plan to search")
+    both = sorted(set(args.ignore or ()) & set(args.unit or ()))
+    if both: raise UsageError(f"--ignore {both[0]} and --unit {both[0]}: a module cannot stay unsharded and be its own unit; give one")
+    args.world = args.world or (math.prod(args.mesh) if args.mesh else 8)
     if args.mesh is not None and math.prod(args.mesh) != args.world:
         raise UsageError(f"--mesh {'x'.join(map(str, args.mesh))} has {math.prod(args.mesh)} ranks but --world is "
                          f"{args.world}; make them agree")
+
+# %% ../../nbs/92_verbs.ipynb
+def _fsdp_report(args, prof, given):
+    "A searched plan, or the given one (--plan) evaluated exactly as written."
+    from static_dist.fsdp import Overrides, plan_fsdp, predict_plan
+    if given:
+        with status("evaluating the given plan"): return predict_plan(prof, given, budget=args.budget)
     dt = None if args.precision == "fp32" else "bfloat16"
     ov = Overrides(ignored=tuple(args.ignore or ()), units=tuple(args.unit or ()))
     with status("planning") as update:
@@ -86,6 +102,7 @@ def cmd_plan_fsdp(args) -> int:
     "`static-dist plan-fsdp`: search a plan (or evaluate `--plan`), print it, optionally verify and write it."
     from static_dist.fsdp import FSDPPlan
     from static_dist.graph import fmt_bytes
+    _fsdp_flags(args)
     if args.out: check_writable(args.out, force=args.force, inputs=[args.plan])
     given = FSDPPlan.from_json(args.plan) if args.plan else None     # read and checked before the capture
     w = workload_of(args)
@@ -181,8 +198,11 @@ def cmd_plan_offload(args) -> int:
 def cmd_check_export(args) -> int:
     "`static-dist check-export`: the export pre-flight report; exit 0 clean, 1 problems found."
     from static_dist.export import ExportReport, check_export, rules_markdown
-    if args.rules: print(rules_markdown()); return 0
-    targets = [t.strip() for t in args.targets.split(",") if t.strip()]
+    if args.rules:
+        extra = next((o for o, v in (("--targets", args.targets), ("--baseline", args.baseline), ("--opset", args.opset)) if v), None)
+        if extra: raise UsageError(f"--rules prints the rule table and checks nothing; drop {extra}")
+        print(rules_markdown()); return 0
+    targets = [t.strip() for t in (args.targets or "onnx,torchscript,aoti").split(",") if t.strip()]
     bad = [t for t in targets if t not in ("onnx", "torchscript", "aoti")]
     if bad or not targets: raise UsageError(f"--targets {args.targets!r}: use a comma-separated list of onnx, torchscript, aoti")
     base = None
@@ -190,26 +210,32 @@ def cmd_check_export(args) -> int:
         try: base = ExportReport.load(args.baseline)
         except (ValueError, KeyError, TypeError) as e:
             raise UsageError(f"--baseline {args.baseline}: not a report written by check-export ({e})") from None
-    args.out.mkdir(parents=True, exist_ok=True)
+    folder = OutputFolder(args.out, EXPORT_FILES, force=args.force, what="export report").check()
     w = workload_of(args)
     from static_dist.export import workload_case
     model, inputs, ds, flags = workload_case(w)
     with status(f"checking export of {w.source}"):
         rep = check_export(model, inputs, targets=targets, dynamic_shapes=ds, flags=flags, opset=args.opset, name=w.source)
-    atomic_write(args.out / "export_report.json", rep.to_json())
-    atomic_write(args.out / "export_report.md", rep.to_markdown())
+    rep.meta["dtype"] = w.dtype                    # what the model and its inputs were checked in (--dtype)
+    diff = base.diff(rep) if base is not None else None
+    with folder as stage:
+        atomic_write(stage / "export_report.json", rep.to_json())
+        atomic_write(stage / "export_report.md", rep.to_markdown())
+        if diff is not None: atomic_write(stage / "export_diff.md", diff.to_markdown())
     print(rep.to_json() if args.json else rep.to_markdown())
-    if base is not None:
-        d = base.diff(rep)
-        atomic_write(args.out / "export_diff.md", d.to_markdown())
-        if not args.json: print("\n" + d.to_markdown())
+    if diff is not None and not args.json: print("\n" + diff.to_markdown())
     return 0 if rep.ok else 1
+
+# %% ../../nbs/92_verbs.ipynb
+EXPORT_FILES = ("export_report.json", "export_report.md", "export_diff.md")   # what check-export writes into --out
 
 # %% ../../nbs/92_verbs.ipynb
 def rewrite_case(model, inputs):
     "The model's exported forward rewritten to the bridged ops and checked against it: (rewritten program, report)."
+    from static_dist.export.source import quiet
     from static_dist.passes import rewrite_ops
-    try: ep = torch.export.export(model, inputs)
+    try:
+        with quiet(): ep = torch.export.export(model, inputs)      # torch logs the failing graph (48 lines) before raising
     except Exception as e:
         raise UsageError(f"the model does not export ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
                          "`static-dist check-export` explains why") from None
@@ -225,7 +251,11 @@ def cmd_passes(args) -> int:
     model, inputs, _, _ = workload_case(w)
     new, rep = rewrite_case(model, inputs)
     print(json.dumps(dict(workload=w.describe(), **rep.to_dict()), indent=2))
-    if args.trace: print(f"wrote {profile_nodes(new, *inputs).to_chrome_trace(args.trace)}")
+    if args.trace:
+        import tempfile
+        with tempfile.TemporaryDirectory() as d:        # the trace written whole, exclusively without --force, never over a device
+            trace = profile_nodes(new, *inputs).to_chrome_trace(Path(d) / "trace.json").read_bytes()
+        print(f"wrote {atomic_write(args.trace, trace, force=args.force)}")
     return 0
 
 # %% ../../nbs/92_verbs.ipynb
@@ -253,6 +283,8 @@ def parse_fault(text: str):
     from static_dist.stability import Fault
     m = re.fullmatch(r"(\w+)@(\d+)(?:x(\d+))?", text)
     if not m: raise UsageError(f"--fault {text!r}: write KIND@STEP or KIND@STEPxDURATION, e.g. lr_spike@100 or bad_batches@100x20")
+    if len(m.group(2)) > 7 or len(m.group(3) or "") > 7:
+        raise UsageError(f"--fault {text[:40]!r}: a step or duration past 10**7, longer than any run (--steps is at most 10**6)")
     try: return Fault(m.group(1), int(m.group(2)), duration=int(m.group(3) or 1))
     except ValueError as e: raise UsageError(f"--fault {text!r}: {e}") from None
 
@@ -266,11 +298,16 @@ def cmd_stability(args) -> int:
     faults = [parse_fault(f) for f in args.fault]
     late = [f for f in faults if f.step >= args.steps]
     if late: raise UsageError(f"--fault at step {late[0].step} is past the end of the run (--steps {args.steps})")
+    long = [f for f in faults if f.step + f.duration > args.steps]
+    if long: raise UsageError(f"--fault {long[0].kind}@{long[0].step}x{long[0].duration} lasts past the end of the run "
+                              f"(--steps {args.steps}); give a duration of at most {args.steps - long[0].step}")
     if args.optimizer not in (None, "adamw"): raise UsageError(f"--optimizer {args.optimizer}: the stability runs train with adamw")
     if args.dtype not in (None, "float32"):
         raise UsageError(f"--dtype {args.dtype}: the stability runs train in float32 (their configurations add bf16 autocast)")
     w = workload_of(args)                  # the same workload every verb reads: its batch, seq and checks
     check_real_size(sum(p.numel() for p in w.build(device="meta").parameters()), f"{w.source} (the stability runs train it on CPU)")
+    with status(f"capturing {w.source}") as update: peak = int(w.graph(progress=update).peak().bytes)
+    check_memory(peak, f"a stability step of {w.source} (batch {w.batch}, seq {w.seq})", why="its fake capture's peak")
     try:
         cfg = RunConfig(model=args.model, steps=args.steps, lr=args.lr, seq_len=w.seq or 1, batch_size=w.batch)
         with status("clean run") as update:
@@ -297,12 +334,12 @@ def cmd_stability(args) -> int:
 
 # %% ../../nbs/92_verbs.ipynb
 def cmd_keygen(args) -> int:
-    "`static-dist keygen --out PREFIX`: PREFIX.key (private, mode 600) and PREFIX.pub."
+    "`static-dist keygen --out PREFIX`: PREFIX.key (private, mode 600) and PREFIX.pub (the umask's mode, 644 under 022)."
     from static_dist.artifact import generate_key, key_id, private_key_bytes, public_key_bytes
     priv, pub = args.out.with_name(args.out.name + ".key"), args.out.with_name(args.out.name + ".pub")
     for p in (priv, pub): check_writable(p, force=args.force)
     key = generate_key()
-    atomic_write(priv, private_key_bytes(key), force=args.force); priv.chmod(0o600)
+    atomic_write(priv, private_key_bytes(key), force=args.force, mode=0o600)
     atomic_write(pub, public_key_bytes(key), force=args.force)
     print(f"key id {key_id(key)}: private key {priv} (keep secret), public key {pub} (give to verifiers)")
     return 0
@@ -313,22 +350,24 @@ def _meta(pairs) -> dict:
     for kv in pairs or ():
         k, sep, v = kv.partition("=")
         if not sep or not k: raise UsageError(f"--meta {kv!r}: write KEY=VALUE")
+        if k in out: raise UsageError(f"--meta {k} given twice ({out[k]!r} and {v!r}); give each key once")
         out[k] = v
     return out
 
 # %% ../../nbs/92_verbs.ipynb
 def cmd_sign(args) -> int:
     "`static-dist sign PROGRAM --key KEY`: a device-bound, signed artifact (default PROGRAM.sdxa)."
-    from static_dist.artifact import Fingerprint, check_exported_program, key_id, load_private_key, sign_payload
+    from static_dist.artifact import (Fingerprint, check_exported_program, device_fingerprint, key_id, load_private_key,
+                                      policy_for, sign_payload)
     out = args.out or args.program.with_suffix(".sdxa")
     inputs = [args.program, args.key, args.device_json]
     check_writable(out, force=args.force, inputs=inputs)
-    payload = args.program.read_bytes()
+    meta, key = _meta(args.meta), load_private_key(args.key)
+    device = Fingerprint.from_json(read_bounded(args.device_json, MAX_SMALL_BYTES, "--device-json")) if args.device_json else None
+    limit = policy_for(device or device_fingerprint()).max_payload_bytes      # the program: at most what the target accepts
+    payload = read_bounded(args.program, limit, "program")
     check_exported_program(payload, str(args.program))
-    key = load_private_key(args.key)
-    device = None
-    if args.device_json: device = Fingerprint.from_json(args.device_json.read_text())
-    data = sign_payload(payload, signing_key=key, device=device, meta=_meta(args.meta))
+    data = sign_payload(payload, signing_key=key, device=device, meta=meta)
     atomic_write(out, data, force=args.force, inputs=inputs)
     print(f"signed {args.program} with key {key_id(key)} -> {out}")
     return 0
@@ -351,21 +390,4 @@ def cmd_verify(args) -> int:
     fp = v.fingerprint
     print(f"OK: {args.artifact} signed by {v.key_id}, built for {fp.device_model} ({fp.os}/{fp.arch}, torch {fp.torch}), "
           f"payload {len(v.payload):,} bytes")
-    return 0
-
-# %% ../../nbs/92_verbs.ipynb
-def cmd_train(args) -> int:
-    "`static-dist train`: plan, apply and compile FSDP on one process, train with the monitors on, write the step log."
-    from static_dist.compile import CompileOptions, TrainConfig, train
-    check_writable(args.log, force=args.force)
-    if args.no_compile and args.backend is not None:
-        raise UsageError(f"--no-compile with --backend {args.backend}: give one of them")
-    w = workload_of(args)
-    check_real_size(sum(p.numel() for p in w.build(device="meta").parameters()), f"{w.source} (train runs it on CPU)")
-    cfg = TrainConfig(model=w.source, steps=args.steps, batch=w.batch, seq=w.seq or 1, optimizer=w.optimizer, dtype=w.dtype,
-                      budget=args.budget, compile=CompileOptions(enabled=not args.no_compile, backend=args.backend or "aot_eager"))
-    with status(f"training {w.source}") as update: log = train(cfg, progress=update, workload=w)
-    atomic_write(args.log, json.dumps(log, indent=2, default=str), force=args.force)
-    print(json.dumps(dict(workload=w.describe(), **log["summary"]), indent=2))
-    print(f"step log written to {args.log}", file=sys.stderr)
     return 0

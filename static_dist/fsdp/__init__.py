@@ -7,6 +7,7 @@ __all__ = ['fsdp_widget']
 
 # %% ../../nbs/40_fsdp.ipynb
 from .profile import *
+from .few_blocks import *
 from .plan import *
 from .memory import *
 from .steptime import *
@@ -18,53 +19,62 @@ from .verify import *
 import math
 
 from . import apply as _apply, memory as _memory, plan as _plan, profile as _profile
+from . import few_blocks as _few_blocks
 from . import search as _search, steptime as _steptime, verify as _verify
-from ..graph import fmt_bytes, pyplot
+from ..graph import fmt_bytes
+
+# %% ../../nbs/40_fsdp.ipynb
+from ..harness import View, harness, harness_figure, widgets
 
 # %% ../../nbs/40_fsdp.ipynb
 def _default_budget_mib(profile: GraphProfile) -> float:
-    "A power of two about 1.5x the whole-model plan's predicted peak at world 8: the curve fills the plot."
-    peak = predict_memory(profile, FSDPPlan(8, (8,), (FSDPUnit(""),))).peak_bytes
-    return 2.0 ** math.ceil(math.log2(max(1.5 * peak / 2**20, 1.0)))
+    "The power of two just above 1.5x the whole-model bf16 plan's predicted peak at world 8 (MiB)."
+    whole = FSDPPlan(8, (8,), (FSDPUnit(""),), param_dtype="bfloat16", reduce_dtype="float32")
+    return 2.0 ** math.ceil(math.log2(max(1.5 * predict_memory(profile, whole).peak_bytes / 2**20, 1.0)))
 
 # %% ../../nbs/40_fsdp.ipynb
-def _show_plan(profile: GraphProfile, budget_mib: float, world: int, replicas: int, precision: str,
-               accumulation: int):
-    "Display the plan for these settings (table, fit, memory, timeline) and return its PlanReport, or why there is none."
-    from IPython.display import Markdown, display
-    if world % replicas:
-        display(Markdown(f"**Not a valid mesh**: {replicas} replicas do not divide world {world}; pick another."))
-        return f"{replicas} replicas do not divide world {world}"
+def _scale_to_peak(ax, peak: int, budget: int):
+    "Fit the memory axis (GiB) to the plan's peak; a budget far above it is written in the corner, not drawn off scale."
+    far = budget > 3 * peak
+    ax.set_ylim(0, 1.15 * (peak if far else max(peak, budget)) / 2**30)
+    if far: ax.text(0.99, 0.96, f"budget {fmt_bytes(budget)}, {budget / peak:,.1f}× the peak: off scale", color="r",
+                    transform=ax.transAxes, ha="right", va="top", fontsize=7)
+
+def _plan_figure(rep: PlanReport, budget: int):
+    "What rank 0 holds at every op, on the plan's scale, over the last micro-batch's two streams from 0 ms."
+    fig, (mem, tl) = harness_figure(7, 5.5, rows=2, heights=(3, 2))
+    plot_fsdp_memory(rep.memory, mem, budget=budget)
+    _scale_to_peak(mem, rep.memory.peak_bytes, budget)
+    plot_fsdp_timeline(rep.step, tl)
+    tl.set_xlim(0, rep.step.step_seconds * 1e3)
+    return fig
+
+# %% ../../nbs/40_fsdp.ipynb
+def _plan_view(profile: GraphProfile, budget_mib: float, world: int, replicas: int, precision: str,
+               accumulation: int) -> View:
+    "The plan for these settings: its table, whether it fits, its memory and timeline; or why there is none."
+    if world % replicas: return View(f"{replicas} replicas do not divide world {world}",
+                                     f"**Not a valid mesh**: {replicas} replicas do not divide world {world}; pick another.")
     dt, budget = None if precision == "fp32" else "bfloat16", int(budget_mib * 2**20)
     rep = plan_fsdp(profile, world_size=world, budget=budget, param_dtype=dt, reduce_dtype=dt and "float32",
                     mesh_shape=(replicas, world // replicas) if replicas > 1 else (world,), accumulation_steps=accumulation)
     verdict = "fits" if rep.fits else "**does not fit**"
-    display(Markdown(f"Planned peak {fmt_bytes(rep.memory.peak_bytes)} per rank: {verdict} in {fmt_bytes(budget)}.\n\n"
-                     + rep.table()))
-    plt = pyplot("the FSDP plots")
-    fig, axs = plt.subplots(2, 1, figsize=(7, 5.5), dpi=80)
-    plot_fsdp_memory(rep.memory, axs[0], budget=budget)
-    plot_fsdp_timeline(rep.step, axs[1])
-    fig.tight_layout()
-    display(fig); plt.close(fig)
-    return rep
+    return View(rep, f"Planned peak {fmt_bytes(rep.memory.peak_bytes)} per rank: {verdict} in {fmt_bytes(budget)}.\n\n"
+                + rep.table(), _plan_figure(rep, budget))
 
 # %% ../../nbs/40_fsdp.ipynb
 def fsdp_widget(profile: GraphProfile):
-    "ipywidgets harness: budget, world size, replicas, precision, accumulation -> the plan's table, fit, memory and timeline."
-    try: from ipywidgets import interactive, widgets
-    except ImportError: raise ImportError("the widget needs ipywidgets: pip install ipywidgets") from None
-    def show(budget_mib=64.0, world=8, replicas=1, precision="bf16", accumulation=1):
-        return _show_plan(profile, budget_mib, world, replicas, precision, accumulation)
-    b0 = _default_budget_mib(profile)
+    "Harness: budget, world size, replicas, precision, accumulation -> the plan's table, fit, memory and timeline."
+    W, b0 = widgets(), _default_budget_mib(profile)
     wide = dict(style={"description_width": "initial"}, continuous_update=False)
-    return interactive(show, budget_mib=widgets.FloatLogSlider(value=b0, base=2, min=math.log2(b0) - 6,
-                                                               max=math.log2(b0) + 6, description="budget MiB", **wide),
-                       world=widgets.Dropdown(options=[8, 16, 64, 256, 1024], value=8),
-                       replicas=widgets.Dropdown(options=[1, 2, 4, 8], value=1),
-                       precision=widgets.ToggleButtons(options=["bf16", "fp32"]),
-                       accumulation=widgets.IntSlider(value=1, min=1, max=8, description="accumulation", **wide))
+    return harness(lambda **kw: _plan_view(profile, **kw),
+                   budget_mib=W.FloatLogSlider(value=b0, base=2, min=math.log2(b0) - 6, max=math.log2(b0) + 6,
+                                               description="budget MiB", **wide),
+                   world=W.Dropdown(options=[8, 16, 64, 256, 1024], value=8),
+                   replicas=W.Dropdown(options=[1, 2, 4, 8], value=1),
+                   precision=W.ToggleButtons(options=["bf16", "fp32"]),
+                   accumulation=W.IntSlider(value=1, min=1, max=8, description="accumulation", **wide))
 
 # %% ../../nbs/40_fsdp.ipynb
-__all__ = [*_profile.__all__, *_plan.__all__, *_memory.__all__, *_steptime.__all__, *_search.__all__,
+__all__ = [*_profile.__all__, *_few_blocks.__all__, *_plan.__all__, *_memory.__all__, *_steptime.__all__, *_search.__all__,
            *_apply.__all__, *_verify.__all__, "fsdp_widget"]

@@ -11,7 +11,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .plan import FSDPPlan, _prefixes, innermost, unit_of
+from .plan import FSDPPlan, _prefixes, innermost, unit_finder
 from .profile import GraphProfile
 from ..util import DTYPE_BYTES
 from ..graph import fmt_bytes, pyplot
@@ -147,9 +147,13 @@ class _Curves:
         return np.cumsum(d)[:self.n]
 
 # %% ../../nbs/40c_fsdp_memory.ipynb
+def _owners(profile: GraphProfile, plan: FSDPPlan) -> dict[str, str | None]:
+    find = unit_finder(plan)                          # the plan's sets built once, not once per parameter
+    return {p.name: find(p.name) for p in profile.params}
+
 def _add_ignored(C: _Curves, profile: GraphProfile, plan: FSDPPlan) -> int:
     "Add the ignored parameters (whole on every rank); return the bytes of the sharded ones."
-    owners = _cached("owners", profile, plan, lambda pr, pl: {p.name: unit_of(p.name, pl) for p in pr.params})
+    owners = _cached("owners", profile, plan, _owners)
     full, n = 0, C.n
     for p in profile.params:
         if owners[p.name] is None:
@@ -207,12 +211,16 @@ def _add_all_gathers(C: _Curves, profile: GraphProfile, plan: FSDPPlan, lays) ->
     "All-gather outputs from their issue (or the prefetch that issued them) to their copy-out."
     units = {u.module: u for u in plan.units}
     fwd_end = lays[0].fwd[1] if lays else C.n - 1
-    inside = [i for i in range(fwd_end + 1) if profile.op_module[i]]
-    model_end = inside[-1] if inside else fwd_end        # the model's last op; the loss runs after it
+    model_end = profile.model_forward_end                # the root's post-forward
+    if model_end < 0:
+        inside = [i for i in range(fwd_end + 1) if profile.op_module[i]]
+        model_end = inside[-1] if inside else fwd_end
     bwd_need = [l for l in sorted(lays, key=lambda l: l.bwd[0]) if l.module and l.params]
     root = next((l for l in lays if l.module == "" and l.params), None)
-    nb = [i for i in np.flatnonzero(profile.op_phase == 1) if profile.op_module[i]]
-    root_pre_bwd = int(nb[0]) if nb else (root.bwd[0] if root else 0)   # when the model output's grad arrives
+    root_pre_bwd = profile.model_backward_start          # when a gradient first reaches the model's outputs
+    if root_pre_bwd < 0:
+        nb = [i for i in np.flatnonzero(profile.op_phase == 1) if profile.op_module[i]]
+        root_pre_bwd = int(nb[0]) if nb else (root.bwd[0] if root else 0)
     for seq, p, key in ((list(lays), plan.forward_prefetch, 0), (bwd_need, plan.backward_prefetch, 1)):
         seq = [l for l in seq if l.params]
         for i, l in enumerate(seq):

@@ -26,7 +26,8 @@ from ..launch import process_group
 from ..step import OPTIMIZERS, MicroBatch, make_optimizer, train_step
 
 # %% auto 0
-__all__ = ['comm_counts', 'measure_step', 'memtracker_fsdp_peak', 'Verification', 'verify_plan', 'verify_workload', 'bench_fsdp']
+__all__ = ['comm_counter', 'comm_counts', 'measure_step', 'memtracker_fsdp_peak', 'Verification', 'verify_plan',
+           'verify_workload', 'bench_fsdp']
 
 # %% ../../nbs/40g_fsdp_verify.ipynb
 def _one_step(m, opt, inputs, kwargs, targets, loss_fn, plan: FSDPPlan):
@@ -34,6 +35,26 @@ def _one_step(m, opt, inputs, kwargs, targets, loss_fn, plan: FSDPPlan):
     train_step(m, opt, [MicroBatch(inputs, kwargs, targets)] * plan.accumulation_steps, loss_fn, plan=plan)
 
 # %% ../../nbs/40g_fsdp_verify.ipynb
+class _FlatModules:
+    """Stands in for CommDebugMode's module tracker, which fails on a model that calls one module twice in a forward (a
+    shared ReLU, as torchvision's BasicBlock has, or every stage module once per pipeline micro-batch): torch's
+    `_CommModeModuleTracker` adds a forward hook on every *call* of a module, each of which pops the module stack, so
+    the second call pops once too often (IndexError) and the first hook is left on the module. The counts need no
+    module: every op is counted under 'Global'."""
+    name, is_bw, activation_checkpointing = "Global", False, False
+    def __init__(self): self.module_parents_dict = {"Global": set()}
+    def __enter__(self): return self
+    def __exit__(self, *exc): return None
+
+def comm_counter(point_to_point: bool = False):
+    """A `CommDebugMode` that counts collectives (`get_comm_counts`) without following modules (see `_FlatModules`);
+    with `point_to_point`, `c10d.send` and `c10d.recv_` too (a pipeline's messages)."""
+    from torch.distributed.tensor.debug import CommDebugMode
+    mode = CommDebugMode()
+    mode.advanced_module_tracker = _FlatModules()
+    if point_to_point: mode.comm_registry |= {torch.ops.c10d.send, torch.ops.c10d.recv_}
+    return mode
+
 def comm_counts(mode) -> dict:
     "CommDebugMode's counts in predict_comms' keys."
     out = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
@@ -76,7 +97,6 @@ def measure_step(m: nn.Module, plan: FSDPPlan, inputs, kwargs, targets, loss_fn,
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.tensor.debug import CommDebugMode
     where = _Where(m)
     with FakeTensorMode(allow_non_fake_inputs=True):
         m.to_empty(device="cpu")
@@ -89,17 +109,27 @@ def measure_step(m: nn.Module, plan: FSDPPlan, inputs, kwargs, targets, loss_fn,
                 warnings.filterwarnings("ignore", message="(FSDP2-wrapped module|Full backward hook|For backward hooks to be called)")  # torch's notes
                 with where: _one_step(m, opt, inputs, kwargs, targets, loss_fn, plan)
                 fmt.reset_mod_stats()
-                with CommDebugMode() as cdm, where: _one_step(m, opt, inputs, kwargs, targets, loss_fn, plan)
+                with comm_counter() as cdm, where: _one_step(m, opt, inputs, kwargs, targets, loss_fn, plan)
         except PlanError: raise
         except Exception as e: raise explain_failure(e, "the FSDP step under FSDPMemTracker", where.failed_in) from None
     return int(sum(d["Total"] for d in fmt.get_tracker_snapshot("peak").values())), cdm
 
 # %% ../../nbs/40g_fsdp_verify.ipynb
-def _tracked(build, plan: FSDPPlan, inputs, kwargs, targets, loss_fn, optimizer: str) -> tuple[int, dict]:
-    "(FSDPMemTracker's peak on rank 0, CommDebugMode's counts) of the second (steady) step under a fake process group."
+def _check_masters(m: nn.Module, master: str) -> None:
+    "PlanError unless every floating parameter of the built model is in `master`, the dtype the prediction keeps them in."
+    found = sorted({str(p.dtype).removeprefix("torch.") for p in m.parameters() if p.is_floating_point()})
+    if master and found and found != [master]:
+        raise PlanError(f"the model to measure was built with {' and '.join(found)} parameters, but the prediction "
+                        f"keeps {master} master weights: build it in {master} (the plan's param_dtype casts them for "
+                        f"compute), or profile with master_dtype={found[0]!r}")
+
+def _tracked(build, plan: FSDPPlan, inputs, kwargs, targets, loss_fn, optimizer: str, master: str = "") -> tuple[int, dict]:
+    """(FSDPMemTracker's peak on rank 0, CommDebugMode's counts) of the second (steady) step under a fake process group;
+    the model's parameters checked to be in `master` (when given)."""
     if optimizer not in OPTIMIZERS: raise PlanError(f"optimizer {optimizer!r}: use one of {', '.join(OPTIMIZERS)}")
     with process_group(fake_world=plan.world_size):
         m = build()
+        _check_masters(m, master)
         apply_plan(m, plan, _mesh(plan))
         peak, cdm = measure_step(m, plan, inputs, kwargs, targets, loss_fn, optimizer)
         return peak, comm_counts(cdm)
@@ -121,6 +151,8 @@ class Verification:
     measured_counts: dict
     "Collectives of one steady-state optimizer step."
     seconds: float
+    master_dtype: str = ""
+    "The dtype of the parameters and optimizer state (master weights), the same in the prediction and the measured model."
 
     @property
     def ratio(self) -> float: return self.predicted_bytes / self.measured_bytes if self.measured_bytes else math.inf
@@ -128,41 +160,43 @@ class Verification:
     def counts_match(self) -> bool: return self.predicted_counts == self.measured_counts
     def to_dict(self) -> dict: return dict(dataclasses.asdict(self), ratio=self.ratio, counts_match=self.counts_match)
     def line(self) -> str:
-        return (f"world {self.world_size}: predicted {fmt_bytes(self.predicted_bytes)} / measured "
-                f"{fmt_bytes(self.measured_bytes)} = {self.ratio:.4f}; collectives "
+        return (f"world {self.world_size}{f', {self.master_dtype} masters' if self.master_dtype else ''}: predicted "
+                f"{fmt_bytes(self.predicted_bytes)} / measured {fmt_bytes(self.measured_bytes)} = {self.ratio:.4f}; collectives "
                 f"{'match' if self.counts_match else f'differ: {self.predicted_counts} vs {self.measured_counts}'}")
 
 # %% ../../nbs/40g_fsdp_verify.ipynb
 def verify_plan(build, plan: FSDPPlan, profile: GraphProfile, inputs=(), *, kwargs: dict | None = None, targets=None,
                 loss_fn=None, optimizer: str = "adamw") -> Verification:
     """Measure `plan` on `build()` (a meta-device model) with FSDPMemTracker and CommDebugMode under a fake process
-    group, next to `profile`'s prediction. Build the model in the master dtype (fp32 under a bf16 param_dtype)."""
+    group, next to `profile`'s prediction. `build()` must make the parameters in the profile's master dtype (checked)."""
     t0 = time.perf_counter()
     validate(plan, profile)
     inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
-    peak, counts = _tracked(build, plan, inputs, dict(kwargs or {}), targets, loss_fn, optimizer)
+    peak, counts = _tracked(build, plan, inputs, dict(kwargs or {}), targets, loss_fn, optimizer, profile.master_dtype)
     return Verification(plan.world_size, predict_memory(profile, plan).peak_bytes, peak, predict_comms(profile, plan),
-                        counts, time.perf_counter() - t0)
+                        counts, time.perf_counter() - t0, profile.master_dtype)
 
 # %% ../../nbs/40g_fsdp_verify.ipynb
 def verify_workload(w, plan: FSDPPlan, profile: GraphProfile | None = None) -> Verification:
-    """`verify_plan` for a `static_dist.workload.Workload`: built in its dtype (the master dtype), its inputs and loss.
-    Without `profile`, the prediction profiles the workload's graph in the plan's param_dtype (fp32 masters)."""
+    """`verify_plan` for a `static_dist.workload.Workload`, with its inputs and loss, the model built in the profile's
+    master dtype (a bf16 workload profiled with fp32 masters is measured with fp32 masters). Without `profile`, the
+    prediction profiles the workload's graph in the plan's param_dtype, with the workload's dtype as the masters."""
     from static_dist.workload import DTYPES
     if w.optimizer not in ("adamw", "adam", "sgd"):
         raise PlanError(f"optimizer {w.optimizer!r}: verifying needs the step's optimizer ('adamw', 'adam' or 'sgd')")
     if profile is None:
         dt = plan.param_dtype or w.dtype
         profile = profile_graph(w.graph(dtype=dt), w.dtype if dt != w.dtype else None)
-    args, kwargs, targets = w.inputs()
-    return verify_plan(lambda: w.build(device="meta", dtype=DTYPES[w.dtype]), plan, profile, args, kwargs=kwargs,
+    master = profile.master_dtype or w.dtype
+    args, kwargs, targets = w.inputs(dtype=plan.param_dtype or master)     # floating inputs in the compute dtype
+    return verify_plan(lambda: w.build(device="meta", dtype=DTYPES[master]), plan, profile, args, kwargs=kwargs,
                        targets=targets, loss_fn=w.loss, optimizer=w.optimizer)
 
 # %% ../../nbs/40g_fsdp_verify.ipynb
 import subprocess
 import sys
 
-from .profile import profile_workload
+from .few_blocks import profile_workload
 from .search import PlanReport
 
 # %% ../../nbs/40g_fsdp_verify.ipynb

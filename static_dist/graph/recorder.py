@@ -9,6 +9,7 @@ import logging
 import os
 import re
 import traceback
+import warnings
 import weakref
 from contextlib import contextmanager
 from typing import Callable
@@ -29,7 +30,8 @@ from .records import OpRecord, StorageRecord, TensorRecord
 from ..util import StaticDistError
 
 # %% auto 0
-__all__ = ['CaptureError', 'CaptureTypeError', 'explain_failure', 'quiet_torch_logs', 'op_flops', 'ModuleScopes']
+__all__ = ['CaptureError', 'CaptureTypeError', 'explain_failure', 'quiet_torch_logs', 'flop_formula', 'op_flops',
+           'UncountedFlopsWarning', 'computes', 'ModuleScopes']
 
 # %% ../../nbs/00c_graph_recorder.ipynb
 class CaptureError(StaticDistError, RuntimeError):
@@ -117,25 +119,61 @@ def quiet_torch_logs():
         for l, b in zip(loggers, before): l.disabled = b
 
 # %% ../../nbs/00c_graph_recorder.ipynb
-def _sdpa_cpu_flops(q, k, v, *args, **kwargs) -> int:
+def _sdpa_flops(q, k, v, *args, **kwargs) -> int:
     return sdpa_flop_count(q.shape, k.shape, v.shape)
 
-def _sdpa_cpu_bwd_flops(grad_out, q, k, v, *args, **kwargs) -> int:
+def _sdpa_bwd_flops(grad_out, q, k, v, *args, **kwargs) -> int:
     return sdpa_backward_flop_count(grad_out.shape, q.shape, k.shape, v.shape)
 
+def _grouped_mm_flops(a, b, *args, out_val=None, **kwargs) -> int:
+    """2·M·K·N summed over the groups. Groups that split M or N (one operand 3-D): 2·K per output element. Groups that
+    split K (both 2-D: the weight gradient): 2·M·K·N of the whole product. Every row counts, since fake tensors hold
+    no `offs` values; transformers routes every row, so rows past the last offset do not occur there."""
+    if a.dim() == 2 and b.dim() == 2: return 2 * a.shape[0] * a.shape[1] * b.shape[1]
+    return 2 * a.shape[-1] * out_val.numel()
+
+def _vector_flops(a, *args, **kwargs) -> int: return 2 * a.numel()            # mv (M×N by N), dot and vdot (N by N)
+def _addmv_flops(x, a, *args, **kwargs) -> int: return 2 * a.numel()          # x + (M×N by N)
+def _addbmm_flops(x, a, b, *args, **kwargs) -> int: return 2 * a.numel() * b.shape[-1]   # x + Σ_b (M×K by K×N)
+
 _aten = torch.ops.aten
+_SDPA_KERNELS = ("flash_attention", "efficient_attention", "cudnn_attention", "flash_attention_for_cpu",
+                 "fused_attention_overrideable")
+
+def _packets(names: list[str], formula) -> dict:
+    "{aten packet: formula} for the names this torch has."
+    return {getattr(_aten, n): formula for n in names if hasattr(_aten, n)}
+
 _EXTRA_FLOPS = {
-    _aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_cpu_flops,
-    _aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_cpu_bwd_flops,
+    **_packets(["_grouped_mm", "_scaled_grouped_mm"], _grouped_mm_flops),
+    **_packets(["mv", "dot", "vdot"], _vector_flops), **_packets(["addmv"], _addmv_flops),
+    **_packets(["addbmm"], _addbmm_flops),
+    **_packets([f"_scaled_dot_product_{k}" for k in _SDPA_KERNELS], _sdpa_flops),
+    **_packets([f"_scaled_dot_product_{k}_backward" for k in _SDPA_KERNELS], _sdpa_bwd_flops),
 }
 
 # %% ../../nbs/00c_graph_recorder.ipynb
-def op_flops(func, args, kwargs, out) -> int:
-    "FLOPs of one aten op call, from flop_counter's registry (0 if it has no formula)."
+def flop_formula(func) -> Callable | None:
+    "The FLOP formula of an op: flop_counter's registry first (a formula registered there is used), then ours; None."
     packet = getattr(func, "overloadpacket", func)
-    if packet in flop_registry: return int(flop_registry[packet](*args, **kwargs, out_val=out))
-    if packet in _EXTRA_FLOPS: return int(_EXTRA_FLOPS[packet](*args, **kwargs))
-    return 0
+    return flop_registry.get(packet) or _EXTRA_FLOPS.get(packet)
+
+def op_flops(func, args, kwargs, out) -> int:
+    "FLOPs of one aten op call (0 if it has no formula: see `computes`)."
+    f = flop_formula(func)
+    return 0 if f is None else int(f(*args, **kwargs, out_val=out))
+
+# %% ../../nbs/00c_graph_recorder.ipynb
+class UncountedFlopsWarning(UserWarning):
+    "A captured step ran ops that compute but have no FLOP formula; the graph's FLOPs leave them out."
+
+_COMPUTE_WORDS = {"mm", "bmm", "addmm", "baddbmm", "addbmm", "mv", "addmv", "dot", "vdot", "matmul", "linear",
+                  "einsum", "tensordot", "attention", "convolution", "lstm", "gru", "rnn"}
+
+def computes(func) -> bool:
+    "Does the op's name say it computes (matrix product, convolution, attention, RNN)? `_grouped_mm`, `conv2d`: yes."
+    words = set(getattr(func, "_opname", str(func)).split("_"))
+    return bool(words & _COMPUTE_WORDS) or any(re.fullmatch(r"conv(\d+d)?", w) for w in words)
 
 # %% ../../nbs/00c_graph_recorder.ipynb
 class ModuleScopes(ModuleTracker):
@@ -180,6 +218,10 @@ class _Recorder(TorchDispatchMode):
         self.failed_in: str | None = None
         self._packed: set[int] = set()          # storage ids of tensors saved for backward
         self._writes: dict[int, tuple] = {}     # storage id -> (op, module, source line) of the first in-place write after its save
+        self.uncounted: dict[str, int] = {}     # op -> calls, for ops that compute but have no FLOP formula
+        self.model_forward: list[int] | None = None       # [first, last] op of the model's own forward
+        self.model_backward_start: int | None = None      # op before which a gradient first reached its outputs
+        self._model_hooks: list = []
 
 # %% ../../nbs/00c_graph_recorder.ipynb
 @patch
@@ -245,18 +287,32 @@ def __torch_dispatch__(self: _Recorder, func, types, args=(), kwargs=None):
     ins = () if func is _aten.lift_fresh.default else tuple(
         self.tensor_id(a) for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor))
     outs = tuple(self.output_id(o, func) for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor))
+    f = flop_formula(func)
+    if f is None and computes(func): self.uncounted[str(func)] = self.uncounted.get(str(func), 0) + 1
     self.ops.append(OpRecord(len(self.ops), str(func), self.phase, self.module(), ins, outs,
-                             op_flops(func, args, kwargs, out)))
+                             0 if f is None else int(f(*args, **kwargs, out_val=out))))
     if self.progress is not None and len(self.ops) % 2000 == 0: self.progress(self.phase, len(self.ops))
     return out
 
 # %% ../../nbs/00c_graph_recorder.ipynb
 @patch
 def close(self: _Recorder) -> list[StorageRecord]:
-    "Stop listening for frees; freeze the storage table."
+    "Stop listening for frees; freeze the storage table; warn (once) of ops that compute and were not counted."
     self._closed = True
     for f in self._finalizers: f.detach()
+    if self.uncounted:
+        ops = ", ".join(f"{op} ×{n}" for op, n in sorted(self.uncounted.items()))
+        warnings.warn(f"FLOPs not counted for {len(self.uncounted)} op(s) that compute, which have no FLOP formula: "
+                      f"{ops}. The graph's FLOPs and the step times predicted from them leave these out; register "
+                      "a formula with torch.utils.flop_counter.register_flop_formula (the capture reads that "
+                      "registry) and capture again.", UncountedFlopsWarning, stacklevel=2)
     return [StorageRecord(**s) for s in self.storages]
+
+@patch
+def notes(self: _Recorder) -> dict:
+    "What the graph's meta keeps of the recording: the ops left uncounted, the model's own forward and backward start."
+    return dict(uncounted_ops=sorted(self.uncounted), model_forward=self.model_forward,
+                model_backward_start=self.model_backward_start)
 
 # %% ../../nbs/00c_graph_recorder.ipynb
 @patch
@@ -304,3 +360,34 @@ def _modified(self: _Recorder, t: torch.Tensor, version: int, saver: str, module
         f"[{str(t.dtype).removeprefix('torch.')} {list(t.shape)}], saved by {saver} in {module}, is at version "
         f"{t._version}; expected version {version} instead. It was changed by {by}. Fix: use the out-of-place op "
         "(`x = x.relu()` instead of `x.relu_()`, `x = x + y` instead of `x += y`) or `.clone()` the tensor first.")
+
+# %% ../../nbs/00c_graph_recorder.ipynb
+@patch
+def __enter__(self: _Recorder):
+    "Enter the mode; with a `ModuleScopes` tracker, also watch its model's forward and the gradients of its outputs."
+    m = getattr(self.tracker, "model", None)
+    if m is not None and not self._model_hooks:
+        self._model_hooks = [m.register_forward_pre_hook(self._model_pre), m.register_forward_hook(self._model_post)]
+    return TorchDispatchMode.__enter__(self)
+
+@patch
+def __exit__(self: _Recorder, *args):
+    for h in self._model_hooks: h.remove()
+    self._model_hooks = []
+    return TorchDispatchMode.__exit__(self, *args)
+
+# %% ../../nbs/00c_graph_recorder.ipynb
+@patch
+def _model_pre(self: _Recorder, mod, args) -> None:
+    if self.model_forward is None: self._forward_first = len(self.ops)
+
+@patch
+def _model_post(self: _Recorder, mod, args, out) -> None:
+    if self.model_forward is not None: return                      # a second call (recomputation): the first counts
+    self.model_forward = [self._forward_first, len(self.ops) - 1]
+    for t in tree_flatten(out)[0]:
+        if isinstance(t, torch.Tensor) and t.requires_grad: t.register_hook(self._model_grad)
+
+@patch
+def _model_grad(self: _Recorder, grad) -> None:
+    if self.model_backward_start is None: self.model_backward_start = len(self.ops)

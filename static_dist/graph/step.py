@@ -304,5 +304,5 @@ def _capture(model, real_inputs, real_kwargs, loss_fn, targets, optimizer, mode,
         _run_step(rec, work, inputs, kwargs, loss_fn, targets, opt, progress)
         _settle_roles(rec, work, names, opt)
     storages = rec.close()
-    return StaticGraph(tuple(rec.ops), tuple(rec.tensors), tuple(storages), _meta(model, mode, device, opt, inputs, kwargs, t0),
-                       tuple(rec.saves), tuple(rec.unpacks))
+    meta = {**_meta(model, mode, device, opt, inputs, kwargs, t0), **rec.notes()}
+    return StaticGraph(tuple(rec.ops), tuple(rec.tensors), tuple(storages), meta, tuple(rec.saves), tuple(rec.unpacks))

@@ -9,17 +9,19 @@ import collections
 import dataclasses
 import functools
 import math
+import warnings
 
 import torch
 import torch.nn as nn
 
 from ..fsdp import FSDPPlan, FSDPUnit, apply_plan
-from .plan import ParallelPlan, ParallelPlanError, ac_modes, check_layout
+from .plan import ParallelPlan, ParallelPlanError, ac_modes, check_layout, stage_ranges
 from ..placement import parallel_style
 from ..structure import find_structure
 
 # %% auto 0
-__all__ = ['parallel_mesh', 'fsdp_mesh', 'apply_tp', 'apply_ac', 'apply_compile', 'apply_fsdp', 'apply_parallel_plan']
+__all__ = ['parallel_mesh', 'fsdp_mesh', 'plan_blocks', 'apply_tp', 'apply_ac', 'apply_compile', 'apply_fsdp',
+           'apply_parallel_plan']
 
 # %% ../../nbs/45e_parallel_apply.ipynb
 def parallel_mesh(plan: ParallelPlan, device: str | None = None):
@@ -31,21 +33,38 @@ def parallel_mesh(plan: ParallelPlan, device: str | None = None):
     if plan.dims.cp > 1 and plan.dims.dp_shard > 1: mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
     return mesh
 
+# %% ../../nbs/45e_parallel_apply.ipynb
 def fsdp_mesh(mesh, plan: ParallelPlan):
     "The mesh FSDP shards over: dp_shard x cp (flattened), with dp_replicate in front for HSDP; None for one data-parallel rank."
     d = plan.dims
     if d.dp_replicate * d.fsdp_size == 1: return None
     shard = "dp_shard_cp" if d.cp > 1 and d.dp_shard > 1 else ("cp" if d.cp > 1 else "dp_shard")
     if d.fsdp_size == 1: return mesh["dp_replicate"]
-    return mesh["dp_replicate", shard] if d.dp_replicate > 1 else mesh[shard]
+    with warnings.catch_warnings():        # torch 2.13 warns that slicing a flattened dim will be deprecated; it is still
+        warnings.filterwarnings("ignore", message="Slicing a flattened dim")   # how torchtitan builds the FSDP mesh
+        return mesh["dp_replicate", shard] if d.dp_replicate > 1 else mesh[shard]
 
 # %% ../../nbs/45e_parallel_apply.ipynb
-def apply_tp(model: nn.Module, plan: ParallelPlan, tp_mesh) -> None:
-    "`parallelize_module` of every block of the main stack on the tp mesh, with the plan's style per linear."
+def plan_blocks(plan: ParallelPlan, stack, stage: int | None = None) -> tuple[tuple[int, str], ...]:
+    "(number in the main stack, FQN) of the blocks a model runs: every block of `stack`, or those of pipeline stage `stage`."
+    blocks = stack.blocks if stack is not None else ()
+    if stage is None: return tuple(enumerate(blocks))
+    rng = stage_ranges(plan, len(blocks))
+    if not (isinstance(stage, int) and 0 <= stage < len(rng)):
+        raise ParallelPlanError(f"stage={stage!r}: the plan has stages 0..{len(rng) - 1}")
+    a, e = rng[stage]
+    return tuple((i, blocks[i]) for i in range(a, e))
+
+# %% ../../nbs/45e_parallel_apply.ipynb
+def _blocks(model: nn.Module, plan: ParallelPlan, blocks) -> tuple[tuple[int, str], ...]:
+    return plan_blocks(plan, find_structure(model).main) if blocks is None else tuple(blocks)
+
+def apply_tp(model: nn.Module, plan: ParallelPlan, tp_mesh, blocks=None) -> None:
+    "`parallelize_module` of each block (default: every block of the main stack) on the tp mesh, with the plan's style per linear."
     from torch.distributed.tensor.parallel import parallelize_module
     if plan.dims.tp == 1 or not plan.tp_styles: return
     styles = {n: parallel_style(s) for n, s in plan.tp_styles if s != "replicate"}
-    for b in find_structure(model).main.blocks: parallelize_module(model.get_submodule(b), tp_mesh, styles)
+    for _, b in _blocks(model, plan, blocks): parallelize_module(model.get_submodule(b), tp_mesh, styles)
 
 # %% ../../nbs/45e_parallel_apply.ipynb
 def _sac_context(policy):
@@ -60,42 +79,51 @@ def _sac_context(policy):
         return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
     return create_selective_checkpoint_contexts(decide)
 
-def apply_ac(model: nn.Module, plan: ParallelPlan) -> None:
-    "Checkpoint each block as the plan says: `full` recomputes the block, `selective` keeps what its policy saves."
+# %% ../../nbs/45e_parallel_apply.ipynb
+def apply_ac(model: nn.Module, plan: ParallelPlan, blocks=None) -> None:
+    "Checkpoint each block as the plan says (`plan.ac[i]` for block number i): `full` recomputes the block, `selective` keeps what its policy saves."
     from torch.distributed._composable import checkpoint
-    blocks = find_structure(model).main.blocks if plan.ac else ()
-    for b, mode in zip(blocks, plan.ac):
+    for i, b in (_blocks(model, plan, blocks) if plan.ac else ()):
+        mode = plan.ac[i]
         if mode == "full": checkpoint(model.get_submodule(b))
         elif mode == "selective": checkpoint(model.get_submodule(b), context_fn=functools.partial(_sac_context, plan.selective))
 
 # %% ../../nbs/45e_parallel_apply.ipynb
-def apply_compile(model: nn.Module, plan: ParallelPlan, backend: str = "inductor") -> None:
+def apply_compile(model: nn.Module, plan: ParallelPlan, backend: str = "inductor", blocks=None) -> None:
     "torch.compile each block the plan marks, in place."
-    blocks = find_structure(model).main.blocks if plan.compile else ()
-    for b, c in zip(blocks, plan.compile):
-        if c: model.get_submodule(b).compile(backend=backend)
+    for i, b in (_blocks(model, plan, blocks) if plan.compile else ()):
+        if plan.compile[i]: model.get_submodule(b).compile(backend=backend)
 
+# %% ../../nbs/45e_parallel_apply.ipynb
 def apply_fsdp(model: nn.Module, plan: ParallelPlan, mesh) -> None:
-    "`fully_shard` the plan's FSDP units (those the model has; the root always) over the data-parallel mesh (none for one rank)."
+    """`fully_shard` the plan's FSDP units (those the model has with parameters; the root always) over the data-parallel
+    mesh (none for one rank). A pipeline stage keeps only its own modules' parameters, so the others' units drop out."""
     dp = fsdp_mesh(mesh, plan)
     if dp is None: return                                   # one data-parallel rank: parameters stay whole
     d = plan.dims
     mshape = (d.dp_replicate, d.fsdp_size) if d.dp_replicate > 1 else (d.fsdp_size,)
     f = plan.fsdp or FSDPPlan(math.prod(mshape), mshape, (FSDPUnit(""),))
     mods = dict(model.named_modules())
-    apply_plan(model, dataclasses.replace(f, units=tuple(u for u in f.units if u.module in mods)), dp)
+    has = lambda u: u.module == "" or (u.module in mods and any(True for _ in mods[u.module].parameters()))
+    apply_plan(model, dataclasses.replace(f, units=tuple(u for u in f.units if has(u))), dp)
 
 # %% ../../nbs/45e_parallel_apply.ipynb
 def apply_parallel_plan(model: nn.Module, plan: ParallelPlan, mesh=None, *, seq: int | None = None,
-                        compile_backend: str = "inductor") -> nn.Module:
+                        compile_backend: str = "inductor", stack=None, stage: int | None = None) -> nn.Module:
     """Apply `plan` to `model` in place, in torchtitan's order: tensor parallelism, checkpointing, compile, FSDP.
-    `mesh`: the plan's DeviceMesh (default: `parallel_mesh(plan)`). Pipeline and context parallelism are run by the
-    training step (their stage modules and sequence shards), not here."""
-    check_layout(plan, find_structure(model).main, seq)
-    if plan.dims.pp > 1: raise ParallelPlanError("pp > 1: build the pipeline stage first (parallel.pipeline_stage), then apply to it")
+    `mesh`: the plan's DeviceMesh (default: `parallel_mesh(plan)`). With pp > 1, `model` is pipeline stage `stage`
+    (`parallel.pipeline.build_pipeline` splits the model and calls this on each stage) and `stack` the whole model's
+    main stack, which the stage no longer holds. Context parallelism shards the sequence in the step
+    (`parallel.run.cp_context`), not here."""
+    stack = find_structure(model).main if stack is None else stack
+    check_layout(plan, stack, seq)
+    if plan.dims.pp > 1 and stage is None:
+        raise ParallelPlanError(f"pp={plan.dims.pp}: apply the plan to one pipeline stage; parallel.pipeline.build_pipeline "
+                                "splits the model and applies it to each stage (or give stage= and the whole model's stack=)")
+    blocks = plan_blocks(plan, stack, stage)
     mesh = parallel_mesh(plan) if mesh is None else mesh
-    if "tp" in mesh.mesh_dim_names: apply_tp(model, plan, mesh["tp"])
-    apply_ac(model, plan)
-    apply_compile(model, plan, compile_backend)
+    if "tp" in mesh.mesh_dim_names: apply_tp(model, plan, mesh["tp"], blocks)
+    apply_ac(model, plan, blocks)
+    apply_compile(model, plan, compile_backend, blocks)
     apply_fsdp(model, plan, mesh)
     return model

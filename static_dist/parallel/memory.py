@@ -31,6 +31,7 @@ def _block_index(blocks: tuple[str, ...]):
             m = m.rpartition(".")[0]
     return of
 
+# %% ../../nbs/45b_parallel_memory.ipynb
 def op_blocks(g: StaticGraph, blocks: tuple[str, ...]) -> np.ndarray:
     "Block index of each op's module (-1 outside the main stack)."
     of, memo = _block_index(blocks), {}
@@ -179,6 +180,7 @@ def _curves(g: StaticGraph, v: _View, cp: int) -> dict[str, np.ndarray]:
             cur[s.role][lo] += b; cur[s.role][hi] -= b
     return {r: np.cumsum(c)[:n] for r, c in cur.items()}
 
+# %% ../../nbs/45b_parallel_memory.ipynb
 def _minus(span: tuple[int, int], hole) -> list[tuple[int, int]]:
     "[a, e) without the closed op range `hole`."
     a, e = span
@@ -191,6 +193,7 @@ def rank_stages(plan: ParallelPlan, pp_rank: int) -> frozenset:
     "The (virtual) stages pipeline rank `pp_rank` runs: one, or every pp-th one under Interleaved1F1B."
     return frozenset(range(pp_rank, max(len(plan.stages), 1), plan.dims.pp))
 
+# %% ../../nbs/45b_parallel_memory.ipynb
 def _view(g: StaticGraph, plan: ParallelPlan, pp_rank: int, blocks, params) -> tuple:
     "(the view of pipeline rank `pp_rank` under `plan`, its parameters, each op's block)."
     n_stage, mine_st = max(len(plan.stages), 1), rank_stages(plan, pp_rank)
@@ -317,6 +320,7 @@ class ParallelMemory:
     @property
     def peak_rank(self) -> int: return max(range(len(self.ranks)), key=lambda r: self.ranks[r].peak_bytes)
 
+# %% ../../nbs/45b_parallel_memory.ipynb
 def predict_parallel_memory(g: StaticGraph, plan: ParallelPlan, master_dtype: str | None = None) -> ParallelMemory:
     "The peak bytes, by category, of one rank of each pipeline rank under `plan` (checked against the model first)."
     from static_dist.parallel.plan import check_layout

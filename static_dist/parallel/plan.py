@@ -27,6 +27,7 @@ class ParallelPlanError(PlanError):
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")   # torchtitan's order, outer to inner
 
+# %% ../../nbs/45a_parallel_plan.ipynb
 @dataclass(frozen=True)
 class ParallelDims:
     "Degrees of each axis; their product is the world size."
@@ -69,6 +70,7 @@ AC_MODES = ("none", "full", "selective")
 SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
 _MATMULS = ("aten.mm", "aten.addmm")
 
+# %% ../../nbs/45a_parallel_plan.ipynb
 @dataclass(frozen=True)
 class SelectivePolicy:
     "Which ops' outputs a selectively checkpointed block keeps; the others are recomputed in backward."

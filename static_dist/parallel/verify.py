@@ -51,14 +51,15 @@ def predict_axis_counts(profile, plan: ParallelPlan) -> dict[str, int]:
         for kind in _recomputed(profile, plan) * f.accumulation_steps: out[f"tp.{kind}"] += 1
     return out
 
+# %% ../../nbs/45f_parallel_verify.ipynb
 def _recomputed(profile, plan: ParallelPlan) -> list[str]:
     """Forward TP collectives a checkpointed block issues again in backward: those of its styled linears but the last
     in forward order, whose output only feeds the residual (checkpoint's recompute stops once backward has what it needs)."""
     from static_dist.parallel.plan import ac_modes
     out, n = [], len(profile.blocks)
+    first = {m: i for i, m in reversed(list(enumerate(profile.op_module))) if profile.op_phase[i] == 0}
     for b, mode in zip(profile.blocks, ac_modes(plan, n) if len(plan.ac) == n else ("none",) * n):
         if mode == "none": continue
-        first = {m: i for i, m in reversed(list(enumerate(profile.op_module))) if profile.op_phase[i] == 0}
         order = sorted(plan.tp_styles, key=lambda ns: first.get(f"{b}.{ns[0]}", 1 << 62))
         out += [kind for _, s in order[:-1] for kind, _ in STYLES[s][2]]
     return out

@@ -1,0 +1,152 @@
+"""`static-dist plan` and `static-dist train --plan` as a user runs them: the layout printed and written, pins, one-line
+errors, predicted / measured under a fake process group, and the plan trained on 4 gloo ranks under torchrun next to
+one process."""
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from static_dist.parallel import ParallelDims, ParallelPlan
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def run(*args, cwd=ROOT, timeout=300):
+    p = subprocess.run([sys.executable, "-m", "static_dist.app", *args], capture_output=True, text=True, cwd=cwd,
+                       timeout=timeout)
+    return p.returncode, p.stdout, p.stderr
+
+
+def _one_line_error(code, err, *words):
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("static-dist plan: error:"), err
+    assert "Traceback" not in err and all(w in lines[0] for w in words), err
+
+
+def test_plan_tiny_world4_prints_and_writes_a_plan(tmp_path):
+    code, out, err = run("plan", "--model", "tiny", "--world", "4", "--budget", "1GiB", "--out", str(tmp_path / "p.json"))
+    assert code == 0, err
+    for what in ("layout:", "memory per rank", "sharded_params", "activations", "step time", "forward", "tokens/s per device",
+                 "MFU", "runner-up", "plan written to"):
+        assert what in out, (what, out)
+    plan = ParallelPlan.from_json(tmp_path / "p.json")
+    assert plan.dims.world == 4 and len(plan.ac) == 2
+    code, out, err = run("plan", "--model", "tiny", "--world", "4", "--out", str(tmp_path / "p.json"))
+    _one_line_error(code, err, "p.json")                       # no overwrite without --force
+    code, out, err = run("plan", "--model", "tiny", "--world", "4", "--tp", "2", "--out", str(tmp_path / "p.json"), "--force")
+    assert code == 0, err
+    assert ParallelPlan.from_json(tmp_path / "p.json").dims.tp == 2
+
+
+def test_plan_pins_are_honoured(tmp_path):
+    code, out, err = run("plan", "--model", "tiny", "--world", "4", "--dp-shard", "2", "--tp", "2", "--ac", "full",
+                         "--out", str(tmp_path / "p.json"))
+    assert code == 0, err
+    plan = ParallelPlan.from_json(tmp_path / "p.json")
+    assert (plan.dims.dp_shard, plan.dims.tp, plan.dims.pp, plan.dims.cp) == (2, 2, 1, 1)
+    assert plan.ac == ("full", "full") and "blocks 0-1 full" in out
+    assert "runner-up" not in out                              # the pins leave one layout
+
+
+@pytest.mark.parametrize("args,words", [
+    (("--tp", "3"), ("--tp 3", "does not divide --world 4")),
+    (("--tp", "2", "--pp", "4"), ("8 ranks", "does not divide")),
+    (("--pp", "4"), ("pins", "relax a pin")),                   # 4 stages of a 2-block model
+    (("--tp", "0"), ("--tp must be at least 1",)),
+    (("--dp-replicate", "x"), ("whole number",)),
+])
+def test_plan_bad_pins_are_one_line(args, words):
+    code, out, err = run("plan", "--model", "tiny", "--world", "4", *args)
+    _one_line_error(code, err, *words)
+
+
+def test_plan_verify_tiny_within_3_percent():
+    code, out, err = run("plan", "--model", "tiny", "--world", "4", "--dp-shard", "2", "--tp", "2", "--verify")
+    assert code == 0, err
+    line = next(l for l in out.splitlines() if l.startswith("verify: world 4"))
+    ratio = float(line.split(" = ")[1].split(";")[0])
+    assert abs(ratio - 1) < 0.03 and "collectives match" in line, line
+    code, out, err = run("plan", "--model", "tiny", "--world", "4", "--pp", "2", "--verify")
+    assert code == 0 and "verify: skipped" in out and "pp = 1" in out, (out, err)
+
+
+def _train(tmp_path, plan: ParallelPlan, nproc: int | None, batch: int | None = None, steps: int = 3):
+    "`train --plan` under torchrun (nproc ranks) or alone; its process and log. `batch`: the workload's (per micro-batch)."
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "plan.json").write_text(plan.to_json())
+    cmd = ["-m", "static_dist.app", "train", "--plan", "plan.json", "--model", "tiny", "--steps", str(steps), "--no-compile"]
+    cmd += ["--batch", str(batch)] if batch else []
+    pre = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc else [])
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    p = subprocess.run(pre + cmd, capture_output=True, text=True, cwd=tmp_path, timeout=300, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return p, json.loads((tmp_path / "train_log.json").read_text())
+
+
+def test_train_plan_dp2_tp2_on_4_gloo_ranks_matches_one_process(tmp_path):
+    code, out, err = run("plan", "--model", "tiny", "--world", "4", "--dp-shard", "2", "--tp", "2",
+                         "--out", str(tmp_path / "p.json"))
+    assert code == 0, err
+    plan = ParallelPlan.from_json(tmp_path / "p.json")
+    p, log = _train(tmp_path / "four", plan, 4)
+    assert [f.name for f in (tmp_path / "four").iterdir() if f.name.startswith("train_log")] == ["train_log.json"]
+    assert "appeared while writing" not in p.stderr
+    assert log["world"] == 4 and sorted(r["rank"] for r in log["peaks"]) == [0, 1, 2, 3]
+    assert all(r["peak_bytes"] > 0 and r["peak_is"] == "torch MemTracker" for r in log["peaks"])
+    _, one = _train(tmp_path / "one", ParallelPlan(name="one process"), None, batch=4)   # the same 2 x 2 rows at once
+    assert one["world"] == 1 and len(one["peaks"]) == 1
+    assert len(log["losses"]) == len(one["losses"]) == 3
+    for a, b in zip(log["losses"], one["losses"]):
+        assert abs(a - b) <= 1e-4 * abs(b), (log["losses"], one["losses"])
+
+
+def test_train_plan_pipeline_on_4_gloo_ranks_matches_one_process(tmp_path):
+    """dp_shard 2 × pp 2 (1F1B, 4 micro-batches of the workload's 2 rows on each data-parallel rank: 16 rows a step):
+    the pipeline path of train --plan, each rank's MemTracker peak, the losses of one process stepping the 16 rows."""
+    code, out, err = run("plan", "--model", "tiny", "--world", "4", "--dp-shard", "2", "--pp", "2",
+                         "--out", str(tmp_path / "p.json"))
+    assert code == 0, err
+    plan = ParallelPlan.from_json(tmp_path / "p.json")
+    assert plan.dims.pp == 2 and plan.microbatches == 4
+    _, log = _train(tmp_path / "four", plan, 4, steps=2)
+    assert len(log["peaks"]) == 4 and all(r["peak_bytes"] > 0 for r in log["peaks"])
+    _, one = _train(tmp_path / "one", ParallelPlan(), None, batch=16, steps=2)
+    for a, b in zip(log["losses"], one["losses"]):
+        assert abs(a - b) <= 1e-4 * abs(b), (log["losses"], one["losses"])
+
+
+def test_train_plan_world_must_match(tmp_path):
+    (tmp_path / "p.json").write_text(ParallelPlan(ParallelDims(dp_shard=4)).to_json())
+    code, out, err = run("train", "--plan", str(tmp_path / "p.json"), "--model", "tiny", "--steps", "1", "--no-compile",
+                         "--log", str(tmp_path / "log.json"))
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "4 ranks" in err and "torchrun" in err, err
+    assert not (tmp_path / "log.json").exists()
+
+
+def test_plain_train_under_torchrun_writes_one_log(tmp_path):
+    "`train` without --plan on 2 gloo ranks: every rank trains, rank 0 alone writes the log (no 'appeared while writing')."
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
+                        "static_dist.app", "train", "--model", "tiny", "--steps", "2", "--no-compile"],
+                       capture_output=True, text=True, cwd=tmp_path, timeout=300, env=env)
+    assert p.returncode == 0 and "appeared while writing" not in p.stderr, p.stderr[-3000:]
+    assert [f.name for f in tmp_path.iterdir()] == ["train_log.json"]
+    assert json.loads((tmp_path / "train_log.json").read_text())["world"] == 2
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["plan", "--model", "tiny", "--world", "4", "--out", "/nonexistent/p.json"], ("/nonexistent",)),
+    (["plan", "--model", "tiny", "--world", "4", "--topology", "nosuch"], ("--topology",)),
+    (["plan", "--model", "mlp", "--world", "4"], ("repeated blocks",)),
+    (["train", "--plan", __file__, "--model", "tiny", "--no-compile"], ("parallel plan",)),
+])
+def test_plan_inputs_refused_in_one_line(argv, words, tmp_path):
+    p = subprocess.run([sys.executable, "-m", "static_dist.app", *argv], capture_output=True, text=True, cwd=tmp_path,
+                       timeout=300)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1 and "Traceback" not in p.stderr, p.stderr
+    assert all(w in lines[0] for w in words), p.stderr
