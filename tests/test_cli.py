@@ -28,13 +28,6 @@ def _check_audit(out: pathlib.Path, batch: int, seq: int):
     return rep
 
 
-def test_audit_zoo_model(tmp_path):
-    code, out, err = run("audit", "--model", "tiny", "--seq", "32", "--out", str(tmp_path / "a"))
-    assert code == 0, err
-    rep = _check_audit(tmp_path / "a", 2, 32)
-    assert all(s["status"] == "ok" for s in rep["sections"].values()), rep["sections"]
-
-
 def test_audit_own_file(tmp_path):
     "The issue's first done-when: a model file nobody here wrote into the zoo, batch 4 x seq 256."
     code, out, err = run("audit", "--model", "examples/gpt.py:GPT", "--batch", "4", "--seq", "256",
@@ -56,7 +49,7 @@ def _hf_configs(tmp_path):
     return dirs
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama"])
+@pytest.mark.parametrize("name", ["gpt2"])   # Conv1D, tied embeddings; hf Llama steps are captured and planned in 40ab, 45f, test_fsdp_structure
 def test_audit_hf_config(tmp_path, name):
     d = _hf_configs(tmp_path)[name]
     code, out, err = run("audit", "--model", f"hf:{d}", "--batch", "4", "--seq", "256", "--out", str(tmp_path / "o"))

@@ -89,7 +89,7 @@ def _worker(src: str, dst: str, timeout: int) -> int:
     def _term(signum, frame): raise KeyboardInterrupt(f"stopped by signal {signum}")
     signal.signal(signal.SIGTERM, _term)
     nb = nbformat.read(src, as_version=4)
-    client = NotebookClient(nb, kernel_name="python3", allow_errors=True, timeout=timeout, record_timing=True,
+    client = NotebookClient(nb, kernel_name="python3", allow_errors=True, timeout=min(timeout, CELL_TIMEOUT), record_timing=True,
                             store_widget_state=True, resources={"metadata": {"path": str(Path(src).parent)}})
     status = 0
     try: client.execute(env=kernel_env())
@@ -101,7 +101,22 @@ def _worker(src: str, dst: str, timeout: int) -> int:
     return status
 
 
+CELL_TIMEOUT = 400   # seconds one cell may run: the slowest cell takes about 150 s on 2 busy cores
+
+
 def run_one(nb_path: Path, timeout: int, python: str = sys.executable) -> dict:
+    """`_run_one`, and once more if a cell timed out: under load nbclient has been seen to wait out a cell whose kernel
+    had gone idle (a reply it never received); a second run that times out too is reported as such."""
+    r = _run_one(nb_path, timeout, python)
+    if r["problem"] and ("Timeout" in r["problem"] or "timed out" in r["problem"]):
+        again = _run_one(nb_path, timeout, python)
+        again["problem"] = again["problem"] and f"{again['problem']} (twice; first: {r['problem']})"
+        again["retried"] = r["problem"]
+        return again
+    return r
+
+
+def _run_one(nb_path: Path, timeout: int, python: str = sys.executable) -> dict:
     """Run `nb_path` in a worker process; return {"path", "seconds", "nb" (executed notebook dict or None), "problem"}.
     The worker is stopped (its kernel shut down, then killed) when it runs past `timeout` seconds in all."""
     with tempfile.TemporaryDirectory(prefix="run_nb_") as tmp:
@@ -357,12 +372,13 @@ def _main(a) -> int:
             r = results[(nb, k)] = f.result()
             nerr = len(cell_errors(r["nb"]) + widget_errors(r["nb"])) if r["nb"] else 0
             state = r["problem"] or (f"{nerr} error cell(s)" if nerr else "ok")
-            print(f"{r['seconds']:7.1f} s  {_rel(nb)}{' (run 2)' if k else ''}  {state}", flush=True)
+            again = f"  (ran again after: {r['retried']})" if r.get("retried") else ""
+            print(f"{r['seconds']:7.1f} s  {_rel(nb)}{' (run 2)' if k else ''}  {state}{again}", flush=True)
     failures, timing = [], {}
     for nb in nbs:
         r = results[(nb, 0)]; ex_nb = r["nb"]; name = _rel(nb); n_before = len(failures)
         errs = sorted(cell_errors(ex_nb) + widget_errors(ex_nb), key=lambda e: e["cell"]) if ex_nb else []
-        entry = timing[name] = dict(seconds=round(r["seconds"], 1), errors=len(errs), problem=r["problem"],
+        entry = timing[name] = dict(seconds=round(r["seconds"], 1), errors=len(errs), problem=r["problem"], retried=r.get("retried"),
                                     first_error=(f"cell {errs[0]['cell']}: {errs[0]['ename']}: {''.join(errs[0]['evalue'])}"
                                                  if errs else None),
                                     slowest=slowest_cells(ex_nb) if ex_nb else [])

@@ -269,6 +269,7 @@ def _mark_hopeless(hopeless: dict, plan: ParallelPlan, ac: str) -> None:
     k, d = _hopeless_key(plan, ac), plan.dims
     hopeless[k, d.dp_replicate > 1] = max(hopeless.get((k, d.dp_replicate > 1), 0), d.dp_shard)
 
+# %% ../../nbs/45d_parallel_search.ipynb
 def _known_hopeless(hopeless: dict, plan: ParallelPlan, ac: str) -> str:
     """Why `plan` cannot fit without evaluating it ('' if unknown). For fixed tp, cp, pp and micro-batches a rank's
     memory grows as dp_shard shrinks (its share of the parameters, gradients and optimizer state grows; gathered
