@@ -255,32 +255,36 @@ def table(self: LayoutSearch, lost: int = 5) -> str:
     rows = ["| | layout | memory / rank | step | tokens/s/device | MFU | note |", "|---|---|---:|---:|---:|---:|---|"]
     for tag, cs in (("**best**", [self.best] if self.best else []), ("runner-up", self.runners_up), ("lost", self.lost[:lost])):
         for c in cs:
-            rows.append(f"| {tag} | {c.label()} | {fmt_bytes(c.memory_bytes)} | {c.time.step_seconds * 1e3:.3g} ms | "
+            rows.append(f"| {tag} | {c.label()} | {fmt_bytes(c.memory_bytes) if c.memory_bytes else 'not computed'} | {c.time.step_seconds * 1e3:.3g} ms | "
                         f"{c.time.tokens_per_device:,.0f} | {c.time.mfu:.1%} | {c.note} |")
     return "\n".join(rows)
 
 # %% ../../nbs/45d_parallel_search.ipynb
-def _hopeless_key(plan: ParallelPlan, ac: str) -> tuple:
+def _most_sharded_memory(ctx: _Context, plan: ParallelPlan, mode: str) -> tuple[ParallelDims, int | None]:
+    """The layout with `plan`'s tp, cp, pp and micro-batches that shards the most (every data-parallel rank in dp_shard,
+    none replicated), checkpointed as `mode` on every block, and its memory (None where that layout is not valid)."""
     d = plan.dims
-    return d.tp, d.cp, d.pp, plan.microbatches, ac
-
-def _mark_hopeless(hopeless: dict, plan: ParallelPlan, ac: str) -> None:
-    "Record that `plan` cannot fit however it checkpoints (`ac`): per replication, the largest dp_shard known not to fit."
-    k, d = _hopeless_key(plan, ac), plan.dims
-    hopeless[k, d.dp_replicate > 1] = max(hopeless.get((k, d.dp_replicate > 1), 0), d.dp_shard)
+    top = ParallelDims(1, d.world // (d.cp * d.tp * d.pp), d.cp, d.tp, d.pp)
+    try:
+        p = ctx.plan(top, ac=(mode,) * ctx.n, stages=plan.stages, schedule=plan.schedule, m=plan.microbatches)
+        check_layout(p, ctx.full_stack, ctx.seq)
+        return top, _memory(ctx, p, mode)
+    except ParallelPlanError: return top, None
 
 # %% ../../nbs/45d_parallel_search.ipynb
-def _known_hopeless(hopeless: dict, plan: ParallelPlan, ac: str) -> str:
-    """Why `plan` cannot fit without evaluating it ('' if unknown). For fixed tp, cp, pp and micro-batches a rank's
-    memory grows as dp_shard shrinks (its share of the parameters, gradients and optimizer state grows; gathered
-    parameters and activations stay), and replicating adds to it: a layout no more sharded than one that did not fit
-    even fully checkpointed does not fit either."""
-    k, d = _hopeless_key(plan, ac), plan.dims
-    for rep in ((False, True) if d.dp_replicate > 1 else (False,)):
-        s = hopeless.get((k, rep), 0)
-        if d.dp_shard <= s:
-            return f"cannot fit: dp_shard {s} with the same tp, cp and pp does not fit{' checkpointing every block' if ac == 'auto' else ''}, and less sharding needs more"
-    return ""
+def _hopeless(ctx: _Context, plan: ParallelPlan, ac: str, budget: int, bounds: dict) -> str:
+    """Why `plan` cannot fit, found without evaluating it ('' if it may fit). For fixed tp, cp, pp and micro-batches a
+    rank's memory grows as dp_shard shrinks (its share of the parameters, gradients and optimizer state grows; gathered
+    parameters and activations stay), and replicating adds to it: if the most sharded layout of that group does not fit
+    even with every block checkpointed, no layout of the group does. One evaluation per group, not one per layout."""
+    d = plan.dims
+    key = (d.tp, d.cp, d.pp, plan.microbatches)
+    if key not in bounds: bounds[key] = _most_sharded_memory(ctx, plan, "full" if ac == "auto" else ac)
+    top, mem = bounds[key]
+    if mem is None or mem <= budget: return ""
+    how = " with every block checkpointed" if ac in ("auto", "full") else ""
+    return (f"cannot fit: dp_shard {top.dp_shard} with the same tp, cp and pp needs {fmt_bytes(mem)}{how} > budget "
+            f"{fmt_bytes(budget)}, and less sharding needs more")
 
 # %% ../../nbs/45d_parallel_search.ipynb
 def search_layouts(g: StaticGraph, world: int, topo: Topology, budget_bytes: int, *, n_blocks: int | None = None,
@@ -312,10 +316,10 @@ def search_layouts(g: StaticGraph, world: int, topo: Topology, budget_bytes: int
             except ParallelPlanError: continue
             heapq.heappush(heap, (_cost(ctx.step_time(plan)), tick, plan, mode, None)); tick += 1
     considered = tick
-    found, lost, evaluated, hopeless = [], [], 0, {}
+    found, lost, evaluated, bounds = [], [], 0, {}
     while heap and len(found) < 1 + runners_up:
         t, _, plan, mode, mem = heapq.heappop(heap)
-        if mem is None and (why := _known_hopeless(hopeless, plan, ac)):
+        if mem is None and (why := _hopeless(ctx, plan, ac, budget_bytes, bounds)):
             if not found: lost.append(Candidate(plan, 0, ctx.step_time(plan), why))
             continue
         if mem is None:
@@ -335,11 +339,11 @@ def search_layouts(g: StaticGraph, world: int, topo: Topology, budget_bytes: int
                 continue
             why = nxt
         else: why = f"needs {fmt_bytes(mem)} > budget {fmt_bytes(budget_bytes)}"
-        if mode != "mixed": _mark_hopeless(hopeless, plan, ac)
         if not found: lost.append(Candidate(plan, mem, ctx.step_time(plan), why))
         if progress: progress(f"{len(found)} fit, {evaluated} evaluated")
     best = found[0] if found else None
-    return LayoutSearch(best, tuple(found[1:]), tuple(lost), considered, evaluated, time.perf_counter() - t0, int(budget_bytes))
+    return LayoutSearch(best, tuple(found[1:]), tuple(lost), considered, evaluated + len(bounds), time.perf_counter() - t0,
+                        int(budget_bytes))
 
 # %% ../../nbs/45d_parallel_search.ipynb
 def search_graph(w, capture_blocks: int = 3, progress=None) -> tuple[StaticGraph, int, str]:
