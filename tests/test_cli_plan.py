@@ -97,6 +97,9 @@ def test_train_plan_dp2_tp2_on_4_gloo_ranks_matches_one_process(tmp_path):
     assert "appeared while writing" not in p.stderr
     assert log["world"] == 4 and sorted(r["rank"] for r in log["peaks"]) == [0, 1, 2, 3]
     assert all(r["peak_bytes"] > 0 and r["peak_is"] == "torch MemTracker" for r in log["peaks"])
+    # the prediction beside each rank's measured peak (the same quantity: MemTracker on CPU) agrees with it
+    assert all(abs(r["predicted_bytes"] / r["peak_bytes"] - 1) < 0.03 for r in log["peaks"]), log["peaks"]
+    assert "predicted" in p.stdout, p.stdout
     _, one = _train(tmp_path / "one", ParallelPlan(name="one process"), None, batch=4)   # the same 2 x 2 rows at once
     assert one["world"] == 1 and len(one["peaks"]) == 1
     assert len(log["losses"]) == len(one["losses"]) == 3

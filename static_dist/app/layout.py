@@ -214,8 +214,16 @@ def _plan_rank(w, plan, steps: int, backend: str) -> dict:
             losses.append(None if loss is None else float(loss.item()))
             seconds.append(time.perf_counter() - s0)
     nbytes, how = peak()
-    return dict(rank=dist.get_rank(), losses=losses, seconds=seconds, peak_bytes=nbytes, peak_is=how, device=dev,
-                total_seconds=time.perf_counter() - t0)
+    pp_rank = mesh.get_local_rank("pp") if mesh is not None and "pp" in (mesh.mesh_dim_names or ()) else 0
+    return dict(rank=dist.get_rank(), pp_rank=pp_rank, losses=losses, seconds=seconds, peak_bytes=nbytes, peak_is=how,
+                device=dev, total_seconds=time.perf_counter() - t0)
+
+# %% ../../nbs/92a_layout.ipynb
+def _predicted_rank_peaks(w, plan) -> list[int]:
+    """Predicted peak bytes of each pipeline rank of `plan` on the workload's captured step (the capture's master dtype:
+    the model `train` builds), to print beside what each rank measured."""
+    from static_dist.parallel import predict_parallel_memory
+    return [m.peak_bytes for m in predict_parallel_memory(w.graph(), plan).ranks]
 
 # %% ../../nbs/92a_layout.ipynb
 def train_plan(args) -> int:
@@ -248,13 +256,17 @@ def train_plan(args) -> int:
     if rank != 0: return 0
     per_step = list(zip(*[r["losses"] for r in every]))
     losses = [sum(l for l in s if l is not None) / max(sum(l is not None for l in s), 1) for s in per_step]
+    predicted = _predicted_rank_peaks(w, plan)
+    peaks = [dict(rank=r["rank"], pp_rank=r["pp_rank"], peak_bytes=r["peak_bytes"], peak_is=r["peak_is"],
+                  predicted_bytes=predicted[r["pp_rank"]], ratio=predicted[r["pp_rank"]] / max(r["peak_bytes"], 1)) for r in every]
     log = dict(workload=w.describe(), plan=json.loads(plan.to_json()), world=n, steps=args.steps, losses=losses,
-               peaks=[dict(rank=r["rank"], peak_bytes=r["peak_bytes"], peak_is=r["peak_is"]) for r in every], ranks=every)
+               peaks=peaks, ranks=every)
     atomic_write(args.log, json.dumps(log, indent=2, default=str), force=args.force, inputs=[args.plan])
     from static_dist.graph import fmt_bytes
     degrees = " × ".join(f"{k} {getattr(plan.dims, k)}" for k in PIN_DIMS if getattr(plan.dims, k) > 1) or "one rank"
     print(f"{w.source}: plan {plan.name!r} ({degrees}) on {n} rank(s), {args.steps} steps; loss {losses[0]:.4f} -> {losses[-1]:.4f}")
-    for r in every: print(f"  rank {r['rank']}: peak {fmt_bytes(r['peak_bytes'])} ({r['peak_is']})")
+    for r in peaks: print(f"  rank {r['rank']}: peak {fmt_bytes(r['peak_bytes'])} ({r['peak_is']}), predicted "
+                          f"{fmt_bytes(r['predicted_bytes'])} ({r['ratio']:.3f} × measured)")
     print(f"step log written to {args.log}", file=sys.stderr)
     return 0
 
