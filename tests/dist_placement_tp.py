@@ -55,7 +55,7 @@ def main() -> dict:
     spec = llama_block_spec(g, cfg)
     topo, mspec = preset("cpu-2socket", ranks_per_socket=2), MeshSpec((2, 2), ("dp", "tp"))
     meg = evaluate_plan(spec, MEGATRON, topo, mspec, method="megatron")
-    found = search_plan(spec, topo, mspec, memory_budget=spec.overhead(2) + meg.memory * 1.01, allow_dp_shard=False)
+    found = search_plan(spec, topo, mspec, memory_budget=meg.memory * 1.01, allow_dp_shard=False)
     mixed = evaluate_plan(spec, {"attention.wq": "colwise_gather", "attention.wk": "colwise_gather",
                                  "attention.wv": "colwise_gather", "attention.wo": "replicate",
                                  "feed_forward.w1": "replicate", "feed_forward.w3": "replicate",
@@ -68,7 +68,7 @@ def main() -> dict:
 
     results = {}
     # a memory budget below Megatron's forces some weights to be sharded over dp as well (FSDP2)
-    fsdp = search_plan(spec, topo, mspec, memory_budget=spec.overhead(2) + meg.memory * 0.8)
+    fsdp = search_plan(spec, topo, mspec, memory_budget=meg.memory * 0.8)
     assert any(f for *_, f in fsdp.styles), fsdp.styles
     # plans are data: rank 0's go to every rank (a solver tie broken differently on two ranks would deadlock)
     plans = [p.to_dict() for p in (found, meg, mixed, fsdp)]

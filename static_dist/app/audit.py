@@ -139,20 +139,25 @@ def _placement_table(rep) -> list[str]:
         md.append(f"| `{n}` | {s}{' + dp shard' if d else ''} | {ms} |")
     for k in ("seconds", "comm_bytes", "memory"):
         md.append(f"| **{k}** | {rep['found']['plan'][k]:.4g} | {rep['megatron']['plan'][k]:.4g} |")
+    if rep["found"].get("peak_bytes") is not None:       # memory above is the linears' state; this is the whole rank's
+        md.append("| **peak per rank** | " + " | ".join(fmt_bytes(rep[k]["peak_bytes"]) for k in ("found", "megatron")) + " |")
     return md
 
 # %% ../../nbs/93_audit.ipynb
 @section("Placement (TP plan on dgx-h100, mesh dp=2 × tp=4)")
 def placement_section(c: Context):
     "Tensor-parallel styles for the repeated block on a DGX H100, mesh dp=2 × tp=4, next to Megatron's."
+    from static_dist.parallel import ParallelPlanError, placement_other_bytes
     from static_dist.placement import block_spec, plan_report, plot_plans
     from static_dist.topology import MeshSpec, preset
     if c.graph.structure.main is None:
         raise NotApplicable("no stack of repeated blocks in the model: tensor-parallel placement plans a repeated block")
     try: spec = block_spec(c.graph)
     except StaticDistError as e: raise NotApplicable(str(e).splitlines()[0]) from None
-    rep = plan_report(spec, preset("dgx-h100"), MeshSpec((2, 4), ("dp", "tp")))
-    md = _placement_table(rep)
+    try: other, why = placement_other_bytes(c.graph, 2, 4), ""      # the rest of a rank's memory: the one parallel model
+    except ParallelPlanError as e: other, why = None, str(e)
+    rep = plan_report(spec, preset("dgx-h100"), MeshSpec((2, 4), ("dp", "tp")), other_bytes=other)
+    md = _placement_table(rep) + ([] if other is not None else ["", f"Peak per rank not predicted: {why}."])
     if rep["megatron"]["violations"]:
         md += ["", "The Megatron plan is not valid on this mesh:", ""] + [f"- {v}" for v in rep["megatron"]["violations"]]
     md += ["", c.figure(plot_plans(rep), "placement.png")]

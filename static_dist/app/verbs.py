@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 from .cli import UsageError
+from ..graph import fmt_bytes
 from ..outputs import OutputFolder
 from ..util import MAX_SMALL_BYTES, atomic_write, check_memory, check_real_size, check_writable, read_bounded
 
@@ -101,7 +102,6 @@ def _fsdp_report(args, prof, given):
 def cmd_plan_fsdp(args) -> int:
     "`static-dist plan-fsdp`: search a plan (or evaluate `--plan`), print it, optionally verify and write it."
     from static_dist.fsdp import FSDPPlan
-    from static_dist.graph import fmt_bytes
     _fsdp_flags(args)
     if args.out: check_writable(args.out, force=args.force, inputs=[args.plan])
     given = FSDPPlan.from_json(args.plan) if args.plan else None     # read and checked before the capture
@@ -152,11 +152,15 @@ def _placement_lines(rep: dict) -> list[str]:
         rows.append(f"{n:<26}{s + (' +dp_shard' if d else ''):<26}{ms:<12}")
     for k in ("seconds", "comm_bytes", "memory"):
         rows.append(f"{k:<26}{f['plan'][k]:<26.6g}{m.get('plan', {}).get(k, float('nan')):<12.6g}")
+    if f.get("peak_bytes") is not None:                  # memory above is the linears' state; this is the whole rank's
+        mp = fmt_bytes(m["peak_bytes"]) + (" (fits)" if m["fits"] else " (over)") if m.get("peak_bytes") is not None else "—"
+        rows.append(f"{'peak per rank':<26}{fmt_bytes(f['peak_bytes']) + (' (fits)' if f['fits'] else ' (over)'):<26}{mp:<12}")
     return rows
 
 # %% ../../nbs/92_verbs.ipynb
 def cmd_plan_placement(args) -> int:
     "`static-dist plan-placement`: TP styles for the repeated block on a mesh, next to Megatron's."
+    from static_dist.parallel import ParallelPlanError, placement_other_bytes
     from static_dist.placement import block_spec, plan_report
     from static_dist.topology import check_mesh
     mesh = mesh_spec(args.mesh, args.names)
@@ -165,11 +169,16 @@ def cmd_plan_placement(args) -> int:
     except ValueError as e: raise UsageError(str(e)) from None
     w = workload_of(args)
     with status(f"capturing {w.source}") as update: g = w.graph(progress=update)
-    try: rep = plan_report(block_spec(g), topo, mesh, memory_budget=args.memory, allow_dp_shard=not args.no_dp_shard)
+    # the rest of a rank's memory (activations, gathered parameters, the other state) from the one parallel memory model
+    try: other, why = placement_other_bytes(g, mesh.size // mesh.shape[-1], mesh.shape[-1]), ""
+    except ParallelPlanError as e: other, why = None, str(e)
+    try: rep = plan_report(block_spec(g), topo, mesh, other_bytes=other, memory_budget=args.memory,
+                           allow_dp_shard=not args.no_dp_shard)
     except ValueError as e: raise UsageError(str(e)) from None
     if args.json: print(json.dumps(rep, indent=2, default=str)); return 0
     print(f"{w.source} (batch {w.batch}, seq {w.seq}) on {topo.name}, mesh {dict(zip(mesh.names, mesh.shape))}")
     print("\n".join(_placement_lines(rep)))
+    if other is None: print(f"peak per rank: not predicted ({why})")
     return 0
 
 # %% ../../nbs/92_verbs.ipynb

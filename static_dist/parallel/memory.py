@@ -14,11 +14,12 @@ import numpy as np
 from ..fsdp import FSDPPlan, FSDPUnit, GraphProfile, MemoryPrediction, predict_memory
 from ..fsdp.profile import ParamInfo, main_stack, module_order, param_infos, shared_params, to_master, tokens_of
 from ..graph import StaticGraph, fmt_bytes
-from .plan import ParallelPlan, ParallelPlanError, ac_modes, stage_ranges
+from .plan import ParallelDims, ParallelPlan, ParallelPlanError, ac_modes, stage_ranges
+from ..placement import block_spec, megatron_styles
 
 # %% auto 0
 __all__ = ['op_blocks', 'op_stages', 'tp_op_factor', 'tp_param_shape', 'ac_effects', 'rank_stages', 'in_flight', 'rank_profile',
-           'rank_fsdp_plan', 'ParallelMemory', 'predict_parallel_memory']
+           'rank_fsdp_plan', 'ParallelMemory', 'predict_parallel_memory', 'placement_other_bytes']
 
 # %% ../../nbs/45b_parallel_memory.ipynb
 def _block_index(blocks: tuple[str, ...]):
@@ -331,3 +332,16 @@ def predict_parallel_memory(g: StaticGraph, plan: ParallelPlan, master_dtype: st
         prof = rank_profile(g, plan, r, master_dtype)
         preds.append(predict_memory(prof, rank_fsdp_plan(plan, prof)))
     return ParallelMemory(plan, tuple(preds))
+
+# %% ../../nbs/45b_parallel_memory.ipynb
+def placement_other_bytes(g: StaticGraph, dp: int, tp: int, master_dtype: str | None = None) -> int:
+    """A rank's bytes at its peak besides the repeated block's linears' parameter state, for the placement search's
+    memory constraint (`placement.search_plan(other_bytes=...)`): the peak of dp_shard `dp` × tp `tp` with Megatron's
+    styles and every block an FSDP unit, less those linears' state (sharded over tp and dp, as placement counts it)."""
+    spec, blocks = block_spec(g), g.structure.main.blocks
+    styles = megatron_styles(spec)
+    plan = ParallelPlan(ParallelDims(dp_shard=dp, tp=tp), tuple((n, s) for n, s in styles.items() if s != "replicate") if tp > 1 else (),
+                        fsdp=FSDPPlan(dp, (dp,), (FSDPUnit(""), *(FSDPUnit(b) for b in blocks))) if dp > 1 else None)
+    linears = spec.n_layers * sum(l.param_bytes * spec.state_factor / (tp if styles[l.name] != "replicate" else 1) / dp
+                                  for l in spec.linears)
+    return max(int(predict_parallel_memory(g, plan, master_dtype).peak_bytes - linears), 0)

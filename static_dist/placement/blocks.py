@@ -46,17 +46,8 @@ class BlockSpec:
     "((producers), consumer): producers read the block's replicated input and feed the consumer."
     state_factor: float
     "Bytes of param + grad + optimizer state per param byte."
-    fixed_bytes: int
-    "Param + grad + optimizer state outside the linears (embeddings, norms): replicated, not changed by the plan."
-    activation_bytes: int = 0
-    "Activations saved for backward in the captured step (all layers)."
 
 # %% ../../nbs/30c_placement_blocks.ipynb
-@patch
-def overhead(self: BlockSpec, tp: int) -> float:
-    "Bytes per device besides the linears' state: fixed state plus activations split over tp (Megatron's estimate)."
-    return self.fixed_bytes + self.activation_bytes / tp
-
 @patch
 def linear(self: BlockSpec, name: str) -> LinearSpec:
     "The linear called `name` (its FQN inside the block)."
@@ -83,11 +74,8 @@ def _measured_linear(graph, stats, fqn: str, name: str, fi: int, fo: int, heads=
 
 # %% ../../nbs/30c_placement_blocks.ipynb
 def _block_spec(graph, prefix: str, n_layers: int, lins: list, chains) -> BlockSpec:
-    "BlockSpec with the state outside the linears (`fixed_bytes`) and the saved activations from the graph's storages."
-    sf = _state_factor(graph)
-    total = sum(s.nbytes for s in graph.storages if s.role in ("parameter", "gradient", "optimizer_state"))
-    return BlockSpec(prefix, n_layers, tuple(lins), chains, sf, int(total - n_layers * sum(l.param_bytes for l in lins) * sf),
-                     sum(s.nbytes for s in graph.storages if s.role == "activation"))
+    "BlockSpec with the state factor read from the graph's storages (the rest of a rank's memory is the parallel model's)."
+    return BlockSpec(prefix, n_layers, tuple(lins), chains, _state_factor(graph))
 
 # %% ../../nbs/30c_placement_blocks.ipynb
 def _llama_shapes(cfg) -> dict:

@@ -21,25 +21,30 @@ __all__ = ['plan_report', 'plot_plans', 'solve_case', 'bench_placement', 'load_t
 
 # %% ../../nbs/30g_placement_report.ipynb
 def _plan_row(spec: BlockSpec, plan: ShardingPlan, topo: Topology, mesh: MeshSpec, tp_dim: str, eff: float,
-              budget: float) -> dict:
-    "One plan of the report: the plan, its per-linear costs, its violations, whether it fits."
+              budget: float, other_bytes: float | None) -> dict:
+    """One plan of the report: the plan, its per-linear costs, its violations, and with `other_bytes` (a rank's bytes
+    besides the linears' state, from the one memory model) its peak per rank and whether that fits; else None."""
     per = {n: asdict(choice_cost(spec.linear(n), s, f, topo, mesh, tp_dim, eff, spec.state_factor))
            for n, s, f in plan.styles}
     viol = [str(v) for v in check_plan(spec, {n: s for n, s, _ in plan.styles}, mesh, tp_dim)]
-    return dict(plan=plan.to_dict(), per_linear=per, violations=viol,
-                fits=plan.memory + spec.overhead(mesh.shape[-1]) <= budget)
+    peak = None if other_bytes is None else plan.memory + other_bytes
+    return dict(plan=plan.to_dict(), per_linear=per, violations=viol, peak_bytes=peak,
+                fits=None if peak is None else peak <= budget)
 
 # %% ../../nbs/30g_placement_report.ipynb
-def plan_report(spec: BlockSpec, topo: Topology, mesh: MeshSpec, tp_dim: str = "tp", **search_kw) -> dict:
-    "Found plan vs the Megatron plan: JSON-ready, with per-linear costs."
-    found = search_plan(spec, topo, mesh, tp_dim, **search_kw)
+def plan_report(spec: BlockSpec, topo: Topology, mesh: MeshSpec, tp_dim: str = "tp", other_bytes: float | None = None,
+                **search_kw) -> dict:
+    """Found plan vs the Megatron plan: JSON-ready, with per-linear costs. `other_bytes`: a rank's bytes besides the
+    linears' state, from the one memory model (`parallel.placement_other_bytes`); without it, memory is the linears'
+    state alone and whether a plan fits is not known (None)."""
+    found = search_plan(spec, topo, mesh, tp_dim, other_bytes=other_bytes or 0.0, **search_kw)
     eff = search_kw.get("efficiency", 0.5)
     budget = search_kw.get("memory_budget") or topo.device_memory
-    rows = dict(found=_plan_row(spec, found, topo, mesh, tp_dim, eff, budget))
+    rows = dict(found=_plan_row(spec, found, topo, mesh, tp_dim, eff, budget, other_bytes))
     try: meg = evaluate_plan(spec, megatron_styles(spec), topo, mesh, tp_dim, efficiency=eff, method="megatron")
     except Exception as e: rows["megatron"] = dict(error=str(e))     # e.g. a dim of Megatron's plan does not divide
-    else: rows["megatron"] = _plan_row(spec, meg, topo, mesh, tp_dim, eff, budget)
-    return dict(topology=topo.name, mesh=mesh.to_dict(), n_layers=spec.n_layers, **rows)
+    else: rows["megatron"] = _plan_row(spec, meg, topo, mesh, tp_dim, eff, budget, other_bytes)
+    return dict(topology=topo.name, mesh=mesh.to_dict(), n_layers=spec.n_layers, other_bytes=other_bytes, **rows)
 
 # %% ../../nbs/30g_placement_report.ipynb
 def plot_plans(report: dict, ax=None):

@@ -155,8 +155,11 @@ def _layout_rows(spec: BlockSpec, opts: list) -> tuple[list, list, list]:
 
 # %% ../../nbs/30e_placement_search.ipynb
 def search_plan(spec: BlockSpec, topo: Topology, mesh: MeshSpec, tp_dim: str = "tp", *, efficiency: float = 0.5,
-                memory_budget: float | None = None, allow_dp_shard: bool = True, time_limit: float = 30.0) -> ShardingPlan:
-    "Minimum predicted step time plan for the repeated block (MILP, HiGHS), within the memory budget."
+                memory_budget: float | None = None, other_bytes: float = 0.0, allow_dp_shard: bool = True,
+                time_limit: float = 30.0) -> ShardingPlan:
+    """Minimum predicted step time plan for the repeated block (MILP, HiGHS), within the memory budget. `other_bytes`: a
+    rank's bytes at its peak besides the linears' state (activations, gathered parameters, the rest of the model), from
+    the one memory model (`parallel.placement_other_bytes`); 0 bounds the linears' state alone."""
     from scipy.optimize import Bounds, LinearConstraint, milp
     t0 = time.perf_counter()
     check_mesh(topo, mesh)
@@ -166,25 +169,25 @@ def search_plan(spec: BlockSpec, topo: Topology, mesh: MeshSpec, tp_dim: str = "
     L, budget = spec.n_layers, topo.device_memory if memory_budget is None else memory_budget
     c = np.array([cost[o].seconds for o in opts]) * L
     rows, lo, hi = _layout_rows(spec, opts)
-    rows.append(np.array([L * cost[o].memory for o in opts])); lo.append(-np.inf); hi.append(budget - spec.overhead(tp))
+    rows.append(np.array([L * cost[o].memory for o in opts])); lo.append(-np.inf); hi.append(budget - other_bytes)
     res = milp(c / max(c.max(), 1e-30), constraints=LinearConstraint(np.array(rows), lo, hi), integrality=np.ones(len(opts)),
                bounds=Bounds(0, 1), options=dict(time_limit=time_limit, mip_rel_gap=1e-9))   # scaled: see place_ilp
-    if res.x is None: raise ValueError(_no_fit_message(spec, opts, cost, tp, budget, res.message))
+    if res.x is None: raise ValueError(_no_fit_message(spec, opts, cost, other_bytes, budget, res.message))
     chosen = [opts[i] for i in np.flatnonzero(res.x > 0.5)]
     plan = evaluate_plan(spec, {l.name: s for l, s, _ in chosen}, topo, mesh, tp_dim,
                          {l.name: f for l, _, f in chosen}, efficiency, "ilp")
     return ShardingPlan(**{**plan.__dict__, "solve_seconds": round(time.perf_counter() - t0, 4)})
 
 # %% ../../nbs/30e_placement_search.ipynb
-def _no_fit_message(spec: BlockSpec, opts, cost: dict, tp: int, budget: float, why: str) -> str:
+def _no_fit_message(spec: BlockSpec, opts, cost: dict, other_bytes: float, budget: float, why: str) -> str:
     "Why no plan fits: the budget against the smallest memory any plan needs."
-    best = spec.n_layers * sum(min(cost[o].memory for o in opts if o[0] is l) for l in spec.linears) + spec.overhead(tp)
+    best = spec.n_layers * sum(min(cost[o].memory for o in opts if o[0] is l) for l in spec.linears) + other_bytes
     return (f"no sharding plan fits in {budget:,.0f} bytes per device: the smallest needs about "
             f"{best:,.0f} ({why}); use a larger tp/dp degree, allow_dp_shard=True, or more memory")
 
 # %% ../../nbs/30e_placement_search.ipynb
 def brute_force_plan(spec: BlockSpec, topo: Topology, mesh: MeshSpec, tp_dim: str = "tp", *, efficiency: float = 0.5,
-                     memory_budget: float | None = None) -> ShardingPlan:
+                     memory_budget: float | None = None, other_bytes: float = 0.0) -> ShardingPlan:
     "Reference: every style combination (dp replicated) that passes `check_plan`; the cheapest that fits."
     dp, tp = _mesh_dims(mesh, tp_dim)
     budget = topo.device_memory if memory_budget is None else memory_budget
@@ -194,7 +197,7 @@ def brute_force_plan(spec: BlockSpec, topo: Topology, mesh: MeshSpec, tp_dim: st
         styles = dict(zip(names, combo))
         if check_plan(spec, styles, mesh, tp_dim): continue
         p = evaluate_plan(spec, styles, topo, mesh, tp_dim, efficiency=efficiency, method="brute_force")
-        if p.memory + spec.overhead(tp) <= budget and (best is None or p.seconds < best.seconds - 1e-15): best = p
+        if p.memory + other_bytes <= budget and (best is None or p.seconds < best.seconds - 1e-15): best = p
     if best is None: raise ValueError("no valid plan fits the memory budget")
     return best
 
