@@ -11,19 +11,22 @@ import time
 from dataclasses import dataclass
 
 import torch
+from torch.distributed._tools.mem_tracker import MemTracker
 
 from ..fsdp import measure_step, predict_comms
 from ..graph import fmt_bytes
 from ..launch import process_group
-from .apply import apply_parallel_plan, parallel_mesh
+from .apply import apply_ac, apply_parallel_plan, parallel_mesh
 from .memory import predict_parallel_memory, rank_fsdp_plan, rank_profile
-from .plan import ParallelPlan, ParallelPlanError
+from .plan import ParallelPlan, ParallelPlanError, SelectivePolicy
 from ..placement import STYLES
-from ..step import OPTIMIZERS
+from ..step import OPTIMIZERS, step_loss
+from ..structure import find_structure
 from ..util import torch_dtype
 
 # %% auto 0
-__all__ = ['axis_counts', 'predict_axis_counts', 'ParallelVerification', 'verify_parallel']
+__all__ = ['axis_counts', 'predict_axis_counts', 'ParallelVerification', 'verify_parallel', 'predicted_stack_bytes',
+           'measured_stack_bytes', 'verify_selective']
 
 # %% ../../nbs/45f_parallel_verify.ipynb
 def axis_counts(cdm) -> dict[str, int]:
@@ -99,3 +102,47 @@ def verify_parallel(w, plan: ParallelPlan, graph=None) -> ParallelVerification:
         peak, cdm = measure_step(m, rank_fsdp_plan(plan, prof), args, kwargs, targets, w.loss, w.optimizer)
     return ParallelVerification(plan.dims.world, pred, peak, predict_axis_counts(prof, plan), axis_counts(cdm),
                                 time.perf_counter() - t0)
+
+# %% ../../nbs/45f_parallel_verify.ipynb
+def _stack_span(g, blocks) -> tuple[int, int]:
+    "(first forward op of the first block, last forward op of the last block) of the captured step."
+    inside = lambda o, b: o.phase == "forward" and (o.module == b or o.module.startswith(b + "."))
+    return (min(i for i, o in enumerate(g.ops) if inside(o, blocks[0])),
+            max(i for i, o in enumerate(g.ops) if inside(o, blocks[-1])))
+
+def predicted_stack_bytes(g, plan: ParallelPlan) -> int:
+    "Bytes the main stack's forward leaves held (its blocks' saved activations) on one rank of `plan`, from the model."
+    first, last = _stack_span(g, g.structure.main.blocks)
+    native = rank_profile(g, plan).native
+    made_next = sum(s.nbytes for s in g.storages if s.created == last + 1)     # alive at last + 1, not yet at the end of last
+    return int(native[last + 1]) - made_next - int(native[first - 1] if first else 0)
+
+# %% ../../nbs/45f_parallel_verify.ipynb
+def measured_stack_bytes(w, plan: ParallelPlan) -> int:
+    "Bytes the main stack's forward leaves held on the CPU, `plan`'s checkpointing applied (one rank: no other axis), by MemTracker."
+    model = w.build_model("cpu", seed=0)
+    blocks = find_structure(model).main.blocks
+    apply_ac(model, plan)
+    args, kwargs, targets = w.inputs()
+    mt, marks = MemTracker(), {}
+    mt.track_external(model)
+    def mark(key):
+        def hook(*_): marks.setdefault(key, sum(d.get("Total", 0) for d in mt.get_tracker_snapshot("current").values()))
+        return hook
+    model.get_submodule(blocks[0]).register_forward_pre_hook(mark("start"))
+    model.get_submodule(blocks[-1]).register_forward_hook(mark("end"))
+    with mt: step_loss(w.loss, model(*args, **kwargs), targets).backward()
+    return marks["end"] - marks["start"]
+
+# %% ../../nbs/45f_parallel_verify.ipynb
+def verify_selective(w, policy: SelectivePolicy = SelectivePolicy(), graph=None) -> dict:
+    """What `policy` saves beyond full checkpointing, predicted and measured (`measured_stack_bytes`), with the bytes of
+    each mode: {'none'|'full'|'selective': (predicted, measured), 'policy': (predicted, measured)}."""
+    g = graph if graph is not None else w.graph()
+    n = len(g.structure.main.blocks)
+    out = {}
+    for mode in ("none", "full", "selective"):
+        plan = ParallelPlan(ac=(mode,) * n, selective=policy)
+        out[mode] = (predicted_stack_bytes(g, plan), measured_stack_bytes(w, plan))
+    out["policy"] = tuple(s - f for s, f in zip(out["selective"], out["full"]))
+    return out
