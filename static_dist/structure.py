@@ -25,6 +25,8 @@ class LinearInfo:
     in_features: int
     out_features: int
     bias: bool
+    shardable: bool = True
+    "An `nn.Linear`, which torch's tensor-parallel styles shard; False for transformers' `Conv1D` (they refuse it)."
 
 # %% ../nbs/01a_structure.ipynb
 @dataclass(frozen=True)
@@ -87,7 +89,7 @@ def _in_out(m: nn.Module) -> tuple[int, int] | None:
 
 def _linears(block: nn.Module) -> tuple[LinearInfo, ...]:
     "The linear layers inside `block`, in module order."
-    return tuple(LinearInfo(n, *io, m._parameters.get("bias") is not None)
+    return tuple(LinearInfo(n, *io, m._parameters.get("bias") is not None, isinstance(m, nn.Linear))
                  for n, m in block.named_modules() if (io := _in_out(m)) is not None)
 
 # %% ../nbs/01a_structure.ipynb
@@ -172,7 +174,8 @@ class StructureError(StaticDistError, ValueError):
 
 # %% ../nbs/01a_structure.ipynb
 def _linear_from(f: Fields) -> LinearInfo:
-    return LinearInfo(f("name", string()), f("in_features", integer(0)), f("out_features", integer(0)), f("bias", boolean()))
+    return LinearInfo(f("name", string()), f("in_features", integer(0)), f("out_features", integer(0)), f("bias", boolean()),
+                      f("shardable", boolean(), True))
 
 def _stack_from(f: Fields) -> BlockStack:
     "One stack of a stored structure (read with util's checked reader: StructureError naming the field)."

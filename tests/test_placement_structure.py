@@ -54,8 +54,12 @@ def test_gpt_fused_qkv_at_transformer_h(gpt_graph):
     assert (proj.in_heads, fc.out_heads, fc.out_features, out.in_features) == (4, 0, 4 * d, 4 * d)
     assert (qkv.in_bytes, qkv.out_bytes, fc.out_bytes) == (B * T * d * 4, B * T * 3 * d * 4, B * T * 4 * d * 4)
     assert qkv.flops == 3 * 2 * (B * T) * d * (3 * d)          # forward 2·tokens·in·out, backward twice that
-    vs = check_plan(spec, megatron_styles(spec), MESH)          # Megatron's plan would split q, k and v apart
+    naive = {"attn.qkv": "colwise", "attn.proj": "rowwise", "mlp.fc": "colwise", "mlp.proj": "rowwise"}
+    vs = check_plan(spec, naive, MESH)                          # column shards of a fused qkv split q, k and v apart
     assert [v.check for v in vs] == ["fused projections"]
+    meg = megatron_styles(spec)                                 # so Megatron's rule keeps that chain whole
+    assert meg == {"attn.qkv": "replicate", "attn.proj": "replicate", "mlp.fc": "colwise", "mlp.proj": "rowwise"}
+    assert check_plan(spec, meg, MESH) == []
     found = search_plan(spec, TOPO, MESH, allow_dp_shard=False)
     assert found.style("attn.qkv") not in ("colwise", "colwise_gather")
     assert check_plan(spec, {n: s for n, s, _ in found.styles}, MESH) == []
@@ -143,3 +147,14 @@ def test_mutated_sharding_plans(data):
         assert str(e) and isinstance(e, StaticDistError)
         return
     _same(d, json.loads(json.dumps(plan.to_dict())))
+
+
+def test_hf_gpt2_conv1d_is_never_tensor_parallel(tmp_path):
+    "transformers' GPT-2 uses Conv1D, which ColwiseParallel/RowwiseParallel refuse: the styles keep it replicated."
+    transformers = pytest.importorskip("transformers")
+    from static_dist.workload import load_workload
+    transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=128).save_pretrained(tmp_path)
+    spec = block_spec(load_workload(f"hf:{tmp_path / 'config.json'}", batch=2, seq=32).graph())
+    assert spec.linears and not any(l.shardable for l in spec.linears)
+    assert set(megatron_styles(spec).values()) == {"replicate"}
+    assert "module type" in [v.check for v in check_plan(spec, {spec.linears[-1].name: "rowwise"}, MESH)]

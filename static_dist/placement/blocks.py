@@ -33,6 +33,8 @@ class LinearSpec:
     out_heads: int = 0
     fused: int = 1
     "Projections concatenated in its output (a fused qkv: 3): column sharding would mix them, so it stays whole."
+    shardable: bool = True
+    "An `nn.Linear` (False: transformers' `Conv1D`, which torch's tensor-parallel styles refuse)."
 
 # %% ../../nbs/30c_placement_blocks.ipynb
 @dataclass(frozen=True)
@@ -66,11 +68,11 @@ def _linear_io(graph, fqn: str) -> tuple[int, int]:
     return max(_tensor_bytes(graph, t) for t in ins), _tensor_bytes(graph, ops[-1].outputs[0])
 
 # %% ../../nbs/30c_placement_blocks.ipynb
-def _measured_linear(graph, stats, fqn: str, name: str, fi: int, fo: int, heads=(0, 0, 1)) -> LinearSpec:
+def _measured_linear(graph, stats, fqn: str, name: str, fi: int, fo: int, heads=(0, 0, 1), shardable: bool = True) -> LinearSpec:
     "LinearSpec of module `fqn` (called `name` in the block): bytes from its ops, FLOPs and params from its stats."
     s, (ib, ob) = stats[fqn], _linear_io(graph, fqn)
     return LinearSpec(name, fi, fo, ib, ob, s.forward_flops + (s.backward_flops or 2 * s.forward_flops),
-                      s.param_bytes, *heads)
+                      s.param_bytes, *heads, shardable)
 
 # %% ../../nbs/30c_placement_blocks.ipynb
 def _block_spec(graph, prefix: str, n_layers: int, lins: list, chains) -> BlockSpec:
@@ -161,5 +163,5 @@ def block_spec(graph) -> BlockSpec:
     chains = _chains([l.name for l in infos], reads)
     consumers = {c for ps, c in chains if set(ps) & attn}
     lins = [_measured_linear(graph, stats, f"{b}.{l.name}", l.name, l.in_features, l.out_features,
-                             _heads(l, st, attn, consumers)) for l in infos]
+                             _heads(l, st, attn, consumers), l.shardable) for l in infos]
     return _block_spec(graph, st.path, len(st.blocks), lins, chains)

@@ -35,6 +35,7 @@ def parallel_style(style: str):
 # %% ../../nbs/30d_placement_layout.ipynb
 def _divisible(l: LinearSpec, style: str, tp: int) -> bool:
     _, _, _, _ = STYLES[style]
+    if style != "replicate" and not l.shardable: return False
     if style in ("colwise", "colwise_gather"): return l.fused == 1 and l.out_features % tp == 0 and (l.out_heads % tp == 0)
     if style in ("rowwise", "rowwise_scatter"): return l.in_features % tp == 0 and (l.in_heads % tp == 0)
     return True
@@ -47,6 +48,9 @@ def _check_linear(spec: BlockSpec, l: LinearSpec, s: str, tp: int) -> Violation 
         return Violation(f"{spec.prefix}.*.{l.name}", "fused projections", f"{l.fused} projections in one output",
                          "one projection per linear", "replicate it, or split it into separate q/k/v linears to "
                          "shard its columns")
+    if s != "replicate" and not l.shardable:
+        return Violation(f"{spec.prefix}.*.{l.name}", "module type", "not an nn.Linear (e.g. transformers' Conv1D)",
+                         "an nn.Linear", "replicate it: torch's ColwiseParallel/RowwiseParallel shard nn.Linear only")
     if _divisible(l, s, tp): return None
     dim = ("out_features", l.out_features, l.out_heads) if s.startswith("colwise") else ("in_features", l.in_features, l.in_heads)
     return Violation(f"{spec.prefix}.*.{l.name}", "divisibility", f"{dim[0]}={dim[1]}" + (f", heads={dim[2]}" if dim[2] else ""),

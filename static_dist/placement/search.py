@@ -109,10 +109,16 @@ MEGATRON = {"attention.wq": "colwise", "attention.wk": "colwise", "attention.wv"
             "feed_forward.w1": "colwise", "feed_forward.w3": "colwise", "feed_forward.w2": "rowwise"}
 
 def megatron_styles(spec: BlockSpec) -> dict:
-    "Megatron's hand-written plan for any block: chain producers column-parallel, consumers row-parallel, the rest replicated."
+    """Megatron's hand-written plan for any block: chain producers column-parallel, consumers row-parallel, the rest
+    replicated. A chain stays replicated where column shards would not line up with the consumer's row shards: a
+    producer that fuses projections (qkv, gate+up) or whose output is not the consumer's input (split or reshaped on the
+    way) but by attention heads, or a layer torch's styles do not shard (not an nn.Linear)."""
     out = {l.name: "replicate" for l in spec.linears}
     for producers, consumer in spec.chains:
-        out.update({p: "colwise" for p in producers}, **{consumer: "rowwise"})
+        c = spec.linear(consumer)
+        ok = lambda l: l.shardable and l.fused == 1 and (l.out_heads > 0 or l.out_features == c.in_features)
+        if c.shardable and all(ok(spec.linear(p)) for p in producers):
+            out.update({p: "colwise" for p in producers}, **{consumer: "rowwise"})
     return out
 
 # %% ../../nbs/30e_placement_search.ipynb
