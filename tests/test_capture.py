@@ -315,3 +315,23 @@ def test_cuda_errors():
         capture(model, (tokens.cuda() + 256,), loss_fn=zm.loss, targets=targets.cuda(), mode="real")
     with pytest.raises(CaptureError, match="dtype='bfloat16'"):
         capture(_MixedMoE().cuda(), (x,))                 # fake tensors on CUDA: the same meta kernel refuses float32
+
+
+def test_backward_ops_are_not_charged_to_a_pass_through_module():
+    "nn.Dropout(0.0) returns its input: ModuleTracker's backward scope for it can stay open; its name must not take ops."
+    import torch.nn as nn
+    from static_dist.graph import capture
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm, self.lin, self.drop = nn.LayerNorm(8), nn.Linear(8, 8), nn.Dropout(0.0)
+        def forward(self, x): return x + self.drop(self.lin(self.norm(x)))
+
+    g = capture(nn.Sequential(Block(), Block()), torch.randn(2, 8), loss_fn=lambda y: y.sum())
+    bwd = [o.module for o in g.ops if o.phase == "backward"]
+    assert bwd and not any(m.endswith("drop") for m in bwd), bwd
+    last1 = max(i for i, m in enumerate(bwd) if m.startswith("1."))
+    first0 = min(i for i, m in enumerate(bwd) if m.startswith("0."))
+    assert last1 < first0, bwd                   # block 1's backward ends before block 0's begins
+    assert "0.norm" in bwd and "1.norm" in bwd, bwd

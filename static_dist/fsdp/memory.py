@@ -191,7 +191,10 @@ def _add_gradients(C: _Curves, l: UnitLayout, pinfo: dict, plan: FSDPPlan) -> No
         if q.grad_created >= 0: C.add("gradients", q.grad_created, end, q.numel * _dtype_size(plan.param_dtype, q.itemsize))
     acc, sync_all = plan.accumulation_steps > 1, plan.sync_every_microbatch
     if acc and not sync_all: C.add("gradients", 0, l.bwd[1], l.grad_bytes)
-    C.add("gradients", 0 if (acc and sync_all) else l.bwd[1], C.n - 1, l.sharded_bytes)
+    # the reduce-scatter output (the sharded gradient) is allocated once the input is filled and the unsharded grads
+    # freed (`foreach_reduce`): the root's, whose grads live through its last op, after that op
+    first = l.bwd[1] + 1 if l.module == "" and l.bwd[1] + 1 < C.n else l.bwd[1]
+    C.add("gradients", 0 if (acc and sync_all) else first, C.n - 1, l.sharded_bytes)
 
 # %% ../../nbs/40c_fsdp_memory.ipynb
 def _add_units(C: _Curves, profile: GraphProfile, plan: FSDPPlan, lays) -> int:

@@ -177,10 +177,17 @@ def computes(func) -> bool:
 
 # %% ../../nbs/00c_graph_recorder.ipynb
 class ModuleScopes(ModuleTracker):
-    "`ModuleTracker` whose backward scopes also close on keyword tensor inputs (for modules of `model`)."
+    """`ModuleTracker` whose backward scopes also close on keyword tensor inputs (for modules of `model`), and which
+    knows the pass-through modules (`nn.Dropout(0.0)`, `nn.Identity`: forward returns an input tensor itself): their
+    backward scope opens and closes on the same gradient, in either order, so it can stay open (see `_Recorder.module`)."""
     def __init__(self, model: nn.Module):
         super().__init__()
-        self.model, self._kw_handles = model, []
+        self.model, self._kw_handles, self.passthrough = model, [], set()
+
+    def _pass_hook(self, mod, args, kwargs, out) -> None:
+        ins = {id(a) for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)}
+        if any(isinstance(o, torch.Tensor) and id(o) in ins for o in tree_flatten(out)[0]):
+            self.passthrough.add(self._get_mod_name(mod))
 
     def _kw_pre_hook(self, mod, args, kwargs) -> None:
         grad = lambda xs: [a for a in tree_flatten(xs)[0] if isinstance(a, torch.Tensor) and a.requires_grad]
@@ -190,6 +197,7 @@ class ModuleScopes(ModuleTracker):
     def __enter__(self):
         super().__enter__()        # the global hooks first, so the root's name is settled before ours run
         self._kw_handles = [m.register_forward_pre_hook(self._kw_pre_hook, with_kwargs=True) for m in self.model.modules()]
+        self._kw_handles += [m.register_forward_hook(self._pass_hook, with_kwargs=True) for m in self.model.modules()]
         return self
 
     def __exit__(self, *args):
@@ -227,9 +235,9 @@ class _Recorder(TorchDispatchMode):
 @patch
 def module(self: _Recorder) -> str:
     "FQN (relative to the captured model) of the innermost module running now."
-    best = (-1, 0, "")
+    best, stale = (-1, 0, ""), getattr(self.tracker, "passthrough", ()) if self.phase == "backward" else ()
     for name in self.tracker.parents:
-        if name == "Global" or name == self.root: continue
+        if name == "Global" or name == self.root or name in stale: continue   # a pass-through runs no backward op
         rel = name[len(self.root) + 1:] if name.startswith(self.root + ".") else name
         best = max(best, (rel.count("."), len(rel), rel))
     return best[2]

@@ -258,6 +258,14 @@ def _flops(g: StaticGraph, plan: ParallelPlan, v: _View) -> np.ndarray:
     return f
 
 # %% ../../nbs/45b_parallel_memory.ipynb
+def _root_marks(g: StaticGraph, K: np.ndarray) -> dict:
+    """The capture's marks of the model's own forward end and first output gradient (FSDP's root post-forward and
+    pre-backward, which issues the first backward all-gather), as the rank's op numbers; -1 where the rank has not that op."""
+    at = {int(i): j for j, i in enumerate(K)}
+    fwd, bwd = g.meta.get("model_forward"), g.meta.get("model_backward_start")
+    return dict(model_forward_end=at.get(fwd[1], -1) if fwd else -1, model_backward_start=-1 if bwd is None else at.get(bwd, -1))
+
+# %% ../../nbs/45b_parallel_memory.ipynb
 def rank_profile(g: StaticGraph, plan: ParallelPlan, pp_rank: int = 0, master_dtype: str | None = None) -> GraphProfile:
     "The FSDP planner's profile of the captured step as one rank of pipeline rank `pp_rank` holds it under `plan`."
     stack, blocks = main_stack(g)
@@ -277,7 +285,8 @@ def rank_profile(g: StaticGraph, plan: ParallelPlan, pp_rank: int = 0, master_dt
     return GraphProfile(tuple(ps), module_order(seen, [p.module for p in ps], len(K)), tuple(g.ops[i].module for i in K),
                         phase, _flops(g, plan, v)[K], native, temp, _saved(g, v, plan.dims.cp, newix),
                         int(temp[phase == 2].max()) if (phase == 2).any() else 0, _tied(g, by_storage, ps), g.meta.get("model", ""),
-                        cap, tokens_of(g) // plan.dims.cp, _stage_blocks(plan, blocks, v), stack, tuple(g.ops[i].op for i in K))
+                        cap, tokens_of(g) // plan.dims.cp, _stage_blocks(plan, blocks, v), stack, tuple(g.ops[i].op for i in K),
+                        **_root_marks(g, K))
 
 # %% ../../nbs/45b_parallel_memory.ipynb
 def _saved(g: StaticGraph, v: _View, cp: int, newix) -> tuple:
