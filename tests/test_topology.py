@@ -143,3 +143,17 @@ def test_gloo_calibration_four_ranks():
     print("held-out predicted/measured:", np.round(held, 2).tolist())
     assert len(held) >= 6                                    # at least 3 of the 5 collectives fit
     assert 1 / 3 < float(np.median(held)) < 3
+
+
+def test_collective_time_is_the_slowest_group_of_every_group():
+    "collective_time times one group per shape (a translate by whole inner levels crosses the same levels): the same as all."
+    from static_dist.topology.model import _flat, _hier
+    topo = Topology("3-level", 64, "x", 1e15, 80 * 2**30, LINKS[1], levels=(Level("board", 4, LINKS[0]),
+                    Level("node", 4, LINKS[2]), Level("pod", 4, LINKS[3])))
+    for shape in ((64,), (2, 32), (8, 8), (4, 4, 4), (16, 2, 2), (2, 2, 16)):
+        names = tuple(f"d{i}" for i in range(len(shape)))
+        mesh = MeshSpec(shape, names)
+        for dim, kind, alg in itertools.product(names, ("all_reduce", "all_gather", "reduce_scatter"), ("ring", "hierarchical")):
+            ref = max(_hier(topo, g, kind, 2**24, topo.levels_spanned(g)) if alg == "hierarchical" else _flat(topo, g, kind, 2**24, alg)
+                      for g in mesh.groups(dim))
+            assert collective_time(topo, mesh, dim, kind, 2**24, algorithm=alg) == pytest.approx(ref, rel=1e-12), (shape, dim, kind, alg)

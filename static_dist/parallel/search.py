@@ -17,8 +17,9 @@ from fastcore.basics import patch
 from ..fsdp import FSDPPlan, FSDPUnit, expand_profile, predict_memory
 from ..fsdp.profile import main_stack
 from ..graph import StaticGraph, fmt_bytes
-from .memory import in_flight, predict_parallel_memory, rank_fsdp_plan, rank_profile
-from .plan import ParallelDims, ParallelPlan, ParallelPlanError, SelectivePolicy, check_layout
+from .memory import _block_index, in_flight, predict_parallel_memory, rank_fsdp_plan, rank_profile
+from .plan import (ParallelDims, ParallelPlan, ParallelPlanError, SelectivePolicy, ac_modes, check_layout,
+                                       stage_ranges)
 from .time import StepTime, predict_step_time, rank_work
 from ..placement import block_spec, megatron_styles
 from ..topology import Topology
@@ -104,21 +105,63 @@ def _uniform_profile(ctx: _Context, d: ParallelDims, mode: str, k: int):
     return ctx._ext[(key, k)]
 
 # %% ../../nbs/45d_parallel_search.ipynb
+def _stage_layout(ctx: _Context, d: ParallelDims, P) -> tuple:
+    "(block of each op, first forward op, op where each forward ends, blocks held at each op) of a `k`-block stage profile."
+    key = ("layout", d.tp, d.cp, len(P.blocks))
+    if key not in ctx._ext:
+        k, of, ph, memo = len(P.blocks), _block_index(P.blocks), P.op_phase, {}
+        ob = np.array([memo[m] if m in memo else memo.setdefault(m, of(m)) for m in P.op_module], dtype=np.int64)
+        ff = np.array([np.flatnonzero((ob == b) & (ph == 0))[0] for b in range(k)])
+        fb = np.sort([np.flatnonzero((ob == b) & (ph == 1))[0] for b in range(k)])
+        ends = np.append(ff[1:], np.flatnonzero((ob == k - 1) & (ph == 0))[-1] + 1)
+        t = np.arange(len(ph))           # held: in forward, the blocks done; in backward, those not yet started
+        held = np.where(ph == 0, np.searchsorted(ends, t, side="right"), np.where(ph == 1, k - np.searchsorted(fb, t, side="right"), 0))
+        ctx._ext[key] = (ob, ff, ends, held)
+    return ctx._ext[key]
+
+def _mixed_profile(ctx: _Context, d: ParallelDims, modes: tuple[str, ...]):
+    """The rank profile of a stage of `len(modes)` blocks checkpointed block by block as `modes`, composed from the
+    uniform ones: their ops are the same, only what each block leaves held differs. An op of block `b` takes its bytes
+    from the profile of `b`'s mode (an op outside the blocks from any), with what the blocks held there leave swapped
+    for what they leave under their own modes."""
+    profs = {m: _uniform_profile(ctx, d, m, len(modes)) for m in sorted(set(modes))}
+    P0 = next(iter(profs.values()))
+    if len(profs) == 1: return P0
+    ob, ff, ends, held = _stage_layout(ctx, d, P0)
+    cum = lambda left: np.concatenate(([0], np.cumsum(left)))
+    left = {m: P.native[ends] - P.native[ff] for m, P in profs.items()}             # bytes each block leaves held
+    mixed = cum([left[m][i] for i, m in enumerate(modes)])
+    src = np.array(modes)[np.maximum(ob, 0)]
+    native = np.zeros(len(ob), dtype=np.int64)
+    for m, P in profs.items():
+        s = src == m
+        native[s] = P.native[s] - cum(left[m])[held[s]] + mixed[held[s]]
+    return dataclasses.replace(P0, native=native)
+
+# %% ../../nbs/45d_parallel_search.ipynb
 def _forward_activations(P) -> int:
     "One micro-batch's activations at the end of its forward, from a rank profile."
     fwd = np.flatnonzero(P.op_phase == 0)
     return max(int(P.native[fwd[-1]] - P.native[0]), 0) if len(fwd) else 0
 
+def _stage_modes(ctx: _Context, plan: ParallelPlan, mode: str | None) -> tuple[str, ...]:
+    "Checkpointing of each block of the first pipeline stage (`mode` for all of them when given)."
+    d = plan.dims
+    lo, hi = stage_ranges(plan, ctx.n)[0] if d.pp > 1 else (0, ctx.n)
+    return (mode,) * (hi - lo) if mode else tuple(ac_modes(plan, ctx.n)[lo:hi])
+
 def _memory(ctx: _Context, plan: ParallelPlan, mode: str | None = None) -> int:
-    "Peak bytes of the busiest rank of `plan` (exact on a full capture; see above otherwise). `mode`: uniform checkpointing."
+    """Peak bytes of the busiest rank of `plan` (exact on a full capture; see above otherwise). `mode`: uniform
+    checkpointing, else the plan's per block."""
     if ctx.full: return predict_parallel_memory(ctx.g, plan, ctx.master).peak_bytes
     d = plan.dims
     k = ctx.n // d.pp if d.pp > 1 else ctx.n
     if k < ctx.captured:
         raise ParallelPlanError(f"a stage of {k} blocks is shorter than the {ctx.captured} captured ones")
-    key = (d.tp, d.cp, k, mode or "none", d.fsdp_size, d.dp_replicate > 1, in_flight(plan, 0))
+    modes = _stage_modes(ctx, plan, mode)
+    key = (d.tp, d.cp, modes if len(set(modes)) > 1 else (k, modes[0]), d.fsdp_size, d.dp_replicate > 1, in_flight(plan, 0))
     if key not in ctx._mem:                    # the replicate degree aside, these set a rank's memory
-        P = _uniform_profile(ctx, d, mode or "none", k)
+        P = _mixed_profile(ctx, d, modes)
         pred = predict_memory(P, rank_fsdp_plan(plan, P))
         ctx._mem[key] = pred.peak_bytes + (in_flight(plan, 0) - 1) * _forward_activations(P)
     return ctx._mem[key]
@@ -127,15 +170,12 @@ def _memory(ctx: _Context, plan: ParallelPlan, mode: str | None = None) -> int:
 def memory_by_category(g: StaticGraph, plan: ParallelPlan, n_blocks: int | None = None,
                        master_dtype: str | None = None) -> list[tuple[str, dict, int]]:
     """(rank, bytes at its peak by category, peak bytes) of `plan` on the step `g` extended to `n_blocks`: every pipeline
-    rank on a full capture; else the busiest rank, as the search models it (one checkpointing mode for every block)."""
+    rank on a full capture; else the busiest rank, as the search models it (its blocks' profile composed by mode)."""
     n = n_blocks or len(g.structure.main.blocks)
     if len(g.structure.main.blocks) == n:
         return [(f"pp rank {r}", m.at_peak, m.peak_bytes) for r, m in enumerate(predict_parallel_memory(g, plan, master_dtype).ranks)]
-    modes = set(plan.ac) or {"none"}
-    if len(modes) > 1:
-        raise ParallelPlanError("memory by category of a few captured blocks needs one checkpointing mode for every block")
     d, ctx = plan.dims, _Context(g, n, None, plan.tp_styles, plan.selective, master_dtype)
-    P = _uniform_profile(ctx, d, modes.pop(), n // d.pp if d.pp > 1 else n)
+    P = _mixed_profile(ctx, d, _stage_modes(ctx, plan, None if plan.ac else "none"))
     pred, extra = predict_memory(P, rank_fsdp_plan(plan, P)), (in_flight(plan, 0) - 1) * _forward_activations(P)
     at = dict(pred.at_peak)
     at["activations"] = at.get("activations", 0) + extra      # the other micro-batches in flight on the first stage
@@ -184,7 +224,6 @@ def _ac_pattern(ranges, a: int, b: int) -> tuple[str, ...]:
 # %% ../../nbs/45d_parallel_search.ipynb
 def _with_checkpointing(ctx: _Context, plan: ParallelPlan, m0: int, budget: int):
     "(the plan with the cheapest checkpointing mix that fits, its memory) or why none does."
-    from static_dist.parallel.plan import stage_ranges
     n, d = ctx.n, plan.dims
     mf = _memory(ctx, dataclasses.replace(plan, ac=("full",) * n), "full")
     if mf > budget:
@@ -206,7 +245,7 @@ def _with_checkpointing(ctx: _Context, plan: ParallelPlan, m0: int, budget: int)
     a, b = checkpoint_mix(m0 - budget, k, df, ds, rf, rs)
     while True:
         p2 = dataclasses.replace(plan, ac=_ac_pattern(ranges, a, b))
-        est = _memory(ctx, p2) if ctx.full else int(m0 - a * (m0 - mf) / k - b * max(m0 - ms, 0) / k)
+        est = _memory(ctx, p2)                             # exact: a mixed stage's profile is composed (`_mixed_profile`)
         if est <= budget or a >= k: return p2, est
         a, b = a + 1, max(b - 1, 0)                          # the linear estimate was short: one more block in full
 

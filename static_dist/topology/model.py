@@ -348,8 +348,12 @@ def collective_time(topo: Topology, mesh: MeshSpec, dim: int | str, kind: str, n
     _check_kind(kind)
     if algorithm not in ALGORITHMS: raise ValueError(f"unknown algorithm {algorithm!r}; use one of {ALGORITHMS}")
     check_mesh(topo, mesh)
-    times = []
+    times, seen = [], set()
+    period = math.prod(l.size for l in topo.levels[:-1])                   # ranks under one outermost-level entry
     for g in mesh.groups(dim):                                             # the slowest group sets the time
+        shape = (g[0] % period, tuple(r - g[0] for r in g))                # moved by whole inner levels: the same levels
+        if shape in seen: continue                                         # crossed, the same time
+        seen.add(shape)
         if algorithm == "hierarchical": times.append(_hier(topo, g, kind, nbytes, topo.levels_spanned(g)))
         else: times.append(_flat(topo, g, kind, nbytes, algorithm))
     return max(times)
