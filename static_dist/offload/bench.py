@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from ..graph import StaticGraph
-from ..step import step_loss
+from ..step import MicroBatch, forward_backward
 from ..util import silent_stderr_fd
 from .executor import OffloadExecutor, refuse_compiled
 from .spill import checksum_rate
@@ -181,7 +181,7 @@ def bench_offload(progress=None, model: str = "tiny", batch: int = 8, seq: int =
     args, kwargs, y = w.inputs(device=dev)
     def step():
         m.zero_grad(set_to_none=True)
-        step_loss(w.loss, m(*args, **kwargs), y).backward()
+        forward_backward(m, [MicroBatch(args, kwargs, y)], w.loss)      # the one step's forward and backward
     say("capture"); g = capture(m, args, example_kwargs=kwargs, loss_fn=w.loss, targets=y, device=dev)
     say("disk bandwidth"); disk = disk_bandwidth()
     plan = _bench_plan(g, cuda, disk)
