@@ -315,7 +315,11 @@ def rank_fsdp_plan(plan: ParallelPlan, profile: GraphProfile) -> FSDPPlan:
         return FSDPPlan(1, (1,), (FSDPUnit(""),), ignored=top)
     mesh = (d.dp_replicate, d.fsdp_size) if d.dp_replicate > 1 else (d.fsdp_size,)
     f = plan.fsdp or FSDPPlan(math.prod(mesh), mesh, (FSDPUnit(""),))
-    return dataclasses.replace(f, units=tuple(u for u in f.units if u.module == "" or u.module in mods))
+    units = tuple(u for u in f.units if u.module == "" or u.module in mods)
+    if d.pp > 1:   # the schedule runs every micro-batch but the last without gradient sync or resharding after backward
+        units = tuple(dataclasses.replace(u, reshard_after_forward=False) for u in units)
+        return dataclasses.replace(f, units=units, accumulation_steps=plan.microbatches, sync_every_microbatch=False)
+    return dataclasses.replace(f, units=units)
 
 # %% ../../nbs/45b_parallel_memory.ipynb
 @dataclass(frozen=True)

@@ -351,7 +351,8 @@ def pipeline_accumulate(rank: PipelineRank) -> Callable:
                             f"cuts it into microbatches={rank.plan.microbatches}")
         mb, losses = micro_batch(micro_batches[0]), []
         with (around or nullcontext)():
-            rank.schedule.step(*mb.args, target=mb.targets, losses=losses, **mb.kwargs)
+            # return_outputs=False: the last stage would otherwise keep every micro-batch's output (the logits) to the end
+            rank.schedule.step(*mb.args, target=mb.targets, losses=losses, return_outputs=False, **mb.kwargs)
         sync_tied(rank)
         return torch.stack([l.detach().float() for l in losses]).mean() if rank.is_last else None
     return run
