@@ -46,12 +46,15 @@ class OutputFolder:
 # %% ../nbs/00j_outputs.ipynb
 @patch
 def _base(self: OutputFolder) -> Path:
-    "The folder to stage in: the nearest existing folder above the target (else the target itself), writable."
+    "The folder to stage in: the nearest existing folder above the target (else the target itself), writable and on the target's file system."
     p = self.path.absolute()
     up = next(a for a in p.parents if stat_or_none(a) is not None)
     if file_kind(os.stat(up)) != "a folder": raise InputError(f"{self.path}: {up} is {file_kind(os.stat(up))}, not a folder")
-    for b in (up, p) if stat_or_none(p) is not None else (up,):
-        if os.access(b, os.W_OK | os.X_OK): return b
+    st = stat_or_none(p)
+    if st is not None and not os.access(p, os.W_OK | os.X_OK):     # the files are renamed into it at the end
+        raise InputError(f"{self.path}: folder is not writable; choose another folder for the {self.what}")
+    for b in (up, p) if st is not None else (up,):
+        if os.access(b, os.W_OK | os.X_OK) and (st is None or os.stat(b).st_dev == st.st_dev): return b
     raise InputError(f"{self.path}: folder {up} is not writable; choose another folder for the {self.what}")
 
 # %% ../nbs/00j_outputs.ipynb

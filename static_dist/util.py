@@ -19,10 +19,10 @@ from typing import Sequence
 __all__ = ['MAX_BYTES', 'DTYPE_BYTES', 'DTYPES', 'MAX_JSON_BYTES', 'MAX_JSON_DEPTH', 'MAX_SMALL_BYTES', 'MAX_REAL_PARAMS',
            'INT64_MIN', 'INT64_MAX', 'StaticDistError', 'InputError', 'parse_bytes', 'file_kind', 'stat_or_none',
            'check_name', 'check_writable', 'umask', 'new_mode', 'place', 'atomic_write', 'silent_stderr_fd',
-           'first_line', 'is_file_ref', 'import_file', 'import_ref', 'resolve', 'torch_dtype', 'read_bounded',
-           'loads_json', 'read_json', 'environment', 'write_result', 'TooBigError', 'check_memory', 'check_real_size',
-           'Bad', 'shown', 'Check', 'integer', 'number', 'string', 'boolean', 'mapping', 'anything', 'either', 'one_of',
-           'dtype_name', 'list_of', 'optional', 'Fields', 'errors_as']
+           'first_line', 'interrupted', 'is_file_ref', 'import_file', 'import_ref', 'resolve', 'torch_dtype',
+           'read_bounded', 'loads_json', 'read_json', 'environment', 'write_result', 'TooBigError', 'check_memory',
+           'check_real_size', 'Bad', 'shown', 'Check', 'integer', 'number', 'string', 'boolean', 'mapping', 'anything',
+           'either', 'one_of', 'dtype_name', 'list_of', 'optional', 'Fields', 'errors_as']
 
 # %% ../nbs/00a_util.ipynb
 class StaticDistError(Exception):
@@ -166,6 +166,11 @@ def first_line(e: BaseException) -> str:
     "The first line of an error's message: what a one-line error quotes of it."
     return (str(e).strip().splitlines() or [""])[0]
 
+def interrupted(e: BaseException) -> bool:
+    "Whether a KeyboardInterrupt caused `e` (one raised inside an import's `__set_name__` arrives as a RuntimeError)."
+    for _ in range(64): e = e if e is None or isinstance(e, KeyboardInterrupt) else e.__cause__ or e.__context__  # bounded
+    return isinstance(e, KeyboardInterrupt)
+
 def is_file_ref(ref: str) -> bool:
     "Whether the module part of a `module:NAME` reference is a file path (ends in .py or has a folder)."
     return ref.endswith(".py") or "/" in ref or os.sep in ref
@@ -175,7 +180,8 @@ def import_file(path) -> types.ModuleType:
     "Import the Python file at `path` (once per process); InputError when it is missing, not .py, or fails to import."
     import hashlib, importlib.util
     p = Path(path).expanduser()
-    if not p.is_file(): raise InputError(f"file {str(path)!r} does not exist; give path/to/file.py relative to {os.getcwd()}")
+    if (st := stat_or_none(p)) is None: raise InputError(f"file {str(path)!r} does not exist; give path/to/file.py relative to {os.getcwd()}")
+    if file_kind(st) != "a regular file": raise InputError(f"{path} is {file_kind(st)}, not a Python file; give path/to/file.py")
     if p.suffix != ".py": raise InputError(f"{path}: not a Python file; give a path ending in .py")
     if p.stat().st_size > 64 * 2**20: raise InputError(f"{path}: {p.stat().st_size:,} bytes, too large for a model's source")
     p = p.resolve()
@@ -188,6 +194,7 @@ def import_file(path) -> types.ModuleType:
         with _on_path(str(p.parent)): spec.loader.exec_module(mod)
     except Exception as e:
         sys.modules.pop(name, None)
+        if interrupted(e): raise KeyboardInterrupt from e
         raise InputError(f"importing {path} failed: {type(e).__name__}: {first_line(e)}") from None
     return mod
 
@@ -201,6 +208,7 @@ def import_ref(ref: str) -> types.ModuleType:
     except ModuleNotFoundError as e:
         raise InputError(f"cannot import module {ref!r} ({e}); give an importable package.module or path/to/file.py") from None
     except Exception as e:
+        if interrupted(e): raise KeyboardInterrupt from e        # Ctrl-C while a module imports: an interrupt, not a bad module
         raise InputError(f"importing {ref} failed: {type(e).__name__}: {first_line(e)}") from None
 
 # %% ../nbs/00a_util.ipynb
@@ -231,6 +239,7 @@ MAX_SMALL_BYTES = 1 * 2**20    # a key, a device fingerprint, a topology, a conf
 
 def _open_bounded(path, what: str, stream: bool, error) -> int:
     "A descriptor of `path` (a FIFO opened without blocking unless `stream`); `error` for a missing, folder or (unless `stream`) non-regular file."
+    if not isinstance(path, (str, bytes, os.PathLike)): raise error(f"{what}: expected a file path, got a {type(path).__name__}")
     try: fd = os.open(path, os.O_RDONLY | (0 if stream else getattr(os, "O_NONBLOCK", 0)) | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError: raise error(f"{what} {path}: no such file") from None
     except IsADirectoryError: raise error(f"{what} {path}: is a folder, not a file") from None

@@ -186,9 +186,11 @@ def graph(self: Workload, dtype: str | None = None, mode: str = "fake", progress
     with model_code(f"the model code of {self.source}"):
         model = self.build(device="meta" if mode == "fake" else "cpu", dtype=DTYPES[dtype])
         args, kwargs, targets = self.inputs(device="meta" if mode == "fake" else "cpu", dtype=dtype)
+        about = _about(model)
+        if progress and about: progress(f"capturing: copying the parameters{about}")   # the estimate before the copy, not after
         g = capture(model, args, example_kwargs=kwargs or None, loss_fn=self.loss, targets=targets,
                     optimizer=None if self.optimizer == "none" else self.optimizer, mode=mode,
-                    progress=_progress_adapter(progress, _about(model)))
+                    progress=_progress_adapter(progress, about))
     self._graphs[(dtype, mode)] = g
     return g
 

@@ -41,3 +41,14 @@ def test_stability_section_on_the_users_model(tmp_path):
     md, data = stability_section(ctx("examples/gpt.py:GPT", tmp_path, batch=2, seq=32))
     assert data["detected"] == [data["fault"]["step"]]                   # the injected NaN gradient, and nothing else
     assert data["localized_to"].startswith(data["fault"]["module"])
+
+
+def test_every_figure_is_a_report_file(tmp_path):
+    "#22: a report over an earlier one (--force) keeps none of the earlier files: each figure a section saves is in REPORT_FILES."
+    from static_dist.app.audit import REPORT_FILES, audit, graph_section, layout_section
+    sections = (graph_section, layout_section)
+    audit(load_workload("tiny", batch=2, seq=32), tmp_path / "rep", sections=sections)
+    written = {p.name for p in (tmp_path / "rep").iterdir()}
+    assert "parallel_layout.png" in written and written <= set(REPORT_FILES), written - set(REPORT_FILES)
+    audit(load_workload("mlp", batch=2), tmp_path / "rep", sections=sections, force=True)   # no layout for an MLP
+    assert "parallel_layout.png" not in {p.name for p in (tmp_path / "rep").iterdir()}

@@ -97,6 +97,10 @@ def cases(d):
         (["plan-fsdp", "--ignore", "layers.0", "--unit", "layers.0"], "--ignore layers.0 and --unit layers.0"),
         (["plan-fsdp", "--mesh", "3x3", "--world", "8"], "make them agree"),
         (["check-export", "--rules", "--targets", "foo"], "--rules prints the rule table"),
+        (["plan-fsdp", "--plan", __file__, "--precision", "fp32"], "--plan with --precision"),
+        (["plan-fsdp", "--plan", __file__, "--accumulation", "4"], "--plan with --accumulation"),
+        (["check-export", "--rules", "--out", d / "r"], "checks nothing; drop --out"),
+        (["check-export", "--model", "mlp", "--targets", "", "--out", d / "r"], "--targets '': use a comma-separated list"),
         (["stability", "--fault", "nan_grad@5x99999999999999999999"], "longer than any run"),
         (["stability", "--fault", "nan_grad@5x50", "--steps", "10"], "lasts past the end of the run"),
         ([*sign, "--meta", "a=1", "--meta", "a=2"], "--meta a given twice"),
@@ -125,7 +129,7 @@ def test_every_case_is_one_line_exit_2(fx):
         if code != 2 or words not in err or "Traceback" in err or len(err.strip().splitlines()) != 1:
             bad.append((argv[:3], code, err.strip()[-300:]))
     assert not bad, "\n".join(map(str, bad))
-    assert not (fx / "o.sdxa").exists() and not (fx / "a").exists() and not (fx / "b").exists()   # nothing written
+    assert not any((fx / n).exists() for n in ("o.sdxa", "a", "b", "r"))                              # nothing written
 
 
 def test_what_the_fake_capture_allows(fx):
@@ -165,3 +169,19 @@ def test_passes_rewrite_keeps_torchs_graph_dump_out(capfd):
     code = main(["passes", "rewrite", "--model", "control-flow"])
     err = capfd.readouterr().err
     assert code == 2 and len(err.strip().splitlines()) == 1 and "does not export" in err, err
+
+
+def test_an_interrupt_while_a_module_imports_is_an_interrupt(tmp_path, monkeypatch):
+    "A SIGINT that lands in a class body's __set_name__ reaches us as a RuntimeError: still 'interrupted', exit 130."
+    (tmp_path / "sigint_at_import.py").write_text(
+        "import os, signal, torch.nn as nn\nclass D:\n    def __set_name__(self, owner, name): os.kill(os.getpid(), signal.SIGINT)\n"
+        "class M(nn.Module):\n    x = D()\n")
+    monkeypatch.chdir(tmp_path)
+    code, err = run_main(["capture", "--model", "sigint_at_import:M"])
+    assert code == 130 and err.strip() == "interrupted", (code, err)
+
+
+def test_a_model_file_that_is_a_fifo_is_named_so(fx):
+    os.mkfifo(fx / "fifo_model.py")
+    code, err = run_main(["capture", "--model", f"{fx / 'fifo_model.py'}:M"])
+    assert code == 2 and "is a FIFO, not a Python file" in err, err

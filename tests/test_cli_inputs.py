@@ -23,7 +23,7 @@ BAD = {
     "infile": ["/nonexistent/file.json", "/", "/dev/zero", "", "x" * 300],
     "outfile": [""],
     "outdir": ["/etc/hostname", "", "x" * 300],
-    "prefix": ["", "/", "/tmp/", "x" * 300 + "/"],
+    "prefix": ["", "/", "/tmp/", "x" * 300 + "/", "x" * 300, "d/" + "x" * 300],
 }
 
 
@@ -43,7 +43,7 @@ def _required(sp):
     for a in sp._actions:
         kind = getattr(a.type, "kind", None)
         good = {"infile": __file__, "outfile": "/tmp/x.out", "outdir": "/tmp", "count": "1", "size": "1", "mesh": "1",
-                "prefix": "/tmp/x"}.get(kind, "x")
+                "prefix": "/nonexistent-static-dist/k"}.get(kind, "x")
         if not a.option_strings and a.dest not in ("help",) and a.nargs is None: pos.append(good)
         elif a.required: out += [a.option_strings[-1], good]
     return pos + out

@@ -137,3 +137,46 @@ def test_cli_plan_fsdp_refuses_an_empty_ignored_name(capsys):
     assert main(["plan-fsdp", "--model", "tiny", "--ignore", ""]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "ignored[0]: expected a module FQN, not ''" in err, err
+
+
+def test_apply_refuses_a_plan_for_another_world():
+    "#22: an 8-rank plan applied in a 16-rank group (a fake one, in a subprocess) is refused before any fully_shard."
+    code = ("import torch.distributed as dist, torch.nn as nn\n"
+            "from torch.testing._internal.distributed.fake_pg import FakeStore\n"
+            "from static_dist.fsdp import FSDPPlan, FSDPUnit, PlanError, apply_plan\n"
+            "dist.init_process_group('fake', store=FakeStore(), rank=0, world_size=16)\n"
+            "m = nn.Sequential(nn.Linear(4, 4))\n"
+            "try: apply_plan(m, FSDPPlan(8, (8,), (FSDPUnit(''),))); print('applied')\n"
+            "except PlanError as e: print('refused:', e)\n"
+            "print('sharded' if type(m.get_parameter('0.weight')).__name__ == 'DTensor' else 'untouched')\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "refused: the plan is for 8 ranks but the process group has 16" in p.stdout and "untouched" in p.stdout, p.stdout + p.stderr
+
+
+@pytest.fixture(scope="module")
+def tiny_graph():
+    from static_dist.workload import load_workload
+    return load_workload("tiny", batch=2, seq=16).graph()
+
+
+@pytest.mark.parametrize("call", [
+    lambda g, F: F.plan_fsdp(g, world_size=8, budget=float("nan")),
+    lambda g, F: F.plan_fsdp(g, world_size=8, budget=float("inf")),
+    lambda g, F: F.plan_fsdp(g, world_size=8, budget="80GiB"),
+    lambda g, F: F.plan_fsdp("tiny", world_size=8, budget=2**30),
+    lambda g, F: F.plan_fsdp(g, world_size=8, budget=2**30, overrides=None),
+    lambda g, F: F.profile_graph(None),
+    lambda g, F: F.predict_memory(F.profile_graph(g), None),
+    lambda g, F: F.FSDPPlan.from_json(None),
+    lambda g, F: F.fsdp_widget(None),
+], ids=["budget nan", "budget inf", "budget str", "graph str", "overrides None", "profile None", "plan None",
+        "from_json None", "widget None"])
+def test_api_misuse_is_a_plan_error(call, tiny_graph):
+    "#22 section 12: the FSDP API's public functions name a wrong argument with a PlanError, not a TypeError deep inside."
+    import static_dist.fsdp as F
+    with pytest.raises(F.PlanError): call(tiny_graph, F)
+
+
+def test_fsdp_widget_takes_a_graph_too(tiny_graph):
+    from static_dist.fsdp import fsdp_widget
+    assert fsdp_widget(tiny_graph).result is not None

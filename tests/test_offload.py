@@ -340,3 +340,15 @@ def test_a_spill_file_closed_under_the_step_is_a_typed_error(offload_tiny):
             loss = t.zm.loss(t.m(t.x), t.y)
             ex._poll_writes(wait=True); ex._spill.close()
             loss.backward()
+
+
+@pytest.mark.parametrize("kw", [dict(seqs=()), dict(seqs=[0]), dict(seqs="64"), dict(batch=0)])
+def test_offload_widget_refuses_bad_arguments(kw):
+    "#22 section 12: an empty or non-positive `seqs`, or a bad batch, is an OffloadUsageError, not an IndexError."
+    with pytest.raises(off.OffloadUsageError): off.offload_widget(**kw)
+
+
+def test_plan_offload_recomputed_is_a_list_of_names():
+    from static_dist.workload import load_workload
+    g = load_workload("mlp", batch=2).graph()
+    with pytest.raises(off.OffloadUsageError, match="list of module names"): off.plan_offload(g, recomputed="layers")

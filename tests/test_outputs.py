@@ -194,3 +194,27 @@ def test_a_report_folder_that_appears_meanwhile_is_not_replaced(tmp_path):
     a.__exit__(None, None, None)
     with pytest.raises(InputError, match="while this one was written"): b.__exit__(None, None, None)
     assert (tmp_path / "rep" / "r.md").read_text() == "a" and sorted(p.name for p in tmp_path.iterdir()) == ["rep"]
+
+
+def test_a_target_folder_that_cannot_take_the_files_is_refused_before_work(tmp_path, monkeypatch):
+    "An existing report folder that is not writable (a read-only mount, a folder of another user) is refused by check()."
+    from static_dist import outputs
+    (tmp_path / "rep").mkdir()
+    real = os.access
+    monkeypatch.setattr(outputs.os, "access", lambda p, mode: real(p, mode) and Path(p) != tmp_path / "rep")
+    with pytest.raises(InputError, match="folder is not writable"):
+        OutputFolder(tmp_path / "rep", ("r.md",), force=True).check()
+
+
+@ROOT_ONLY
+def test_a_target_folder_on_another_file_system_is_staged_there(tmp_path):
+    "A report folder that is a mount point: staged inside it, so the final renames never cross file systems (EXDEV)."
+    import subprocess
+    (tmp_path / "mnt").mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(tmp_path / "mnt")], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        (tmp_path / "mnt" / "r.md").write_text("old")
+        with OutputFolder(tmp_path / "mnt", ("r.md",), force=True) as stage: (stage / "r.md").write_text("new")
+        assert (tmp_path / "mnt" / "r.md").read_text() == "new" and sorted(os.listdir(tmp_path / "mnt")) == ["r.md"]
+    finally: subprocess.run(["umount", str(tmp_path / "mnt")])

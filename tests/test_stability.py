@@ -194,3 +194,11 @@ def test_hooks_inside_compiled_blocks_are_refused():
     hooks = STRATEGIES["skip"].__class__(**{**STRATEGIES["skip"].__dict__, "name": "skip/hooks", "localize": "hooks"})
     with pytest.raises(CompiledHookError, match="use localize='replay'"):
         Trainer(m, torch.optim.SGD(m.parameters(), lr=0.1), zm.loss, hooks)
+
+
+@pytest.mark.parametrize("steps", [0, 30, "x", True])
+def test_stability_widget_refuses_too_few_steps(steps):
+    "#22 section 12: steps the fault slider cannot span is a StaticDistError naming the minimum, not a TraitError."
+    from static_dist.stability import stability_widget
+    from static_dist.util import StaticDistError
+    with pytest.raises(StaticDistError, match="at least 40"): stability_widget(steps=steps)

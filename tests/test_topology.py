@@ -157,3 +157,10 @@ def test_collective_time_is_the_slowest_group_of_every_group():
             ref = max(_hier(topo, g, kind, 2**24, topo.levels_spanned(g)) if alg == "hierarchical" else _flat(topo, g, kind, 2**24, alg)
                       for g in mesh.groups(dim))
             assert collective_time(topo, mesh, dim, kind, 2**24, algorithm=alg) == pytest.approx(ref, rel=1e-12), (shape, dim, kind, alg)
+
+
+def test_unknown_preset_and_non_path_are_topology_errors():
+    "#22 section 12: typed errors (TopologyError, still a ValueError) from preset and load_topology."
+    from static_dist.topology import TopologyError, load_topology, preset
+    with pytest.raises(TopologyError, match="unknown topology preset"): preset("nosuch")
+    with pytest.raises(TopologyError, match="expected a file path, got a NoneType"): load_topology(None)

@@ -325,3 +325,14 @@ def test_hf_warnings_are_counted_in_one_note(tmp_path):
     w = load_workload(f"hf:{tmp_path}", seq=4)
     said = [n for n in w.notes if n.startswith("transformers warned")]
     assert len(said) <= 1 and all("(silenced)" in n for n in said)
+
+
+def test_a_long_capture_says_its_estimate_before_it_copies_the_model(monkeypatch):
+    "#22: a 10,000-layer config took 25 s copying its parameters before the estimate came; now it comes right after the build."
+    import static_dist.workload as W
+    monkeypatch.setattr(W, "_CAPTURE_S_PER_MODULE", 100.0)             # every model is 'long' here
+    said, real = [], W.capture
+    monkeypatch.setattr(W, "capture", lambda *a, **k: (said.append("capture starts"), real(*a, **k))[1])
+    W.load_workload("mlp", batch=2).graph(progress=said.append)
+    first = next(i for i, s in enumerate(said) if "; about" in s)
+    assert first < said.index("capture starts"), said

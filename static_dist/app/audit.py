@@ -288,7 +288,7 @@ def audit(workload, out, *, world: int = 8, budget: int = 80 * 2**30, sections=S
         return _audit_into(workload, stage, world, budget, sections, progress or (lambda s: None))
 
 REPORT_FILES = ("audit.md", "audit.json", "graph.json", "memory.png", "export_report.json", "ops_trace.json", "placement.png",
-                "fsdp_memory.png", "fsdp_timeline.png", "offload_lifetimes.png", "offload_memory.png")   # what an audit writes
+                "parallel_layout.png", "fsdp_memory.png", "fsdp_timeline.png", "offload_lifetimes.png", "offload_memory.png")   # what an audit writes
 
 # %% ../../nbs/93_audit.ipynb
 def _audit_into(workload, out: Path, world: int, budget: int, sections, update) -> dict:

@@ -102,6 +102,8 @@ def outfile(v: str) -> Path:
 def prefix(v: str) -> Path:
     "argparse type: a path prefix for several files (`keygen --out keys/k`: keys/k.key and keys/k.pub), not a folder."
     if not v.strip(): raise argparse.ArgumentTypeError("output prefix is empty")
+    try: check_name(Path(v))                        # before is_dir, which raises on a name too long
+    except InputError as e: raise argparse.ArgumentTypeError(str(e)) from None
     if v.endswith(("/", os.sep)) or Path(v).is_dir():
         raise argparse.ArgumentTypeError(f"{v} is a folder; give a path prefix in it, e.g. {Path(v) / 'mykey'}")
     return Path(v)
@@ -168,9 +170,9 @@ def _fsdp_parser(sub):
     p.add_argument("--world", type=count("--world", hi=MAX_RANKS), help="number of ranks (default 8; a --plan has its own)")
     p.add_argument("--budget", type=size("--budget", lo=1), default="80GiB", help="memory per rank (default 80GiB)")
     p.add_argument("--mesh", type=mesh, help="HSDP mesh RxS, e.g. 16x64 (default: pure FSDP over all ranks)")
-    p.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
-    p.add_argument("--accumulation", type=count("--accumulation", hi=1 << 16), default=1,
-                   help="micro-batches per optimizer step")
+    p.add_argument("--precision", choices=["bf16", "fp32"], help="parameters' dtype (default bf16; a --plan has its own)")
+    p.add_argument("--accumulation", type=count("--accumulation", hi=1 << 16),
+                   help="micro-batches per optimizer step (default 1; a --plan has its own)")
     p.add_argument("--ignore", action="append", help="module to leave unsharded (repeatable)")
     p.add_argument("--unit", action="append", help="module that must be its own unit (repeatable)")
     p.add_argument("--plan", type=infile, help="evaluate this plan (JSON from --out) instead of searching")
@@ -231,7 +233,7 @@ def _export_parser(sub):
     p = sub.add_parser("check-export", help="export / ONNX / TorchScript / AOTI pre-flight report")
     _workload_args(p)
     p.add_argument("--targets", help="comma-separated: onnx, torchscript, aoti (default: all three)")
-    p.add_argument("--out", type=outdir, default=Path("export-check"), help="folder for export_report.json/.md")
+    p.add_argument("--out", type=outdir, help="folder for export_report.json/.md (default: ./export-check)")
     p.add_argument("--json", action="store_true", help="print the JSON report instead of markdown")
     p.add_argument("--baseline", type=infile, help="an earlier export_report.json: print what changed")
     p.add_argument("--opset", type=count("--opset", lo=7, hi=30), help="ONNX opset (default: the exporter's)")

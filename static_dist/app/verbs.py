@@ -75,9 +75,12 @@ def _fsdp_profile(args, w, given):
 def _fsdp_flags(args) -> None:
     "Refuse contradictory options before any work: --plan with search options, a module both ignored and a unit, a mesh of another size than --world."
     import math
-    given = next((o for o, v in (("--world", args.world), ("--mesh", args.mesh), ("--unit", args.unit), ("--ignore", args.ignore)) if v), None)
+    given = next((o for o, v in (("--world", args.world), ("--mesh", args.mesh), ("--unit", args.unit), ("--ignore", args.ignore),
+                                 ("--precision", args.precision), ("--accumulation", args.accumulation)) if v), None)
     if args.plan and given:
-        raise UsageError(f"--plan with {given}: the plan has its own world, mesh, units and ignored modules; drop {given}, or --plan to search")
+        raise UsageError(f"--plan with {given}: the plan has its own world, mesh, units, ignored modules, precision and "
+                         f"accumulation; drop {given}, or --plan to search")
+    args.precision, args.accumulation = args.precision or "bf16", args.accumulation or 1
     both = sorted(set(args.ignore or ()) & set(args.unit or ()))
     if both: raise UsageError(f"--ignore {both[0]} and --unit {both[0]}: a module cannot stay unsharded and be its own unit; give one")
     args.world = args.world or (math.prod(args.mesh) if args.mesh else 8)
@@ -208,10 +211,12 @@ def cmd_check_export(args) -> int:
     "`static-dist check-export`: the export pre-flight report; exit 0 clean, 1 problems found."
     from static_dist.export import ExportReport, check_export, rules_markdown
     if args.rules:
-        extra = next((o for o, v in (("--targets", args.targets), ("--baseline", args.baseline), ("--opset", args.opset)) if v), None)
+        extra = next((o for o, v in (("--targets", args.targets), ("--baseline", args.baseline), ("--opset", args.opset),
+                                     ("--out", args.out)) if v is not None), None)
         if extra: raise UsageError(f"--rules prints the rule table and checks nothing; drop {extra}")
         print(rules_markdown()); return 0
-    targets = [t.strip() for t in (args.targets or "onnx,torchscript,aoti").split(",") if t.strip()]
+    args.out = args.out or Path("export-check")
+    targets = [t.strip() for t in ("onnx,torchscript,aoti" if args.targets is None else args.targets).split(",") if t.strip()]
     bad = [t for t in targets if t not in ("onnx", "torchscript", "aoti")]
     if bad or not targets: raise UsageError(f"--targets {args.targets!r}: use a comma-separated list of onnx, torchscript, aoti")
     base = None

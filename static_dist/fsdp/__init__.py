@@ -21,7 +21,7 @@ import math
 from . import apply as _apply, memory as _memory, plan as _plan, profile as _profile
 from . import few_blocks as _few_blocks
 from . import search as _search, steptime as _steptime, verify as _verify
-from ..graph import fmt_bytes
+from ..graph import StaticGraph, fmt_bytes
 
 # %% ../../nbs/40_fsdp.ipynb
 from ..harness import View, harness, harness_figure, widgets
@@ -65,6 +65,9 @@ def _plan_view(profile: GraphProfile, budget_mib: float, world: int, replicas: i
 # %% ../../nbs/40_fsdp.ipynb
 def fsdp_widget(profile: GraphProfile):
     "Harness: budget, world size, replicas, precision, accumulation -> the plan's table, fit, memory and timeline."
+    if isinstance(profile, StaticGraph): profile = profile_graph(profile)
+    if not isinstance(profile, GraphProfile):
+        raise PlanError(f"fsdp_widget takes a GraphProfile (profile_graph(graph)) or a StaticGraph, got a {type(profile).__name__}")
     W, b0 = widgets(), _default_budget_mib(profile)
     wide = dict(style={"description_width": "initial"}, continuous_update=False)
     return harness(lambda **kw: _plan_view(profile, **kw),

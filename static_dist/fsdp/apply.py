@@ -57,6 +57,10 @@ def apply_plan(model: nn.Module, plan: FSDPPlan, mesh=None) -> nn.Module:
     The plan is validated against the model first; nothing is sharded when it does not fit."""
     validate(plan, None, model)
     mods = dict(model.named_modules())
+    import torch.distributed as dist
+    if mesh is None and dist.is_initialized() and dist.get_world_size() != plan.world_size:
+        raise PlanError(f"the plan is for {plan.world_size} ranks but the process group has {dist.get_world_size()}: "
+                        f"plan for world {dist.get_world_size()}, or pass a mesh of {plan.mesh_shape} built on a subgroup.")
     mesh = _default_mesh(plan) if mesh is None else mesh
     if tuple(mesh.shape) != tuple(plan.mesh_shape):
         raise PlanError(f"mesh shape {tuple(mesh.shape)} differs from the plan's {plan.mesh_shape}: build the mesh "

@@ -12,7 +12,7 @@ from typing import Sequence
 import numpy as np
 
 from .plan import FSDPPlan, _prefixes, innermost, unit_finder
-from .profile import GraphProfile
+from .profile import GraphProfile, PlanError
 from ..util import DTYPE_BYTES
 from ..graph import fmt_bytes, pyplot
 
@@ -301,6 +301,7 @@ class MemoryPrediction:
 # %% ../../nbs/40c_fsdp_memory.ipynb
 def predict_memory(profile: GraphProfile, plan: FSDPPlan) -> MemoryPrediction:
     "Rank 0's bytes per op under `plan`: the model in the table above."
+    if not isinstance(plan, FSDPPlan): raise PlanError(f"expected an FSDPPlan, got a {type(plan).__name__}")
     n, lays = len(profile.op_module), layout(profile, plan)
     C = _Curves(n)
     total_full = _add_ignored(C, profile, plan)

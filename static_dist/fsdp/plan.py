@@ -9,6 +9,7 @@ import collections
 import dataclasses
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -157,6 +158,7 @@ def _plan_from_dict(d) -> FSDPPlan:
 # %% ../../nbs/40b_fsdp_plan.ipynb
 def _plan_from_json(s) -> FSDPPlan:
     "From JSON text or a path (a bounded, depth-limited read); unreadable files and bad JSON are PlanErrors too."
+    if not isinstance(s, (str, bytes, bytearray, os.PathLike)): raise PlanError(f"expected JSON text or a path, got a {type(s).__name__}")
     text = isinstance(s, (bytes, bytearray)) or isinstance(s, str) and s.lstrip().startswith(("{", "["))
     with errors_as(PlanError, "; give a plan written by `static-dist plan-fsdp --out` or FSDPPlan.to_json"):
         d = loads_json(s, "FSDP plan") if text else read_json(s, "FSDP plan", MAX_PLAN_BYTES)

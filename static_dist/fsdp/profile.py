@@ -252,6 +252,8 @@ def profile_graph(g: StaticGraph, master_dtype: str | None = None) -> GraphProfi
     """Reduce a captured training step to the FSDP planner's inputs.
     `master_dtype`: for a step captured in the compute dtype (e.g. a bf16 model, as FSDP's MixedPrecisionPolicy
     computes), the dtype FSDP keeps the sharded parameters and optimizer state in (e.g. 'float32')."""
+    if not isinstance(g, StaticGraph):
+        raise PlanError(f"expected a StaticGraph (from capture or Workload.graph()), got a {type(g).__name__}")
     bad = next((s for s in g.storages if s.nbytes < 0), None)
     if bad is not None: raise PlanError(f"storage {bad.id} ({bad.name or bad.role}) has nbytes={bad.nbytes}: the graph "
                                         f"is corrupt; capture the model again")

@@ -256,7 +256,9 @@ def plan_fsdp(graph: StaticGraph | GraphProfile, *, world_size: int, budget: int
     t0 = time.perf_counter()
     prof = graph if isinstance(graph, GraphProfile) else profile_graph(graph)
     if not isinstance(world_size, int) or world_size < 1: raise PlanError(f"world_size={world_size!r}: must be a positive int.")
-    if budget <= 0: raise PlanError(f"budget={budget}: must be a positive number of bytes per rank.")
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 < budget < math.inf:
+        raise PlanError(f"budget={budget!r}: must be a positive, finite number of bytes per rank.")
+    if not isinstance(overrides, Overrides): raise PlanError(f"overrides must be an Overrides, got a {type(overrides).__name__}")
     if overrides.plan is None: mesh_shape = tuple(mesh_shape or (world_size,))
     cost = cost or default_cost_model(world_size)
     _check_overrides(overrides, prof)

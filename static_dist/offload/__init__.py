@@ -70,9 +70,12 @@ def _offload_view(model: str, batch: int, seq: int, cpu_gbps: float, nvme_gbps: 
 # %% ../../nbs/50_offload.ipynb
 def offload_widget(model: str = "tiny", batch: int = 4, seqs: Sequence[int] = (32, 64, 128, 256)):
     "Harness: tier bandwidths, host-memory limit and sequence length -> plan table, traffic and plots."
+    seqs, pos = list(seqs) if isinstance(seqs, (list, tuple, range)) else [], lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0
+    if not seqs or not all(map(pos, seqs)): raise OffloadUsageError(f"seqs must be one or more positive sequence lengths, got {seqs!r}")
+    if not pos(batch): raise OffloadUsageError(f"batch must be a positive integer, got {batch!r}")
     W, style = widgets(), dict(continuous_update=False)
     return harness(lambda **kw: _offload_view(model, batch, **kw),
-                   seq=W.SelectionSlider(options=list(seqs), value=list(seqs)[-2], description="seq len", **style),
+                   seq=W.SelectionSlider(options=seqs, value=seqs[max(len(seqs) - 2, 0)], description="seq len", **style),
                    cpu_gbps=W.FloatLogSlider(value=1.0, base=10, min=-2, max=2, description="CPU GB/s", **style),
                    nvme_gbps=W.FloatLogSlider(value=0.5, base=10, min=-2, max=2, description="NVMe GB/s", **style),
                    host_limit_mib=W.FloatSlider(value=4.0, min=0, max=64, step=0.5, description="host MiB", **style))

@@ -285,8 +285,10 @@ def _plan_tiers(tiers: Sequence[Tier], host_limit: float | None) -> tuple[Tier, 
         raise OffloadUsageError(f"host_limit must be a number of bytes >= 0 (or None: no limit), got {host_limit!r}")
     return tuple(dataclasses.replace(t, capacity=min(t.capacity, host_limit)) if t.kind == "cpu" else t for t in tiers)
 
-def _check_args(graph, safety, min_bytes, lookahead) -> None:
-    "OffloadUsageError for a graph that is not a StaticGraph, or a safety, min_bytes or lookahead out of range."
+def _check_args(graph, safety, min_bytes, lookahead, recomputed=()) -> None:
+    "OffloadUsageError for a graph that is not a StaticGraph, a safety, min_bytes or lookahead out of range, or `recomputed` not a list of names."
+    if isinstance(recomputed, (str, bytes)) or not all(isinstance(r, str) for r in recomputed):
+        raise OffloadUsageError(f"recomputed must be a list of module names (FQN prefixes), got {recomputed!r}")
     if not isinstance(graph, StaticGraph): raise OffloadUsageError(f"graph must be a StaticGraph (from capture or Workload.graph()), found {type(graph).__name__}")
     if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 0: raise OffloadUsageError(f"lookahead must be an integer >= 0 ops, got {lookahead!r}")
     if isinstance(safety, bool) or not isinstance(safety, (int, float)) or not 1 <= safety < math.inf:
@@ -304,7 +306,7 @@ def plan_offload(graph: StaticGraph, tiers: Sequence[Tier] = (TIER_PRESETS["pcie
                  *, host_limit: float | None = None, device: DeviceModel | str = "cpu", recomputed: Sequence[str] = (),
                  safety: float = 2.0, min_bytes: int = 16384, lookahead: int = 8) -> OffloadPlan:
     "Decide per saved tensor of `graph`: keep it, or move it to a tier, with when; and predict the effect."
-    _check_args(graph, safety, min_bytes, lookahead)
+    _check_args(graph, safety, min_bytes, lookahead, recomputed)
     device, tiers = _device_model(device), _plan_tiers(tiers, host_limit)
     t, rows = op_times(graph, device), saved_tensors(graph, device, recomputed)
     chosen = _choose(rows, tiers, safety, min_bytes)

@@ -24,6 +24,7 @@ import math
 from dataclasses import replace
 
 from ..harness import View, harness, harness_figure, widgets
+from ..util import InputError
 
 # %% ../../nbs/60_stability.ipynb
 def _tuned(s: Strategy, window: int, ratio: float, z: float) -> Strategy:
@@ -117,6 +118,8 @@ def _stability_view(strategy: str = "rewind", fault: str = "lr_spike", fault_ste
 # %% ../../nbs/60_stability.ipynb
 def stability_widget(steps: int = 120):
     "Harness over `_stability_view`: strategy, fault, its step, lr and the rules' settings -> both runs, the rule's statistic."
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 40:
+        raise InputError(f"steps must be an integer of at least 40 (the fault step slider runs from 25 to steps - 10), got {steps!r}")
     W, cu = widgets(), dict(continuous_update=False)
     return harness(_stability_view, strategy=W.Dropdown(options=list(STRATEGIES), value="rewind"),
                    fault=W.Dropdown(options=list(FAULT_KINDS), value="lr_spike"),

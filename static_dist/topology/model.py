@@ -224,7 +224,7 @@ PRESETS = {
 
 def preset(name: str, **kw) -> Topology:
     "A topology preset by name: dgx-h100, dgx-h200, cluster (n_nodes, gpus_per_node, nic), pcie-box, cpu-2socket."
-    if name not in PRESETS: raise ValueError(f"unknown topology preset {name!r}; choose one of {sorted(PRESETS)}")
+    if name not in PRESETS: raise TopologyError(f"unknown topology preset {name!r}; choose one of {sorted(PRESETS)}")
     try: return PRESETS[name](**kw)
     except TypeError as e: raise ValueError(f"preset {name!r}: {e}") from None
 
