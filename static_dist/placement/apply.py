@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 from .blocks import BlockSpec
-from .groups import LayoutError
+from .groups import LayoutError, PlacementError
 from .layout import check_plan
 from .search import ShardingPlan
 
@@ -28,12 +28,25 @@ def _dp_mesh(device_mesh, tp_dim: str):
     return device_mesh[dp[0]] if len(dp) == 1 else device_mesh[tuple(dp)]._flatten()
 
 # %% ../../nbs/30f_placement_apply.ipynb
+def _check_for_model(model, spec: BlockSpec, plan: ShardingPlan) -> None:
+    "PlacementError unless `plan` is for this model's block stack: its prefix, its block count, every linear it names."
+    if (plan.prefix, plan.n_layers) != (spec.prefix, spec.n_layers):
+        raise PlacementError(f"the plan is for {plan.n_layers} blocks at {plan.prefix!r}, but the model has {spec.n_layers} "
+                             f"at {spec.prefix!r}: search a plan for this model (block_spec of its capture)")
+    have = dict(model.named_modules())
+    missing = [f for f in plan.parallelize_plan() if f not in have]
+    if missing:
+        raise PlacementError(f"the plan shards {missing[0]!r} ({len(missing)} modules in all), which the model does not "
+                             f"have: search a plan for this model")
+
+# %% ../../nbs/30f_placement_apply.ipynb
 def apply_plan(model, device_mesh, spec: BlockSpec, plan: ShardingPlan):
     """Validate, then apply: `parallelize_module` on the tp dim, and `fully_shard` over the dp dims for the linears
     the plan shards there (`reshard_after_forward=True`: gathered in forward and again in backward, as priced).
     `device_mesh` is the whole DeviceMesh, with the plan's dim names. Returns the model."""
     from torch.distributed.tensor.parallel import parallelize_module
     validate_plan(spec, plan)
+    _check_for_model(model, spec, plan)
     names = tuple(device_mesh.mesh_dim_names or ())
     if names != plan.mesh.names or tuple(device_mesh.shape) != plan.mesh.shape:
         raise ValueError(f"device mesh {dict(zip(names, device_mesh.shape))} is not the plan's mesh "

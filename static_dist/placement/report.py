@@ -16,8 +16,7 @@ from .search import ShardingPlan, choice_cost, evaluate_plan, megatron_styles, s
 from ..topology import MeshSpec, Topology, check_mesh, preset
 
 # %% auto 0
-__all__ = ['plan_report', 'plot_plans', 'solve_case', 'bench_placement', 'load_topology_arg', 'show_placement',
-           'placement_widget']
+__all__ = ['plan_report', 'plot_plans', 'solve_case', 'bench_placement', 'load_topology_arg']
 
 # %% ../../nbs/30g_placement_report.ipynb
 def _plan_row(spec: BlockSpec, plan: ShardingPlan, topo: Topology, mesh: MeshSpec, tp_dim: str, eff: float,
@@ -132,30 +131,3 @@ def _report_markdown(rep: dict) -> str:
     rows += [f"| **{k}** | {f['plan'][k]:.4g} | {m['plan'][k]:.4g} |" if "plan" in m else f"| **{k}** | {f['plan'][k]:.4g} | — |"
              for k in ("seconds", "comm_bytes", "memory")]
     return "\n".join(rows)
-
-# %% ../../nbs/30g_placement_report.ipynb
-def show_placement(model: str, topology: str, mesh: str):
-    "Display the plan report of `model` on `topology` with a dp x tp `mesh` ('2x4'); return it (or the error's text)."
-    from IPython.display import Markdown, display
-    from static_dist.graph import pyplot
-    ms = MeshSpec(tuple(int(v) for v in mesh.split("x")), ("dp", "tp"))
-    try:
-        topo = load_topology_arg(topology, ms.size); check_mesh(topo, ms)
-        rep = plan_report(_spec_for(model), topo, ms)
-    except ValueError as e:
-        display(Markdown(f"**Not a valid choice**: {e}"))
-        return str(e)
-    display(Markdown(_report_markdown(rep)))
-    fig = plot_plans(rep)
-    display(fig); pyplot("show_placement").close(fig)   # shown once, by display
-    return rep
-
-# %% ../../nbs/30g_placement_report.ipynb
-def placement_widget(models=("tiny",), topologies=("dgx-h100", "pcie-box", "cpu-2socket"), meshes=("2x4", "4x2", "1x8", "2x2")):
-    "ipywidgets harness: pick model, topology and mesh; shows the plan and its cost breakdown."
-    try:
-        import ipywidgets as W
-        import IPython  # noqa: F401  (show_placement displays through it)
-    except ImportError: raise ImportError("placement_widget needs ipywidgets: pip install ipywidgets") from None
-    def run(model=models[0], topology=topologies[0], mesh=meshes[0]): return show_placement(model, topology, mesh)
-    return W.interactive(run, model=list(models), topology=list(topologies), mesh=list(meshes))
