@@ -342,6 +342,19 @@ def test_a_spill_file_closed_under_the_step_is_a_typed_error(offload_tiny):
             loss.backward()
 
 
+def test_a_spill_descriptor_closed_behind_the_executor_is_a_typed_error(offload_tiny):
+    "#22 section 12: os.close of the spill file's descriptor mid-step: OffloadDiskError, and leaving the block raises no EBADF."
+    import os
+    from static_dist.offload import OffloadDiskError
+    t = offload_tiny
+    ex = OffloadExecutor(t.g, t.disk)
+    with pytest.raises(OffloadDiskError, match="spill file"):
+        with ex:
+            t.m.zero_grad(set_to_none=True)
+            os.close(ex._spill_fd())
+            t.zm.loss(t.m(t.x), t.y).backward()
+
+
 @pytest.mark.parametrize("kw", [dict(seqs=()), dict(seqs=[0]), dict(seqs="64"), dict(batch=0)])
 def test_offload_widget_refuses_bad_arguments(kw):
     "#22 section 12: an empty or non-positive `seqs`, or a bad batch, is an OffloadUsageError, not an IndexError."

@@ -86,4 +86,7 @@ def _open_spill(directory: str, need: int):
 def _close_spill(spill, pool: ThreadPoolExecutor | None):
     "Wait for the workers, then close the spill file (it has no name: closing frees its space)."
     if pool is not None: pool.shutdown(wait=True)
-    if spill is not None: spill.close()
+    if spill is None: return
+    try: spill.close()
+    except OSError as e:              # its descriptor was closed behind our back: the space is freed already
+        if e.errno != errno.EBADF: raise
