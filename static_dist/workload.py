@@ -439,7 +439,11 @@ def _hf_workload(source: str, path: str, batch, seq, input_shape) -> Workload:
         causal, auto = hf_head(transformers, cfg, source)
         vocab, limit = hf_sizes(cfg, source)
     def make():
-        with quiet_transformers([]): return auto.from_config(cfg)
+        with quiet_transformers([]): m = auto.from_config(cfg)
+        # a head whose class name is not one of transformers' loss kinds (GPT2LMHeadModel) gets the causal-LM loss
+        # anyway, with a warning at the first step: name the kind it gets, and the warning goes
+        if causal and getattr(m, "loss_type", "") is None: m.loss_type = "ForCausalLM"
+        return m
     seq = seq if seq is not None else min(DEFAULT_SEQ, limit or DEFAULT_SEQ)
     _positive("seq", seq); _check_seq(seq, limit, source)
     return Workload(source=source, build=module_builder(make, f"{source} ({type(cfg).__name__})"), batch=batch, seq=seq,

@@ -336,3 +336,10 @@ def test_a_long_capture_says_its_estimate_before_it_copies_the_model(monkeypatch
     W.load_workload("mlp", batch=2).graph(progress=said.append)
     first = next(i for i, s in enumerate(said) if "; about" in s)
     assert first < said.index("capture starts"), said
+
+
+def test_hf_head_without_a_loss_kind_in_its_name_gets_the_causal_lm_loss(tmp_path):
+    "GPT2LMHeadModel's class name names no transformers loss kind: it warned at the first step; now it is told its kind."
+    transformers = pytest.importorskip("transformers")
+    transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32).save_pretrained(tmp_path)
+    assert load_workload(f"hf:{tmp_path / 'config.json'}", batch=1, seq=8).build(device="meta").loss_type == "ForCausalLM"
