@@ -110,7 +110,7 @@ def _merge(self: OutputFolder):
     files = sorted(os.listdir(self.stage))
     taken = [n for n in (*self.names, *files) if stat_or_none(self.path / n) is not None]
     if taken and not self.force:
-        raise InputError(f"{self.path} got a {self.what} ({taken[0]}) while this one was written; pass --force to replace it")
+        raise InputError(f"{self.path} got {'an' if self.what[:1] in 'aeiou' else 'a'} {self.what} ({taken[0]}) while this one was written; pass --force to replace it")
     done = []
     try:
         for n in files:

@@ -431,6 +431,17 @@ def _model_workload(source: str, factory: Callable, what: str, batch, seq, input
                            "against the next tokens",), vocab=emb.num_embeddings, from_tokens=_next_token_batch)
 
 # %% ../nbs/03_workload.ipynb
+def _hf_maker(auto, cfg, causal: bool):
+    "A function that builds the model of `cfg` with transformers' Auto class `auto`, quietly."
+    def make():
+        with quiet_transformers([]): m = auto.from_config(cfg)
+        # a head whose class name is not one of transformers' loss kinds (GPT2LMHeadModel) gets the causal-LM loss
+        # anyway, with a warning at the first step: name the kind it gets, and the warning goes
+        if causal and getattr(m, "loss_type", "") is None: m.loss_type = "ForCausalLM"
+        return m
+    return make
+
+# %% ../nbs/03_workload.ipynb
 def _hf_workload(source: str, path: str, batch, seq, input_shape) -> Workload:
     if input_shape is not None:
         raise WorkloadError("hf: models take token ids: give seq (--seq), not input_shape (--input-shape)")
@@ -438,16 +449,10 @@ def _hf_workload(source: str, path: str, batch, seq, input_shape) -> Workload:
         transformers, cfg, heard = hf_config(path)
         causal, auto = hf_head(transformers, cfg, source)
         vocab, limit = hf_sizes(cfg, source)
-    def make():
-        with quiet_transformers([]): m = auto.from_config(cfg)
-        # a head whose class name is not one of transformers' loss kinds (GPT2LMHeadModel) gets the causal-LM loss
-        # anyway, with a warning at the first step: name the kind it gets, and the warning goes
-        if causal and getattr(m, "loss_type", "") is None: m.loss_type = "ForCausalLM"
-        return m
     seq = seq if seq is not None else min(DEFAULT_SEQ, limit or DEFAULT_SEQ)
     _positive("seq", seq); _check_seq(seq, limit, source)
-    return Workload(source=source, build=module_builder(make, f"{source} ({type(cfg).__name__})"), batch=batch, seq=seq,
-                    **hf_parts(cfg, vocab, causal, heard))
+    build = module_builder(_hf_maker(auto, cfg, causal), f"{source} ({type(cfg).__name__})")
+    return Workload(source=source, build=build, batch=batch, seq=seq, **hf_parts(cfg, vocab, causal, heard))
 
 # %% ../nbs/03_workload.ipynb
 def _named_workload(source: str, batch, seq, input_shape) -> Workload:

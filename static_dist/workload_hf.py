@@ -13,7 +13,8 @@ from typing import Callable
 
 import torch
 
-from .util import MAX_SMALL_BYTES, InputError, errors_as, first_line, loads_json, read_bounded
+from .util import (MAX_SMALL_BYTES, InputError, errors_as, file_kind, first_line, loads_json, read_bounded,
+                              stat_or_none)
 
 # %% auto 0
 __all__ = ['SUPPORTED', 'MAX_POSITION_ATTRS', 'HFSourceError', 'import_transformers', 'quiet_transformers', 'hf_config',
@@ -58,6 +59,8 @@ def hf_config(path: str):
     "(transformers, config, warnings heard) of `hf:path`: a config.json or a folder holding one, read bounded and quietly."
     p = Path(path).expanduser()
     if p.is_dir(): p = p / "config.json"
+    if (st := stat_or_none(p)) is not None and file_kind(st) != "a regular file":
+        raise HFSourceError(f"hf:{path}: {p} is {file_kind(st)}, not a config file; give hf:path/to/config.json")
     if not p.is_file():
         raise HFSourceError(f"hf:{path}: no config.json there; give hf:path/to/config.json or a directory holding one")
     with errors_as(HFSourceError, "; give a config written by transformers (save_pretrained)"):
