@@ -15,7 +15,7 @@ from torch import nn
 
 from .apply import apply_compiled, compile_record, graphs_compiled
 from .options import CompileError, CompileOptions
-from ..fsdp import FSDPPlan
+from ..fsdp import FSDPPlan, block_units
 from ..launch import launch
 from ..step import make_optimizer, train_step
 
@@ -45,12 +45,11 @@ def cpu_step(profile, plan: FSDPPlan, cost) -> dict:
 # %% ../../nbs/42e_compile_bench.ipynb
 def _block_units(model: nn.Module, world: int, k: int = 1) -> FSDPPlan:
     "Root + one unit per repeated block (`structure.find_structure`'s main stack), prefetch 1, `k` micro-batches."
-    from static_dist.fsdp import FSDPUnit
     from static_dist.structure import find_structure
     stack = find_structure(model).main
     if stack is None: raise CompileError(f"{type(model).__name__} has no stack of two or more identical blocks "
                                          "(`structure.find_structure`): the bench shards the root plus one unit per block.")
-    return FSDPPlan(world, (world,), (FSDPUnit(""), *(FSDPUnit(b) for b in stack.blocks)), forward_prefetch=1, accumulation_steps=k)
+    return FSDPPlan(world, (world,), block_units(stack.blocks), forward_prefetch=1, accumulation_steps=k)
 
 def _options(config: str) -> CompileOptions:
     "'eager', a backend, or 'inductor+comm' (Inductor with the plan's comm settings)."

@@ -22,8 +22,8 @@ from ..util import (Fields, boolean, dtype_name, either, errors_as, integer, lis
                               read_json, shown, string)
 
 # %% auto 0
-__all__ = ['PLAN_SCHEMA', 'MAX_WORLD', 'MAX_PLAN_BYTES', 'FSDPUnit', 'FSDPPlan', 'innermost', 'unit_finder', 'unit_of',
-           'validate']
+__all__ = ['PLAN_SCHEMA', 'MAX_WORLD', 'MAX_PLAN_BYTES', 'FSDPUnit', 'FSDPPlan', 'block_units', 'innermost', 'unit_finder',
+           'unit_of', 'validate']
 
 # %% ../../nbs/40b_fsdp_plan.ipynb
 @dataclass(frozen=True)
@@ -70,6 +70,11 @@ class FSDPPlan:
 
     @property
     def replicate_size(self) -> int: return self.mesh_shape[0] if len(self.mesh_shape) == 2 else 1
+
+# %% ../../nbs/40b_fsdp_plan.ipynb
+def block_units(blocks, reshard_after_forward: bool | int = True) -> tuple[FSDPUnit, ...]:
+    "The root and one unit per block (`blocks`: their FQNs), as torchtitan wraps a transformer."
+    return (FSDPUnit(""), *(FSDPUnit(b, reshard_after_forward=reshard_after_forward) for b in blocks))
 
 # %% ../../nbs/40b_fsdp_plan.ipynb
 PLAN_SCHEMA = "static_dist.fsdp_plan/1"

@@ -56,7 +56,7 @@ def layout_figure(mem: ParallelMemory, step: StepTime, budget: int):
 # %% ../../nbs/45_parallel.ipynb
 def _layout_view(g: StaticGraph, topo, world: int, budget_mib: float, tp: int, pp: int, cp: int, ac: str) -> View:
     "The layout for these degrees: its memory and time, or why the model cannot take it."
-    from static_dist.fsdp import FSDPPlan, FSDPUnit
+    from static_dist.fsdp import FSDPPlan, block_units
     from static_dist.placement import block_spec, megatron_styles
     from static_dist.parallel.search import balanced_stages
     stack = g.structure.main
@@ -68,7 +68,7 @@ def _layout_view(g: StaticGraph, topo, world: int, budget_mib: float, tp: int, p
     try:
         styles = tuple(megatron_styles(block_spec(g)).items()) if tp > 1 else ()
         work = rank_work(g, ParallelPlan(ParallelDims(cp=cp, tp=tp), styles), topo)
-        fsdp = FSDPPlan(d.fsdp_size, (d.fsdp_size,), (FSDPUnit(""), *(FSDPUnit(b) for b in stack.blocks))) if d.fsdp_size > 1 else None
+        fsdp = FSDPPlan(d.fsdp_size, (d.fsdp_size,), block_units(stack.blocks)) if d.fsdp_size > 1 else None
         plan = ParallelPlan(d, styles, balanced_stages(work, n, pp), microbatches=2 * pp if pp > 1 else 1,
                             ac=(ac,) * n, fsdp=fsdp, name="widget")
         mem = predict_parallel_memory(g, plan)

@@ -11,15 +11,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..fsdp import FSDPPlan, FSDPUnit, GraphProfile, MemoryPrediction, predict_memory
+from ..fsdp import FSDPPlan, FSDPUnit, GraphProfile, MemoryPrediction, block_units, predict_memory
 from ..fsdp.profile import ParamInfo, main_stack, module_order, param_infos, shared_params, to_master, tokens_of
 from ..graph import StaticGraph, fmt_bytes
 from .plan import ParallelDims, ParallelPlan, ParallelPlanError, ac_modes, stage_ranges
 from ..placement import block_spec, megatron_styles
 
 # %% auto 0
-__all__ = ['op_blocks', 'op_stages', 'tp_op_factor', 'tp_param_shape', 'ac_effects', 'rank_stages', 'in_flight', 'rank_profile',
-           'rank_fsdp_plan', 'ParallelMemory', 'predict_parallel_memory', 'placement_other_bytes']
+__all__ = ['module_blocks', 'op_blocks', 'op_stages', 'tp_op_factor', 'tp_param_shape', 'ac_effects', 'rank_stages', 'in_flight',
+           'rank_profile', 'rank_fsdp_plan', 'ParallelMemory', 'predict_parallel_memory', 'placement_other_bytes']
 
 # %% ../../nbs/45b_parallel_memory.ipynb
 def _block_index(blocks: tuple[str, ...]):
@@ -33,12 +33,14 @@ def _block_index(blocks: tuple[str, ...]):
     return of
 
 # %% ../../nbs/45b_parallel_memory.ipynb
+def module_blocks(modules, blocks: tuple[str, ...]) -> np.ndarray:
+    "Block index of each module of `modules` (an op's module per op; -1 outside the main stack)."
+    of, memo = _block_index(blocks), {}
+    return np.array([memo[m] if m in memo else memo.setdefault(m, of(m)) for m in modules], dtype=np.int64)
+
 def op_blocks(g: StaticGraph, blocks: tuple[str, ...]) -> np.ndarray:
     "Block index of each op's module (-1 outside the main stack)."
-    of, memo = _block_index(blocks), {}
-    for o in g.ops:
-        if o.module not in memo: memo[o.module] = of(o.module)
-    return np.array([memo[o.module] for o in g.ops], dtype=np.int64)
+    return module_blocks((o.module for o in g.ops), blocks)
 
 # %% ../../nbs/45b_parallel_memory.ipynb
 def op_stages(g: StaticGraph, ob: np.ndarray, block_stage: np.ndarray, n_stages: int) -> np.ndarray:
@@ -354,7 +356,7 @@ def placement_other_bytes(g: StaticGraph, dp: int, tp: int, master_dtype: str | 
     spec, blocks = block_spec(g), g.structure.main.blocks
     styles = megatron_styles(spec)
     plan = ParallelPlan(ParallelDims(dp_shard=dp, tp=tp), tuple((n, s) for n, s in styles.items() if s != "replicate") if tp > 1 else (),
-                        fsdp=FSDPPlan(dp, (dp,), (FSDPUnit(""), *(FSDPUnit(b) for b in blocks))) if dp > 1 else None)
+                        fsdp=FSDPPlan(dp, (dp,), block_units(blocks)) if dp > 1 else None)
     linears = spec.n_layers * sum(l.param_bytes * spec.state_factor / (tp if styles[l.name] != "replicate" else 1) / dp
                                   for l in spec.linears)
     return max(int(predict_parallel_memory(g, plan, master_dtype).peak_bytes - linears), 0)

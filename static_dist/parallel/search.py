@@ -9,15 +9,14 @@ import dataclasses
 import heapq
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 from fastcore.basics import patch
 
-from ..fsdp import FSDPPlan, FSDPUnit, expand_profile, predict_memory
-from ..fsdp.profile import main_stack
+from ..fsdp import FSDPPlan, FSDPUnit, block_units, expand_profile, predict_memory
 from ..graph import StaticGraph, fmt_bytes
-from .memory import _block_index, in_flight, predict_parallel_memory, rank_fsdp_plan, rank_profile
+from .memory import in_flight, module_blocks, predict_parallel_memory, rank_fsdp_plan, rank_profile
 from .plan import (ParallelDims, ParallelPlan, ParallelPlanError, SelectivePolicy, ac_modes, check_layout,
                                        stage_ranges)
 from .time import StepTime, predict_step_time, rank_work
@@ -75,7 +74,7 @@ class _Context:
 def plan(self: _Context, d: ParallelDims, *, ac=(), stages=(), schedule="1F1B", m=1, reshard=True, name="layout") -> ParallelPlan:
     dp = d.dp_replicate * d.fsdp_size
     mesh = (d.dp_replicate, d.fsdp_size) if d.dp_replicate > 1 else (d.fsdp_size,)
-    units = (FSDPUnit(""), *(FSDPUnit(b, reshard_after_forward=reshard) for b in self.blocks))
+    units = block_units(self.blocks, reshard)
     return ParallelPlan(d, self.styles if d.tp > 1 else (), stages, schedule, m, tuple(ac), self.selective,
                         fsdp=FSDPPlan(dp, mesh, units) if dp > 1 else None, name=name)
 
@@ -109,8 +108,7 @@ def _stage_layout(ctx: _Context, d: ParallelDims, P) -> tuple:
     "(block of each op, first forward op, op where each forward ends, blocks held at each op) of a `k`-block stage profile."
     key = ("layout", d.tp, d.cp, len(P.blocks))
     if key not in ctx._ext:
-        k, of, ph, memo = len(P.blocks), _block_index(P.blocks), P.op_phase, {}
-        ob = np.array([memo[m] if m in memo else memo.setdefault(m, of(m)) for m in P.op_module], dtype=np.int64)
+        k, ph, ob = len(P.blocks), P.op_phase, module_blocks(P.op_module, P.blocks)
         ff = np.array([np.flatnonzero((ob == b) & (ph == 0))[0] for b in range(k)])
         fb = np.sort([np.flatnonzero((ob == b) & (ph == 1))[0] for b in range(k)])
         ends = np.append(ff[1:], np.flatnonzero((ob == k - 1) & (ph == 0))[-1] + 1)
@@ -387,7 +385,6 @@ def search_layouts(g: StaticGraph, world: int, topo: Topology, budget_bytes: int
 # %% ../../nbs/45d_parallel_search.ipynb
 def search_graph(w, capture_blocks: int = 3, progress=None) -> tuple[StaticGraph, int, str]:
     "(the step of workload `w` to search over, the model's block count, how it was captured)."
-    import torch
     from static_dist.fsdp.few_blocks import block_attr_mismatch, first_blocks
     from static_dist.fsdp.profile import BlockMismatchError, expand_blocks, profile_graph
     from static_dist.structure import find_structure

@@ -5,19 +5,18 @@
 # %% ../../nbs/45f_parallel_verify.ipynb 4
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from dataclasses import dataclass
 
-import torch
+import numpy as np
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from ..fsdp import measure_step, predict_comms
 from ..graph import fmt_bytes
 from ..launch import process_group
 from .apply import apply_ac, apply_parallel_plan, parallel_mesh
-from .memory import predict_parallel_memory, rank_fsdp_plan, rank_profile
+from .memory import _block_spans, op_blocks, predict_parallel_memory, rank_fsdp_plan, rank_profile
 from .plan import ParallelPlan, ParallelPlanError, SelectivePolicy
 from ..placement import STYLES
 from ..step import OPTIMIZERS, step_loss
@@ -104,15 +103,12 @@ def verify_parallel(w, plan: ParallelPlan, graph=None) -> ParallelVerification:
                                 time.perf_counter() - t0)
 
 # %% ../../nbs/45f_parallel_verify.ipynb
-def _stack_span(g, blocks) -> tuple[int, int]:
-    "(first forward op of the first block, last forward op of the last block) of the captured step."
-    inside = lambda o, b: o.phase == "forward" and (o.module == b or o.module.startswith(b + "."))
-    return (min(i for i, o in enumerate(g.ops) if inside(o, blocks[0])),
-            max(i for i, o in enumerate(g.ops) if inside(o, blocks[-1])))
-
 def predicted_stack_bytes(g, plan: ParallelPlan) -> int:
     "Bytes the main stack's forward leaves held (its blocks' saved activations) on one rank of `plan`, from the model."
-    first, last = _stack_span(g, g.structure.main.blocks)
+    blocks = g.structure.main.blocks
+    phase = np.array([("forward", "backward", "optimizer").index(o.phase) for o in g.ops])
+    ff, lf, _ = _block_spans(op_blocks(g, blocks), phase, len(blocks))
+    first, last = int(ff[0]), int(lf[-1])
     native = rank_profile(g, plan).native
     made_next = sum(s.nbytes for s in g.storages if s.created == last + 1)     # alive at last + 1, not yet at the end of last
     return int(native[last + 1]) - made_next - int(native[first - 1] if first else 0)

@@ -13,7 +13,7 @@ import numpy as np
 from .blocks import BlockSpec, block_spec
 from .layout import check_plan
 from .search import ShardingPlan, choice_cost, evaluate_plan, megatron_styles, search_plan
-from ..topology import MeshSpec, Topology, check_mesh, preset
+from ..topology import MeshSpec, Topology, preset
 
 # %% auto 0
 __all__ = ['plan_report', 'plot_plans', 'solve_case', 'bench_placement', 'load_topology_arg']
