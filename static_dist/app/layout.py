@@ -174,22 +174,25 @@ def measured_peak(device) -> tuple:
     return (lambda: mt), peak, mt.reset_mod_stats
 
 # %% ../../nbs/92a_layout.ipynb
-def _plan_batches(w, plan, steps: int, device):
-    """Each step's global batch: `plan_rows(plan, w.batch)` rows, so that every rank steps micro-batches of the workload's
+def _plan_batch(w, plan, step: int, device, mesh=None):
+    """Step `step`'s batch: `plan_rows(plan, w.batch)` rows, so that every rank steps micro-batches of the workload's
     batch, the size the plan was predicted for. Seeded fresh tokens for a token model (the same on every rank), else
-    the workload's batch repeated."""
+    the workload's batch repeated. With `mesh`, only this rank's rows (`parallel.dp_slice`), as a per-rank data loader
+    would give them. Made one step at a time: batches made ahead, or other ranks' rows, would count in the peak."""
     from torch.utils._pytree import tree_map
-    from static_dist.parallel import plan_rows
+    from static_dist.parallel import dp_slice, plan_rows
     rows = plan_rows(plan, w.batch)
     if w.from_tokens is None:
         k = rows // w.batch
         mb = w.micro_batch(device)
-        return [tree_map(lambda t: t.repeat(k, *[1] * (t.dim() - 1)) if isinstance(t, torch.Tensor) and t.dim() else t,
-                         (mb.args, mb.kwargs, mb.targets))] * steps
-    def one(step):
+        whole = tree_map(lambda t: t.repeat(k, *[1] * (t.dim() - 1)) if isinstance(t, torch.Tensor) and t.dim() else t,
+                         (mb.args, mb.kwargs, mb.targets))
+    else:
         g = torch.Generator().manual_seed(1_000_003 * step)
-        return w.token_batch(torch.randint(w.vocab, (rows, (w.seq or 1) + 1), generator=g).to(device))
-    return [one(i) for i in range(steps)]
+        whole = w.token_batch(torch.randint(w.vocab, (rows, (w.seq or 1) + 1), generator=g).to(device))
+    if mesh is None: return whole
+    return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, dp_slice(plan, mesh, whole))
+
 
 # %% ../../nbs/92a_layout.ipynb
 def _plan_rank(w, plan, steps: int, backend: str) -> dict:
@@ -199,18 +202,19 @@ def _plan_rank(w, plan, steps: int, backend: str) -> dict:
     from static_dist.parallel import parallel_mesh, plan_step, prepare_rank
     from static_dist.step import make_optimizer
     dev = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
-    batches = _plan_batches(w, plan, steps, dev)
     mesh = parallel_mesh(plan, dev.split(":")[0]) if plan.dims.world > 1 else None
     enter, peak, next_step = measured_peak(dev)
     # ModTracker's note on a pipeline stage's recomputed forward: not the user's concern
     warnings.filterwarnings("ignore", message="Module is None. Skipping", category=UserWarning)
     t0, losses, seconds = time.perf_counter(), [], []
     with enter():                             # the model built, sharded and trained under the tracker: all it holds counts
-        rank = prepare_rank(w.build_model(dev, seed=0), plan, mesh, batches[0], w.loss, seq=w.seq, compile_backend=backend)
+        rank = prepare_rank(w.build_model(dev, seed=0), plan, mesh, _plan_batch(w, plan, 0, dev), w.loss, seq=w.seq,
+                            compile_backend=backend)
         opt = make_optimizer(w.optimizer, rank.parameters())
-        for b in batches:
+        for i in range(steps):
+            b = _plan_batch(w, plan, i, dev, mesh)
             s0 = time.perf_counter(); next_step()
-            loss = plan_step(rank, opt, b)
+            loss = plan_step(rank, opt, b, local=mesh is not None)
             losses.append(None if loss is None else float(loss.item()))
             seconds.append(time.perf_counter() - s0)
     nbytes, how = peak()

@@ -159,7 +159,9 @@ def _add_ignored(C: _Curves, profile: GraphProfile, plan: FSDPPlan) -> int:
         if owners[p.name] is None:
             C.add("sharded_params", 0, n - 1, p.numel * p.itemsize)
             C.add("optimizer_state", 0, n - 1, p.state_bytes)
-            if p.grad_created >= 0: C.add("gradients", p.grad_created, n - 1, p.numel * p.itemsize)
+            # accumulating: the micro-batches before left their gradient in .grad
+            start = 0 if plan.accumulation_steps > 1 else p.grad_created
+            if p.grad_created >= 0: C.add("gradients", start, n - 1, p.numel * p.itemsize)
         else: full += p.numel * p.itemsize
     return full
 

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 
@@ -19,7 +20,8 @@ from ..placement import block_spec, megatron_styles
 
 # %% auto 0
 __all__ = ['module_blocks', 'op_blocks', 'op_stages', 'tp_op_factor', 'tp_param_shape', 'ac_effects', 'rank_stages', 'in_flight',
-           'rank_profile', 'rank_fsdp_plan', 'ParallelMemory', 'predict_parallel_memory', 'placement_other_bytes']
+           'tensor_bytes', 'boundary_bytes', 'pipeline_buffers', 'model_output_bytes', 'pipeline_held', 'rank_profile',
+           'rank_fsdp_plan', 'ParallelMemory', 'predict_parallel_memory', 'placement_other_bytes']
 
 # %% ../../nbs/45b_parallel_memory.ipynb
 def _block_index(blocks: tuple[str, ...]):
@@ -238,6 +240,42 @@ def _saved_at(g: StaticGraph, v: _View, cp: int, at: int) -> float:
     return out
 
 # %% ../../nbs/45b_parallel_memory.ipynb
+@functools.cache
+def _itemsize(dtype: str) -> int:
+    import torch
+    return getattr(torch, dtype).itemsize
+
+def tensor_bytes(g: StaticGraph) -> list[int]:
+    "Bytes of each tensor of the step (its shape and dtype; a view's, not its storage's)."
+    return [math.prod(t.shape) * _itemsize(t.dtype) for t in g.tensors]
+
+def boundary_bytes(g: StaticGraph, ob: np.ndarray, cp: int = 1, nb: list | None = None) -> float:
+    "Bytes of the largest tensor block 0's forward makes and block 1's forward reads (the residual stream), on one rank."
+    if len(set(ob[ob >= 0].tolist())) < 2: return 0.0
+    made = {t for i, o in enumerate(g.ops) if ob[i] == 0 and o.phase == "forward" for t in o.outputs}
+    read = {t for i, o in enumerate(g.ops) if ob[i] == 1 and o.phase == "forward" for t in o.inputs}
+    nb = tensor_bytes(g) if nb is None else nb
+    return max((nb[t] for t in made & read), default=0) / cp
+
+def pipeline_buffers(plan: ParallelPlan, pp_rank: int, boundary: float) -> float:
+    """Bytes of the receive buffers `torch.distributed.pipelining` keeps on pipeline rank `pp_rank`, for stage boundaries
+    of `boundary` bytes: per stage and micro-batch, one for the activations from the stage before and one for the
+    gradients from the stage after (its recv infos, made at the first step and kept across steps)."""
+    if plan.dims.pp == 1: return 0.0
+    n = max(len(plan.stages), 1)
+    return sum(plan.microbatches * boundary * ((s > 0) + (s < n - 1)) for s in rank_stages(plan, pp_rank))
+
+def model_output_bytes(g: StaticGraph) -> float:
+    "Bytes of the model's outputs that the loss reads (the logits): what the pipeline's last stage keeps for its backward."
+    fwd = g.meta.get("model_forward")
+    if not fwd: return 0.0
+    made = {t for o in g.ops[fwd[0]:fwd[1] + 1] for t in o.outputs}
+    read = {t for o in g.ops[fwd[1] + 1:] if o.phase == "forward" for t in o.inputs}
+    nb = tensor_bytes(g)
+    return float(sum(nb[t] for t in made & read))
+
+
+# %% ../../nbs/45b_parallel_memory.ipynb
 def _local_params(mine, v: _View, plan: ParallelPlan, newix) -> list[ParamInfo]:
     "The rank's parameters with their tensor-parallel shapes, state scaled to them, gradient times on the rank's ops."
     out = []
@@ -268,6 +306,23 @@ def _root_marks(g: StaticGraph, K: np.ndarray) -> dict:
     return dict(model_forward_end=at.get(fwd[1], -1) if fwd else -1, model_backward_start=-1 if bwd is None else at.get(bwd, -1))
 
 # %% ../../nbs/45b_parallel_memory.ipynb
+def pipeline_held(plan: ParallelPlan, pp_rank: int, phase: np.ndarray, boundary: float, output: float = 0.0,
+                  forward_end: int = -1, inputs: float = 0.0) -> np.ndarray:
+    """Bytes the pipeline schedule holds on pipeline rank `pp_rank` beyond the step's own lifetimes, at each op of one
+    micro-batch (`phase`: 0 forward, 1 backward, 2 optimizer): its receive buffers (`pipeline_buffers`), the other
+    micro-batches' `inputs` (the rank's batch, which the schedule chunks), and the stage outputs it keeps (`fwd_cache`)
+    from a micro-batch's forward to the end of its backward. The step alone frees a stage's boundary once the next
+    stage's backward began, and the model's `output` bytes (the logits, on the last stage, from op `forward_end`) once
+    the loss read them."""
+    if plan.dims.pp == 1: return np.zeros(len(phase))
+    out = np.full(len(phase), pipeline_buffers(plan, pp_rank, boundary) + (plan.microbatches - 1) * inputs)
+    n_stage, mine = max(len(plan.stages), 1), rank_stages(plan, pp_rank)
+    if any(s < n_stage - 1 for s in mine): out[phase == 1] += boundary
+    if n_stage - 1 in mine:
+        out[phase < 2] += (in_flight(plan, pp_rank) - 1) * output
+        if forward_end >= 0: out[forward_end:][phase[forward_end:] < 2] += output
+    return out
+
 def rank_profile(g: StaticGraph, plan: ParallelPlan, pp_rank: int = 0, master_dtype: str | None = None) -> GraphProfile:
     "The FSDP planner's profile of the captured step as one rank of pipeline rank `pp_rank` holds it under `plan`."
     stack, blocks = main_stack(g)
@@ -278,6 +333,9 @@ def rank_profile(g: StaticGraph, plan: ParallelPlan, pp_rank: int = 0, master_dt
     phase = np.array([("forward", "backward", "optimizer").index(g.ops[i].phase) for i in K], dtype=np.int8)
     fwd = [i for i in K if g.ops[i].phase == "forward"]
     extra = (in_flight(plan, pp_rank) - 1) * _saved_at(g, v, plan.dims.cp, fwd[-1]) if fwd else 0.0
+    inputs = sum(s.nbytes * _storage_fraction(s, v, g, plan.dims.cp) for s in g.storages if s.role == "input")
+    extra = extra + pipeline_held(plan, pp_rank, phase, boundary_bytes(g, ob, plan.dims.cp), model_output_bytes(g) / plan.dims.cp,
+                                  _root_marks(g, K)["model_forward_end"], inputs)
     native = (sum(live[r] for r in live)[K] + extra).astype(np.int64)
     temp = live["temporary"][K].astype(np.int64)
     ps, native, temp, cap = to_master(_local_params(mine, v, plan, newix), native, temp, phase, master_dtype)
@@ -308,18 +366,24 @@ def _stage_blocks(plan: ParallelPlan, blocks, v: _View) -> tuple[str, ...]:
     return tuple(b for s in sorted(v.stages) for b in blocks[rng[s][0]:rng[s][1]]) if blocks else ()
 
 # %% ../../nbs/45b_parallel_memory.ipynb
-def rank_fsdp_plan(plan: ParallelPlan, profile: GraphProfile) -> FSDPPlan:
-    "The FSDP plan of one rank: the plan's units whose modules its stage runs (the root always), over its data-parallel mesh."
+def _forward_between_backwards(plan: ParallelPlan, pp_rank: int) -> bool:
+    "Does every backward of pipeline rank `pp_rank` follow a forward of its own micro-batch (the last stage under 1F1B)?"
+    return plan.schedule == "1F1B" and max(len(plan.stages), 1) - 1 in rank_stages(plan, pp_rank)
+
+def rank_fsdp_plan(plan: ParallelPlan, profile: GraphProfile, pp_rank: int = 0) -> FSDPPlan:
+    """The FSDP plan of one rank of pipeline rank `pp_rank`: the plan's units whose modules its stage runs (the root
+    always), over its data-parallel mesh, as the pipeline schedule runs them (see above)."""
     d = plan.dims
     mods = set(profile.modules)
     if d.dp_replicate * d.fsdp_size == 1:              # one data-parallel rank: nothing sharded, nothing gathered
         top = tuple(sorted({p.name.split(".")[0] for p in profile.params if "." in p.name}))
-        return FSDPPlan(1, (1,), (FSDPUnit(""),), ignored=top)
+        return FSDPPlan(1, (1,), (FSDPUnit(""),), ignored=top, accumulation_steps=plan.microbatches if d.pp > 1 else 1)
     mesh = (d.dp_replicate, d.fsdp_size) if d.dp_replicate > 1 else (d.fsdp_size,)
     f = plan.fsdp or FSDPPlan(math.prod(mesh), mesh, (FSDPUnit(""),))
     units = tuple(u for u in f.units if u.module == "" or u.module in mods)
     if d.pp > 1:   # the schedule runs every micro-batch but the last without gradient sync or resharding after backward
-        units = tuple(dataclasses.replace(u, reshard_after_forward=False) for u in units)
+        if not _forward_between_backwards(plan, pp_rank):
+            units = tuple(dataclasses.replace(u, reshard_after_forward=False) for u in units)
         return dataclasses.replace(f, units=units, accumulation_steps=plan.microbatches, sync_every_microbatch=False)
     return dataclasses.replace(f, units=units)
 
@@ -345,7 +409,7 @@ def predict_parallel_memory(g: StaticGraph, plan: ParallelPlan, master_dtype: st
     preds = []
     for r in range(plan.dims.pp):
         prof = rank_profile(g, plan, r, master_dtype)
-        preds.append(predict_memory(prof, rank_fsdp_plan(plan, prof)))
+        preds.append(predict_memory(prof, rank_fsdp_plan(plan, prof, r)))
     return ParallelMemory(plan, tuple(preds))
 
 # %% ../../nbs/45b_parallel_memory.ipynb

@@ -388,12 +388,13 @@ def predict_pipeline_counts(plan: ParallelPlan, split: PipelineSplit, pp_rank: i
     "Sends, receives and FSDP collectives of one steady step on pipeline rank `pp_rank` (the pp and dp axes; no tp or cp)."
     if plan.dims.tp > 1 or plan.dims.cp > 1: raise ParallelPlanError("predict_pipeline_counts covers the pp and dp axes: use tp=1 and cp=1")
     m, n, out = plan.microbatches, split.n_stages, Counter()
+    reshard = plan.fsdp is None or any(u.reshard_after_forward is not False for u in plan.fsdp.units if u.module)
     for s in rank_stages(plan, pp_rank):
         sides = (s > 0) + (s < n - 1)                        # boundaries this stage touches
         out["pp.send"] += m * sides; out["pp.recv"] += m * sides
         if plan.dims.fsdp_size > 1:
             units, root = _units(plan, split, s)
-            out["dp.all_gather"] += units * (m + 1) + root
+            out["dp.all_gather"] += units * (m + 1 if reshard else 1) + root
             out["dp.reduce_scatter"] += units + root
         if plan.dims.dp_replicate > 1: out["dp.all_reduce"] += sum(_units(plan, split, s))
     return dict(out)

@@ -118,12 +118,13 @@ def prepare_rank(model: nn.Module, plan: ParallelPlan, mesh, batch, loss_fn: Cal
     return PlanRank(plan, mesh, model, loss_fn)
 
 # %% ../../nbs/45h_parallel_run.ipynb
-def plan_step(rank: PlanRank, optimizer: torch.optim.Optimizer, batch, *, around=None) -> torch.Tensor | None:
-    """One optimizer step of the global `batch` on this rank: its data-parallel rows, its sequence shards (cp), its
-    micro-batches through the one `train_step` or the pipeline schedule. The mean loss (None on a pipeline rank
-    without the last stage)."""
+def plan_step(rank: PlanRank, optimizer: torch.optim.Optimizer, batch, *, around=None, local: bool = False) -> torch.Tensor | None:
+    """One optimizer step of the global `batch` on this rank: its data-parallel rows (`local=True`: `batch` is them
+    already, as a per-rank data loader gives them), its sequence shards (cp), its micro-batches through the one
+    `train_step` or the pipeline schedule. The mean loss (None on a pipeline rank without the last stage)."""
     plan = rank.plan
-    args, kwargs, targets = dp_slice(plan, rank.mesh, batch)
+    mb = micro_batch(batch) if local else None
+    args, kwargs, targets = (mb.args, mb.kwargs, mb.targets) if local else dp_slice(plan, rank.mesh, batch)
     if plan.dims.pp > 1: return pipeline_step(rank.pipeline, optimizer, (args, kwargs, targets), around=around)
     if plan.dims.cp == 1:
         return train_step(rank.model, optimizer, split_rows(MicroBatch(args, kwargs, targets), plan.microbatches),

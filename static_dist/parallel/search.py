@@ -16,7 +16,8 @@ from fastcore.basics import patch
 
 from ..fsdp import FSDPPlan, FSDPUnit, block_units, expand_profile, predict_memory
 from ..graph import StaticGraph, fmt_bytes
-from .memory import in_flight, module_blocks, predict_parallel_memory, rank_fsdp_plan, rank_profile
+from .memory import (boundary_bytes, in_flight, module_blocks, op_blocks, pipeline_held, predict_parallel_memory,
+                                         rank_fsdp_plan, rank_profile)
 from .plan import (ParallelDims, ParallelPlan, ParallelPlanError, SelectivePolicy, ac_modes, check_layout,
                                        stage_ranges)
 from .time import StepTime, predict_step_time, rank_work
@@ -71,10 +72,11 @@ class _Context:
 
 # %% ../../nbs/45d_parallel_search.ipynb
 @patch
-def plan(self: _Context, d: ParallelDims, *, ac=(), stages=(), schedule="1F1B", m=1, reshard=True, name="layout") -> ParallelPlan:
+def plan(self: _Context, d: ParallelDims, *, ac=(), stages=(), schedule="1F1B", m=1, reshard=None, name="layout") -> ParallelPlan:
+    "The layout `d` as a plan; `reshard` (the blocks' reshard_after_forward): by default torchtitan's, off under a pipeline."
     dp = d.dp_replicate * d.fsdp_size
     mesh = (d.dp_replicate, d.fsdp_size) if d.dp_replicate > 1 else (d.fsdp_size,)
-    units = block_units(self.blocks, reshard)
+    units = block_units(self.blocks, d.pp == 1 if reshard is None else reshard)
     return ParallelPlan(d, self.styles if d.tp > 1 else (), stages, schedule, m, tuple(ac), self.selective,
                         fsdp=FSDPPlan(dp, mesh, units) if dp > 1 else None, name=name)
 
@@ -142,6 +144,18 @@ def _forward_activations(P) -> int:
     fwd = np.flatnonzero(P.op_phase == 0)
     return max(int(P.native[fwd[-1]] - P.native[0]), 0) if len(fwd) else 0
 
+def _pipelined(ctx: _Context, plan: ParallelPlan, P):
+    """`P` (a first stage's profile) with what the pipeline adds on its first rank at every op: the other micro-batches in
+    flight, the schedule's receive buffers and the stage output it keeps (`memory.pipeline_held`)."""
+    d = plan.dims
+    if d.pp == 1: return P
+    if ("boundary", d.cp) not in ctx._ext:
+        ctx._ext[("boundary", d.cp)] = (boundary_bytes(ctx.g, op_blocks(ctx.g, ctx.stack.blocks), d.cp),
+                                        sum(s.nbytes for s in ctx.g.storages if s.role == "input") / d.cp)
+    boundary, inputs = ctx._ext[("boundary", d.cp)]
+    held = (in_flight(plan, 0) - 1) * _forward_activations(P) + pipeline_held(plan, 0, P.op_phase, boundary, inputs=inputs)
+    return dataclasses.replace(P, native=(P.native + held).astype(np.int64))
+
 def _stage_modes(ctx: _Context, plan: ParallelPlan, mode: str | None) -> tuple[str, ...]:
     "Checkpointing of each block of the first pipeline stage (`mode` for all of them when given)."
     d = plan.dims
@@ -157,11 +171,11 @@ def _memory(ctx: _Context, plan: ParallelPlan, mode: str | None = None) -> int:
     if k < ctx.captured:
         raise ParallelPlanError(f"a stage of {k} blocks is shorter than the {ctx.captured} captured ones")
     modes = _stage_modes(ctx, plan, mode)
-    key = (d.tp, d.cp, modes if len(set(modes)) > 1 else (k, modes[0]), d.fsdp_size, d.dp_replicate > 1, in_flight(plan, 0))
+    key = (d.tp, d.cp, modes if len(set(modes)) > 1 else (k, modes[0]), d.fsdp_size, d.dp_replicate > 1, d.pp > 1,
+           in_flight(plan, 0), plan.microbatches)
     if key not in ctx._mem:                    # the replicate degree aside, these set a rank's memory
-        P = _mixed_profile(ctx, d, modes)
-        pred = predict_memory(P, rank_fsdp_plan(plan, P))
-        ctx._mem[key] = pred.peak_bytes + (in_flight(plan, 0) - 1) * _forward_activations(P)
+        P = _pipelined(ctx, plan, _mixed_profile(ctx, d, modes))
+        ctx._mem[key] = predict_memory(P, rank_fsdp_plan(plan, P)).peak_bytes
     return ctx._mem[key]
 
 # %% ../../nbs/45d_parallel_search.ipynb
@@ -173,11 +187,9 @@ def memory_by_category(g: StaticGraph, plan: ParallelPlan, n_blocks: int | None 
     if len(g.structure.main.blocks) == n:
         return [(f"pp rank {r}", m.at_peak, m.peak_bytes) for r, m in enumerate(predict_parallel_memory(g, plan, master_dtype).ranks)]
     d, ctx = plan.dims, _Context(g, n, None, plan.tp_styles, plan.selective, master_dtype)
-    P = _mixed_profile(ctx, d, _stage_modes(ctx, plan, None if plan.ac else "none"))
-    pred, extra = predict_memory(P, rank_fsdp_plan(plan, P)), (in_flight(plan, 0) - 1) * _forward_activations(P)
-    at = dict(pred.at_peak)
-    at["activations"] = at.get("activations", 0) + extra      # the other micro-batches in flight on the first stage
-    return [("busiest stage" if d.pp > 1 else "each rank", at, pred.peak_bytes + extra)]
+    P = _pipelined(ctx, plan, _mixed_profile(ctx, d, _stage_modes(ctx, plan, None if plan.ac else "none")))
+    pred = predict_memory(P, rank_fsdp_plan(plan, P))
+    return [("busiest stage" if d.pp > 1 else "each rank", pred.at_peak, pred.peak_bytes)]
 
 # %% ../../nbs/45d_parallel_search.ipynb
 def balanced_stages(work, n: int, pp: int) -> tuple[int, ...]:
@@ -394,7 +406,7 @@ def search_graph(w, capture_blocks: int = 3, progress=None) -> tuple[StaticGraph
     main = find_structure(model).main
     if main is None: raise ParallelPlanError("the model has no stack of repeated blocks to lay out: use plan-fsdp for it")
     n = len(main.blocks)
-    if n <= capture_blocks: why = f"{n} blocks: captured whole"
+    if n <= 2 * capture_blocks: why = f"{n} blocks: captured whole"     # cheap, and a stage may be shorter than the capture
     elif bad := block_attr_mismatch(model, main): why = "blocks differ: " + "; ".join(bad[:2])
     else:
         spare = [model]                                   # the meta model already built (70B takes seconds to build)

@@ -5,7 +5,6 @@
 # %% ../../nbs/45c_parallel_time.ipynb 2
 from __future__ import annotations
 
-import functools
 import math
 import time
 from dataclasses import dataclass, field, replace
@@ -16,7 +15,8 @@ from ..graph import StaticGraph
 from ..fsdp.profile import main_stack, param_infos, tokens_of
 from ..placement import STYLES
 from ..topology import MeshSpec, Topology, collective_time
-from .memory import _block_spans, _policy_kept, _regions, _under_any, op_blocks, tp_param_shape
+from .memory import (_block_spans, _policy_kept, _regions, _under_any, boundary_bytes, op_blocks,
+                                         tensor_bytes, tp_param_shape)
 from .plan import ParallelPlan, ParallelPlanError, ac_modes, stage_ranges
 
 # %% auto 0
@@ -78,18 +78,12 @@ def calibrate_device(topo: Topology, device: str | None = None, *, n: int = 1024
                       f"measured on {device}: {flops / 1e9:.1f} GFLOP/s matmul, {bw / 1e9:.1f} GB/s elementwise")
 
 # %% ../../nbs/45c_parallel_time.ipynb
-@functools.cache
-def _itemsize(dtype: str) -> int:
-    import torch
-    return getattr(torch, dtype).itemsize
-
-# %% ../../nbs/45c_parallel_time.ipynb
 def _is_inplace(op: str) -> bool: return op.split(".")[1].endswith("_") if "." in op else False
 
 def op_bytes(g: StaticGraph) -> np.ndarray:
     "Bytes each op reads and writes (0 for a view, whose output lives in an input's storage)."
     out = np.zeros(len(g.ops))
-    nb = [math.prod(t.shape) * _itemsize(t.dtype) for t in g.tensors]
+    nb = tensor_bytes(g)
     for i, o in enumerate(g.ops):
         ins = {g.tensors[t].storage for t in o.inputs}
         if o.outputs and all(g.tensors[t].storage in ins for t in o.outputs) and not _is_inplace(o.op): continue
@@ -175,21 +169,13 @@ def _tp_collectives(g: StaticGraph, plan: ParallelPlan, blocks, tokens: int, ite
     return tuple(out)
 
 # %% ../../nbs/45c_parallel_time.ipynb
-def _boundary_bytes(g: StaticGraph, ob: np.ndarray, nb: list, cp: int) -> float:
-    "Bytes of the largest tensor block 0's forward makes and block 1's forward reads (the residual stream), on one rank."
-    if len(set(ob[ob >= 0].tolist())) < 2: return 0.0
-    made = {t for i, o in enumerate(g.ops) if ob[i] == 0 and o.phase == "forward" for t in o.outputs}
-    read = {t for i, o in enumerate(g.ops) if ob[i] == 1 and o.phase == "forward" for t in o.inputs}
-    return max((nb[t] for t in made & read), default=0) / cp
-
-# %% ../../nbs/45c_parallel_time.ipynb
 def rank_work(g: StaticGraph, plan: ParallelPlan, topo: Topology, spec: DeviceSpec | None = None) -> RankWork:
     "One micro-batch of the captured step on one rank under `plan`'s tensor and context parallelism, per region."
     stack, blocks = main_stack(g)
     ob, k = op_blocks(g, blocks), len(blocks)
     phase = np.array([("forward", "backward", "optimizer").index(o.phase) for o in g.ops])
     sec = op_seconds(g, topo, spec) * _op_factor(g, plan, blocks)
-    nb = [math.prod(t.shape) * _itemsize(t.dtype) for t in g.tensors]
+    nb = tensor_bytes(g)
     inb = ob >= 0
     f_first = np.flatnonzero(inb & (phase == 0)); b_first = np.flatnonzero(inb & (phase == 1))
     f0 = f_first[0] if len(f_first) else len(g.ops); b0 = b_first[0] if len(b_first) else len(g.ops)
@@ -228,7 +214,7 @@ def rank_work(g: StaticGraph, plan: ParallelPlan, topo: Topology, spec: DeviceSp
     return RankWork(float(sec[out_f & (idx < f0)].sum()), float(sec[out_f & (idx >= f0)].sum()),
                     float(sec[out_b & (idx >= b0)].sum()), float(sec[out_b & (idx < b0)].sum()),
                     fwd_blocks, bwd_blocks, fwd_blocks.copy(), rc_sel, attn, kv, float(sec[phase == 2].sum()),
-                    _boundary_bytes(g, ob, nb, plan.dims.cp), bp, pre, post, float(sum(p.numel * p.itemsize for p in params)),
+                    boundary_bytes(g, ob, plan.dims.cp, nb), bp, pre, post, float(sum(p.numel * p.itemsize for p in params)),
                     _tp_collectives(g, plan, blocks, tokens, itemsize, {p.name: p.shape for p in params}),
                     float(flops[phase < 2].sum()), float(flops[(phase < 2) & (ob == tb)].sum()), tokens, itemsize)
 
@@ -391,8 +377,10 @@ def _block_units(plan: ParallelPlan, blocks_known: bool = True) -> tuple[bool, o
     return (bool(blk), blk[0].reshard_after_forward if blk else True)
 
 # %% ../../nbs/45c_parallel_time.ipynb
-def _rank_micro_batch(w: RankWork, L: _Layout, plan: ParallelPlan, stages: list, ranges, ag, sync_cost, do_sync: bool):
-    "(end, compute, dp busy, {term: seconds}) of one micro-batch on the pipeline rank running `stages`."
+def _rank_micro_batch(w: RankWork, L: _Layout, plan: ParallelPlan, stages: list, ranges, ag, sync_cost, do_sync: bool,
+                      gather: bool = True):
+    """(end, compute, dp busy, {term: seconds}) of one micro-batch on the pipeline rank running `stages`; `gather`: its
+    forward all-gathers the units (not when they stay gathered from the micro-batch before)."""
     has_pre, has_post = 0 in stages, len(ranges) - 1 in stages
     blocks = [b for s in stages for b in range(*ranges[s])]
     units, reshard = _block_units(plan)
@@ -400,13 +388,13 @@ def _rank_micro_batch(w: RankWork, L: _Layout, plan: ParallelPlan, stages: list,
     if not units: root += float(L.params[blocks].sum()) if blocks else 0.0
     f = plan.fsdp
     pf, pb = (f.forward_prefetch, max(f.backward_prefetch, 1)) if f is not None else (0, 1)
-    fag = lambda b: (("f", b), ag(L.params[b]))
+    fag = lambda b: (("f", b), ag(L.params[b])) if gather else None
     bag = lambda b: (("b", b), ag(L.params[b])) if units and reshard is not False else None
-    segs = [(w.fwd_pre if has_pre else 0.0, (("f", "root"), ag(root)) if root else None,
-             [fag(j) for j in blocks[:pf]] if units else [], [])]
+    segs = [(w.fwd_pre if has_pre else 0.0, (("f", "root"), ag(root)) if root and gather else None,
+             [fag(j) for j in blocks[:pf]] if units and gather else [], [])]
     for i, b in enumerate(blocks):
         segs.append((L.fwd[b] + L.tp_f + L.cp_f[b], fag(b) if units else None,
-                     [fag(j) for j in blocks[i + 1:i + 1 + pf]] if units else [], []))
+                     [fag(j) for j in blocks[i + 1:i + 1 + pf]] if units and gather else [], []))
     rev = blocks[::-1]
     segs.append((w.fwd_post if has_post else 0.0, None, [], []))
     segs.append((w.bwd_post if has_post else 0.0, None, [x for x in [bag(rev[0]) if rev else None] if x], []))
@@ -449,7 +437,10 @@ def predict_step_time(work: RankWork, plan: ParallelPlan, topo: Topology, *, n_b
         if shape in seen and n > len(work.fwd_blocks): continue
         seen.add(shape)
         t1, c1, b1, terms, pbytes = _rank_micro_batch(work, L, plan, stages, ranges, ag, sync_cost, True)
-        t0, c0, b0, _, _ = _rank_micro_batch(work, L, plan, stages, ranges, ag, sync_cost, every) if (mbs > 1) else (t1, c1, b1, None, None)
+        # a pipeline's units that do not reshard after forward stay gathered from the first micro-batch to the step's end
+        again = not (d.pp > 1 and _block_units(plan)[1] is False)
+        t0, c0, b0, _, _ = (_rank_micro_batch(work, L, plan, stages, ranges, ag, sync_cost, every, again) if mbs > 1
+                            else (t1, c1, b1, None, None))
         total = t1 + (mbs - 1) * t0
         if best is None or total > best[0]: best = (total, r, t1, c1, b1, t0, c0, b0, terms, pbytes)
     total, r, t1, c1, b1, t0, c0, b0, terms, pbytes = best
