@@ -21,7 +21,7 @@ from .step import _build_optimizer, _check_inputs, _check_kwargs
 from ..step import MicroBatch, forward_backward, train_step
 
 # %% auto 0
-__all__ = ['ROLE_COLORS', 'storage_differences', 'memtracker_peak', 'pyplot', 'plot_memory']
+__all__ = ['ROLE_COLORS', 'storage_differences', 'memtracker_peak', 'op_bytes', 'roofline_seconds', 'pyplot', 'plot_memory']
 
 # %% ../../nbs/00e_graph_query.ipynb
 @patch
@@ -139,6 +139,25 @@ def module_stats(self: StaticGraph) -> dict[str, ModuleStats]:
         if o.phase == "forward": add(o.module, 4, o.flops)
         elif o.phase == "backward": add(o.module, 5, o.flops)
     return {m: ModuleStats(m, *v) for m, v in sorted(acc.items(), key=lambda kv: _natural(kv[0]))}
+
+# %% ../../nbs/00e_graph_query.ipynb
+def _is_inplace(op: str) -> bool: return op.split(".")[1].endswith("_") if "." in op else False
+
+def op_bytes(g: StaticGraph) -> np.ndarray:
+    "Bytes each op reads and writes (0 for a view, whose output lives in an input's storage)."
+    out = np.zeros(len(g.ops))
+    nb = [t.nbytes for t in g.tensors]
+    for i, o in enumerate(g.ops):
+        ins = {g.tensors[t].storage for t in o.inputs}
+        if o.outputs and all(g.tensors[t].storage in ins for t in o.outputs) and not _is_inplace(o.op): continue
+        out[i] = sum(nb[t] for t in o.inputs) + sum(nb[t] for t in o.outputs)
+    return out
+
+def roofline_seconds(g: StaticGraph, flops_per_s: float, bytes_per_s: float, overhead: float = 0.0) -> np.ndarray:
+    "Seconds of each op of the step: `overhead` plus the slower of its FLOPs at `flops_per_s` and its `op_bytes` at `bytes_per_s`."
+    flops = np.array([o.flops for o in g.ops], dtype=np.float64)
+    return overhead + np.maximum(flops / flops_per_s, op_bytes(g) / bytes_per_s)
+
 
 # %% ../../nbs/00e_graph_query.ipynb
 @patch

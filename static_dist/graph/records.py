@@ -5,6 +5,8 @@
 # %% ../../nbs/00b_graph_records.ipynb 3
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -50,6 +52,16 @@ class TensorRecord:
     "Id of the storage it lives in (views share their base's)."
     shape: tuple[int, ...]
     dtype: str
+
+    @property
+    def nbytes(self) -> int:
+        "Bytes of its elements (a view's own, not its storage's)."
+        return math.prod(self.shape) * _itemsize(self.dtype)
+
+@functools.cache
+def _itemsize(dtype: str) -> int:
+    import torch
+    return getattr(torch, dtype.removeprefix("torch.")).itemsize
 
 # %% ../../nbs/00b_graph_records.ipynb
 @dataclass(frozen=True)

@@ -5,15 +5,13 @@
 # %% ../../nbs/50a_offload_lifetimes.ipynb 3
 from __future__ import annotations
 
-import math
-import time
 from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
-import torch
 
 from ..graph import StaticGraph
+from ..topology import device_rates
 
 # %% auto 0
 __all__ = ['DEVICE_PRESETS', 'DeviceModel', 'op_times', 'calibrate_device', 'SavedTensor', 'checkpointed_modules',
@@ -39,12 +37,11 @@ DEVICE_PRESETS: dict[str, DeviceModel] = {
 }
 
 # %% ../../nbs/50a_offload_lifetimes.ipynb
-def _tensor_bytes(graph: StaticGraph) -> np.ndarray:
-    return np.array([math.prod(t.shape) * getattr(torch, t.dtype).itemsize for t in graph.tensors], dtype=np.float64)
-
 def op_times(graph: StaticGraph, device: DeviceModel) -> np.ndarray:
-    "Estimated seconds of every op of `graph` on `device`."
-    tb = _tensor_bytes(graph)
+    """Estimated seconds of every op of `graph` on `device`: `overhead + max(flops / F, bytes / B)`, where `bytes` are
+    those of every distinct tensor the op reads or writes, a view's included. `graph.roofline_seconds` charges a view
+    nothing; the offload plans, and the executor checks against them, are made with this timing (see below)."""
+    tb = np.array([t.nbytes for t in graph.tensors], dtype=np.float64)
     out = np.empty(len(graph.ops))
     for o in graph.ops:
         moved = sum(tb[t] for t in set(o.inputs) | set(o.outputs))
@@ -52,26 +49,10 @@ def op_times(graph: StaticGraph, device: DeviceModel) -> np.ndarray:
     return out
 
 # %% ../../nbs/50a_offload_lifetimes.ipynb
-def _best_time(f, device: str, n: int = 5) -> float:
-    "Fastest of `n` timed calls of `f` (after one warm-up), synchronising a GPU around each."
-    f(); ts = []
-    for _ in range(n):
-        if device != "cpu": torch.cuda.synchronize()
-        t0 = time.perf_counter(); f()
-        if device != "cpu": torch.cuda.synchronize()
-        ts.append(time.perf_counter() - t0)
-    return min(ts)
-
-# %% ../../nbs/50a_offload_lifetimes.ipynb
 def calibrate_device(name: str = "this-cpu", device: str = "cpu") -> DeviceModel:
-    "Measure matmul FLOP/s, copy bandwidth and a tiny op's overhead on `device` (about a second)."
-    a = torch.randn(512, 512, device=device); b = torch.randn(512, 512, device=device)
-    x = torch.empty(16 * 2**20, dtype=torch.uint8, device=device); y = torch.empty_like(x)
-    s = torch.ones(1, device=device)
-    flops = 2 * 512**3 / _best_time(lambda: a @ b, device)
-    bw = 2 * x.numel() / _best_time(lambda: y.copy_(x), device)
-    overhead = _best_time(lambda: [s.add(1) for _ in range(100)], device) / 100
-    return DeviceModel(name, flops, bw, overhead)
+    "Measure matmul FLOP/s, elementwise bandwidth and a tiny op's overhead on `device` in fp32 (under a second)."
+    r = device_rates(device, "float32", n=512, numel=2**22)
+    return DeviceModel(name, r.flops, r.bandwidth, r.overhead)
 
 # %% ../../nbs/50a_offload_lifetimes.ipynb
 @dataclass(frozen=True)

@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from dataclasses import dataclass
 
@@ -20,7 +19,7 @@ from ..placement import block_spec, megatron_styles
 
 # %% auto 0
 __all__ = ['module_blocks', 'op_blocks', 'op_stages', 'tp_op_factor', 'tp_param_shape', 'ac_effects', 'rank_stages', 'in_flight',
-           'tensor_bytes', 'boundary_bytes', 'pipeline_buffers', 'model_output_bytes', 'pipeline_held', 'rank_profile',
+           'boundary_bytes', 'pipeline_buffers', 'model_output_bytes', 'pipeline_held', 'rank_profile',
            'rank_fsdp_plan', 'ParallelMemory', 'predict_parallel_memory', 'placement_other_bytes']
 
 # %% ../../nbs/45b_parallel_memory.ipynb
@@ -240,21 +239,12 @@ def _saved_at(g: StaticGraph, v: _View, cp: int, at: int) -> float:
     return out
 
 # %% ../../nbs/45b_parallel_memory.ipynb
-@functools.cache
-def _itemsize(dtype: str) -> int:
-    import torch
-    return getattr(torch, dtype).itemsize
-
-def tensor_bytes(g: StaticGraph) -> list[int]:
-    "Bytes of each tensor of the step (its shape and dtype; a view's, not its storage's)."
-    return [math.prod(t.shape) * _itemsize(t.dtype) for t in g.tensors]
-
 def boundary_bytes(g: StaticGraph, ob: np.ndarray, cp: int = 1, nb: list | None = None) -> float:
     "Bytes of the largest tensor block 0's forward makes and block 1's forward reads (the residual stream), on one rank."
     if len(set(ob[ob >= 0].tolist())) < 2: return 0.0
     made = {t for i, o in enumerate(g.ops) if ob[i] == 0 and o.phase == "forward" for t in o.outputs}
     read = {t for i, o in enumerate(g.ops) if ob[i] == 1 and o.phase == "forward" for t in o.inputs}
-    nb = tensor_bytes(g) if nb is None else nb
+    nb = [t.nbytes for t in g.tensors] if nb is None else nb
     return max((nb[t] for t in made & read), default=0) / cp
 
 def pipeline_buffers(plan: ParallelPlan, pp_rank: int, boundary: float) -> float:
@@ -271,8 +261,7 @@ def model_output_bytes(g: StaticGraph) -> float:
     if not fwd: return 0.0
     made = {t for o in g.ops[fwd[0]:fwd[1] + 1] for t in o.outputs}
     read = {t for o in g.ops[fwd[1] + 1:] if o.phase == "forward" for t in o.inputs}
-    nb = tensor_bytes(g)
-    return float(sum(nb[t] for t in made & read))
+    return float(sum(g.tensors[t].nbytes for t in made & read))
 
 
 # %% ../../nbs/45b_parallel_memory.ipynb

@@ -6,22 +6,21 @@
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from ..graph import StaticGraph
+from ..graph import StaticGraph, roofline_seconds
 from ..fsdp.profile import main_stack, param_infos, tokens_of
 from ..placement import STYLES
-from ..topology import MeshSpec, Topology, collective_time
+from ..topology import MeshSpec, Topology, collective_time, device_rates
 from .memory import (_block_spans, _policy_kept, _regions, _under_any, boundary_bytes, op_blocks,
-                                         tensor_bytes, tp_param_shape)
+                                         tp_param_shape)
 from .plan import ParallelPlan, ParallelPlanError, ac_modes, stage_ranges
 
 # %% auto 0
-__all__ = ['DEVICES', 'TIME_TERMS', 'DeviceSpec', 'device_spec', 'calibrate_device', 'op_bytes', 'op_seconds', 'RankWork',
-           'rank_work', 'layout_mesh', 'fsdp_dim', 'StepTime', 'extend_blocks', 'predict_step_time']
+__all__ = ['DEVICES', 'TIME_TERMS', 'DeviceSpec', 'device_spec', 'calibrate_device', 'op_seconds', 'RankWork', 'rank_work',
+           'layout_mesh', 'fsdp_dim', 'StepTime', 'extend_blocks', 'predict_step_time']
 
 # %% ../../nbs/45c_parallel_time.ipynb
 @dataclass(frozen=True)
@@ -54,49 +53,19 @@ def device_spec(topo: Topology) -> DeviceSpec:
     return DEVICES[topo.device]
 
 # %% ../../nbs/45c_parallel_time.ipynb
-def _timed(fn, repeat: int, sync) -> float:
-    fn(); sync()
-    t0 = time.perf_counter()
-    for _ in range(repeat): fn()
-    sync()
-    return (time.perf_counter() - t0) / repeat
-
-# %% ../../nbs/45c_parallel_time.ipynb
 def calibrate_device(topo: Topology, device: str | None = None, *, n: int = 1024, numel: int = 2**24,
                      repeat: int = 5) -> DeviceSpec:
-    "The device table's entry for `topo.device` with its efficiencies measured on `device` (default: cuda if present)."
-    import torch
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
-    flops = 2 * n**3 / _timed(lambda: a @ b, repeat, sync)
-    x, y = torch.randn(numel, device=device, dtype=dtype), torch.randn(numel, device=device, dtype=dtype)
-    bw = 3 * numel * x.element_size() / _timed(lambda: x + y, repeat, sync)
+    "The device table's entry for `topo.device` with its efficiencies measured on `device` (`topology.device_rates`)."
+    r = device_rates(device, n=n, numel=numel, repeat=repeat)
     base = device_spec(topo)
-    return DeviceSpec(base.memory_bandwidth, min(flops / topo.device_flops, 1.0), min(bw / base.memory_bandwidth, 1.0),
-                      f"measured on {device}: {flops / 1e9:.1f} GFLOP/s matmul, {bw / 1e9:.1f} GB/s elementwise")
-
-# %% ../../nbs/45c_parallel_time.ipynb
-def _is_inplace(op: str) -> bool: return op.split(".")[1].endswith("_") if "." in op else False
-
-def op_bytes(g: StaticGraph) -> np.ndarray:
-    "Bytes each op reads and writes (0 for a view, whose output lives in an input's storage)."
-    out = np.zeros(len(g.ops))
-    nb = tensor_bytes(g)
-    for i, o in enumerate(g.ops):
-        ins = {g.tensors[t].storage for t in o.inputs}
-        if o.outputs and all(g.tensors[t].storage in ins for t in o.outputs) and not _is_inplace(o.op): continue
-        out[i] = sum(nb[t] for t in o.inputs) + sum(nb[t] for t in o.outputs)
-    return out
+    return DeviceSpec(base.memory_bandwidth, min(r.flops / topo.device_flops, 1.0), min(r.bandwidth / base.memory_bandwidth, 1.0),
+                      f"measured on {r.device} ({r.dtype}): {r.flops / 1e9:.1f} GFLOP/s matmul, {r.bandwidth / 1e9:.1f} GB/s elementwise")
 
 # %% ../../nbs/45c_parallel_time.ipynb
 def op_seconds(g: StaticGraph, topo: Topology, spec: DeviceSpec | None = None) -> np.ndarray:
-    "Seconds of each op of the captured step on one device of `topo`: the roofline of its FLOPs and bytes."
+    "Seconds of each op of the captured step on one device of `topo`: `graph.roofline_seconds` at the table's rates."
     spec = spec or device_spec(topo)
-    flops = np.array([o.flops for o in g.ops], dtype=np.float64)
-    mem = op_bytes(g) / (spec.memory_bandwidth * spec.memory_efficiency)
-    return np.maximum(flops / (topo.device_flops * spec.matmul_efficiency), mem)
+    return roofline_seconds(g, topo.device_flops * spec.matmul_efficiency, spec.memory_bandwidth * spec.memory_efficiency)
 
 # %% ../../nbs/45c_parallel_time.ipynb
 _ATTENTION = ("aten._scaled_dot_product", "aten._flash_attention", "aten._efficient_attention", "aten._cudnn_attention")
@@ -175,7 +144,7 @@ def rank_work(g: StaticGraph, plan: ParallelPlan, topo: Topology, spec: DeviceSp
     ob, k = op_blocks(g, blocks), len(blocks)
     phase = np.array([("forward", "backward", "optimizer").index(o.phase) for o in g.ops])
     sec = op_seconds(g, topo, spec) * _op_factor(g, plan, blocks)
-    nb = tensor_bytes(g)
+    nb = [t.nbytes for t in g.tensors]
     inb = ob >= 0
     f_first = np.flatnonzero(inb & (phase == 0)); b_first = np.flatnonzero(inb & (phase == 1))
     f0 = f_first[0] if len(f_first) else len(g.ops); b0 = b_first[0] if len(b_first) else len(g.ops)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from fastcore.basics import patch
 
-from .groups import NoRepeatedBlocksError, PlacementError, _main, _state_factor, _tensor_bytes
+from .groups import NoRepeatedBlocksError, PlacementError, _main, _state_factor
 
 # %% auto 0
 __all__ = ['LinearSpec', 'BlockSpec', 'llama_block_spec', 'block_spec']
@@ -65,7 +65,7 @@ def _linear_io(graph, fqn: str) -> tuple[int, int]:
     made = {t for o in ops for t in o.outputs}
     ins = [t for o in ops for t in o.inputs if t not in made
            and graph.storages[graph.tensors[t].storage].role not in ("parameter", "buffer")]
-    return max(_tensor_bytes(graph, t) for t in ins), _tensor_bytes(graph, ops[-1].outputs[0])
+    return max(graph.tensors[t].nbytes for t in ins), graph.tensors[ops[-1].outputs[0]].nbytes
 
 # %% ../../nbs/30c_placement_blocks.ipynb
 def _measured_linear(graph, stats, fqn: str, name: str, fi: int, fo: int, heads=(0, 0, 1), shardable: bool = True) -> LinearSpec:

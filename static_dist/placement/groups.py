@@ -5,7 +5,6 @@
 # %% ../../nbs/30a_placement_groups.ipynb 3
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from ..util import StaticDistError
@@ -83,14 +82,6 @@ def _state_factor(graph) -> float:
     return (p + by.get("gradient", 0) + by.get("optimizer_state", 0)) / p if p else 1.0
 
 # %% ../../nbs/30a_placement_groups.ipynb
-_ITEMSIZE = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4, "bool": 1, "uint8": 1,
-             "int8": 1, "complex64": 8, "float8_e4m3fn": 1, "float8_e5m2": 1, "int16": 2}
-
-def _tensor_bytes(g, tid: int) -> int:
-    t = g.tensors[tid]
-    return math.prod(t.shape) * _ITEMSIZE.get(t.dtype.replace("torch.", ""), 4)
-
-# %% ../../nbs/30a_placement_groups.ipynb
 def _producers(graph, depth: int, stack) -> tuple[dict, dict]:
     "({group: execution index}, {tensor: producing group}) from the forward ops."
     order, producer = {}, {}
@@ -116,7 +107,7 @@ def _cross_edges(graph, depth: int, stack, order: dict, producer: dict) -> tuple
         for t in o.inputs:
             src = producer.get(t)
             if src is not None and src != gname: cross.setdefault((order[src], order[gname]), set()).add(t)
-    return tuple((a, b, 2 * sum(_tensor_bytes(graph, t) for t in ts)) for (a, b), ts in sorted(cross.items()))
+    return tuple((a, b, 2 * sum(graph.tensors[t].nbytes for t in ts)) for (a, b), ts in sorted(cross.items()))
 
 # %% ../../nbs/30a_placement_groups.ipynb
 def module_groups(graph, depth: int = 1) -> ModuleGroups:

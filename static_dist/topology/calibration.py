@@ -5,6 +5,7 @@
 # %% ../../nbs/02b_topology_calibration.ipynb 3
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -17,8 +18,8 @@ from ..launch import launch
 
 # %% auto 0
 __all__ = ['CalibrationPoint', 'collective_buffers', 'run_collective', 'measure_collectives', 'fit_alpha_beta', 'Calibration',
-           'fit_calibration', 'matmul_flops', 'calibrate', 'calibration_on_ranks', 'launch_calibration',
-           'plot_calibration', 'calibration_table']
+           'fit_calibration', 'matmul_flops', 'calibrate', 'DeviceRates', 'device_rates', 'calibration_on_ranks',
+           'launch_calibration', 'plot_calibration', 'calibration_table']
 
 # %% ../../nbs/02b_topology_calibration.ipynb
 @dataclass(frozen=True)
@@ -175,14 +176,24 @@ def from_dict(cls: Calibration, d: dict) -> Calibration:
                {k: tuple(v) for k, v in d.get("per_kind", {}).items()})
 
 # %% ../../nbs/02b_topology_calibration.ipynb
-def matmul_flops(n: int = 512, repeat: int = 5) -> float:
-    "Measured fp32 FLOP/s of `repeat` n x n matmuls on this process's threads (after one warm-up)."
+def _sync(device: str):
     import torch
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b
-    t0 = time.perf_counter()
-    for _ in range(repeat): a @ b
-    return 2 * n**3 * repeat / (time.perf_counter() - t0)
+    return torch.cuda.synchronize if str(device).startswith("cuda") else (lambda: None)
+
+def _fastest(fn, repeat: int, sync) -> float:
+    "Seconds of the fastest of `repeat` calls of `fn`, after one warm-up (`sync` waits for the device)."
+    fn(); sync()
+    best = math.inf
+    for _ in range(repeat):
+        t0 = time.perf_counter(); fn(); sync()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+def matmul_flops(n: int = 512, repeat: int = 5, device: str = "cpu", dtype: str = "float32") -> float:
+    "Measured FLOP/s of an n x n matmul on `device` in `dtype` (the fastest of `repeat`, after one warm-up)."
+    import torch
+    a, b = (torch.randn(n, n, device=device, dtype=getattr(torch, dtype)) for _ in range(2))
+    return 2 * n**3 / _fastest(lambda: a @ b, repeat, _sync(device))
 
 # %% ../../nbs/02b_topology_calibration.ipynb
 def calibrate(kinds=COLLECTIVES, sizes=(2**12, 2**14, 2**16, 2**18, 2**20, 2**22), *, repeat: int = 5,
@@ -191,6 +202,34 @@ def calibrate(kinds=COLLECTIVES, sizes=(2**12, 2**14, 2**16, 2**18, 2**20, 2**22
     import torch.distributed as dist
     pts = measure_collectives(kinds, sizes, repeat=repeat, warmup=warmup, group=group)
     return fit_calibration(pts, dist.get_backend(group), dist.get_world_size(group), algorithm, matmul_flops())
+
+# %% ../../nbs/02b_topology_calibration.ipynb
+@dataclass(frozen=True)
+class DeviceRates:
+    "What one device reaches, measured: the op times' roofline (`graph.roofline_seconds`) reads these three numbers."
+    device: str
+    dtype: str
+    flops: float
+    "FLOP/s of a square matmul."
+    bandwidth: float
+    "Bytes/s an elementwise add reads and writes."
+    overhead: float
+    "Seconds of a one-element op (launch and dispatch)."
+
+def device_rates(device: str | None = None, dtype: str | None = None, *, n: int = 1024, numel: int = 2**24,
+                 repeat: int = 5) -> DeviceRates:
+    """Measure `device` (default: cuda if present, else cpu) in `dtype` (default bfloat16 on CUDA, float32 on CPU): an
+    n x n matmul, an add of `numel` elements, a one-element op; each the fastest of `repeat` after a warm-up."""
+    import torch
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = dtype or ("bfloat16" if str(device).startswith("cuda") else "float32")
+    sync, dt = _sync(device), getattr(torch, dtype)
+    x, y = (torch.randn(numel, device=device, dtype=dt) for _ in range(2))
+    one = torch.ones(1, device=device, dtype=dt)
+    bandwidth = 3 * numel * x.element_size() / _fastest(lambda: x + y, repeat, sync)
+    overhead = _fastest(lambda: [one.add(1) for _ in range(100)], repeat, sync) / 100
+    return DeviceRates(str(device), dtype, matmul_flops(n, repeat, device, dtype), bandwidth, overhead)
+
 
 # %% ../../nbs/02b_topology_calibration.ipynb
 def calibration_on_ranks(kinds, sizes, repeat: int = 5) -> dict:
