@@ -183,23 +183,28 @@ def _add_unsharded(C: _Curves, l: UnitLayout, u, plan: FSDPPlan) -> None:
     if r is not True: C.add("unsharded_params", l.fwd[1] + 1, l.bwd[0] - 1, l.unsharded_bytes // r)
 
 # %% ../../nbs/40c_fsdp_memory.ipynb
-def _add_gradients(C: _Curves, l: UnitLayout, pinfo: dict, plan: FSDPPlan) -> None:
-    "Unit `l`'s unsharded gradients up to its post-backward, then its sharded gradients (all step when accumulating)."
+def _add_gradients(C: _Curves, l: UnitLayout, pinfo: dict, plan: FSDPPlan, reduce_at: int | None = None) -> None:
+    """Unit `l`'s unsharded gradients up to its post-backward, then its sharded gradients (all step when accumulating).
+    `reduce_at`: the op after which every unit is reduced at once (a pipeline schedule's), instead of its post-backward."""
+    acc, sync_all = plan.accumulation_steps > 1, plan.sync_every_microbatch
+    # accumulating without sync, autograd adds each new gradient into the one held in place; FSDP2 keeps a second,
+    # separate accumulator only when it upcasts to another reduce dtype
+    in_place = acc and not sync_all and plan.reduce_dtype in (None, plan.param_dtype)
     for p in l.params:
         q = pinfo[p]
         # a unit's grads are freed as its reduce-scatter input is filled; the root's post-backward runs in
         # autograd's final callback, with its grads still alive while the reduce-scatter input is allocated
-        end = l.bwd[1] if l.module == "" else l.bwd[1] - 1
-        if q.grad_created >= 0: C.add("gradients", q.grad_created, end, q.numel * _dtype_size(plan.param_dtype, q.itemsize))
-    acc, sync_all = plan.accumulation_steps > 1, plan.sync_every_microbatch
-    if acc and not sync_all: C.add("gradients", 0, l.bwd[1], l.grad_bytes)
+        end = reduce_at if reduce_at is not None else l.bwd[1] if l.module == "" else l.bwd[1] - 1
+        if q.grad_created >= 0 and not in_place: C.add("gradients", q.grad_created, end, q.numel * _dtype_size(plan.param_dtype, q.itemsize))
+    if acc and not sync_all: C.add("gradients", 0, l.bwd[1] if reduce_at is None else reduce_at, l.grad_bytes)
     # the reduce-scatter output (the sharded gradient) is allocated once the input is filled and the unsharded grads
     # freed (`foreach_reduce`): the root's, whose grads live through its last op, after that op
     first = l.bwd[1] + 1 if l.module == "" and l.bwd[1] + 1 < C.n else l.bwd[1]
+    if reduce_at is not None: first = min(reduce_at + 1, C.n - 1)
     C.add("gradients", 0 if (acc and sync_all) else first, C.n - 1, l.sharded_bytes)
 
 # %% ../../nbs/40c_fsdp_memory.ipynb
-def _add_units(C: _Curves, profile: GraphProfile, plan: FSDPPlan, lays) -> int:
+def _add_units(C: _Curves, profile: GraphProfile, plan: FSDPPlan, lays, reduce_at: int | None = None) -> int:
     "Every unit's shard, optimizer state, gathered parameters and gradients; return rank 0's sharded bytes."
     units, pinfo, total = {u.module: u for u in plan.units}, {p.name: p for p in profile.params}, 0
     for l in lays:
@@ -208,7 +213,7 @@ def _add_units(C: _Curves, profile: GraphProfile, plan: FSDPPlan, lays) -> int:
         C.add("optimizer_state", 0, C.n - 1, l.state_bytes)
         if not l.params: continue
         _add_unsharded(C, l, units[l.module], plan)
-        _add_gradients(C, l, pinfo, plan)
+        _add_gradients(C, l, pinfo, plan, reduce_at)
     return total
 
 # %% ../../nbs/40c_fsdp_memory.ipynb
@@ -243,10 +248,14 @@ def _add_all_gathers(C: _Curves, profile: GraphProfile, plan: FSDPPlan, lays) ->
             C.add("all_gather", min(issue, start), max(end, start), l.unsharded_bytes)
 
 # %% ../../nbs/40c_fsdp_memory.ipynb
-def _add_reduce_scatters(C: _Curves, profile: GraphProfile, lays) -> None:
-    "One reduce-scatter input alive from a unit's post-backward to the next unit's (the last to the end of backward)."
+def _add_reduce_scatters(C: _Curves, profile: GraphProfile, lays, reduce_at: int | None = None) -> None:
+    """One reduce-scatter input alive from a unit's post-backward to the next unit's (the last to the end of backward);
+    with `reduce_at`, the units reduce one after another at that op: the largest input counts there."""
     last_bwd = int(np.flatnonzero(profile.op_phase == 1)[-1]) if (profile.op_phase == 1).any() else C.n - 1
     rs = [l for l in sorted(lays, key=lambda l: (l.bwd[1], l.module == "")) if l.params]
+    if reduce_at is not None:
+        if rs: C.add("reduce_scatter", reduce_at, reduce_at, max(l.rs_bytes for l in rs))
+        return
     for i, l in enumerate(rs):
         end = rs[i + 1].bwd[1] - 1 if i + 1 < len(rs) else last_bwd
         C.add("reduce_scatter", l.bwd[1], max(end, l.bwd[1]), l.rs_bytes)
@@ -301,15 +310,18 @@ class MemoryPrediction:
                     curves={k: pool(v) for k, v in self.curves.items()})
 
 # %% ../../nbs/40c_fsdp_memory.ipynb
-def predict_memory(profile: GraphProfile, plan: FSDPPlan) -> MemoryPrediction:
-    "Rank 0's bytes per op under `plan`: the model in the table above."
+def predict_memory(profile: GraphProfile, plan: FSDPPlan, *, reduce_after_backward: bool = False) -> MemoryPrediction:
+    """Rank 0's bytes per op under `plan`: the model in the table above. `reduce_after_backward`: every unit's gradients
+    are reduced once the whole backward is over (as `torch.distributed.pipelining` does), not at its post-backward."""
     if not isinstance(plan, FSDPPlan): raise PlanError(f"expected an FSDPPlan, got a {type(plan).__name__}")
     n, lays = len(profile.op_module), layout(profile, plan)
     C = _Curves(n)
     total_full = _add_ignored(C, profile, plan)
-    total_sh = _add_units(C, profile, plan, lays)
+    bwd = np.flatnonzero(profile.op_phase == 1)
+    reduce_at = int(bwd[-1]) if reduce_after_backward and len(bwd) else None
+    total_sh = _add_units(C, profile, plan, lays, reduce_at)
     _add_all_gathers(C, profile, plan, lays)
-    _add_reduce_scatters(C, profile, lays)
+    _add_reduce_scatters(C, profile, lays, reduce_at)
     curves = C.curves()
     curves["activations"] = _activations(profile, plan, lays, total_sh / total_full if total_full else 1.0)
     total = sum(curves.values())

@@ -228,10 +228,12 @@ def in_flight(plan: ParallelPlan, pp_rank: int) -> int:
 
 # %% ../../nbs/45b_parallel_memory.ipynb
 def _saved_at(g: StaticGraph, v: _View, cp: int, at: int) -> float:
-    "Bytes this rank holds at op `at` that its stage saved for backward (what each further micro-batch in flight adds)."
+    """Bytes this rank holds at op `at` that its stage saved for backward (what each further micro-batch in flight adds),
+    but for the activations it received, which stay in the schedule's receive buffers (`pipeline_buffers`)."""
     out = 0.0
     for s in g.storages:
         if s.role != "activation" or not (s.saved_in or s.id in v.held) or s.created > at: continue
+        if s.created >= 0 and v.stage_of_op[s.created] not in v.stages: continue   # received: in its recv buffer
         if s.freed is not None and max(s.freed, v.held.get(s.id, -1)) < at: continue
         h = v.absent.get(s.id)
         if h is not None and h[0] <= at <= h[1]: continue
@@ -398,7 +400,7 @@ def predict_parallel_memory(g: StaticGraph, plan: ParallelPlan, master_dtype: st
     preds = []
     for r in range(plan.dims.pp):
         prof = rank_profile(g, plan, r, master_dtype)
-        preds.append(predict_memory(prof, rank_fsdp_plan(plan, prof, r)))
+        preds.append(predict_memory(prof, rank_fsdp_plan(plan, prof, r), reduce_after_backward=plan.dims.pp > 1))
     return ParallelMemory(plan, tuple(preds))
 
 # %% ../../nbs/45b_parallel_memory.ipynb
