@@ -251,21 +251,25 @@ def _advance(self: OffloadExecutor, op: int):
             elif e is not None and e.state == "packed": self._offload(e)
         elif kind == 1: release.add(sid)
         else:
-            if release and self._writing: self._release(release); release = set()
+            if release: self._release(release); release = set()
             if e is not None: self._entries.pop(sid); self._prefetch(e)
     self._w = w
-    if release and self._writing: self._release(release)
+    if release: self._release(release)
 
 # %% ../../nbs/50e_offload_executor.ipynb
 @patch
 def _release(self: OffloadExecutor, sids: set[int]):
-    "The plan's release point: a CPU-device copy still being written is waited for, so memory is back as planned."
+    """The plan's release point: a CPU-device copy is let go here, not before (its write waited for if still running,
+    held if done early), so memory is back exactly as planned."""
     due = [e for e in self._writing if e.dec.storage in sids and e.device.type == "cpu"]
-    if not due: return
-    t0 = time.perf_counter()
-    rest = [e for e in self._writing if e not in due]
-    self._writing = due; self._poll_writes(wait=True); self._writing = rest
-    self.stats["release_wait_s"] += time.perf_counter() - t0
+    if due:
+        t0 = time.perf_counter()
+        rest = [e for e in self._writing if e not in due]
+        self._writing = due; self._poll_writes(wait=True); self._writing = rest
+        self.stats["release_wait_s"] += time.perf_counter() - t0
+    for sid in sids:
+        e = self._entries.get(sid)
+        if e is not None and e.device.type == "cpu" and e.tier.kind == "disk" and e.state == "away": e.host = None
 
 # %% ../../nbs/50e_offload_executor.ipynb
 @patch
@@ -394,12 +398,13 @@ def _write_entry(e: _Entry, fd: int, directory: str) -> tuple[float, float]:
 # %% ../../nbs/50e_offload_executor.ipynb
 @patch
 def _poll_writes(self: OffloadExecutor, wait: bool = False):
-    "Release the device copies whose files are written; raise the first write error."
+    "Finish the writes that are done (a CPU device's bytes are let go at their release); raise the first write error."
     keep = []
     for e in self._writing:
         if not (wait or e.write.done()): keep.append(e); continue
         try: dt, dh = e.write.result()
-        finally: e.host = None
+        finally:
+            if e.device.type != "cpu": e.host = None
         self.stats["write_s"] += dt; self.stats["checksum_s"] += dh; self.stats["written_bytes"] += e.dec.nbytes
         e.write, e.state = None, "away"
     self._writing = keep
@@ -412,6 +417,7 @@ def _prefetch(self: OffloadExecutor, e: _Entry):
     if e.state == "offloading":
         rest = [x for x in self._writing if x is not e]
         self._writing = [e]; self._poll_writes(wait=True); self._writing = rest
+    if e.device.type == "cpu" and e.tier.kind == "disk": e.host = None     # held to a release point not reached
     n, cuda = e.dec.nbytes, e.device.type == "cuda"
     if e.tier.kind == "cpu":
         e.dev = torch.empty(n, dtype=torch.uint8, device=e.device)

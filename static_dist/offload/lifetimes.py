@@ -10,7 +10,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..graph import StaticGraph
+from ..graph import StaticGraph, roofline_seconds
 from ..topology import device_rates
 
 # %% auto 0
@@ -38,15 +38,8 @@ DEVICE_PRESETS: dict[str, DeviceModel] = {
 
 # %% ../../nbs/50a_offload_lifetimes.ipynb
 def op_times(graph: StaticGraph, device: DeviceModel) -> np.ndarray:
-    """Estimated seconds of every op of `graph` on `device`: `overhead + max(flops / F, bytes / B)`, where `bytes` are
-    those of every distinct tensor the op reads or writes, a view's included. `graph.roofline_seconds` charges a view
-    nothing; the offload plans, and the executor checks against them, are made with this timing (see below)."""
-    tb = np.array([t.nbytes for t in graph.tensors], dtype=np.float64)
-    out = np.empty(len(graph.ops))
-    for o in graph.ops:
-        moved = sum(tb[t] for t in set(o.inputs) | set(o.outputs))
-        out[o.index] = device.overhead + max(o.flops / device.flops, moved / device.bandwidth)
-    return out
+    "Estimated seconds of every op of `graph` on `device` (`graph.roofline_seconds` at its rates)."
+    return roofline_seconds(graph, device.flops, device.bandwidth, device.overhead)
 
 # %% ../../nbs/50a_offload_lifetimes.ipynb
 def calibrate_device(name: str = "this-cpu", device: str = "cpu") -> DeviceModel:
