@@ -18,9 +18,10 @@ from .plan import ParallelDims, ParallelPlan, ParallelPlanError, ac_modes, stage
 from ..placement import block_spec, megatron_styles
 
 # %% auto 0
-__all__ = ['module_blocks', 'op_blocks', 'op_stages', 'tp_op_factor', 'tp_param_shape', 'ac_effects', 'rank_stages', 'in_flight',
-           'boundary_bytes', 'pipeline_buffers', 'model_output_bytes', 'pipeline_held', 'rank_profile',
-           'rank_fsdp_plan', 'ParallelMemory', 'predict_parallel_memory', 'placement_other_bytes']
+__all__ = ['module_blocks', 'op_blocks', 'op_stages', 'tp_op_factor', 'tp_views', 'tp_local_graph', 'tp_param_shape',
+           'ac_effects', 'rank_stages', 'in_flight', 'boundary_bytes', 'pipeline_buffers', 'model_output_bytes',
+           'pipeline_held', 'rank_profile', 'rank_fsdp_plan', 'ParallelMemory', 'predict_parallel_memory',
+           'placement_other_bytes']
 
 # %% ../../nbs/45b_parallel_memory.ipynb
 def _block_index(blocks: tuple[str, ...]):
@@ -58,6 +59,7 @@ def op_stages(g: StaticGraph, ob: np.ndarray, block_stage: np.ndarray, n_stages:
 
 # %% ../../nbs/45b_parallel_memory.ipynb
 _COL, _ROW = ("colwise",), ("rowwise",)       # styles whose local output (col) or input (row) features are 1/tp
+_MATMUL = ("aten.mm", "aten.addmm", "aten.bmm", "aten.matmul", "aten.linear")   # a linear's product over its features
 
 def _regions(plan: ParallelPlan, blocks) -> tuple[set, dict]:
     "(sub-layer modules whose insides are sharded, {linear FQN: style}) over every block."
@@ -73,17 +75,61 @@ def _under_any(m: str, mods: set) -> bool:
 
 # %% ../../nbs/45b_parallel_memory.ipynb
 def tp_op_factor(g: StaticGraph, plan: ParallelPlan, blocks) -> np.ndarray:
-    "Fraction of each op's outputs a tensor-parallel rank holds (1 without tensor parallelism)."
+    """Fraction of each op's outputs a tensor-parallel rank holds (1 without tensor parallelism). Only what is computed
+    from a shard is a shard: inside a sharded sub-layer, a tensor made from replicated ones alone (the float mask SDPA
+    makes of a boolean attention mask, shared by every head; a scalar) is whole on every rank. A linear's own output
+    (colwise forward) or input gradient (rowwise backward) is a shard; its product over the sharded features (rowwise
+    forward, colwise backward) is whole, but the other ops backward runs under it (reshaping the incoming gradient
+    of sharded heads, e.g. the `clone` of q's transposed gradient) hold shards."""
     tp = plan.dims.tp
     f = np.ones(len(g.ops))
     if tp == 1 or not plan.tp_styles: return f
     regions, styles = _regions(plan, blocks)
+    sharded = np.zeros(len(g.tensors), dtype=bool)  # tensors a rank holds 1/tp of
     for i, o in enumerate(g.ops):
         s, fwd = styles.get(o.module), o.phase == "forward"
-        if s is not None:                          # the linear itself: its output (fwd) or its input's gradient (bwd)
-            if (s in _COL and fwd) or (s in _ROW and not fwd): f[i] = 1 / tp
-        elif o.phase != "optimizer" and _under_any(o.module, regions): f[i] = 1 / tp
+        reads = sharded[list(o.inputs)].any()
+        if s in _COL + _ROW:                       # the linear itself: its output (fwd) or its input's gradient (bwd)
+            if (s in _COL) == fwd or (reads and not o.op.startswith(_MATMUL)): f[i] = 1 / tp
+        elif s is None and o.phase != "optimizer" and _under_any(o.module, regions) and reads: f[i] = 1 / tp
+        if f[i] < 1: sharded[list(o.outputs)] = True
     return f
+
+# %% ../../nbs/45b_parallel_memory.ipynb
+def tp_views(g: StaticGraph, f: np.ndarray, tp: int) -> dict[int, int]:
+    """{storage of a copy: the storage it copies} for each reshape that copies in the capture but is a view on a
+    tensor-parallel rank: grouped-query attention's `repeat_kv`, `x[:, :, None].expand(b, kv, rep, s, d).reshape(b,
+    kv * rep, s, d)`, copies `kv` heads but views the one head a rank holds when kv == tp (`f`: `tp_op_factor`)."""
+    if tp == 1: return {}
+    made = {t: i for i, o in enumerate(g.ops) for t in o.outputs}
+    out = {}
+    for i, o in enumerate(g.ops[:-1]):
+        nxt = g.ops[i + 1]
+        if f[i] >= 1 or not o.op.startswith("aten.clone") or len(o.inputs) != 1 or len(o.outputs) != 1: continue
+        e = made.get(o.inputs[0])                                  # reshape's copy: clone of an expand, then _unsafe_view
+        if e is None or not g.ops[e].op.startswith("aten.expand") or not nxt.op.startswith("aten._unsafe_view"): continue
+        if o.outputs[0] not in nxt.inputs: continue
+        src, big, new = (g.tensors[t].shape for t in (g.ops[e].inputs[0], o.inputs[0], nxt.outputs[0]))
+        grown = [d for d, (a, b) in enumerate(zip(src, big)) if a == 1 and b > 1] if len(src) == len(big) else []
+        if len(grown) != 1 or grown[0] == 0: continue
+        d = grown[0]                                               # the broadcast dim, merged with the heads before it
+        if big[d - 1] == tp and tuple(new) == (*big[:d - 1], big[d - 1] * big[d], *big[d + 1:]):
+            out[g.tensors[o.outputs[0]].storage] = g.tensors[g.ops[e].inputs[0]].storage
+    return out
+
+def tp_local_graph(g: StaticGraph, plan: ParallelPlan, blocks) -> StaticGraph:
+    """The captured step with what a tensor-parallel rank copies differently (`tp_views`): a copy that is a view there
+    holds no bytes, and keeps the storage it views alive (and saved for backward) as long as the copy was."""
+    views = tp_views(g, tp_op_factor(g, plan, blocks), plan.dims.tp) if plan.tp_styles else {}
+    if not views: return g
+    st = list(g.storages)
+    for c, s in views.items():
+        cp, sp = st[c], st[s]
+        freed = None if cp.freed is None or sp.freed is None else max(cp.freed, sp.freed)
+        role = "activation" if "activation" in (cp.role, sp.role) else sp.role
+        st[s] = dataclasses.replace(sp, freed=freed, role=role, saved_in=sp.saved_in or cp.saved_in)
+        st[c] = dataclasses.replace(cp, nbytes=0)
+    return dataclasses.replace(g, storages=tuple(st))
 
 # %% ../../nbs/45b_parallel_memory.ipynb
 def tp_param_shape(name: str, shape: tuple, plan: ParallelPlan, styles: dict) -> tuple:
@@ -318,6 +364,7 @@ def rank_profile(g: StaticGraph, plan: ParallelPlan, pp_rank: int = 0, master_dt
     "The FSDP planner's profile of the captured step as one rank of pipeline rank `pp_rank` holds it under `plan`."
     stack, blocks = main_stack(g)
     params, by_storage = param_infos(g)
+    g = tp_local_graph(g, plan, blocks)
     v, mine, ob = _view(g, plan, pp_rank, blocks, params)
     live, K = _curves(g, v, plan.dims.cp), np.flatnonzero(v.keep)
     newix = lambda i: np.searchsorted(K, i)                         # a captured op -> the rank's next op
