@@ -48,3 +48,22 @@ def test_tp_peak_on_hf_attention_within_1_percent(source, request):
     v = verify_parallel(w, plan, g)
     assert abs(v.predicted_bytes / v.measured_bytes - 1) < 0.01, v
     assert v.predicted_counts == v.measured_counts, v
+
+
+@pytest.fixture(scope="module")
+def hf_tiny_qwen2_tied(tmp_path_factory):
+    transformers = pytest.importorskip("transformers")
+    d = tmp_path_factory.mktemp("hf_qwen2_tied")
+    transformers.Qwen2Config(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                             intermediate_size=128, vocab_size=256, max_position_embeddings=256,
+                             tie_word_embeddings=True).save_pretrained(d)
+    return f"hf:{d / 'config.json'}"
+
+
+# One rank, tied head and embedding: the measurement materialised the model with `to_empty`, which unties them, and
+# measured one weight, gradient and optimizer state more than the model trains with (0.962 here before).
+def test_one_rank_tied_model_measured_tied(hf_tiny_qwen2_tied):
+    from static_dist.parallel import ParallelPlan, verify_parallel
+    w = load_workload(hf_tiny_qwen2_tied, batch=1, seq=256)
+    v = verify_parallel(w, ParallelPlan(), w.graph())
+    assert abs(v.predicted_bytes / v.measured_bytes - 1) < 0.01, v

@@ -26,7 +26,7 @@ from ..launch import process_group
 from ..step import OPTIMIZERS, MicroBatch, make_optimizer, train_step
 
 # %% auto 0
-__all__ = ['comm_counter', 'comm_counts', 'measure_step', 'memtracker_fsdp_peak', 'Verification', 'verify_plan',
+__all__ = ['comm_counter', 'comm_counts', 'to_empty_tied', 'measure_step', 'memtracker_fsdp_peak', 'Verification', 'verify_plan',
            'verify_workload', 'bench_fsdp']
 
 # %% ../../nbs/40g_fsdp_verify.ipynb
@@ -90,6 +90,21 @@ def _mesh(plan: FSDPPlan):
     return init_device_mesh("cpu", plan.mesh_shape, mesh_dim_names=("replicate", "shard")[-len(plan.mesh_shape):])
 
 # %% ../../nbs/40g_fsdp_verify.ipynb
+def to_empty_tied(m: nn.Module, device) -> nn.Module:
+    """`m.to_empty(device=device)` with its tied weights tied again: `to_empty` gives every module that shares a
+    parameter a storage of its own, so a tied model would be measured untied (one more weight, gradient and state)."""
+    groups = {}
+    for n, p in m.named_parameters(remove_duplicate=False): groups.setdefault(id(p), []).append(n)
+    m.to_empty(device=device)
+    for names in (ns for ns in groups.values() if len(ns) > 1):
+        first = m.get_parameter(names[0])
+        for n in names[1:]:
+            mod, _, attr = n.rpartition(".")
+            setattr(m.get_submodule(mod), attr, first)
+    return m
+
+
+# %% ../../nbs/40g_fsdp_verify.ipynb
 def measure_step(m: nn.Module, plan: FSDPPlan, inputs, kwargs, targets, loss_fn, optimizer: str) -> tuple[int, object]:
     """Materialise the (sharded, meta-device) `m` under FakeTensorMode and track two steps of `plan`'s micro-batches:
     (the second's peak on rank 0 by FSDPMemTracker, or MemTracker for a model FSDP does not wrap; its CommDebugMode)."""
@@ -99,17 +114,19 @@ def measure_step(m: nn.Module, plan: FSDPPlan, inputs, kwargs, targets, loss_fn,
     from torch.distributed.fsdp import FSDPModule
     where = _Where(m)
     with FakeTensorMode(allow_non_fake_inputs=True):
-        m.to_empty(device="cpu")
+        to_empty_tied(m, "cpu")
         opt = make_optimizer(optimizer, m.parameters(), lr=1e-3)
         ins = tuple(t for t in (*inputs, *kwargs.values(), targets) if isinstance(t, torch.Tensor))
         if isinstance(m, FSDPModule): fmt = FSDPMemTracker(m, opt); fmt.track_inputs(ins)
         else: fmt = MemTracker(); fmt.track_external(m, opt, *ins)
         try:
-            with fmt, quiet_torch_logs(), warnings.catch_warnings():  # the error below says it in one line
+            with quiet_torch_logs(), warnings.catch_warnings():  # the error below says it in one line
                 warnings.filterwarnings("ignore", message="(FSDP2-wrapped module|Full backward hook|For backward hooks to be called)")  # torch's notes
-                with where: _one_step(m, opt, inputs, kwargs, targets, loss_fn, plan)
-                fmt.reset_mod_stats()
-                with comm_counter() as cdm, where: _one_step(m, opt, inputs, kwargs, targets, loss_fn, plan)
+                with fmt, where: _one_step(m, opt, inputs, kwargs, targets, loss_fn, plan)
+                fmt.reset_mod_stats()   # clears the modules' stats only: the tracker's own peak restarts when it is entered again
+                # (the first step's peak is no steady state's: its optimizer makes its state, and DTensor's sharding propagation,
+                # cold, makes fake tensors of each parameter's global shape under the tracker's fake mode, which it counts)
+                with fmt, comm_counter() as cdm, where: _one_step(m, opt, inputs, kwargs, targets, loss_fn, plan)
         except PlanError: raise
         except Exception as e: raise explain_failure(e, "the FSDP step under FSDPMemTracker", where.failed_in) from None
     return int(sum(d["Total"] for d in fmt.get_tracker_snapshot("peak").values())), cdm
