@@ -20,8 +20,8 @@ from ..placement import block_spec, megatron_styles
 # %% auto 0
 __all__ = ['module_blocks', 'op_blocks', 'op_stages', 'tp_op_factor', 'tp_views', 'tp_local_graph', 'tp_param_shape',
            'ac_effects', 'rank_stages', 'in_flight', 'boundary_bytes', 'pipeline_buffers', 'model_output_bytes',
-           'pipeline_held', 'rank_profile', 'rank_fsdp_plan', 'ParallelMemory', 'predict_parallel_memory',
-           'placement_other_bytes']
+           'pipeline_held', 'rank_profile', 'rank_fsdp_plan', 'ParallelMemory', 'predict_rank_memory',
+           'predict_parallel_memory', 'placement_other_bytes']
 
 # %% ../../nbs/45b_parallel_memory.ipynb
 def _block_index(blocks: tuple[str, ...]):
@@ -439,6 +439,10 @@ class ParallelMemory:
     def peak_rank(self) -> int: return max(range(len(self.ranks)), key=lambda r: self.ranks[r].peak_bytes)
 
 # %% ../../nbs/45b_parallel_memory.ipynb
+def predict_rank_memory(profile: GraphProfile, plan: ParallelPlan, pp_rank: int = 0) -> MemoryPrediction:
+    "`fsdp.predict_memory` of pipeline rank `pp_rank`'s profile under its FSDP plan, reduced as the pipeline reduces it."
+    return predict_memory(profile, rank_fsdp_plan(plan, profile, pp_rank), reduce_after_backward=plan.dims.pp > 1)
+
 def predict_parallel_memory(g: StaticGraph, plan: ParallelPlan, master_dtype: str | None = None) -> ParallelMemory:
     "The peak bytes, by category, of one rank of each pipeline rank under `plan` (checked against the model first)."
     from static_dist.parallel.plan import check_layout
@@ -447,7 +451,7 @@ def predict_parallel_memory(g: StaticGraph, plan: ParallelPlan, master_dtype: st
     preds = []
     for r in range(plan.dims.pp):
         prof = rank_profile(g, plan, r, master_dtype)
-        preds.append(predict_memory(prof, rank_fsdp_plan(plan, prof, r), reduce_after_backward=plan.dims.pp > 1))
+        preds.append(predict_rank_memory(prof, plan, r))
     return ParallelMemory(plan, tuple(preds))
 
 # %% ../../nbs/45b_parallel_memory.ipynb

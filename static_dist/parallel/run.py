@@ -123,8 +123,7 @@ def plan_step(rank: PlanRank, optimizer: torch.optim.Optimizer, batch, *, around
     already, as a per-rank data loader gives them), its sequence shards (cp), its micro-batches through the one
     `train_step` or the pipeline schedule. The mean loss (None on a pipeline rank without the last stage)."""
     plan = rank.plan
-    mb = micro_batch(batch) if local else None
-    args, kwargs, targets = (mb.args, mb.kwargs, mb.targets) if local else dp_slice(plan, rank.mesh, batch)
+    args, kwargs, targets = dp_slice(plan, None if local else rank.mesh, batch)   # no mesh: every row given
     if plan.dims.pp > 1: return pipeline_step(rank.pipeline, optimizer, (args, kwargs, targets), around=around)
     if plan.dims.cp == 1:
         return train_step(rank.model, optimizer, split_rows(MicroBatch(args, kwargs, targets), plan.microbatches),

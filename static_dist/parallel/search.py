@@ -14,10 +14,10 @@ from dataclasses import dataclass
 import numpy as np
 from fastcore.basics import patch
 
-from ..fsdp import FSDPPlan, FSDPUnit, block_units, expand_profile, predict_memory
+from ..fsdp import FSDPPlan, FSDPUnit, block_units, expand_profile
 from ..graph import StaticGraph, fmt_bytes
 from .memory import (boundary_bytes, in_flight, module_blocks, op_blocks, pipeline_held, predict_parallel_memory,
-                                         rank_fsdp_plan, rank_profile)
+                                         predict_rank_memory, rank_profile)
 from .plan import (ParallelDims, ParallelPlan, ParallelPlanError, SelectivePolicy, ac_modes, check_layout,
                                        stage_ranges)
 from .time import StepTime, predict_step_time, rank_work
@@ -175,7 +175,7 @@ def _memory(ctx: _Context, plan: ParallelPlan, mode: str | None = None) -> int:
            in_flight(plan, 0), plan.microbatches)
     if key not in ctx._mem:                    # the replicate degree aside, these set a rank's memory
         P = _pipelined(ctx, plan, _mixed_profile(ctx, d, modes))
-        ctx._mem[key] = predict_memory(P, rank_fsdp_plan(plan, P), reduce_after_backward=d.pp > 1).peak_bytes
+        ctx._mem[key] = predict_rank_memory(P, plan).peak_bytes
     return ctx._mem[key]
 
 # %% ../../nbs/45d_parallel_search.ipynb
@@ -188,7 +188,7 @@ def memory_by_category(g: StaticGraph, plan: ParallelPlan, n_blocks: int | None 
         return [(f"pp rank {r}", m.at_peak, m.peak_bytes) for r, m in enumerate(predict_parallel_memory(g, plan, master_dtype).ranks)]
     d, ctx = plan.dims, _Context(g, n, None, plan.tp_styles, plan.selective, master_dtype)
     P = _pipelined(ctx, plan, _mixed_profile(ctx, d, _stage_modes(ctx, plan, None if plan.ac else "none")))
-    pred = predict_memory(P, rank_fsdp_plan(plan, P), reduce_after_backward=d.pp > 1)
+    pred = predict_rank_memory(P, plan)
     return [("busiest stage" if d.pp > 1 else "each rank", pred.at_peak, pred.peak_bytes)]
 
 # %% ../../nbs/45d_parallel_search.ipynb
