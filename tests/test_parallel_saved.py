@@ -60,3 +60,21 @@ def test_one_rank_tied_model_measured_tied(hf_tiny_qwen2_tied):
     w = load_workload(hf_tiny_qwen2_tied, batch=1, seq=256)
     v = verify_parallel(w, ParallelPlan(), w.graph())
     assert abs(v.predicted_bytes / v.measured_bytes - 1) < 0.01, v
+
+
+def test_verify_refuses_masters_the_plan_does_not_compute_from(hf_tiny_llama):
+    "A graph captured in bf16 with fp32 masters needs the plan to compute in bf16: else the two sides differ."
+    from static_dist.parallel import ParallelDims, ParallelPlan, ParallelPlanError, verify_parallel
+    w = load_workload(hf_tiny_llama, batch=1, seq=64)
+    with pytest.raises(ParallelPlanError, match="param_dtype='bfloat16'"):
+        verify_parallel(w, ParallelPlan(ParallelDims(dp_shard=2)), w.graph(dtype="bfloat16"))
+
+
+def test_mixed_precision_needs_fsdp(hf_tiny_llama):
+    "One data-parallel rank applies no FSDP, so a plan's param_dtype would compute in the masters' dtype: refused."
+    from static_dist.fsdp import FSDPPlan, FSDPUnit
+    from static_dist.parallel import ParallelDims, ParallelPlan, ParallelPlanError, verify_parallel
+    w = load_workload(hf_tiny_llama, batch=1, seq=64)
+    plan = ParallelPlan(ParallelDims(tp=1), fsdp=FSDPPlan(1, (1,), (FSDPUnit(""),), param_dtype="bfloat16"))
+    with pytest.raises(ParallelPlanError, match="one data-parallel rank"):
+        verify_parallel(w, plan, w.graph(dtype="bfloat16"))

@@ -13,6 +13,7 @@ import numpy as np
 
 from .plan import FSDPPlan, _prefixes, innermost, unit_finder
 from .profile import GraphProfile, PlanError
+from ..graph.checkpoint import apply_deltas, recompute_extra
 from ..util import DTYPE_BYTES
 from ..graph import fmt_bytes, pyplot
 
@@ -261,30 +262,37 @@ def _add_reduce_scatters(C: _Curves, profile: GraphProfile, lays, reduce_at: int
         C.add("reduce_scatter", l.bwd[1], max(end, l.bwd[1]), l.rs_bytes)
 
 # %% ../../nbs/40c_fsdp_memory.ipynb
-def _checkpoint_savings(profile: GraphProfile, plan: FSDPPlan) -> dict[str, int]:
-    "{unit: bytes of saved activations made inside its forward and kept to its backward} (what checkpointing drops)."
-    lays = {l.module: l for l in layout(profile, plan)}
-    out = dict.fromkeys(lays, 0)
-    for b, where, c, f in profile.saved:
-        for m in _prefixes(where):
-            l = lays.get(m)
-            if l is not None and l.fwd[0] <= c <= l.fwd[1] and f >= l.bwd[0]: out[m] += b
-    return out
+def _checkpointed(profile: GraphProfile, plan: FSDPPlan) -> list[str]:
+    "The plan's checkpointed units, each one the profile models checkpointing for (else a PlanError)."
+    ckpt = [u.module for u in plan.units if u.module and u.activation_checkpointing]
+    missing = [m for m in ckpt if m not in profile.checkpoint]
+    if missing: raise PlanError(f"unit {missing[0]!r} is checkpointed, but the profile models checkpointing only for the "
+                                f"modules below the main stack or beside it ({len(profile.checkpoint)}): checkpoint its "
+                                f"blocks instead, or profile a full capture (`profile_graph`)")
+    return ckpt
 
 # %% ../../nbs/40c_fsdp_memory.ipynb
-def _activations(profile: GraphProfile, plan: FSDPPlan, lays, shard_ratio: float) -> np.ndarray:
-    "Native bytes per op: optimizer temporaries shrunk to the shard, checkpointed savings dropped, compute dtype applied."
-    units = {u.module: u for u in plan.units}
+def _activations(profile: GraphProfile, plan: FSDPPlan, lays, shard_ratio: float) -> tuple[np.ndarray, list]:
+    """Native bytes per op (optimizer temporaries shrunk to the shard, checkpointing applied, compute dtype applied),
+    and the recomputes for `_add_recomputes`."""
     act = profile.native.astype(np.int64).copy()
     opt = profile.op_phase == 2
     act[opt] -= (profile.temporary[opt] * (1 - shard_ratio)).astype(np.int64)
-    drops = _cached("drops", profile, plan, _checkpoint_savings)
-    for l in lays:
-        if not units[l.module].activation_checkpointing or not l.module: continue
-        if l.bwd[0] - 1 >= l.fwd[1] + 1: act[l.fwd[1] + 1:l.bwd[0]] -= drops[l.module]
+    ckpt = _checkpointed(profile, plan)
+    act = apply_deltas(act, [profile.checkpoint[m] for m in ckpt], recomputes=False)
+    runs = [*profile.recomputes, *(r for m in ckpt for r in profile.checkpoint[m].recomputes)]
     cap = profile.compute_itemsize or (profile.params[0].itemsize if profile.params else 4)
-    if plan.param_dtype is not None and DTYPE_BYTES[plan.param_dtype] != cap:   # captured in another dtype: scale
-        act = (act * (DTYPE_BYTES[plan.param_dtype] / cap)).astype(np.int64)
+    scale = DTYPE_BYTES[plan.param_dtype] / cap if plan.param_dtype is not None else 1.0   # captured in another dtype
+    if scale != 1: act = (act * scale).astype(np.int64)
+    return act, [(at, *(b * scale for b in run)) for at, *run in runs]
+
+# %% ../../nbs/40c_fsdp_memory.ipynb
+def _add_recomputes(act: np.ndarray, runs: list, all_gather: np.ndarray) -> np.ndarray:
+    """The recomputes at the ops they run before (`recompute_extra`): a recompute runs after the unit's pre-backward,
+    which let go of its all-gather buffer, so that op holds the larger of the buffer and the recompute, not both."""
+    let_go = np.maximum(all_gather - np.append(all_gather[1:], 0), 0)    # all-gather bytes freed after each op
+    act = act.copy()
+    for at, *run in runs: act[at] += int(recompute_extra(*run, let_go=int(let_go[at])))
     return act
 
 # %% ../../nbs/40c_fsdp_memory.ipynb
@@ -323,7 +331,8 @@ def predict_memory(profile: GraphProfile, plan: FSDPPlan, *, reduce_after_backwa
     _add_all_gathers(C, profile, plan, lays)
     _add_reduce_scatters(C, profile, lays, reduce_at)
     curves = C.curves()
-    curves["activations"] = _activations(profile, plan, lays, total_sh / total_full if total_full else 1.0)
+    act, runs = _activations(profile, plan, lays, total_sh / total_full if total_full else 1.0)
+    curves["activations"] = _add_recomputes(act, runs, curves["all_gather"])
     total = sum(curves.values())
     i = int(np.argmax(total))
     return MemoryPrediction(int(total[i]), i, ("forward", "backward", "optimizer")[profile.op_phase[i]],

@@ -16,13 +16,14 @@ import torch
 import torch.nn as nn
 
 from ..graph import CaptureError, StaticGraph, fmt_bytes
+from ..graph.checkpoint import CheckpointDeltas, checkpoint_deltas, checkpointable
 from ..structure import BlockStack, find_structure
 from ..util import DTYPE_BYTES, StaticDistError, torch_dtype
 
 # %% auto 0
 __all__ = ['PlanError', 'BlockMismatchError', 'ParamInfo', 'GraphProfile', 'module_order', 'main_stack', 'shared_params',
-           'tokens_of', 'param_infos', 'to_master', 'block_flows', 'profile_graph', 'block_mismatch', 'expand_blocks',
-           'expand_profile', 'profile_expanded']
+           'tokens_of', 'param_infos', 'to_master', 'block_flows', 'captured_param_dtype', 'profile_graph',
+           'block_mismatch', 'expand_blocks', 'expand_profile', 'profile_expanded']
 
 # %% ../../nbs/40a_fsdp_profile.ipynb
 class PlanError(StaticDistError, ValueError):
@@ -101,6 +102,10 @@ class GraphProfile:
     block_flows: tuple[tuple[int, int, int], ...] = ()
     """Per captured block of the main stack, over its forward (to the next block's first op): bytes it makes and leaves
     alive, bytes made before it that it frees, and saved bytes the code before the stack made and other blocks read too."""
+    checkpoint: dict = dataclasses.field(default_factory=dict)
+    "{module: `checkpoint_deltas`}: what checkpointing it changes, for each module below the stack or beside it."
+    recomputes: tuple = ()
+    "`CheckpointDeltas.recomputes` of the modules checkpointed before profiling (`rank_profile`), not in `native`."
 
 # %% ../../nbs/40a_fsdp_profile.ipynb
 def _under(name: str, unit: str) -> bool:
@@ -241,7 +246,7 @@ def block_flows(g: StaticGraph, stack: str, k: int) -> tuple[tuple[int, int, int
     return tuple(out)
 
 # %% ../../nbs/40a_fsdp_profile.ipynb
-def _param_dtype(g: StaticGraph) -> str:
+def captured_param_dtype(g: StaticGraph) -> str:
     "The one dtype of the captured parameters ('' when they mix dtypes or there are none)."
     roles = {s.id for s in g.storages if s.role == "parameter"}
     dts = {t.dtype for t in g.tensors if t.storage in roles}
@@ -274,9 +279,9 @@ def profile_graph(g: StaticGraph, master_dtype: str | None = None) -> GraphProfi
     return GraphProfile(tuple(params), tuple(order), tuple(o.module for o in g.ops), phase,
                         np.array([o.flops for o in g.ops], dtype=np.float64), native, temp.astype(np.int64), saved,
                         int(opt_temp), shared_params(g, by_storage), g.meta.get("model", ""), cap, tokens_of(g),
-                        blocks, stack, tuple(o.op for o in g.ops), master_dtype=master_dtype or _param_dtype(g),
+                        blocks, stack, tuple(o.op for o in g.ops), master_dtype=master_dtype or captured_param_dtype(g),
                         model_forward_end=fwd[1] if fwd else -1, model_backward_start=-1 if bwd is None else bwd,
-                        block_flows=block_flows(g, stack, len(blocks)))
+                        block_flows=block_flows(g, stack, len(blocks)), checkpoint=checkpoint_deltas(g, checkpointable(g, stack)))
 
 # %% ../../nbs/40a_fsdp_profile.ipynb
 def _op_blocks(P: GraphProfile) -> np.ndarray:
@@ -433,6 +438,24 @@ def _expand_saved(P: GraphProfile, where: dict, ren, extra: int) -> list[tuple[i
             if c3 is not None and f3 is not None: saved.append((nb, _rename_block(w, c, j + 2), c3, f3))
     return saved
 
+def _expand_checkpoint(P: GraphProfile, where: dict, ren, extra: int) -> tuple[dict, tuple]:
+    "Checkpoint deltas and recomputes at their new ops; block 1's copied with each copy of the block (`_copy_created`)."
+    keep, c, ob = [0, extra + 1, 2 * extra + 2], P.stack, _op_blocks(P)
+    stride = int(np.flatnonzero(ob == 1)[0] - np.flatnonzero(ob == 0)[0])
+    def at(i: int, j) -> int | None:                       # captured op i in copy j (None: the captured ops)
+        if j is None or ob[i] not in (0, 1) or P.op_phase[i] == 2: return _newpos(where, i, keep)
+        if P.op_phase[i] == 0: return _copy_created(where, i, j, ob, stride, keep)
+        return _newpos(where, i, [2 * extra + 1 - j]) if ob[i] == 1 else _newpos(where, i, keep)
+    ok = lambda xs: tuple(x for x in xs if None not in x)
+    out, copies = {}, lambda m: [None, *(range(extra) if _block_of(m, c) == 1 else ())]
+    for m, d in P.checkpoint.items():
+        for j in copies(m):
+            holds = [((k, j) if j is not None and ob[cr] in (0, 1) else k, at(cr, j), at(end, j), at(to, j), b)
+                     for k, cr, end, to, b in d.holds]      # an input made by the block before is the copy's own
+            out[ren(m) if j is None else _rename_block(m, c, j + 2)] = CheckpointDeltas(
+                ok((at(a, j), at(e, j), b) for a, e, b in d.spans), ok(holds), ok((at(a, j), *r) for a, *r in d.recomputes))
+    return out, ok((at(a, j), *r) for a, *r in P.recomputes for j in copies(P.op_module[a]))
+
 # %% ../../nbs/40a_fsdp_profile.ipynb
 def _foreach(P: GraphProfile) -> bool:
     "Does the optimizer step work on all parameters at once (`aten._foreach_*`)? Assumed for a profile without op names."
@@ -457,7 +480,9 @@ def expand_profile(P: GraphProfile, n_blocks: int) -> GraphProfile:
         j = _newpos(where, i, [0, extra + 1, 2 * extra + 2]) if i >= 0 else None
         return -1 if j is None else j
     flows = P.block_flows[:2] + P.block_flows[1:2] * extra + P.block_flows[2:] if P.block_flows else ()
+    ckpt, runs = _expand_checkpoint(P, where, ren, extra)
     return dataclasses.replace(P, **ops, params=tuple(params), saved=tuple(_expand_saved(P, where, ren, extra)),
+                               checkpoint=ckpt, recomputes=runs,
                                modules=module_order(seen, [p.module for p in params], len(phase)), blocks=blocks,
                                path=f"expanded from {len(P.blocks)} of {n_blocks} blocks", block_flows=flows,
                                model_forward_end=moved(P.model_forward_end),

@@ -67,9 +67,22 @@ def apply_tp(model: nn.Module, plan: ParallelPlan, tp_mesh, blocks=None) -> None
     for _, b in _blocks(model, plan, blocks): parallelize_module(model.get_submodule(b), tp_mesh, styles)
 
 # %% ../../nbs/45e_parallel_apply.ipynb
+def _ignore_profiler_ops() -> None:
+    """Have selective checkpointing pass over `record_function`'s ops, as it passes over `detach`. FSDP2 runs its hooks
+    under `record_function`, and a block that is its own FSDP unit runs them a different number of times in the
+    recompute than in the forward, which desyncs the replay ("profiler._record_function_enter_new ... not found in
+    storage"; pytorch/pytorch#196862 makes torch itself ignore them)."""
+    import torch.utils.checkpoint as ckpt
+    ignored = getattr(ckpt, "SAC_IGNORED_OPS", None)
+    if ignored is None: return
+    for name in ("_record_function_enter", "_record_function_enter_new", "_record_function_exit"):
+        packet = getattr(torch.ops.profiler, name, None)
+        if packet is not None: ignored.update(getattr(packet, o) for o in packet.overloads())
+
 def _sac_context(policy):
     "A context_fn for `checkpoint`: the plan's selective policy, with a fresh matmul count per forward and per recompute."
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+    _ignore_profiler_ops()
     count = collections.Counter()
     def decide(ctx, op, *args, **kwargs):
         name = str(op)

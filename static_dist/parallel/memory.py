@@ -12,8 +12,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..fsdp import FSDPPlan, FSDPUnit, GraphProfile, MemoryPrediction, block_units, predict_memory
-from ..fsdp.profile import ParamInfo, main_stack, module_order, param_infos, shared_params, to_master, tokens_of
+from ..fsdp.profile import ParamInfo, captured_param_dtype, main_stack, module_order, param_infos, shared_params, to_master, tokens_of
 from ..graph import StaticGraph, fmt_bytes
+from ..graph.checkpoint import CheckpointLifetimes, checkpoint_lifetimes, recompute_bytes
 from .plan import ParallelDims, ParallelPlan, ParallelPlanError, ac_modes, stage_ranges
 from ..placement import block_spec, megatron_styles
 
@@ -162,23 +163,14 @@ def _policy_kept(g: StaticGraph, policy, ob: np.ndarray, b: int, lo: int, hi: in
     return kept
 
 # %% ../../nbs/45b_parallel_memory.ipynb
-def ac_effects(g: StaticGraph, plan: ParallelPlan, ob: np.ndarray, blocks) -> tuple[dict, dict]:
-    """({storage id: (first, last) op} during which a checkpointed block does not hold what it saved for backward,
-    {storage id: op} to which a selective block holds an output its policy keeps, saved or not, for the recompute)."""
-    if not plan.ac or all(a == "none" for a in plan.ac): return {}, {}
+def ac_effects(g: StaticGraph, plan: ParallelPlan, ob: np.ndarray, blocks) -> CheckpointLifetimes:
+    """What the plan's checkpointed blocks change in what the step holds (`static_dist.graph.checkpoint`): a selective
+    block keeps the outputs of the ops its policy saves (read op by op, counting the block's matmuls)."""
+    if not plan.ac or all(a == "none" for a in plan.ac): return CheckpointLifetimes({}, {}, ())
     phase = np.array([("forward", "backward", "optimizer").index(o.phase) for o in g.ops])
-    ff, lf, fb = _block_spans(ob, phase, len(blocks))
-    of, absent, held = _block_index(blocks), {}, {}
-    kept = {b: _policy_kept(g, plan.selective, ob, b, ff[b], lf[b]) if a == "selective" else set()
-            for b, a in enumerate(ac_modes(plan, len(blocks))) if a != "none"}
-    for s in g.storages:
-        b = int(ob[s.created]) if s.created >= 0 else -1
-        if b in kept and s.created in kept[b] and s.role in ("activation", "temporary"): held[s.id] = int(fb[b])
-        if s.role != "activation" or not s.saved_in: continue
-        b = of(s.saved_in)
-        if b not in kept or not (ff[b] <= s.created <= lf[b]) or s.created in kept[b]: continue
-        if (s.freed is None or s.freed >= fb[b]) and fb[b] > lf[b] + 1: absent[s.id] = (int(lf[b]) + 1, int(fb[b]) - 1)
-    return absent, held
+    ff, lf, _ = _block_spans(ob, phase, len(blocks))
+    return checkpoint_lifetimes(g, {blocks[b]: frozenset(_policy_kept(g, plan.selective, ob, b, ff[b], lf[b]) if a == "selective" else ())
+                                    for b, a in enumerate(ac_modes(plan, len(blocks))) if a != "none" and ff[b] >= 0})
 
 # %% ../../nbs/45b_parallel_memory.ipynb
 @dataclass(frozen=True)
@@ -189,7 +181,8 @@ class _View:
     stage_of_op: np.ndarray     # pipeline stage of each op (-1: optimizer, every stage)
     stages: frozenset           # the (virtual) stages this pipeline rank runs
     absent: dict                # storage id -> (first, last) op it is not held
-    held: dict                  # storage id -> the op it is held to at least (selective checkpointing keeps it)
+    held: dict                  # storage id -> the op it is held to at least (checkpointing keeps it)
+    checkpoint: CheckpointLifetimes  # what checkpointing changes (`ac_effects`): absent and held above, recomputes
     param_fraction: float       # the rank's parameter bytes / the captured model's (optimizer temporaries scale with it)
     styles: dict                # linear FQN -> tp style
     read: frozenset             # storage ids this stage's ops read (what the previous stage sends, the inputs it takes)
@@ -260,8 +253,8 @@ def _view(g: StaticGraph, plan: ParallelPlan, pp_rank: int, blocks, params) -> t
     local = sum(math.prod(tp_param_shape(p.name, p.shape, plan, styles)) * p.itemsize for p in mine)
     frac = local / max(sum(p.numel * p.itemsize for p in params), 1)
     factor = tp_op_factor(g, plan, blocks) / plan.dims.cp
-    absent, held = ac_effects(g, plan, ob, blocks)
-    return _View(keep, factor, so, mine_st, absent, held, frac, styles, read), mine, ob
+    life = ac_effects(g, plan, ob, blocks)
+    return _View(keep, factor, so, mine_st, life.absent, life.held, life, frac, styles, read), mine, ob
 
 # %% ../../nbs/45b_parallel_memory.ipynb
 def in_flight(plan: ParallelPlan, pp_rank: int) -> int:
@@ -377,14 +370,16 @@ def rank_profile(g: StaticGraph, plan: ParallelPlan, pp_rank: int = 0, master_dt
     native = (sum(live[r] for r in live)[K] + extra).astype(np.int64)
     temp = live["temporary"][K].astype(np.int64)
     ps, native, temp, cap = to_master(_local_params(mine, v, plan, newix), native, temp, phase, master_dtype)
-    seen = {}
+    seen, weight = {}, lambda s: s.nbytes * _storage_fraction(s, v, g, plan.dims.cp)   # a recompute's, as the rank holds it
     for j, i in enumerate(K):
         if g.ops[i].phase == "forward": seen.setdefault(g.ops[i].module, j)
     return GraphProfile(tuple(ps), module_order(seen, [p.module for p in ps], len(K)), tuple(g.ops[i].module for i in K),
                         phase, _flops(g, plan, v)[K], native, temp, _saved(g, v, plan.dims.cp, newix),
                         int(temp[phase == 2].max()) if (phase == 2).any() else 0, _tied(g, by_storage, ps), g.meta.get("model", ""),
                         cap, tokens_of(g) // plan.dims.cp, _stage_blocks(plan, blocks, v), stack, tuple(g.ops[i].op for i in K),
-                        **_root_marks(g, K))
+                        master_dtype=master_dtype or captured_param_dtype(g), **_root_marks(g, K),
+                        recomputes=tuple((int(newix(r.at)), *recompute_bytes(g, v.checkpoint, r, weight))
+                                         for r in v.checkpoint.recomputes if v.keep[r.at]))
 
 # %% ../../nbs/45b_parallel_memory.ipynb
 def _saved(g: StaticGraph, v: _View, cp: int, newix) -> tuple:

@@ -187,6 +187,10 @@ def check_layout(plan: ParallelPlan, stack: BlockStack | None, seq: int | None =
     if d.cp > 1 and seq is not None and seq % (2 * d.cp):
         raise ParallelPlanError(f"cp={d.cp}: seq {seq} does not split into 2*cp={2 * d.cp} equal chunks; use a seq "
                                 f"divisible by {2 * d.cp} or another cp")
+    if d.dp_replicate * d.fsdp_size == 1 and plan.fsdp is not None and (plan.fsdp.param_dtype or plan.fsdp.reduce_dtype):
+        raise ParallelPlanError("fsdp.param_dtype: mixed precision is FSDP's MixedPrecisionPolicy, and a layout with one "
+                                "data-parallel rank (dp_replicate × dp_shard × cp = 1) applies no FSDP: build the model in "
+                                "the compute dtype instead (--dtype bfloat16), or shard it over 2 or more ranks")
 
 # %% ../../nbs/45a_parallel_plan.ipynb
 PARALLEL_SCHEMA = "static_dist.parallel_plan/1"

@@ -136,7 +136,8 @@ def _mixed_profile(ctx: _Context, d: ParallelDims, modes: tuple[str, ...]):
     for m, P in profs.items():
         s = src == m
         native[s] = P.native[s] - cum(left[m])[held[s]] + mixed[held[s]]
-    return dataclasses.replace(P0, native=native)
+    runs = tuple(r for m, P in profs.items() for r in P.recomputes if src[r[0]] == m)   # each block's under its own mode
+    return dataclasses.replace(P0, native=native, recomputes=runs)
 
 # %% ../../nbs/45d_parallel_search.ipynb
 def _forward_activations(P) -> int:

@@ -13,6 +13,7 @@ import numpy as np
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from ..fsdp import measure_step, predict_comms
+from ..fsdp.profile import captured_param_dtype
 from ..graph import fmt_bytes
 from ..launch import process_group
 from .apply import apply_ac, apply_parallel_plan, parallel_mesh
@@ -76,31 +77,41 @@ class ParallelVerification:
     predicted_counts: dict
     measured_counts: dict
     seconds: float
+    master_dtype: str = ""
+    "The dtype of the parameters and optimizer state, the same in the prediction and the measured model."
 
     @property
     def ratio(self) -> float: return self.predicted_bytes / self.measured_bytes if self.measured_bytes else math.inf
     @property
     def counts_match(self) -> bool: return self.predicted_counts == self.measured_counts
     def line(self) -> str:
-        return (f"world {self.world_size}: predicted {fmt_bytes(self.predicted_bytes)} / measured {fmt_bytes(self.measured_bytes)}"
+        return (f"world {self.world_size}{f', {self.master_dtype} masters' if self.master_dtype else ''}: predicted {fmt_bytes(self.predicted_bytes)} / measured {fmt_bytes(self.measured_bytes)}"
                 f" = {self.ratio:.4f}; collectives {'match' if self.counts_match else f'differ: {self.predicted_counts} vs {self.measured_counts}'}")
 
 # %% ../../nbs/45f_parallel_verify.ipynb
-def verify_parallel(w, plan: ParallelPlan, graph=None) -> ParallelVerification:
-    """Measure `plan` on workload `w` (built on meta in its dtype) under a fake process group of the plan's world size,
-    next to the prediction from `graph` (default: the workload's capture). Pipeline parallelism is not measured here."""
+def verify_parallel(w, plan: ParallelPlan, graph=None, master_dtype: str | None = None) -> ParallelVerification:
+    """Measure `plan` on workload `w` under a fake process group of the plan's world size, next to the prediction from
+    `graph` (default: the workload's capture in the compute dtype). The model is built on meta with `master_dtype`
+    parameters (default: the workload's dtype), and the prediction keeps the same masters: a graph captured in another
+    dtype needs the plan's FSDP `param_dtype` to compute in it. Pipeline parallelism is not measured here."""
     if plan.dims.pp > 1: raise ParallelPlanError("verify_parallel measures one pipeline stage's layout: use pp=1 (a stage's plan)")
     if w.optimizer not in OPTIMIZERS: raise ParallelPlanError(f"optimizer {w.optimizer!r}: verifying needs the step's optimizer")
     t0 = time.perf_counter()
-    g = graph if graph is not None else w.graph()
-    prof = rank_profile(g, plan)
-    pred = predict_parallel_memory(g, plan).peak_bytes
-    args, kwargs, targets = w.inputs()
+    compute = (plan.fsdp.param_dtype if plan.fsdp else None) or w.dtype
+    g = graph if graph is not None else w.graph(dtype=compute)
+    master, captured = master_dtype or w.dtype, captured_param_dtype(g)
+    if captured and master != captured and (plan.fsdp is None or plan.fsdp.param_dtype != captured):
+        raise ParallelPlanError(f"the graph was captured with {captured} parameters and the masters are {master}, but the plan's "
+                                f"FSDP computes in {master}: set its param_dtype={captured!r} (mixed precision), or capture the "
+                                f"step in {master} (workload.graph(dtype={master!r}))")
+    prof = rank_profile(g, plan, master_dtype=master)
+    pred = predict_parallel_memory(g, plan, master).peak_bytes
+    args, kwargs, targets = w.inputs(dtype=captured or master)        # floating inputs in the compute dtype
     with process_group(fake_world=plan.dims.world):
-        m = apply_parallel_plan(w.build(device="meta", dtype=torch_dtype(w.dtype)), plan, parallel_mesh(plan, "cpu"), seq=w.seq)
+        m = apply_parallel_plan(w.build(device="meta", dtype=torch_dtype(master)), plan, parallel_mesh(plan, "cpu"), seq=w.seq)
         peak, cdm = measure_step(m, rank_fsdp_plan(plan, prof), args, kwargs, targets, w.loss, w.optimizer)
     return ParallelVerification(plan.dims.world, pred, peak, predict_axis_counts(prof, plan), axis_counts(cdm),
-                                time.perf_counter() - t0)
+                                time.perf_counter() - t0, master)
 
 # %% ../../nbs/45f_parallel_verify.ipynb
 def predicted_stack_bytes(g, plan: ParallelPlan) -> int:
