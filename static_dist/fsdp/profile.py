@@ -13,12 +13,10 @@ from typing import Sequence
 
 import numpy as np
 import torch
-import torch.nn as nn
 
-from ..graph import CaptureError, StaticGraph, fmt_bytes
+from ..graph import StaticGraph, fmt_bytes
 from ..graph.checkpoint import CheckpointDeltas, checkpoint_deltas, checkpointable
-from ..structure import BlockStack, find_structure
-from ..util import DTYPE_BYTES, StaticDistError, torch_dtype
+from ..util import DTYPE_BYTES, StaticDistError
 
 # %% auto 0
 __all__ = ['PlanError', 'BlockMismatchError', 'ParamInfo', 'GraphProfile', 'module_order', 'main_stack', 'shared_params',

@@ -180,9 +180,7 @@ class _View:
     op_factor: np.ndarray       # fraction of each op's outputs the rank holds (tp x cp)
     stage_of_op: np.ndarray     # pipeline stage of each op (-1: optimizer, every stage)
     stages: frozenset           # the (virtual) stages this pipeline rank runs
-    absent: dict                # storage id -> (first, last) op it is not held
-    held: dict                  # storage id -> the op it is held to at least (checkpointing keeps it)
-    checkpoint: CheckpointLifetimes  # what checkpointing changes (`ac_effects`): absent and held above, recomputes
+    checkpoint: CheckpointLifetimes  # what checkpointing changes (`ac_effects`): what is not held when, held longer, recomputes
     param_fraction: float       # the rank's parameter bytes / the captured model's (optimizer temporaries scale with it)
     styles: dict                # linear FQN -> tp style
     read: frozenset             # storage ids this stage's ops read (what the previous stage sends, the inputs it takes)
@@ -218,8 +216,8 @@ def _curves(g: StaticGraph, v: _View, cp: int) -> dict[str, np.ndarray]:
         if s.role not in cur: continue
         b = s.nbytes * _storage_fraction(s, v, g, cp)
         if b == 0: continue
-        a, e = max(s.created, 0), n if s.freed is None else max(s.freed, v.held.get(s.id, -1)) + 1
-        for lo, hi in _minus((a, e), v.absent.get(s.id)):
+        a, e = max(s.created, 0), n if s.freed is None else max(s.freed, v.checkpoint.held.get(s.id, -1)) + 1
+        for lo, hi in _minus((a, e), v.checkpoint.absent.get(s.id)):
             cur[s.role][lo] += b; cur[s.role][hi] -= b
     return {r: np.cumsum(c)[:n] for r, c in cur.items()}
 
@@ -253,8 +251,7 @@ def _view(g: StaticGraph, plan: ParallelPlan, pp_rank: int, blocks, params) -> t
     local = sum(math.prod(tp_param_shape(p.name, p.shape, plan, styles)) * p.itemsize for p in mine)
     frac = local / max(sum(p.numel * p.itemsize for p in params), 1)
     factor = tp_op_factor(g, plan, blocks) / plan.dims.cp
-    life = ac_effects(g, plan, ob, blocks)
-    return _View(keep, factor, so, mine_st, life.absent, life.held, life, frac, styles, read), mine, ob
+    return _View(keep, factor, so, mine_st, ac_effects(g, plan, ob, blocks), frac, styles, read), mine, ob
 
 # %% ../../nbs/45b_parallel_memory.ipynb
 def in_flight(plan: ParallelPlan, pp_rank: int) -> int:
@@ -271,10 +268,10 @@ def _saved_at(g: StaticGraph, v: _View, cp: int, at: int) -> float:
     but for the activations it received, which stay in the schedule's receive buffers (`pipeline_buffers`)."""
     out = 0.0
     for s in g.storages:
-        if s.role != "activation" or not (s.saved_in or s.id in v.held) or s.created > at: continue
+        if s.role != "activation" or not (s.saved_in or s.id in v.checkpoint.held) or s.created > at: continue
         if s.created >= 0 and v.stage_of_op[s.created] not in v.stages: continue   # received: in its recv buffer
-        if s.freed is not None and max(s.freed, v.held.get(s.id, -1)) < at: continue
-        h = v.absent.get(s.id)
+        if s.freed is not None and max(s.freed, v.checkpoint.held.get(s.id, -1)) < at: continue
+        h = v.checkpoint.absent.get(s.id)
         if h is not None and h[0] <= at <= h[1]: continue
         out += s.nbytes * _storage_fraction(s, v, g, cp)
     return out
