@@ -284,7 +284,8 @@ def profile_graph(g: StaticGraph, master_dtype: str | None = None) -> GraphProfi
 # %% ../../nbs/40a_fsdp_profile.ipynb
 def _op_blocks(P: GraphProfile) -> np.ndarray:
     "Block number of each op (-1 outside the main stack)."
-    return np.array([-1 if (b := _block_of(m, P.stack)) is None else b for m in P.op_module], dtype=np.int64)
+    of = {m: -1 if (b := _block_of(m, P.stack)) is None else b for m in set(P.op_module)}   # a few dozen modules
+    return np.array([of[m] for m in P.op_module], dtype=np.int64)
 
 # %% ../../nbs/40a_fsdp_profile.ipynb
 def _op_mismatch(P: GraphProfile, ix: dict, k: int) -> list[str]:
