@@ -7,6 +7,7 @@ __all__ = ['layout_figure', 'parallel_widget']
 
 # %% ../../nbs/45_parallel.ipynb
 from .plan import *
+from .schedule import *
 from .memory import *
 from .time import *
 from .search import *
@@ -14,7 +15,7 @@ from .apply import *
 from .verify import *
 from .pipeline import *
 from .run import *
-from . import apply as _apply, memory as _memory, plan as _plan, search as _search
+from . import apply as _apply, memory as _memory, plan as _plan, schedule as _schedule, search as _search
 from . import pipeline as _pipeline, run as _run, time as _time, verify as _verify
 
 # %% ../../nbs/45_parallel.ipynb
@@ -99,6 +100,6 @@ def parallel_widget(g: StaticGraph, topo=None, world: int = 8, budget_mib: float
                    cp=W.Dropdown(options=degrees, value=1), ac=W.ToggleButtons(options=list(AC_MODES)))
 
 # %% ../../nbs/45_parallel.ipynb
-__all__ = [*_plan.__all__, *_memory.__all__, *_time.__all__, *_search.__all__, *_apply.__all__, *_verify.__all__,
+__all__ = [*_plan.__all__, *_schedule.__all__, *_memory.__all__, *_time.__all__, *_search.__all__, *_apply.__all__, *_verify.__all__,
            *_pipeline.__all__, *_run.__all__,
            "layout_figure", "parallel_widget"]

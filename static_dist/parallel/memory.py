@@ -12,17 +12,18 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..fsdp import FSDPPlan, FSDPUnit, GraphProfile, MemoryPrediction, block_units, predict_memory
+from ..fsdp.plan import unit_finder
 from ..fsdp.profile import ParamInfo, captured_param_dtype, main_stack, module_order, param_infos, shared_params, to_master, tokens_of
 from ..graph import StaticGraph, fmt_bytes
 from ..graph.checkpoint import CheckpointLifetimes, checkpoint_lifetimes, recompute_bytes
 from .plan import ParallelDims, ParallelPlan, ParallelPlanError, ac_modes, stage_ranges
+from .schedule import held_by_action, pipeline_held, rank_stages
 from ..placement import block_spec, megatron_styles
 
 # %% auto 0
 __all__ = ['module_blocks', 'op_blocks', 'op_stages', 'tp_op_factor', 'tp_views', 'tp_local_graph', 'tp_param_shape',
-           'ac_effects', 'rank_stages', 'in_flight', 'boundary_bytes', 'pipeline_buffers', 'model_output_bytes',
-           'pipeline_held', 'rank_profile', 'rank_fsdp_plan', 'ParallelMemory', 'predict_rank_memory',
-           'predict_parallel_memory', 'placement_other_bytes']
+           'ac_effects', 'boundary_bytes', 'model_output_bytes', 'rank_profile', 'rank_fsdp_plan', 'ParallelMemory',
+           'predict_rank_memory', 'predict_parallel_memory', 'placement_other_bytes']
 
 # %% ../../nbs/45b_parallel_memory.ipynb
 def _block_index(blocks: tuple[str, ...]):
@@ -230,11 +231,6 @@ def _minus(span: tuple[int, int], hole) -> list[tuple[int, int]]:
     return [(x, y) for x, y in ((a, min(e, h0)), (max(a, h1 + 1), e)) if y > x]
 
 # %% ../../nbs/45b_parallel_memory.ipynb
-def rank_stages(plan: ParallelPlan, pp_rank: int) -> frozenset:
-    "The (virtual) stages pipeline rank `pp_rank` runs: one, or every pp-th one under Interleaved1F1B."
-    return frozenset(range(pp_rank, max(len(plan.stages), 1), plan.dims.pp))
-
-# %% ../../nbs/45b_parallel_memory.ipynb
 def _view(g: StaticGraph, plan: ParallelPlan, pp_rank: int, blocks, params) -> tuple:
     "(the view of pipeline rank `pp_rank` under `plan`, its parameters, each op's block)."
     n_stage, mine_st = max(len(plan.stages), 1), rank_stages(plan, pp_rank)
@@ -254,27 +250,51 @@ def _view(g: StaticGraph, plan: ParallelPlan, pp_rank: int, blocks, params) -> t
     return _View(keep, factor, so, mine_st, ac_effects(g, plan, ob, blocks), frac, styles, read), mine, ob
 
 # %% ../../nbs/45b_parallel_memory.ipynb
-def in_flight(plan: ParallelPlan, pp_rank: int) -> int:
-    "Micro-batches whose activations pipeline rank `pp_rank` holds at once: all under GPipe, pp - rank under 1F1B."
-    pp, m = plan.dims.pp, plan.microbatches
-    if pp == 1: return 1
-    if plan.schedule == "GPipe": return m
-    v = max(len(plan.stages), 1) // pp                  # virtual stages per rank (Interleaved1F1B's warm-up holds more)
-    return min(m, (v - 1) * pp + 2 * (pp - pp_rank) - 1 if v > 1 else pp - pp_rank)
-
-# %% ../../nbs/45b_parallel_memory.ipynb
-def _saved_at(g: StaticGraph, v: _View, cp: int, at: int) -> float:
-    """Bytes this rank holds at op `at` that its stage saved for backward (what each further micro-batch in flight adds),
-    but for the activations it received, which stay in the schedule's receive buffers (`pipeline_buffers`)."""
-    out = 0.0
+def _saved_at(g: StaticGraph, v: _View, cp: int, at: int, stage: int | None = None) -> float:
+    """Bytes this rank holds at op `at` that its stage (`stage`, else any of the rank's) saved for backward (what each
+    further micro-batch in flight adds), but for the activations it received, which stay in the schedule's receive
+    buffers (`pipeline_buffers`). Saved outside every module (`saved_in == ""`: the loss's log-softmax) counts too."""
+    out, mine, life = 0.0, v.stages if stage is None else {stage}, v.checkpoint
     for s in g.storages:
-        if s.role != "activation" or not (s.saved_in or s.id in v.checkpoint.held) or s.created > at: continue
-        if s.created >= 0 and v.stage_of_op[s.created] not in v.stages: continue   # received: in its recv buffer
-        if s.freed is not None and max(s.freed, v.checkpoint.held.get(s.id, -1)) < at: continue
-        h = v.checkpoint.absent.get(s.id)
+        if s.role != "activation" or not (s.saved_in is not None or s.id in life.held) or s.created > at: continue
+        if s.created >= 0 and v.stage_of_op[s.created] not in mine: continue   # received: in its recv buffer
+        if s.freed is not None and max(s.freed, life.held.get(s.id, -1)) < at: continue
+        h = life.absent.get(s.id)
         if h is not None and h[0] <= at <= h[1]: continue
         out += s.nbytes * _storage_fraction(s, v, g, cp)
     return out
+
+# %% ../../nbs/45b_parallel_memory.ipynb
+def _others_held(g: StaticGraph, plan: ParallelPlan, pp_rank: int, v: _View, K: np.ndarray, phase: np.ndarray,
+                 output: float, boundary: float, mine, prior_grads: bool) -> np.ndarray:
+    """Bytes the rank holds at each of its ops (`K`) beyond one micro-batch's step, from its schedule (`held_by_action`):
+    at an op of stage s in forward (backward), the most a forward (backward) of s holds, over the actions whose stage ran
+    a backward before (`prior_grads`: the FSDP model holds all gradients from the start) or over the others (it makes
+    them as one micro-batch does). Another micro-batch's (stage, micro-batch) pair holds what the stage saved for backward
+    (and on the last stage its output, in `fwd_cache`); a finished backward leaves its stage output and input gradient
+    (`boundary` each) in sends that GPipe and Interleaved1F1B wait at the step's end; the rank's other virtual stages are
+    where the schedule left them: a later stage gathered until its last backward, gradients once a backward ran."""
+    if plan.dims.pp == 1: return np.zeros(len(K))
+    cp, d, last = plan.dims.cp, plan.dims, max(len(plan.stages), 1) - 1
+    grads, gath = dict.fromkeys(v.stages, 0.0), dict.fromkeys(v.stages, 0.0)
+    ends = {s: max((i for i in K if g.ops[i].phase == "forward" and v.stage_of_op[i] == s), default=-1) for s in v.stages}
+    saved = {s: _saved_at(g, v, cp, ends[s], s) + (output if s == last else 0.0) for s in v.stages}
+    if len(v.stages) > 1:                                 # bytes of each stage's parameters, gathered (not the root's)
+        pst, unit = _param_stage(mine, g, v.stage_of_op), unit_finder(plan.fsdp) if plan.fsdp else (lambda n: "")
+        for p in mine:
+            b = math.prod(tp_param_shape(p.name, p.shape, plan, v.styles)) * p.itemsize
+            if p.grad_created >= 0: grads[pst[p.name]] += b
+            if d.dp_replicate * d.fsdp_size > 1 and unit(p.name): gath[pst[p.name]] += b
+    most = {}
+    for h in held_by_action(plan, pp_rank):
+        kind, s, _ = h.action
+        if (s in h.backed) != prior_grads: continue
+        b = sum(saved[t] for t, _ in h.others) + h.sending * boundary
+        for o in v.stages - {s}:
+            b += gath[o] * (kind == "B" and o > s and o in h.gathered)     # resharded here in one micro-batch's step
+            b += grads[o] * ((o in h.backed) - (1 if prior_grads else kind == "B" and o > s))
+        most[s, kind] = max(most.get((s, kind), -math.inf), b)
+    return np.array([most.get((int(v.stage_of_op[i]), "FB"[ph]), 0.0) if ph < 2 else 0.0 for i, ph in zip(K, phase)])
 
 # %% ../../nbs/45b_parallel_memory.ipynb
 def boundary_bytes(g: StaticGraph, ob: np.ndarray, cp: int = 1, nb: list | None = None) -> float:
@@ -284,14 +304,6 @@ def boundary_bytes(g: StaticGraph, ob: np.ndarray, cp: int = 1, nb: list | None 
     read = {t for i, o in enumerate(g.ops) if ob[i] == 1 and o.phase == "forward" for t in o.inputs}
     nb = [t.nbytes for t in g.tensors] if nb is None else nb
     return max((nb[t] for t in made & read), default=0) / cp
-
-def pipeline_buffers(plan: ParallelPlan, pp_rank: int, boundary: float) -> float:
-    """Bytes of the receive buffers `torch.distributed.pipelining` keeps on pipeline rank `pp_rank`, for stage boundaries
-    of `boundary` bytes: per stage and micro-batch, one for the activations from the stage before and one for the
-    gradients from the stage after (its recv infos, made at the first step and kept across steps)."""
-    if plan.dims.pp == 1: return 0.0
-    n = max(len(plan.stages), 1)
-    return sum(plan.microbatches * boundary * ((s > 0) + (s < n - 1)) for s in rank_stages(plan, pp_rank))
 
 def model_output_bytes(g: StaticGraph) -> float:
     "Bytes of the model's outputs that the loss reads (the logits): what the pipeline's last stage keeps for its backward."
@@ -333,25 +345,10 @@ def _root_marks(g: StaticGraph, K: np.ndarray) -> dict:
     return dict(model_forward_end=at.get(fwd[1], -1) if fwd else -1, model_backward_start=-1 if bwd is None else at.get(bwd, -1))
 
 # %% ../../nbs/45b_parallel_memory.ipynb
-def pipeline_held(plan: ParallelPlan, pp_rank: int, phase: np.ndarray, boundary: float, output: float = 0.0,
-                  forward_end: int = -1, inputs: float = 0.0) -> np.ndarray:
-    """Bytes the pipeline schedule holds on pipeline rank `pp_rank` beyond the step's own lifetimes, at each op of one
-    micro-batch (`phase`: 0 forward, 1 backward, 2 optimizer): its receive buffers (`pipeline_buffers`), the other
-    micro-batches' `inputs` (the rank's batch, which the schedule chunks), and the stage outputs it keeps (`fwd_cache`)
-    from a micro-batch's forward to the end of its backward. The step alone frees a stage's boundary once the next
-    stage's backward began, and the model's `output` bytes (the logits, on the last stage, from op `forward_end`) once
-    the loss read them."""
-    if plan.dims.pp == 1: return np.zeros(len(phase))
-    out = np.full(len(phase), pipeline_buffers(plan, pp_rank, boundary) + (plan.microbatches - 1) * inputs)
-    n_stage, mine = max(len(plan.stages), 1), rank_stages(plan, pp_rank)
-    if any(s < n_stage - 1 for s in mine): out[phase == 1] += boundary
-    if n_stage - 1 in mine:
-        out[phase < 2] += (in_flight(plan, pp_rank) - 1) * output
-        if forward_end >= 0: out[forward_end:][phase[forward_end:] < 2] += output
-    return out
-
-def rank_profile(g: StaticGraph, plan: ParallelPlan, pp_rank: int = 0, master_dtype: str | None = None) -> GraphProfile:
-    "The FSDP planner's profile of the captured step as one rank of pipeline rank `pp_rank` holds it under `plan`."
+def rank_profile(g: StaticGraph, plan: ParallelPlan, pp_rank: int = 0, master_dtype: str | None = None,
+                 prior_grads: bool = True) -> GraphProfile:
+    """The FSDP planner's profile of the captured step as one rank of pipeline rank `pp_rank` holds it under `plan`: at
+    the schedule's actions whose stage ran a backward before (`prior_grads`), or at those that did not (`_others_held`)."""
     stack, blocks = main_stack(g)
     params, by_storage = param_infos(g)
     g = tp_local_graph(g, plan, blocks)
@@ -359,11 +356,10 @@ def rank_profile(g: StaticGraph, plan: ParallelPlan, pp_rank: int = 0, master_dt
     live, K = _curves(g, v, plan.dims.cp), np.flatnonzero(v.keep)
     newix = lambda i: np.searchsorted(K, i)                         # a captured op -> the rank's next op
     phase = np.array([("forward", "backward", "optimizer").index(g.ops[i].phase) for i in K], dtype=np.int8)
-    fwd = [i for i in K if g.ops[i].phase == "forward"]
-    extra = (in_flight(plan, pp_rank) - 1) * _saved_at(g, v, plan.dims.cp, fwd[-1]) if fwd else 0.0
+    output, boundary = model_output_bytes(g) / plan.dims.cp, boundary_bytes(g, ob, plan.dims.cp)
+    extra = _others_held(g, plan, pp_rank, v, K, phase, output, boundary, mine, prior_grads)
     inputs = sum(s.nbytes * _storage_fraction(s, v, g, plan.dims.cp) for s in g.storages if s.role == "input")
-    extra = extra + pipeline_held(plan, pp_rank, phase, boundary_bytes(g, ob, plan.dims.cp), model_output_bytes(g) / plan.dims.cp,
-                                  _root_marks(g, K)["model_forward_end"], inputs)
+    extra = extra + pipeline_held(plan, pp_rank, phase, boundary, output, _root_marks(g, K)["model_forward_end"], inputs)
     native = (sum(live[r] for r in live)[K] + extra).astype(np.int64)
     temp = live["temporary"][K].astype(np.int64)
     ps, native, temp, cap = to_master(_local_params(mine, v, plan, newix), native, temp, phase, master_dtype)
@@ -431,9 +427,12 @@ class ParallelMemory:
     def peak_rank(self) -> int: return max(range(len(self.ranks)), key=lambda r: self.ranks[r].peak_bytes)
 
 # %% ../../nbs/45b_parallel_memory.ipynb
-def predict_rank_memory(profile: GraphProfile, plan: ParallelPlan, pp_rank: int = 0) -> MemoryPrediction:
-    "`fsdp.predict_memory` of pipeline rank `pp_rank`'s profile under its FSDP plan, reduced as the pipeline reduces it."
-    return predict_memory(profile, rank_fsdp_plan(plan, profile, pp_rank), reduce_after_backward=plan.dims.pp > 1)
+def predict_rank_memory(profile: GraphProfile, plan: ParallelPlan, pp_rank: int = 0, prior_grads: bool = True) -> MemoryPrediction:
+    """`fsdp.predict_memory` of pipeline rank `pp_rank`'s profile under its FSDP plan, reduced as the pipeline reduces it;
+    not `prior_grads`: at a stage's first backward, no earlier micro-batch's gradients held (as one micro-batch)."""
+    f = rank_fsdp_plan(plan, profile, pp_rank)
+    if not prior_grads: f = dataclasses.replace(f, accumulation_steps=1)
+    return predict_memory(profile, f, reduce_after_backward=plan.dims.pp > 1)
 
 def predict_parallel_memory(g: StaticGraph, plan: ParallelPlan, master_dtype: str | None = None) -> ParallelMemory:
     "The peak bytes, by category, of one rank of each pipeline rank under `plan` (checked against the model first)."
@@ -441,9 +440,9 @@ def predict_parallel_memory(g: StaticGraph, plan: ParallelPlan, master_dtype: st
     seq = g.meta.get("inputs", [[0, 0]])[0][1] if g.meta.get("inputs") and len(g.meta["inputs"][0]) > 1 else None
     check_layout(plan, g.structure.main, seq)
     preds = []
-    for r in range(plan.dims.pp):
-        prof = rank_profile(g, plan, r, master_dtype)
-        preds.append(predict_rank_memory(prof, plan, r))
+    for r in range(plan.dims.pp):   # the larger of: the actions after a backward of their stage, and those before
+        preds.append(max((predict_rank_memory(rank_profile(g, plan, r, master_dtype, p), plan, r, p)
+                          for p in ((True, False) if plan.dims.pp > 1 else (True,))), key=lambda m: m.peak_bytes))
     return ParallelMemory(plan, tuple(preds))
 
 # %% ../../nbs/45b_parallel_memory.ipynb

@@ -17,7 +17,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .apply import apply_parallel_plan, fsdp_mesh
-from .memory import rank_stages
+from .schedule import rank_stages
 from .plan import ParallelPlan, ParallelPlanError, check_layout, stage_ranges
 from .verify import axis_counts
 from ..step import StepError, micro_batch, train_step

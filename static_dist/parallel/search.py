@@ -16,8 +16,9 @@ from fastcore.basics import patch
 
 from ..fsdp import FSDPPlan, FSDPUnit, block_units, expand_profile
 from ..graph import StaticGraph, fmt_bytes
-from .memory import (boundary_bytes, in_flight, module_blocks, op_blocks, pipeline_held, predict_parallel_memory,
-                                         predict_rank_memory, rank_profile)
+from .memory import (boundary_bytes, module_blocks, op_blocks, predict_parallel_memory, predict_rank_memory,
+                                         rank_profile)
+from .schedule import in_flight, pipeline_held
 from .plan import (ParallelDims, ParallelPlan, ParallelPlanError, SelectivePolicy, ac_modes, check_layout,
                                        stage_ranges)
 from .time import StepTime, predict_step_time, rank_work

@@ -384,7 +384,7 @@ def _rank_micro_batch(w: RankWork, L: _Layout, plan: ParallelPlan, stages: list,
 # %% ../../nbs/45c_parallel_time.ipynb
 def predict_step_time(work: RankWork, plan: ParallelPlan, topo: Topology, *, n_blocks: int | None = None) -> StepTime:
     "Seconds of one optimizer step of `plan` on `topo`'s devices from a rank's work (`rank_work`), for `n_blocks` blocks."
-    from static_dist.parallel.memory import rank_stages
+    from static_dist.parallel.schedule import rank_stages
     d = plan.dims
     if topo.n_devices != d.world:
         raise ParallelPlanError(f"topology {topo.name!r} has {topo.n_devices} devices but the layout has {d.world} ranks: "
