@@ -166,3 +166,15 @@ def test_train_gpipe_plan_peaks_as_predicted(tmp_path):
     plan = dataclasses.replace(ParallelPlan.from_json(tmp_path / "p.json"), schedule="GPipe")
     _, log = _train(tmp_path / "run", plan, 4)
     assert all(abs(r["predicted_bytes"] / r["peak_bytes"] - 1) < 0.01 for r in log["peaks"]), log["peaks"]
+
+
+def test_plan_tp_on_a_model_without_tp_styles_is_refused(tmp_path):
+    "GPT-2's projections are Conv1D, which Megatron's styles do not split: tp would only repeat work, so it is never chosen."
+    transformers = pytest.importorskip("transformers")
+    transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=128, bos_token_id=0,
+                            eos_token_id=0).save_pretrained(tmp_path)
+    code, out, err = run("plan", "--model", f"hf:{tmp_path / 'config.json'}", "--world", "4", "--tp", "2", "--seq", "64")
+    _one_line_error(code, err, "tp=2", "GPT2Block", "pin tp 1")
+    code, out, err = run("plan", "--model", f"hf:{tmp_path / 'config.json'}", "--world", "4", "--seq", "64")
+    assert code == 0, err
+    assert "× tp 1 ×" in out, out

@@ -161,6 +161,10 @@ def stage_ranges(plan: ParallelPlan, n_blocks: int) -> tuple[tuple[int, int], ..
 def _check_tp(plan: ParallelPlan, st: BlockStack) -> None:
     "tp divides the heads and the sharded features of each styled linear, which must exist in the block."
     tp, lins = plan.dims.tp, {l.name: l for l in st.linears}
+    if tp > 1 and all(s == "replicate" for _, s in plan.tp_styles):
+        raise ParallelPlanError(f"tp={tp} shards nothing: no linear of {st.block_type} has a tensor-parallel style (Megatron's "
+                                f"pairs need separate nn.Linear projections; fused or Conv1D ones are not split), so every tp "
+                                f"rank would repeat the same work; use tp=1, or give tp_styles")
     for what, n in (("attention heads", st.n_heads), ("key/value heads", st.n_kv_heads)):
         if n and n % tp: raise ParallelPlanError(f"tp={tp} does not divide the {n} {what} of {st.block_type}: use a tp dividing {n}")
     for name, style in plan.tp_styles:

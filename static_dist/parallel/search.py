@@ -352,6 +352,11 @@ def search_layouts(g: StaticGraph, world: int, topo: Topology, budget_bytes: int
     if stack is None: raise ParallelPlanError("the captured model has no stack of repeated blocks: use plan-fsdp for it")
     n = n_blocks or len(stack.blocks)
     if styles is None: styles = tuple(megatron_styles(block_spec(g)).items())
+    if all(s == "replicate" for _, s in styles):               # nothing to shard: tensor parallelism only repeats work
+        if (pins or {}).get("tp", 1) > 1:
+            raise ParallelPlanError(f"tp={pins['tp']}: no linear of {stack.block_type} has a tensor-parallel style (Megatron's "
+                                    "pairs need separate nn.Linear projections; fused or Conv1D ones are not split): pin tp 1")
+        pins = {**(pins or {}), "tp": 1}
     ctx = _Context(g, n, topo, styles, selective, master_dtype)
     node = topo.levels[0].size if topo.levels else topo.n_devices
     dims = layout_dims(world, n_blocks=n, node=node, heads=stack.n_heads, kv_heads=stack.n_kv_heads, seq=ctx.seq, pins=pins)
