@@ -140,7 +140,7 @@ def test_mutated_sharding_plans(data):
         target = d["mesh"] if isinstance(d.get("mesh"), dict) and data.draw(st.booleans()) else d
         key = data.draw(st.sampled_from(sorted(target) + ["extra"]))
         if data.draw(st.integers(0, 4)) == 0: target.pop(key, None)
-        else: target[key] = data.draw(_VALUES)
+        else: target[key] = json.loads(json.dumps(data.draw(_VALUES)))   # a copy: st.just's dict is shared by every example
     try:
         plan = ShardingPlan.from_dict(d)
     except PlacementError as e:
