@@ -263,7 +263,7 @@ def profile_graph(g: StaticGraph, master_dtype: str | None = None) -> GraphProfi
     params, by_storage = param_infos(g)   # tied weights appear once (one storage); apply/validate ask the model
     n, live = len(g.ops), g.live_bytes()
     native = sum(live[r] for r in ("activation", "temporary", "input", "buffer", "other")).astype(np.int64)
-    phase = np.array([("forward", "backward", "optimizer").index(o.phase) for o in g.ops], dtype=np.int8)
+    phase = g.op_phases()
     seen = {}
     for o in g.ops:
         if o.phase == "forward": seen.setdefault(o.module, o.index)

@@ -11,20 +11,13 @@ from dataclasses import dataclass
 import numpy as np
 from fastcore.basics import patch
 
+from .query import _ancestors
 from .records import StaticGraph
 
 # %% auto 0
 __all__ = ['common_module', 'forward_drops', 'module_spans', 'Recompute', 'CheckpointLifetimes', 'checkpoint_lifetimes',
            'recompute_bytes', 'recompute_extra', 'CheckpointDeltas', 'checkpoint_deltas', 'apply_deltas',
            'checkpointable']
-
-# %% ../../nbs/00ea_graph_checkpoint.ipynb
-def _ancestors(m: str):
-    "`m`, its parent, ..., '' (the root)."
-    while True:
-        yield m
-        if not m: return
-        m = m.rpartition(".")[0]
 
 # %% ../../nbs/00ea_graph_checkpoint.ipynb
 def common_module(a: str, b: str) -> str:
@@ -35,15 +28,11 @@ def common_module(a: str, b: str) -> str:
     return ".".join(pa[:k])
 
 # %% ../../nbs/00ea_graph_checkpoint.ipynb
-def _phases(g: StaticGraph) -> np.ndarray:
-    return np.array([("forward", "backward", "optimizer").index(o.phase) for o in g.ops], dtype=np.int8)
-
-# %% ../../nbs/00ea_graph_checkpoint.ipynb
 def forward_drops(g: StaticGraph) -> dict[int, int]:
     """{storage id: the forward op after which the forward's own code no longer references it}, for what autograd would
     not keep: its last forward read, or, when a module call read it, the end of that call (the caller holds its argument
     until the call returns). A storage no forward op read is not in it: it goes when it is made."""
-    phase, last_op, anc, last = _phases(g), {}, {}, {}    # each module's last forward op; per storage: common module, last read
+    phase, last_op, anc, last = g.op_phases(), {}, {}, {}    # each module's last forward op; per storage: common module, last read
     for i, o in enumerate(g.ops):
         if phase[i] != 0: continue
         for m in _ancestors(o.module): last_op[m] = i
@@ -65,7 +54,7 @@ def forward_drops(g: StaticGraph) -> dict[int, int]:
 # %% ../../nbs/00ea_graph_checkpoint.ipynb
 def module_spans(g: StaticGraph, modules) -> dict[str, tuple[int, int, int, int]]:
     "(first, last forward op; first, last backward op) of the ops inside each of `modules` (-1: none)."
-    want, phase = set(modules), _phases(g)
+    want, phase = set(modules), g.op_phases()
     out = {m: [-1, -1, -1, -1] for m in want}
     for i, o in enumerate(g.ops):
         if phase[i] == 2: continue
@@ -91,7 +80,7 @@ class Recompute:
     "Its first forward op."
     last: int
     "The forward op that made the last remade storage."
-    made_by_op: tuple = ()
+    made_by_op: tuple
     "Ids of the activations and temporaries op `at` makes."
 
 # %% ../../nbs/00ea_graph_checkpoint.ipynb
@@ -103,6 +92,7 @@ class CheckpointLifetimes:
     held: dict
     "{storage id: the op it is held to at least}."
     recomputes: tuple
+    "The checkpointed modules' `Recompute`s."
 
 # %% ../../nbs/00ea_graph_checkpoint.ipynb
 def _under(m: str, unit: str) -> bool: return not unit or m == unit or m.startswith(unit + ".")
@@ -111,7 +101,7 @@ def _under(m: str, unit: str) -> bool: return not unit or m == unit or m.startsw
 class _Index:
     "What checkpointing any of `modules` needs to know of `g`, computed once: spans, drops, who made and saved what."
     def __init__(self, g: StaticGraph, modules):
-        self.g, self.n, self.phase = g, len(g.ops), _phases(g)
+        self.g, self.n, self.phase = g, len(g.ops), g.op_phases()
         self.spans, self.drops = module_spans(g, modules), forward_drops(g)
         self.storage_of = [t.storage for t in g.tensors]
         self.made_at, self.saved = defaultdict(list), defaultdict(list)
@@ -149,7 +139,7 @@ def _module(self: _Index, m: str, kept: frozenset, saved: list, absent: dict, he
 def lifetimes(self: _Index, checkpointed: dict[str, frozenset]) -> CheckpointLifetimes:
     absent, held, runs = {}, {}, {}
     for m, kept in checkpointed.items():                  # a saved tensor is the innermost checkpointed module's
-        mine = [s for s in self.saved[m] if next(a for a in _ancestors(s.saved_in) if a in checkpointed) == m]
+        mine = [s for s in self.saved[m] if next(a for a in reversed(_ancestors(s.saved_in)) if a in checkpointed) == m]
         if (r := self._module(m, kept, mine, absent, held)) is not None: runs[m] = (*r, mine)
     for sid, (a, e) in list(absent.items()):              # a later checkpointed module may hold it as its input
         h = held.get(sid, -1)

@@ -103,6 +103,12 @@ def memtracker_peak(model: nn.Module, example_inputs=(), *, example_kwargs: dict
     return int(sum(d["Total"] for d in mt.get_tracker_snapshot("peak").values()))
 
 # %% ../../nbs/00e_graph_query.ipynb
+@patch
+def op_phases(self: StaticGraph) -> np.ndarray:
+    "Each op's phase as its index in `PHASES` (0 forward, 1 backward, 2 optimizer step), as an int8 array."
+    return np.array([PHASES.index(o.phase) for o in self.ops], dtype=np.int8)
+
+# %% ../../nbs/00e_graph_query.ipynb
 def _ancestors(fqn: str) -> list[str]:
     "'' and every prefix of `fqn`: 'a.b' -> ['', 'a', 'a.b']."
     parts = fqn.split(".") if fqn else []

@@ -168,7 +168,7 @@ def ac_effects(g: StaticGraph, plan: ParallelPlan, ob: np.ndarray, blocks) -> Ch
     """What the plan's checkpointed blocks change in what the step holds (`static_dist.graph.checkpoint`): a selective
     block keeps the outputs of the ops its policy saves (read op by op, counting the block's matmuls)."""
     if not plan.ac or all(a == "none" for a in plan.ac): return CheckpointLifetimes({}, {}, ())
-    phase = np.array([("forward", "backward", "optimizer").index(o.phase) for o in g.ops])
+    phase = g.op_phases()
     ff, lf, _ = _block_spans(ob, phase, len(blocks))
     return checkpoint_lifetimes(g, {blocks[b]: frozenset(_policy_kept(g, plan.selective, ob, b, ff[b], lf[b]) if a == "selective" else ())
                                     for b, a in enumerate(ac_modes(plan, len(blocks))) if a != "none" and ff[b] >= 0})
@@ -355,7 +355,7 @@ def rank_profile(g: StaticGraph, plan: ParallelPlan, pp_rank: int = 0, master_dt
     v, mine, ob = _view(g, plan, pp_rank, blocks, params)
     live, K = _curves(g, v, plan.dims.cp), np.flatnonzero(v.keep)
     newix = lambda i: np.searchsorted(K, i)                         # a captured op -> the rank's next op
-    phase = np.array([("forward", "backward", "optimizer").index(g.ops[i].phase) for i in K], dtype=np.int8)
+    phase = g.op_phases()[K]
     output, boundary = model_output_bytes(g) / plan.dims.cp, boundary_bytes(g, ob, plan.dims.cp)
     extra = _others_held(g, plan, pp_rank, v, K, phase, output, boundary, mine, prior_grads)
     inputs = sum(s.nbytes * _storage_fraction(s, v, g, plan.dims.cp) for s in g.storages if s.role == "input")

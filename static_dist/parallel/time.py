@@ -142,7 +142,7 @@ def rank_work(g: StaticGraph, plan: ParallelPlan, topo: Topology, spec: DeviceSp
     "One micro-batch of the captured step on one rank under `plan`'s tensor and context parallelism, per region."
     stack, blocks = main_stack(g)
     ob, k = op_blocks(g, blocks), len(blocks)
-    phase = np.array([("forward", "backward", "optimizer").index(o.phase) for o in g.ops])
+    phase = g.op_phases()
     sec = op_seconds(g, topo, spec) * _op_factor(g, plan, blocks)
     nb = [t.nbytes for t in g.tensors]
     inb = ob >= 0

@@ -9,7 +9,6 @@ import math
 import time
 from dataclasses import dataclass
 
-import numpy as np
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from ..fsdp import measure_step, predict_comms
@@ -117,7 +116,7 @@ def verify_parallel(w, plan: ParallelPlan, graph=None, master_dtype: str | None 
 def predicted_stack_bytes(g, plan: ParallelPlan) -> int:
     "Bytes the main stack's forward leaves held (its blocks' saved activations) on one rank of `plan`, from the model."
     blocks = g.structure.main.blocks
-    phase = np.array([("forward", "backward", "optimizer").index(o.phase) for o in g.ops])
+    phase = g.op_phases()
     ff, lf, _ = _block_spans(op_blocks(g, blocks), phase, len(blocks))
     first, last = int(ff[0]), int(lf[-1])
     native = rank_profile(g, plan).native
