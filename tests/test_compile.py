@@ -1,4 +1,4 @@
-"""Compiled FSDP2 against eager on gloo (2 and 4 ranks), the pre-flight recompile check, `train` and `bench_compile`."""
+"""Compiled FSDP2 against eager on gloo (2 and 4 ranks), the pre-flight recompile check, `train_compiled` and `bench_compile`."""
 import json
 import importlib.metadata
 import math
@@ -93,9 +93,9 @@ def test_preflight_catches_seq_length_and_training_flip():
 
 
 def test_train_writes_step_log(tmp_path):
-    from static_dist.compile import TrainConfig, train
+    from static_dist.compile import TrainConfig, train_compiled
     log = tmp_path / "steps.jsonl"
-    r = train(TrainConfig(steps=3, seq=16, log=str(log)))
+    r = train_compiled(TrainConfig(steps=3, seq=16, log=str(log)))
     rows = [json.loads(l) for l in log.read_text().splitlines()]
     assert [x["step"] for x in rows] == [0, 1, 2] and all(math.isfinite(x["loss"]) for x in rows)
     s = r["summary"]
@@ -106,7 +106,7 @@ def test_train_writes_step_log(tmp_path):
     json.dumps(r)
     # the stability monitors see the same step on the compiled model as on the eager one
     from static_dist.compile import CompileOptions
-    e = train(TrainConfig(steps=3, seq=16, compile=CompileOptions(enabled=False)))
+    e = train_compiled(TrainConfig(steps=3, seq=16, compile=CompileOptions(enabled=False)))
     for a, b in zip(r["steps"], e["steps"]):
         assert a["action"] == b["action"] == "update" and a["alarms"] == b["alarms"] == []
         assert abs(a["loss"] - b["loss"]) <= 1e-6 * abs(b["loss"]), (a, b)
@@ -200,20 +200,20 @@ def test_bench_compile_user_model():
 
 
 def test_train_takes_any_workload(hf_tiny_llama, own_loss_model):
-    """`train` on keyword inputs with the model's own loss (a Hugging Face causal LM) and on a nanoGPT-style model that
+    """`train_compiled` on keyword inputs with the model's own loss (a Hugging Face causal LM) and on a nanoGPT-style model that
     returns its loss; the optimizer and dtype asked for are the ones that ran."""
-    from static_dist.compile import CompileError, CompileOptions, TrainConfig, train
+    from static_dist.compile import CompileError, CompileOptions, TrainConfig, train_compiled
     from static_dist.step import batch_loss
     from static_dist.workload import load_workload
     eager = CompileOptions(enabled=False)
-    r = train(TrainConfig(model=hf_tiny_llama, steps=2, seq=16, optimizer="adam", compile=eager))
+    r = train_compiled(TrainConfig(model=hf_tiny_llama, steps=2, seq=16, optimizer="adam", compile=eager))
     assert all(math.isfinite(x["loss"]) for x in r["steps"]) and r["ran"] == {"optimizer": "Adam", "dtype": "torch.float32"}
     w = load_workload(own_loss_model)
     with pytest.raises(CompileError, match="make them agree"):                 # a given workload is not changed silently
-        train(TrainConfig(steps=2, dtype="bfloat16", compile=eager), workload=w)
-    r = train(TrainConfig(steps=2, optimizer="adamw", compile=eager), workload=w)
+        train_compiled(TrainConfig(steps=2, dtype="bfloat16", compile=eager), workload=w)
+    r = train_compiled(TrainConfig(steps=2, optimizer="adamw", compile=eager), workload=w)
     assert r["ran"] == {"optimizer": "AdamW", "dtype": "torch.float32"}
     ref = batch_loss(w.build_model(seed=0), w.micro_batch(), w.loss).item()    # the model's own loss, computed here
     assert r["steps"][0]["loss"] == pytest.approx(ref, rel=1e-6), (r["steps"][0]["loss"], ref)
-    b = train(TrainConfig(model="tiny", steps=2, seq=16, dtype="bfloat16", compile=eager))
+    b = train_compiled(TrainConfig(model="tiny", steps=2, seq=16, dtype="bfloat16", compile=eager))
     assert b["ran"]["dtype"] == "torch.bfloat16"

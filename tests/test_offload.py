@@ -14,8 +14,9 @@ from torch.utils.checkpoint import checkpoint
 import static_dist.offload as off
 from static_dist.offload import executor   # where the executor looks up its I/O functions (monkeypatched)
 from static_dist.graph import capture
+from static_dist.structure import compiled_modules
 from static_dist.offload import (OffloadCompiledError, OffloadError, OffloadExecutor, OffloadMismatchError, Tier, check_plan,
-                                 classify, compiled_modules, load_plan, plan_offload, planned_live_bytes, saved_tensors)
+                                 classify, load_plan, plan_offload, planned_live_bytes, saved_tensors)
 from static_dist.zoo import get_model
 
 DISK = Tier("nvme", 1e9, 1e-5, math.inf, "disk")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from static_dist.stability import (STRATEGIES, Fault, RunConfig, Trainer, grad_norms, stability_bench, total_norm,
-                                   train, bench_markdown)
+                                   run_stability, bench_markdown)
 from static_dist.zoo import get_model
 
 NAN_SITES = [("nan_grad", "tok_embeddings"), ("nan_activation", "tok_embeddings"),
@@ -28,7 +28,7 @@ def test_every_nan_localized_within_its_step(config, localize):
     cfg = RunConfig(steps=9, **CONFIGS[config])
     strategy = STRATEGIES["skip"].__class__(**{**STRATEGIES["skip"].__dict__, "name": f"skip/{localize}", "localize": localize})
     for kind, module in NAN_SITES:
-        run = train(cfg, strategy, [Fault(kind, 7, module=module)])
+        run = run_stability(cfg, strategy, [Fault(kind, 7, module=module)])
         assert run.alarm_steps == [7], (kind, module, run.alarm_steps)
         loc = run.records[7].localization
         assert loc is not None and loc.module == module, (config, kind, module, loc)
@@ -38,7 +38,7 @@ def test_every_nan_localized_within_its_step(config, localize):
 
 def test_no_false_alarm_over_1000_clean_steps():
     "All spike and NaN detectors on, 1,000 clean steps: not one alarm (ZClip's z > 2.5 clips fire many times)."
-    run = train(RunConfig(steps=1000), "rewind")
+    run = run_stability(RunConfig(steps=1000), "rewind")
     assert run.alarm_steps == []
     assert all(r.action == "update" for r in run.records)
     assert run.eval_loss < run.records[0].loss - 3          # it trained: ~5.5 -> ~1.2
@@ -62,11 +62,11 @@ def test_grad_norm_under_accumulation_matches_full_batch():
 def test_mitigations_recover_within_2pct_and_faults_hurt():
     "A mitigation ends within 2% of the clean run's held-out loss where the unmitigated run does not."
     cfg = RunConfig(steps=200)
-    clean = train(cfg, "unmonitored").eval_loss
+    clean = run_stability(cfg, "unmonitored").eval_loss
     for fault, strategy in [(Fault("lr_spike", 100), "rewind"), (Fault("grad_spike", 100), "zscore_clip"),
                             (Fault("nan_grad", 100), "skip")]:
-        bad = train(cfg, "unmonitored", [fault]).eval_loss
-        good = train(cfg, strategy, [fault]).eval_loss
+        bad = run_stability(cfg, "unmonitored", [fault]).eval_loss
+        good = run_stability(cfg, strategy, [fault]).eval_loss
         assert not (abs(bad / clean - 1) <= 0.02), (fault.kind, bad, clean)      # NaN or > 2% off
         assert abs(good / clean - 1) <= 0.02, (fault.kind, strategy, good, clean)
 

@@ -16,8 +16,8 @@ from ..usercode import last_signal, model_code, watch_interrupts
 from ..util import InputError, StaticDistError, check_name, file_kind, parse_bytes, resolve, stat_or_none
 
 # %% auto 0
-__all__ = ['MAX_COUNT', 'MAX_RANKS', 'VERBS', 'count', 'number', 'size', 'mesh', 'infile', 'outfile', 'prefix', 'outdir',
-           'Parser', 'build_parser', 'UsageError', 'main']
+__all__ = ['MAX_COUNT', 'MAX_RANKS', 'VERBS', 'count', 'real', 'size', 'mesh', 'infile', 'outfile', 'prefix', 'outdir', 'Parser',
+           'build_parser', 'UsageError', 'main']
 
 # %% ../../nbs/90_cli.ipynb
 MAX_COUNT = 2**31 - 1   # ranks, steps, batch: beyond this no array or process group is sensible
@@ -39,7 +39,7 @@ def count(name: str, lo: int = 1, hi: int = MAX_COUNT):
     return parse
 
 # %% ../../nbs/90_cli.ipynb
-def number(name: str, lo: float = 0.0, hi: float = math.inf, lo_open: bool = True):
+def real(name: str, lo: float = 0.0, hi: float = math.inf, lo_open: bool = True):
     "argparse type: a finite float in (lo, hi] (or [lo, hi] with lo_open=False)."
     @_kind("number")
     def parse(v: str) -> float:
@@ -271,7 +271,7 @@ def _stability_parser(sub):
     p.add_argument("--strategy", default="rewind", help="mitigation strategy (default rewind)")
     p.add_argument("--fault", action="append", default=[], help="KIND@STEP[xDURATION], repeatable")
     p.add_argument("--steps", type=count("--steps", hi=10**6), default=200)
-    p.add_argument("--lr", type=number("--lr", hi=10.0), default=3e-3)
+    p.add_argument("--lr", type=real("--lr", hi=10.0), default=3e-3)
     p.add_argument("--json", action="store_true", help="print JSON")
     p.add_argument("--plot", type=outfile, help="write the loss / grad-norm plot to this .png file")
     _force(p)

@@ -279,7 +279,7 @@ def cmd_train(args) -> int:
     """`static-dist train`: plan, apply and compile FSDP, train with the monitors on, write the step log (rank 0 only under
     torchrun); with `--plan`, apply that parallel plan instead (`train_plan`)."""
     import os
-    from static_dist.compile import CompileOptions, TrainConfig, train
+    from static_dist.compile import CompileOptions, TrainConfig, train_compiled
     from static_dist.launch import under_torchrun
     if args.plan: return train_plan(args)
     rank = int(os.environ.get("RANK", "0")) if under_torchrun() else 0
@@ -291,7 +291,7 @@ def cmd_train(args) -> int:
     cfg = TrainConfig(model=w.source, steps=args.steps, batch=w.batch, seq=w.seq or 1, optimizer=w.optimizer, dtype=w.dtype,
                       budget=args.budget, compile=CompileOptions(enabled=not args.no_compile, backend=args.backend or "aot_eager"))
     if (oom := _predicted_oom(w, cfg, args)): print(f"static-dist train: {oom}", file=sys.stderr); return 3
-    with status(f"training {w.source}") as update: log = train(cfg, progress=update, workload=w)
+    with status(f"training {w.source}") as update: log = train_compiled(cfg, progress=update, workload=w)
     if rank != 0: return 0                       # one log: every rank trained, rank 0 writes
     atomic_write(args.log, json.dumps(log, indent=2, default=str), force=args.force)
     print(json.dumps(dict(workload=w.describe(), **log["summary"]), indent=2))

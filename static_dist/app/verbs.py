@@ -306,7 +306,7 @@ def parse_fault(text: str):
 def cmd_stability(args) -> int:
     "`static-dist stability`: one strategy against injected faults, next to the clean and unmitigated runs."
     from dataclasses import asdict
-    from static_dist.stability import STRATEGIES, RunConfig, plot_run, train
+    from static_dist.stability import STRATEGIES, RunConfig, plot_run, run_stability
     if args.plot: check_writable(args.plot, force=args.force)
     if args.strategy not in STRATEGIES: raise UsageError(f"--strategy {args.strategy!r}: choose one of {', '.join(STRATEGIES)}")
     faults = [parse_fault(f) for f in args.fault]
@@ -325,8 +325,8 @@ def cmd_stability(args) -> int:
     try:
         cfg = RunConfig(model=args.model, steps=args.steps, lr=args.lr, seq_len=w.seq or 1, batch_size=w.batch)
         with status("clean run") as update:
-            clean, base = train(cfg, "unmonitored", progress=update), train(cfg, "unmonitored", faults, progress=update)
-            run = train(cfg, args.strategy, faults, progress=update)
+            clean, base = run_stability(cfg, "unmonitored", progress=update), run_stability(cfg, "unmonitored", faults, progress=update)
+            run = run_stability(cfg, args.strategy, faults, progress=update)
     except ValueError as e: raise UsageError(str(e).rstrip(".")) from None
     rows = [dict(step=r.step, alarms=list(r.alarms), action=r.action,
                  localization=None if r.localization is None else asdict(r.localization)) for r in run.records if r.alarms]

@@ -10,10 +10,11 @@ from pathlib import Path
 from typing import Iterable, Mapping
 from fastcore.basics import patch
 import torch
+from ..export.source import INSTALL_HINT
 from ..util import InputError, StaticDistError, atomic_write, loads_json, read_bounded
 
 # %% auto 0
-__all__ = ['INSTALL_HINT', 'MAGIC', 'PROTOCOL_VERSION', 'SUPPORTED_VERSIONS', 'MAX_KEY_BYTES', 'DEFAULT_POLICY', 'ArtifactError',
+__all__ = ['MAGIC', 'PROTOCOL_VERSION', 'SUPPORTED_VERSIONS', 'MAX_KEY_BYTES', 'DEFAULT_POLICY', 'ArtifactError',
            'ArtifactUsageError', 'ArtifactFileError', 'ArtifactKeyError', 'NotExportedProgramError',
            'ArtifactFormatError', 'BadMagicError', 'UnsupportedVersionError', 'DeviceMismatchError', 'PolicyError',
            'PayloadTooLargeError', 'UntrustedKeyError', 'SignatureError', 'DigestMismatchError', 'DeserializationError',
@@ -58,8 +59,6 @@ class DeserializationError(ArtifactError):
     "Every check passed but torch.export.load could not read the payload."
 
 # %% ../../nbs/11a_artifact_keys.ipynb
-INSTALL_HINT = 'pip install "static_dist[export]"'
-
 def _require(module: str):
     "Import an optional dependency, or fail with the install hint."
     import importlib

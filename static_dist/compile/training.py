@@ -20,12 +20,12 @@ from .guards import preflight
 from ..launch import process_group
 
 # %% auto 0
-__all__ = ['TrainConfig', 'train']
+__all__ = ['TrainConfig', 'train_compiled']
 
 # %% ../../nbs/42f_compile_training.ipynb
 @dataclass(frozen=True)
 class TrainConfig:
-    "What `train` runs: a model, planned, sharded and compiled, trained with the stability monitors on."
+    "What `train_compiled` runs: a model, planned, sharded and compiled, trained with the stability monitors on."
     model: str = "tiny"
     "A workload source: a zoo name, 'path/file.py:NAME', 'package.module:NAME' or 'hf:CONFIG'."
     steps: int = 6
@@ -121,7 +121,7 @@ def _write_log(path: str, log: list[dict]):
     atomic_write(path, "".join(json.dumps(r) + "\n" for r in log))
 
 # %% ../../nbs/42f_compile_training.ipynb
-def train(config: TrainConfig = TrainConfig(), progress=None, workload=None) -> dict:
+def train_compiled(config: TrainConfig = TrainConfig(), progress=None, workload=None) -> dict:
     """Plan (fsdp.plan_fsdp) → pre-flight recompile check → apply + compile → train with the monitors → step log and summary.
     `workload`: a `static_dist.workload.Workload` to train instead of `config.model` (its batch and seq are used)."""
     import torch.distributed as dist

@@ -24,8 +24,8 @@ from .spill import (CHECKSUM, OffloadDiskError, _close_spill, _file_readinto, _f
                                        checksum)
 
 # %% auto 0
-__all__ = ['OffloadMismatchError', 'OffloadCompiledError', 'OffloadCorruptionError', 'OffloadInplaceError', 'compiled_modules',
-           'refuse_compiled', 'OffloadExecutor']
+__all__ = ['OffloadMismatchError', 'OffloadCompiledError', 'OffloadCorruptionError', 'OffloadInplaceError', 'refuse_compiled',
+           'OffloadExecutor']
 
 # %% ../../nbs/50e_offload_executor.ipynb
 class OffloadMismatchError(OffloadError):
@@ -96,11 +96,6 @@ def _kept(h: _Kept) -> torch.Tensor:
     return h.t
 
 # %% ../../nbs/50e_offload_executor.ipynb
-def compiled_modules(model: torch.nn.Module) -> list[str]:
-    "Names of the modules of `model` that run torch.compile'd (`structure.compiled_modules`), the root as '<root>'."
-    return [n or "<root>" for n in structure.compiled_modules(model)]
-
-# %% ../../nbs/50e_offload_executor.ipynb
 _FIX_COMPILED = ("a compiled region saves other tensors for backward than the eager step the plan was made from "
                  "(AOTAutograd's partitioner chooses them) and capture() records the eager step, so the planned tensors "
                  "cannot be found: run the offloaded step on the model without torch.compile (build it again without "
@@ -108,7 +103,7 @@ _FIX_COMPILED = ("a compiled region saves other tensors for backward than the ea
 
 def refuse_compiled(model: torch.nn.Module) -> None:
     "Raise an OffloadCompiledError naming the compiled modules of `model`, if it has any."
-    names = compiled_modules(model)
+    names = [n or "<root>" for n in structure.compiled_modules(model)]
     if names:
         shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
         raise OffloadCompiledError(f"the OffloadExecutor cannot run {type(model).__name__}: {len(names)} module(s) run "

@@ -105,7 +105,7 @@ def _runs_table(runs, s: Strategy) -> str:
 @functools.lru_cache(maxsize=32)
 def _trained(cfg: RunConfig, strategy: Strategy, faults: tuple) -> RunReport:
     "A run of the harness, kept: moving a control back, or one the baseline ignores, does not train the baseline again."
-    return train(cfg, strategy, faults)
+    return run_stability(cfg, strategy, faults)
 
 def _stability_view(strategy: str = "rewind", fault: str = "lr_spike", fault_step: int = 60, lr: float = 3e-3,
                     window: int = 64, ratio: float = 0.45, z: float = 6.0, steps: int = 120) -> View:

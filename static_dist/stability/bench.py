@@ -19,7 +19,7 @@ from .mitigate import STRATEGIES, Trainer
 from ..step import forward_backward, make_optimizer, train_step
 from ..structure import find_structure
 from .monitors import _local, grad_norms, total_norm
-from .run import RunConfig, RunReport, detection, localized, measure_overhead, recover_steps, train
+from .run import RunConfig, RunReport, detection, localized, measure_overhead, recover_steps, run_stability
 
 # %% auto 0
 __all__ = ['BENCH_FAULTS', 'CONFIGS', 'stability_bench', 'config_checks', 'fsdp_check', 'run_fsdp_check', 'bench_markdown',
@@ -67,7 +67,7 @@ def _clean_runs(config: RunConfig, strategies, clean_steps: int, say) -> dict:
     out = {}
     for s in strategies:
         say(f"clean run: {s}")
-        out[s] = train(replace(config, steps=clean_steps), s, eval_at=[config.steps])
+        out[s] = run_stability(replace(config, steps=clean_steps), s, eval_at=[config.steps])
     return out
 
 # %% ../../nbs/60f_stability_bench.ipynb
@@ -85,7 +85,7 @@ def stability_bench(config: RunConfig = RunConfig(), strategies: Sequence[str] =
     for s in strategies:
         for f in faults:
             say(f"{s}: {f.kind}")
-            rows.append(_fault_row(train(config, s, [f]), ref_losses, ref))
+            rows.append(_fault_row(run_stability(config, s, [f]), ref_losses, ref))
     summary = {s: _strategy_summary([r for r in rows if r["strategy"] == s], clean[s], clean_steps, ref) for s in strategies}
     say("overhead")
     res = dict(config=asdict(config), faults=[asdict(f) for f in faults], clean_reference_loss=ref,
@@ -103,7 +103,7 @@ def _localization_check(cfg: RunConfig, steps: int) -> dict:
     "A NaN gradient and a NaN activation at mid-run under `skip`: where and when each was found."
     loc = {}
     for f in (Fault("nan_grad", steps // 2), Fault("nan_activation", steps // 2)):
-        r = train(cfg, "skip", [f])
+        r = run_stability(cfg, "skip", [f])
         f = r.faults[0]                                          # its target, resolved on the model
         loc[f.kind] = dict(expected=f.module, found=localized(r, f), step=r.alarm_steps, final_finite=math.isfinite(r.eval_loss))
     return loc

@@ -21,7 +21,7 @@ from ..step import batch_loss, make_optimizer
 from ..structure import find_structure
 
 # %% auto 0
-__all__ = ['RunConfig', 'RunReport', 'train', 'recover_steps', 'detection', 'localized', 'measure_overhead', 'plot_run']
+__all__ = ['RunConfig', 'RunReport', 'run_stability', 'recover_steps', 'detection', 'localized', 'measure_overhead', 'plot_run']
 
 # %% ../../nbs/60e_stability_run.ipynb
 @dataclass(frozen=True)
@@ -170,7 +170,7 @@ def _strategy(strategy: Strategy | str) -> Strategy:
     return STRATEGIES[strategy]
 
 # %% ../../nbs/60e_stability_run.ipynb
-def train(config: RunConfig = RunConfig(), strategy: Strategy | str = "rewind", faults: Sequence[Fault] = (),
+def run_stability(config: RunConfig = RunConfig(), strategy: Strategy | str = "rewind", faults: Sequence[Fault] = (),
           progress: Callable[[str], None] | None = None, eval_at: Sequence[int] = ()) -> RunReport:
     "Train the config's model under `strategy` with `faults` injected (their targets resolved on the model); the full record of the run."
     strategy = _strategy(strategy)
