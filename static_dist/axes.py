@@ -77,7 +77,8 @@ def degrees(dims) -> dict[str, int]:
         bad = sorted(set(dims) - set(AXIS))
         if bad: raise MeshError(f"unknown axis {bad[0]!r}: the axes are {', '.join(AXIS)}")
         out = {a: dims.get(a, 1) for a in AXIS}
-    else: out = {a: getattr(dims, a, 1) for a in AXIS}
+    elif all(hasattr(dims, a) for a in AXIS): out = {a: getattr(dims, a) for a in AXIS}
+    else: raise MeshError(f"{type(dims).__name__} has no degree per axis: give a ParallelDims, a plan or {{axis: degree}}")
     for a, v in out.items():
         if isinstance(v, bool) or not isinstance(v, int) or v < 1: raise MeshError(f"{a}={v!r}: give a degree >= 1")
     return out

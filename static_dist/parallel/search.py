@@ -278,7 +278,7 @@ class Candidate:
 
     def label(self) -> str:
         d = self.plan.dims
-        parts = [f"{k} {getattr(d, k)}" for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp") if getattr(d, k) > 1] or ["1 rank"]
+        parts = [f"{k} {getattr(d, k)}" for k in AXIS if getattr(d, k) > 1] or ["1 rank"]
         ac = self.plan.ac
         if ac and any(a != "none" for a in ac):
             parts.append("AC " + "/".join(f"{ac.count(m)} {m}" for m in ("full", "selective") if ac.count(m)))
