@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from .. import __version__
+from ..axes import AXES
 from ..usercode import last_signal, model_code, watch_interrupts
 from ..util import InputError, StaticDistError, check_name, file_kind, parse_bytes, resolve, stat_or_none
 
@@ -191,7 +192,7 @@ def _layout_parser(sub):
     p.add_argument("--topology", help="preset name or topology JSON (default: a cluster of 8-GPU H100 nodes sized to --world)")
     p.add_argument("--budget", type=size("--budget", lo=1), default="80GiB", help="memory per rank (default 80GiB)")
     pins = p.add_argument_group("pins (fix a degree; the search chooses the others)")
-    for dim in ("dp-replicate", "dp-shard", "cp", "tp", "pp"):
+    for dim in (a.name.replace("_", "-") for a in AXES):
         pins.add_argument(f"--{dim}", type=count(f"--{dim}", hi=MAX_RANKS), help=f"{dim.replace('-', '_')} degree")
     p.add_argument("--ac", default="auto", choices=["auto", "none", "full", "selective"],
                    help="activation checkpointing: auto (the cheapest mix that fits, default) or one mode for every block")

@@ -13,6 +13,7 @@ import torch
 
 from .cli import UsageError
 from .verbs import print_markdown, status, topology_arg, workload_of
+from ..axes import AXES, device_mesh
 from ..util import atomic_write, check_real_size, check_writable
 
 # %% auto 0
@@ -20,7 +21,7 @@ __all__ = ['PIN_DIMS', 'layout_pins', 'layout_topology', 'ac_summary', 'layout_l
            'measured_peak', 'train_plan', 'cmd_train']
 
 # %% ../../nbs/92a_layout.ipynb
-PIN_DIMS = ("dp_replicate", "dp_shard", "cp", "tp", "pp")
+PIN_DIMS = tuple(a.name for a in AXES)   # one --flag per axis
 
 def layout_pins(args) -> dict:
     "The pinned degrees of `plan` (--tp, --pp, ...), refused in one line where they cannot divide --world."
@@ -199,10 +200,10 @@ def _plan_rank(w, plan, steps: int, backend: str) -> dict:
     "This rank's run of `plan` inside the process group: `prepare_rank`, `steps` of `plan_step`, its measured peak."
     import warnings
     import torch.distributed as dist
-    from static_dist.parallel import parallel_mesh, plan_step, prepare_rank
+    from static_dist.parallel import plan_step, prepare_rank
     from static_dist.step import make_optimizer
     dev = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
-    mesh = parallel_mesh(plan, dev.split(":")[0]) if plan.dims.world > 1 else None
+    mesh = device_mesh(plan.dims, dev.split(":")[0]) if plan.dims.world > 1 else None
     enter, peak, next_step = measured_peak(dev)
     # ModTracker's note on a pipeline stage's recomputed forward: not the user's concern
     warnings.filterwarnings("ignore", message="Module is None. Skipping", category=UserWarning)

@@ -11,7 +11,7 @@ import warnings
 import torch
 from torch import nn
 
-from ..fsdp import FSDPPlan, apply_plan, comm_counts, predict_comms
+from ..fsdp import FSDPPlan, apply_plan, comm_counts, plan_mesh, predict_comms
 from ..launch import process_group
 from ..step import MicroBatch, make_optimizer, train_step
 from ..util import silent_stderr_fd
@@ -59,10 +59,9 @@ def _counting():
 def fake_pg_counts(build, plan: FSDPPlan, profile, inputs: tuple, targets, loss_fn, optimizer: str = "sgd") -> dict:
     "Collectives of one steady step of `plan` (`build()`: a meta-device model) under a fake process group, next to `fsdp.predict_comms`."
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed.device_mesh import init_device_mesh
     with process_group(fake_world=plan.world_size), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="(FSDP2-wrapped module|Full backward hook|For backward hooks to be called)")  # torch's notes on FSDP2's hooks
-        m = apply_plan(build(), plan, init_device_mesh("cpu", plan.mesh_shape))    # the mesh is made outside fake mode
+        m = apply_plan(build(), plan, plan_mesh(plan, "cpu"))    # the mesh is made outside fake mode
         with FakeTensorMode(allow_non_fake_inputs=True):
             m.to_empty(device="cpu")
             opt = make_optimizer(optimizer, m.parameters(), lr=1e-3)

@@ -10,18 +10,18 @@ import inspect
 import torch
 import torch.nn as nn
 
+from ..axes import device_mesh, fsdp_degrees, fsdp_mesh
 from .plan import FSDPPlan, validate
 from .profile import PlanError
 
 # %% auto 0
-__all__ = ['apply_plan']
+__all__ = ['plan_mesh', 'apply_plan']
 
 # %% ../../nbs/40f_fsdp_apply.ipynb
-def _default_mesh(plan: FSDPPlan):
-    "A DeviceMesh of `plan.mesh_shape` on CUDA when available, else CPU, with dims named replicate/shard."
-    from torch.distributed.device_mesh import init_device_mesh
-    names = ("replicate", "shard")[-len(plan.mesh_shape):]
-    return init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", plan.mesh_shape, mesh_dim_names=names)
+def plan_mesh(plan: FSDPPlan, device: str | None = None):
+    """The DeviceMesh `plan` shards over: `axes.device_mesh` of its `mesh_shape` (dp_shard, or dp_replicate × dp_shard
+    for HSDP), sliced to FSDP's dims (`dp_shard_cp`, `dp_replicate` in front). `device`: default CUDA if any, else CPU."""
+    return fsdp_mesh(device_mesh(fsdp_degrees(plan.mesh_shape), device))
 
 # %% ../../nbs/40f_fsdp_apply.ipynb
 def _shard_units(plan: FSDPPlan, mesh, mods: dict) -> None:
@@ -53,7 +53,7 @@ def _set_prefetch(model: nn.Module, plan: FSDPPlan, mods: dict) -> None:
 
 # %% ../../nbs/40f_fsdp_apply.ipynb
 def apply_plan(model: nn.Module, plan: FSDPPlan, mesh=None) -> nn.Module:
-    """Shard `model` in place as `plan` says (mesh: a DeviceMesh of plan.mesh_shape; default: init one on CPU/CUDA).
+    """Shard `model` in place as `plan` says (mesh: a DeviceMesh of plan.mesh_shape; default: `plan_mesh(plan)`).
     The plan is validated against the model first; nothing is sharded when it does not fit."""
     validate(plan, None, model)
     mods = dict(model.named_modules())
@@ -61,10 +61,10 @@ def apply_plan(model: nn.Module, plan: FSDPPlan, mesh=None) -> nn.Module:
     if mesh is None and dist.is_initialized() and dist.get_world_size() != plan.world_size:
         raise PlanError(f"the plan is for {plan.world_size} ranks but the process group has {dist.get_world_size()}: "
                         f"plan for world {dist.get_world_size()}, or pass a mesh of {plan.mesh_shape} built on a subgroup.")
-    mesh = _default_mesh(plan) if mesh is None else mesh
+    mesh = plan_mesh(plan) if mesh is None else mesh
     if tuple(mesh.shape) != tuple(plan.mesh_shape):
         raise PlanError(f"mesh shape {tuple(mesh.shape)} differs from the plan's {plan.mesh_shape}: build the mesh "
-                        f"with init_device_mesh(device, {plan.mesh_shape}).")
+                        f"with fsdp.plan_mesh(plan).")
     _shard_units(plan, mesh, mods)
     _set_prefetch(model, plan, mods)
     return model

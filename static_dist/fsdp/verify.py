@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from .apply import apply_plan
+from .apply import apply_plan, plan_mesh
 from .memory import predict_memory
 from .plan import FSDPPlan, FSDPUnit, validate
 from .profile import GraphProfile, PlanError, profile_graph
@@ -84,12 +84,6 @@ class _Where:
         if exc[0] is not None and self.stack: self.failed_in = self.stack[-1]
 
 # %% ../../nbs/40g_fsdp_verify.ipynb
-def _mesh(plan: FSDPPlan):
-    "The plan's mesh on CPU (made outside fake mode, as the recipe needs), dims named replicate/shard."
-    from torch.distributed.device_mesh import init_device_mesh
-    return init_device_mesh("cpu", plan.mesh_shape, mesh_dim_names=("replicate", "shard")[-len(plan.mesh_shape):])
-
-# %% ../../nbs/40g_fsdp_verify.ipynb
 def to_empty_tied(m: nn.Module, device) -> nn.Module:
     """`m.to_empty(device=device)` with its tied weights tied again: `to_empty` gives every module that shares a
     parameter a storage of its own, so a tied model would be measured untied (one more weight, gradient and state)."""
@@ -147,7 +141,7 @@ def _tracked(build, plan: FSDPPlan, inputs, kwargs, targets, loss_fn, optimizer:
     with process_group(fake_world=plan.world_size):
         m = build()
         _check_masters(m, master)
-        apply_plan(m, plan, _mesh(plan))
+        apply_plan(m, plan, plan_mesh(plan, "cpu"))      # the mesh is made outside fake mode
         peak, cdm = measure_step(m, plan, inputs, kwargs, targets, loss_fn, optimizer)
         return peak, comm_counts(cdm)
 

@@ -9,40 +9,18 @@ import collections
 import dataclasses
 import functools
 import math
-import warnings
 
 import torch
 import torch.nn as nn
 
+from ..axes import device_mesh, fsdp_mesh
 from ..fsdp import FSDPPlan, FSDPUnit, apply_plan
 from .plan import ParallelPlan, ParallelPlanError, ac_modes, check_layout, stage_ranges
 from ..placement import parallel_style
 from ..structure import find_structure
 
 # %% auto 0
-__all__ = ['parallel_mesh', 'fsdp_mesh', 'plan_blocks', 'apply_tp', 'apply_ac', 'apply_compile', 'apply_fsdp',
-           'apply_parallel_plan']
-
-# %% ../../nbs/45e_parallel_apply.ipynb
-def parallel_mesh(plan: ParallelPlan, device: str | None = None):
-    "The plan's DeviceMesh (dims larger than 1, in mesh order), with `dp_shard` and `cp` flattened to `dp_shard_cp` when both exist."
-    from torch.distributed.device_mesh import init_device_mesh
-    shape, names = plan.dims.mesh
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    mesh = init_device_mesh(device, shape, mesh_dim_names=names)
-    if plan.dims.cp > 1 and plan.dims.dp_shard > 1: mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
-    return mesh
-
-# %% ../../nbs/45e_parallel_apply.ipynb
-def fsdp_mesh(mesh, plan: ParallelPlan):
-    "The mesh FSDP shards over: dp_shard x cp (flattened), with dp_replicate in front for HSDP; None for one data-parallel rank."
-    d = plan.dims
-    if d.dp_replicate * d.fsdp_size == 1: return None
-    shard = "dp_shard_cp" if d.cp > 1 and d.dp_shard > 1 else ("cp" if d.cp > 1 else "dp_shard")
-    if d.fsdp_size == 1: return mesh["dp_replicate"]
-    with warnings.catch_warnings():        # torch 2.13 warns that slicing a flattened dim will be deprecated; it is still
-        warnings.filterwarnings("ignore", message="Slicing a flattened dim")   # how torchtitan builds the FSDP mesh
-        return mesh["dp_replicate", shard] if d.dp_replicate > 1 else mesh[shard]
+__all__ = ['plan_blocks', 'apply_tp', 'apply_ac', 'apply_compile', 'apply_fsdp', 'apply_parallel_plan']
 
 # %% ../../nbs/45e_parallel_apply.ipynb
 def plan_blocks(plan: ParallelPlan, stack, stage: int | None = None) -> tuple[tuple[int, str], ...]:
@@ -111,20 +89,19 @@ def apply_compile(model: nn.Module, plan: ParallelPlan, backend: str = "inductor
 def apply_fsdp(model: nn.Module, plan: ParallelPlan, mesh) -> None:
     """`fully_shard` the plan's FSDP units (those the model has with parameters; the root always) over the data-parallel
     mesh (none for one rank). A pipeline stage keeps only its own modules' parameters, so the others' units drop out."""
-    dp = fsdp_mesh(mesh, plan)
-    if dp is None: return                                   # one data-parallel rank: parameters stay whole
     d = plan.dims
+    if d.dp_replicate * d.fsdp_size == 1: return           # one data-parallel rank: parameters stay whole
     mshape = (d.dp_replicate, d.fsdp_size) if d.dp_replicate > 1 else (d.fsdp_size,)
     f = plan.fsdp or FSDPPlan(math.prod(mshape), mshape, (FSDPUnit(""),))
     mods = dict(model.named_modules())
     has = lambda u: u.module == "" or (u.module in mods and any(True for _ in mods[u.module].parameters()))
-    apply_plan(model, dataclasses.replace(f, units=tuple(u for u in f.units if has(u))), dp)
+    apply_plan(model, dataclasses.replace(f, units=tuple(u for u in f.units if has(u))), fsdp_mesh(mesh))
 
 # %% ../../nbs/45e_parallel_apply.ipynb
 def apply_parallel_plan(model: nn.Module, plan: ParallelPlan, mesh=None, *, seq: int | None = None,
                         compile_backend: str = "inductor", stack=None, stage: int | None = None) -> nn.Module:
     """Apply `plan` to `model` in place, in torchtitan's order: tensor parallelism, checkpointing, compile, FSDP.
-    `mesh`: the plan's DeviceMesh (default: `parallel_mesh(plan)`). With pp > 1, `model` is pipeline stage `stage`
+    `mesh`: the plan's DeviceMesh (default: `axes.device_mesh(plan.dims)`). With pp > 1, `model` is pipeline stage `stage`
     (`parallel.pipeline.build_pipeline` splits the model and calls this on each stage) and `stack` the whole model's
     main stack, which the stage no longer holds. Context parallelism shards the sequence in the step
     (`parallel.run.cp_context`), not here."""
@@ -134,7 +111,7 @@ def apply_parallel_plan(model: nn.Module, plan: ParallelPlan, mesh=None, *, seq:
         raise ParallelPlanError(f"pp={plan.dims.pp}: apply the plan to one pipeline stage; parallel.pipeline.build_pipeline "
                                 "splits the model and applies it to each stage (or give stage= and the whole model's stack=)")
     blocks = plan_blocks(plan, stack, stage)
-    mesh = parallel_mesh(plan) if mesh is None else mesh
+    mesh = device_mesh(plan.dims) if mesh is None else mesh
     if "tp" in mesh.mesh_dim_names: apply_tp(model, plan, mesh["tp"], blocks)
     apply_ac(model, plan, blocks)
     apply_compile(model, plan, compile_backend, blocks)

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from .apply import apply_parallel_plan, fsdp_mesh
+from .apply import apply_parallel_plan
 from .schedule import rank_stages
 from .plan import ParallelPlan, ParallelPlanError, check_layout, stage_ranges
 from .verify import axis_counts
@@ -298,12 +298,12 @@ def _tied(model: nn.Module, split: PipelineSplit, plan: ParallelPlan, mesh, mine
 # %% ../../nbs/45g_parallel_pipeline.ipynb
 def build_pipeline(model: nn.Module, plan: ParallelPlan, mesh, batch, loss_fn: Callable, *, seq: int | None = None,
                    compile_backend: str = "inductor") -> PipelineRank:
-    """This rank's part of `plan` (pp > 1) on `mesh` (`parallel.parallel_mesh(plan)`): its stages cut from `model`
+    """This rank's part of `plan` (pp > 1) on `mesh` (`axes.device_mesh(plan.dims)`): its stages cut from `model`
     (the last one is `model` itself, changed in place), each with the plan applied, and the plan's schedule over
     `plan.microbatches` micro-batches of `batch` (the step's batch on this data-parallel rank, with targets)."""
     from torch.distributed import pipelining
     if plan.dims.pp == 1: raise ParallelPlanError("build_pipeline needs pp > 1: apply a plan without pipelining with apply_parallel_plan")
-    if "pp" not in (mesh.mesh_dim_names or ()): raise ParallelPlanError("the mesh has no 'pp' dim: make it with parallel_mesh(plan)")
+    if "pp" not in (mesh.mesh_dim_names or ()): raise ParallelPlanError("the mesh has no 'pp' dim: make it with axes.device_mesh(plan.dims)")
     stack = find_structure(model).main
     check_layout(plan, stack, seq)
     split = plan_split(model, plan, _micro(batch, plan.microbatches), stack)

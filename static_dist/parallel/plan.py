@@ -12,41 +12,31 @@ from dataclasses import dataclass, field
 
 from fastcore.basics import patch
 
+from ..axes import AXES, FLAT, MESH_DIMS, mesh_dims
 from ..fsdp import FSDPPlan, FSDPUnit, PlanError
 from ..placement import STYLES
 from ..structure import BlockStack
 from ..util import (Fields, boolean, errors_as, integer, list_of, loads_json, one_of, read_json, string)
 
 # %% auto 0
-__all__ = ['MESH_DIMS', 'AC_MODES', 'SCHEDULES', 'PARALLEL_SCHEMA', 'ParallelPlanError', 'ParallelDims', 'SelectivePolicy',
-           'ParallelPlan', 'ac_modes', 'stage_ranges', 'check_layout']
+__all__ = ['ParallelDims', 'AC_MODES', 'SCHEDULES', 'PARALLEL_SCHEMA', 'ParallelPlanError', 'SelectivePolicy', 'ParallelPlan',
+           'ac_modes', 'stage_ranges', 'check_layout']
 
 # %% ../../nbs/45a_parallel_plan.ipynb
 class ParallelPlanError(PlanError):
     "A parallel plan does not fit the model, the mesh or itself; the message names the dim or field and the fix."
 
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")   # torchtitan's order, outer to inner
-
 # %% ../../nbs/45a_parallel_plan.ipynb
-@dataclass(frozen=True)
-class ParallelDims:
-    "Degrees of each axis; their product is the world size."
-    dp_replicate: int = 1
-    "Data-parallel replicas (HSDP's replicate dim)."
-    dp_shard: int = 1
-    "Data-parallel ranks FSDP shards over (with `cp`)."
-    cp: int = 1
-    "Context parallel: ranks that split the sequence."
-    tp: int = 1
-    "Tensor parallel: ranks that split each linear."
-    pp: int = 1
-    "Pipeline stages (ranks along the pipeline)."
+def _check_degrees(self) -> None:
+    for a in AXES:
+        v = getattr(self, a.name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ParallelPlanError(f"ParallelDims.{a.name}={v!r}: give a degree >= 1")
 
-    def __post_init__(self):
-        for d in MESH_DIMS:
-            v = getattr(self, d)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ParallelPlanError(f"ParallelDims.{d}={v!r}: give a degree >= 1")
+ParallelDims = dataclasses.make_dataclass(   # one field per row of axes.AXES, in its order, each 1 by default
+    "ParallelDims", [(a.name, int, 1) for a in AXES], frozen=True,
+    namespace={"__post_init__": _check_degrees, "__module__": __name__,
+               "__doc__": "Degrees of each axis of `axes.AXES`; their product is the world size."})
 
 # %% ../../nbs/45a_parallel_plan.ipynb
 @patch(as_prop=True)
@@ -56,14 +46,13 @@ def world(self: ParallelDims) -> int:
 
 @patch(as_prop=True)
 def fsdp_size(self: ParallelDims) -> int:
-    "Ranks FSDP shards the parameters over: `dp_shard × cp`."
-    return self.dp_shard * self.cp
+    "Ranks FSDP shards the parameters over: `dp_shard × cp` (the axes of the flattened `dp_shard_cp`)."
+    return math.prod(getattr(self, a) for a in FLAT["dp_shard_cp"].axes)
 
 @patch(as_prop=True)
 def mesh(self: ParallelDims) -> tuple[tuple[int, ...], tuple[str, ...]]:
-    "(shape, names) of the device mesh: the dims larger than 1 in mesh order (dp_shard alone for one rank)."
-    dims = [d for d in MESH_DIMS if getattr(self, d) > 1] or ["dp_shard"]
-    return tuple(getattr(self, d) for d in dims), tuple(dims)
+    "(shape, names) of the device mesh (`axes.mesh_dims`): the dims larger than 1 in mesh order."
+    return mesh_dims(self)
 
 # %% ../../nbs/45a_parallel_plan.ipynb
 AC_MODES = ("none", "full", "selective")
@@ -216,7 +205,7 @@ def to_json(self: ParallelPlan) -> str:
 def _degree(what: str): return integer(1, _MAX_DEGREE, what)
 
 def _dims_from(f: Fields) -> ParallelDims:
-    return ParallelDims(*(f(d, _degree(f"the {d} degree, >= 1"), 1) for d in ("dp_replicate", "dp_shard", "cp", "tp", "pp")))
+    return ParallelDims(**{a.name: f(a.name, _degree(f"the {a.name} degree, >= 1"), 1) for a in AXES})
 
 def _policy_from(f: Fields) -> SelectivePolicy:
     return SelectivePolicy(tuple(f("save", list_of(string(nonempty=True)), SelectivePolicy.save)),
@@ -230,7 +219,7 @@ def _plan_from(d) -> ParallelPlan:
     if f("schema", string()) != PARALLEL_SCHEMA: f.fail(f"expected {PARALLEL_SCHEMA!r}: write plans with ParallelPlan.to_json", "schema")
     pair = list_of(string(), 2, 2).named("a [name, value] pair of strings")
     fsdp = d.get("fsdp")
-    return ParallelPlan(_dims_from(f.nested("dims", MESH_DIMS[1:] + ("pp",))), tuple(map(tuple, f("tp_styles", list_of(pair), ()))),
+    return ParallelPlan(_dims_from(f.nested("dims", tuple(a.name for a in AXES))), tuple(map(tuple, f("tp_styles", list_of(pair), ()))),
                         tuple(f("stages", list_of(_degree("a block count >= 1")), ())), f("schedule", one_of(*SCHEDULES), "1F1B"),
                         f("microbatches", _degree("micro-batches >= 1"), 1), tuple(f("ac", list_of(one_of(*AC_MODES)), ())),
                         _policy_from(f.nested("selective", ("save", "mm_recompute_every"))) if "selective" in d else SelectivePolicy(),

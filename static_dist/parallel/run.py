@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map
 
+from ..axes import device_mesh, optional_mesh
 from ..fsdp.verify import comm_counter
 from .apply import apply_ac, apply_compile, apply_parallel_plan
 from .pipeline import PipelineRank, build_pipeline, pipeline_axis_counts, pipeline_step, predict_pipeline_counts
@@ -68,10 +69,8 @@ def dp_slice(plan: ParallelPlan, mesh, batch) -> tuple:
     data-parallel coordinate's share; the tp, pp and cp ranks of one coordinate take the same rows. No mesh: all rows."""
     mb = micro_batch(batch)
     if mesh is None: return mb.args, mb.kwargs, mb.targets
-    d, names = plan.dims, mesh.mesh_dim_names
-    r = mesh["dp_replicate"].get_local_rank() if "dp_replicate" in names else 0
-    s = mesh["dp_shard"].get_local_rank() if "dp_shard" in names else 0
-    k, n = r * d.dp_shard + s, d.dp_replicate * d.dp_shard
+    rows = optional_mesh(mesh, "batch")            # dp_replicate × dp_shard, flattened: coordinate r·dp_shard + s
+    k, n = (rows.get_local_rank(), rows.size()) if rows is not None else (0, 1)
     cut = lambda t: t.chunk(n)[k] if isinstance(t, torch.Tensor) else t
     return tree_map(cut, (mb.args, mb.kwargs, mb.targets))
 
@@ -96,7 +95,7 @@ class PlanRank:
     "This rank's part of a plan, applied and ready to step."
     plan: ParallelPlan
     mesh: object
-    "The plan's DeviceMesh (`parallel_mesh(plan)`), None for a plan of one rank."
+    "The plan's DeviceMesh (`axes.device_mesh(plan.dims)`), None for a plan of one rank."
     model: nn.Module
     loss_fn: Callable | None
     pipeline: PipelineRank | None = None
@@ -161,14 +160,13 @@ def _cp_shards_ok(rank: PlanRank, ref: nn.Module, args, targets) -> bool:
 def _run_one(source: str, plan: ParallelPlan, steps: int, lr: float, eps: float, batch: int, seq: int, rtol: float, atol: float) -> dict:
     "One plan on this rank next to a single-process reference: losses, parameters, collectives (see above)."
     import time
-    from static_dist.parallel.apply import parallel_mesh
     from static_dist.step import make_optimizer
     from static_dist.workload import load_workload
     t0 = time.perf_counter()
     w = load_workload(source, batch=batch, seq=seq)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     ref, model, mb = w.build_model(dev, seed=0), w.build_model(dev, seed=0), w.micro_batch(dev)
-    rank = prepare_rank(model, plan, parallel_mesh(plan, dev), mb, w.loss, seq=seq)
+    rank = prepare_rank(model, plan, device_mesh(plan.dims, dev), mb, w.loss, seq=seq)
     opt, ropt = (make_optimizer("adamw", m.parameters(), lr=lr, eps=eps) for m in (rank, ref))
     rep = dict(losses=[], ref_losses=[], counts=[], predicted=None, cp_shards_ok=None, error=None)
     if plan.dims.pp > 1: rep["predicted"] = predict_pipeline_counts(plan, rank.pipeline.split, rank.pipeline.pp_rank)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 from fastcore.basics import patch
 
+from ..axes import AXIS
 from ..fsdp import FSDPPlan, FSDPUnit, block_units, expand_profile
 from ..graph import StaticGraph, fmt_bytes
 from .memory import (boundary_bytes, module_blocks, op_blocks, predict_parallel_memory, predict_rank_memory,
@@ -37,8 +38,8 @@ def layout_dims(world: int, *, n_blocks: int, node: int, heads: int = 0, kv_head
                 pins: dict | None = None) -> list[ParallelDims]:
     "The degrees worth trying for `world` ranks (see above); `pins` fixes any of dp_replicate, dp_shard, cp, tp, pp."
     pins = dict(pins or {})
-    bad = set(pins) - {"dp_replicate", "dp_shard", "cp", "tp", "pp"}
-    if bad: raise ParallelPlanError(f"unknown pinned dims {sorted(bad)}: pin dp_replicate, dp_shard, cp, tp or pp")
+    bad = set(pins) - set(AXIS)
+    if bad: raise ParallelPlanError(f"unknown pinned dims {sorted(bad)}: pin {', '.join(AXIS)}")
     out = []
     for tp in _divisors(world):
         if tp > node or node % tp or (heads and heads % tp) or (kv_heads and kv_heads % tp): continue
@@ -277,7 +278,7 @@ class Candidate:
 
     def label(self) -> str:
         d = self.plan.dims
-        parts = [f"{k} {getattr(d, k)}" for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp") if getattr(d, k) > 1] or ["1 rank"]
+        parts = [f"{k} {getattr(d, k)}" for k in AXIS if getattr(d, k) > 1] or ["1 rank"]
         ac = self.plan.ac
         if ac and any(a != "none" for a in ac):
             parts.append("AC " + "/".join(f"{ac.count(m)} {m}" for m in ("full", "selective") if ac.count(m)))
@@ -434,12 +435,13 @@ def _measure_seconds(w, plan: ParallelPlan) -> tuple[int, float]:
     "(FSDPMemTracker's peak on rank 0, seconds) of `plan` applied to workload `w` and stepped under a fake process group."
     from static_dist.fsdp.verify import measure_step
     from static_dist.launch import process_group
-    from static_dist.parallel.apply import apply_parallel_plan, parallel_mesh
+    from static_dist.axes import device_mesh
+    from static_dist.parallel.apply import apply_parallel_plan
     from static_dist.util import torch_dtype
     t0 = time.perf_counter()
     args, kwargs, targets = w.inputs()
     with process_group(fake_world=plan.dims.world):
-        m = apply_parallel_plan(w.build(device="meta", dtype=torch_dtype(w.dtype)), plan, parallel_mesh(plan, "cpu"), seq=w.seq)
+        m = apply_parallel_plan(w.build(device="meta", dtype=torch_dtype(w.dtype)), plan, device_mesh(plan.dims, "cpu"), seq=w.seq)
         one = FSDPPlan(1, (1,), (FSDPUnit(""),))                      # one data-parallel rank: nothing sharded
         peak, _ = measure_step(m, plan.fsdp or one, args, kwargs, targets, w.loss, w.optimizer)
     return peak, time.perf_counter() - t0

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from ..axes import fsdp_dim, layout_mesh
 from ..graph import StaticGraph, roofline_seconds
 from ..fsdp.profile import main_stack, param_infos, tokens_of
 from ..placement import STYLES
@@ -20,7 +21,7 @@ from .plan import ParallelPlan, ParallelPlanError, ac_modes, stage_ranges
 
 # %% auto 0
 __all__ = ['DEVICES', 'TIME_TERMS', 'DeviceSpec', 'device_spec', 'calibrate_device', 'op_seconds', 'RankWork', 'rank_work',
-           'layout_mesh', 'fsdp_dim', 'StepTime', 'extend_blocks', 'predict_step_time']
+           'StepTime', 'extend_blocks', 'predict_step_time']
 
 # %% ../../nbs/45c_parallel_time.ipynb
 @dataclass(frozen=True)
@@ -192,23 +193,6 @@ def _prefixes(name: str):
     while "." in name:
         name = name.rpartition(".")[0]
         yield name
-
-# %% ../../nbs/45c_parallel_time.ipynb
-def layout_mesh(plan: ParallelPlan) -> MeshSpec:
-    "The layout's mesh for the cost model: the dims larger than 1, `dp_shard × cp` as one `dp_shard_cp` dim when both are."
-    shape, names = plan.dims.mesh
-    shape, names = list(shape), list(names)
-    if "dp_shard" in names and "cp" in names:
-        i = names.index("dp_shard")
-        shape[i:i + 2], names[i:i + 2] = [shape[i] * shape[i + 1]], ["dp_shard_cp"]
-    return MeshSpec(tuple(shape), tuple(names))
-
-# %% ../../nbs/45c_parallel_time.ipynb
-def fsdp_dim(plan: ParallelPlan) -> str | None:
-    "The mesh dim FSDP shards over (None with one rank)."
-    d = plan.dims
-    if d.fsdp_size == 1: return None
-    return "dp_shard_cp" if d.dp_shard > 1 and d.cp > 1 else ("cp" if d.cp > 1 else "dp_shard")
 
 # %% ../../nbs/45c_parallel_time.ipynb
 _COLL: dict[int, tuple[Topology, dict]] = {}     # id(topology) -> (it, {(mesh, dim, kind): (latency, seconds/byte)})

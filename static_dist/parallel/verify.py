@@ -15,7 +15,8 @@ from ..fsdp import measure_step, predict_comms
 from ..fsdp.profile import captured_param_dtype
 from ..graph import fmt_bytes
 from ..launch import process_group
-from .apply import apply_ac, apply_parallel_plan, parallel_mesh
+from ..axes import device_mesh
+from .apply import apply_ac, apply_parallel_plan
 from .memory import _block_spans, op_blocks, predict_parallel_memory, rank_fsdp_plan, rank_profile
 from .plan import ParallelPlan, ParallelPlanError, SelectivePolicy
 from ..placement import STYLES
@@ -107,7 +108,7 @@ def verify_parallel(w, plan: ParallelPlan, graph=None, master_dtype: str | None 
     pred = predict_parallel_memory(g, plan, master).peak_bytes
     args, kwargs, targets = w.inputs(dtype=captured or master)        # floating inputs in the compute dtype
     with process_group(fake_world=plan.dims.world):
-        m = apply_parallel_plan(w.build(device="meta", dtype=torch_dtype(master)), plan, parallel_mesh(plan, "cpu"), seq=w.seq)
+        m = apply_parallel_plan(w.build(device="meta", dtype=torch_dtype(master)), plan, device_mesh(plan.dims, "cpu"), seq=w.seq)
         peak, cdm = measure_step(m, rank_fsdp_plan(plan, prof), args, kwargs, targets, w.loss, w.optimizer)
     return ParallelVerification(plan.dims.world, pred, peak, predict_axis_counts(prof, plan), axis_counts(cdm),
                                 time.perf_counter() - t0, master)
