@@ -17,7 +17,7 @@ from ..util import InputError
 
 # %% auto 0
 __all__ = ['POLICIES', 'PolicyError', 'CheckpointPolicy', 'parse_policy', 'NoCheckpoint', 'FullCheckpoint', 'SelectiveOps',
-           'kept_ops', 'recomputed_ops', 'apply_checkpointing']
+           'kept_ops', 'recomputed_ops', 'apply_checkpointing', 'SelectiveLayers']
 
 # %% ../../nbs/00eb_graph_policies.ipynb
 class PolicyError(InputError):
@@ -186,3 +186,22 @@ def apply_checkpointing(module, policy: CheckpointPolicy, block: int = 0):
     from torch.distributed._composable import checkpoint
     fn = leaf.context_fn()
     return checkpoint(module, context_fn=fn) if fn is not None else checkpoint(module)
+
+# %% ../../nbs/00eb_graph_policies.ipynb
+@dataclass(frozen=True)
+class SelectiveLayers(CheckpointPolicy):
+    "Full checkpointing of every `every`-th block of the main stack (blocks every-1, 2·every-1, ...), none of the others."
+    name: ClassVar[str] = "layers"
+    every: int = 2
+    "Checkpoint the blocks whose number, counted from 1, is a multiple of this (torchtitan's `selective_ac_option`)."
+
+    def __post_init__(self):
+        if isinstance(self.every, bool) or not isinstance(self.every, int) or not 1 <= self.every <= 2**20:
+            raise PolicyError(f"SelectiveLayers.every={self.every!r}: give a block count >= 1 (1: every block)")
+
+    def for_block(self, i: int) -> CheckpointPolicy:
+        return FullCheckpoint() if (i + 1) % self.every == 0 else NoCheckpoint()
+
+    def leaves(self): return (NoCheckpoint(), FullCheckpoint())
+    def kept(self, ops):
+        raise PolicyError("SelectiveLayers differs by block: ask for_block(i) what block i keeps")
