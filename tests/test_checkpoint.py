@@ -63,3 +63,30 @@ def test_fsdp_checkpointed_units_within_1_percent(tmp_path, captured, measured):
     assert v.master_dtype == "float32", v
     assert abs(v.ratio - 1) < 0.01, v
     assert v.counts_match, v
+
+
+# torchtitan's per-layer selective checkpointing (`selective_ac_option = "2"`) as a policy object: one class in
+# graph.policies, nothing else. Every second block of a 4-layer Llama recomputes in full, the others keep what they
+# save; the plan's predicted peak is FSDPMemTracker's measure under a fake process group, its recompute the forward
+# seconds of exactly those blocks, and it reads back from its JSON form.
+def test_selective_layers_plan_within_1_percent(tmp_path):
+    from static_dist.fsdp import FSDPPlan, block_units
+    from static_dist.graph.policies import FullCheckpoint, NoCheckpoint, SelectiveLayers
+    from static_dist.parallel import ParallelDims, ParallelPlan, predict_step_time, rank_work, verify_parallel
+    from static_dist.topology import preset
+    w = load_workload(_llama(tmp_path, 4), batch=1, seq=256)
+    g = w.graph()
+    blocks = g.structure.main.blocks
+    plan = ParallelPlan(ParallelDims(dp_shard=2), ac=(SelectiveLayers(2),) * 4, fsdp=FSDPPlan(2, (2,), block_units(blocks)))
+    assert ParallelPlan.from_json(plan.to_json()) == plan
+    v = verify_parallel(w, plan, g)
+    assert abs(v.predicted_bytes / v.measured_bytes - 1) < 0.01, v
+    assert v.predicted_counts == v.measured_counts, v
+    none = verify_parallel(w, ParallelPlan(ParallelDims(dp_shard=2), fsdp=plan.fsdp), g)
+    full = verify_parallel(w, ParallelPlan(ParallelDims(dp_shard=2), ac=("full",) * 4, fsdp=plan.fsdp), g)
+    assert full.measured_bytes < v.measured_bytes < none.measured_bytes, (full, v, none)   # it does something, not all
+    topo = preset("cluster", n_nodes=1, gpus_per_node=2)
+    work = rank_work(g, plan, topo)
+    assert set(work.recompute) >= {NoCheckpoint(), FullCheckpoint()}
+    t = predict_step_time(work, plan, topo)
+    assert abs(t.terms["recompute"] - (work.fwd_blocks[1] + work.fwd_blocks[3])) < 1e-12 * max(t.step_seconds, 1), t.terms

@@ -48,7 +48,8 @@ def test_plan_pins_are_honoured(tmp_path):
     assert code == 0, err
     plan = ParallelPlan.from_json(tmp_path / "p.json")
     assert (plan.dims.dp_shard, plan.dims.tp, plan.dims.pp, plan.dims.cp) == (2, 2, 1, 1)
-    assert plan.ac == ("full", "full") and "blocks 0-1 full" in out
+    from static_dist.graph.policies import FullCheckpoint
+    assert plan.ac == (FullCheckpoint(),) * 2 and "blocks 0-1 full" in out
     assert "runner-up" not in out                              # the pins leave one layout
 
 

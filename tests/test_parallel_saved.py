@@ -2,7 +2,8 @@
 Hugging Face architectures (the notebook 45f checks the zoo's Llama)."""
 import pytest
 
-from static_dist.parallel import SelectivePolicy, verify_selective
+from static_dist.graph.policies import SelectiveOps
+from static_dist.parallel import verify_selective
 from static_dist.workload import load_workload
 
 
@@ -28,7 +29,7 @@ def hf_tiny_qwen2_tied(tmp_path_factory): return _tiny_qwen2(tmp_path_factory, "
 
 
 @pytest.mark.parametrize("source", ["hf_tiny_llama", "hf_tiny_qwen2"])
-@pytest.mark.parametrize("policy", [SelectivePolicy(), SelectivePolicy(mm_recompute_every=0)], ids=["every-other-mm", "every-mm"])
+@pytest.mark.parametrize("policy", [SelectiveOps(), SelectiveOps(mm_recompute_every=0)], ids=["every-other-mm", "every-mm"])
 def test_selective_saved_bytes_within_2_percent(source, policy, request):
     w = load_workload(request.getfixturevalue(source), batch=2, seq=64)
     v = verify_selective(w, policy)

@@ -194,8 +194,9 @@ def _layout_parser(sub):
     pins = p.add_argument_group("pins (fix a degree; the search chooses the others)")
     for dim in (a.name.replace("_", "-") for a in AXES):
         pins.add_argument(f"--{dim}", type=count(f"--{dim}", hi=MAX_RANKS), help=f"{dim.replace('-', '_')} degree")
-    p.add_argument("--ac", default="auto", choices=["auto", "none", "full", "selective"],
-                   help="activation checkpointing: auto (the cheapest mix that fits, default) or one mode for every block")
+    p.add_argument("--ac", default="auto",
+                   help="activation checkpointing: auto (the cheapest mix that fits, default) or one policy for every "
+                        "block, by name: none, full, selective, layers (graph.policies.POLICIES)")
     p.add_argument("--compile", action="store_true", help="mark every block for torch.compile in the plan")
     p.add_argument("--verify", action="store_true", help="measure the chosen layout with FSDPMemTracker under a fake process "
                    "group and print predicted / measured peak and collectives (pp = 1 layouts)")

@@ -52,7 +52,7 @@ def ac_summary(ac: tuple) -> str:
     runs, start = [], 0
     for i in range(1, len(ac) + 1):
         if i == len(ac) or ac[i] != ac[start]:
-            runs.append(f"{start}" + (f"-{i - 1}" if i - 1 > start else "") + f" {ac[start]}"); start = i
+            runs.append(f"{start}" + (f"-{i - 1}" if i - 1 > start else "") + f" {getattr(ac[start], 'label', ac[start])}"); start = i
     return ("block " if len(runs) == 1 and len(ac) == 1 else "blocks ") + ", ".join(runs)
 
 # %% ../../nbs/92a_layout.ipynb

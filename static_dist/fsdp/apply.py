@@ -13,6 +13,7 @@ import torch.nn as nn
 from ..axes import device_mesh, fsdp_degrees, fsdp_mesh
 from .plan import FSDPPlan, validate
 from .profile import PlanError
+from ..graph.policies import apply_checkpointing
 
 # %% auto 0
 __all__ = ['plan_mesh', 'apply_plan']
@@ -27,14 +28,13 @@ def plan_mesh(plan: FSDPPlan, device: str | None = None):
 def _shard_units(plan: FSDPPlan, mesh, mods: dict) -> None:
     "Checkpoint (when asked) and `fully_shard` every unit of `plan`, innermost first, the root last."
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from torch.distributed._composable import checkpoint
     ignored = {p for m in plan.ignored for p in mods[m].parameters()}
     dt = lambda s: None if s is None else getattr(torch, s)
     mp = MixedPrecisionPolicy(param_dtype=dt(plan.param_dtype), reduce_dtype=dt(plan.reduce_dtype))
     order = sorted(plan.units, key=lambda u: (-u.module.count(".") if u.module else 1, u.module == ""))
     auto = inspect.signature(fully_shard).parameters["reshard_after_forward"].default is None
     for u in order:
-        if u.activation_checkpointing and u.module: checkpoint(mods[u.module])
+        if u.module: apply_checkpointing(mods[u.module], u.policy)
         r = u.reshard_after_forward
         if u.module == "" and r is True: r = None if auto else True   # FSDP2's root default: keep after forward
         fully_shard(mods[u.module], mesh=mesh, reshard_after_forward=r, mp_policy=mp, ignored_params=ignored or None)

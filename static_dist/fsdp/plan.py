@@ -18,6 +18,7 @@ import torch.nn as nn
 from fastcore.basics import patch
 
 from .profile import GraphProfile, PlanError
+from ..graph.policies import CheckpointPolicy, FullCheckpoint, NoCheckpoint
 from ..util import (Fields, boolean, dtype_name, either, errors_as, integer, list_of, loads_json, optional,
                               read_json, shown, string)
 
@@ -34,9 +35,14 @@ class FSDPUnit:
     reshard_after_forward: bool | int = True
     "True: free unsharded params after forward; False: keep them to backward; int: reshard to that group size."
     activation_checkpointing: bool = False
-    "Recompute this unit's activations in backward (`checkpoint_wrapper`) instead of saving them."
+    "Recompute this unit's activations in backward (full checkpointing) instead of saving them."
     reason: str = ""
     "Why the planner chose this (or 'pinned by user')."
+
+    @property
+    def policy(self) -> CheckpointPolicy:
+        "The unit's checkpointing as a `graph.policies` object, what `apply_plan` applies: full, or none."
+        return FullCheckpoint() if self.activation_checkpointing else NoCheckpoint()
 
 # %% ../../nbs/40b_fsdp_plan.ipynb
 @dataclass(frozen=True)

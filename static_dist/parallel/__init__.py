@@ -85,6 +85,7 @@ def _layout_view(g: StaticGraph, topo, world: int, budget_mib: float, tp: int, p
 # %% ../../nbs/45_parallel.ipynb
 def parallel_widget(g: StaticGraph, topo=None, world: int = 8, budget_mib: float | None = None):
     "Harness: tp, pp, cp, checkpointing and budget -> each pipeline rank's memory stack and the step's time by term."
+    from static_dist.graph.policies import POLICIES
     from static_dist.topology import preset
     W = widgets()
     topo = topo or preset("cluster", n_nodes=max(world // 8, 1), gpus_per_node=min(world, 8))
@@ -97,7 +98,7 @@ def parallel_widget(g: StaticGraph, topo=None, world: int = 8, budget_mib: float
                    budget_mib=W.FloatLogSlider(value=budget_mib, base=2, min=math.log2(budget_mib) - 4,
                                                max=math.log2(budget_mib) + 2, description="budget MiB", **wide),
                    tp=W.Dropdown(options=degrees, value=1), pp=W.Dropdown(options=degrees, value=1),
-                   cp=W.Dropdown(options=degrees, value=1), ac=W.ToggleButtons(options=list(AC_MODES)))
+                   cp=W.Dropdown(options=degrees, value=1), ac=W.ToggleButtons(options=list(POLICIES)))
 
 # %% ../../nbs/45_parallel.ipynb
 __all__ = [*_plan.__all__, *_schedule.__all__, *_memory.__all__, *_time.__all__, *_search.__all__, *_apply.__all__, *_verify.__all__,

@@ -16,7 +16,8 @@ from ..fsdp.plan import unit_finder
 from ..fsdp.profile import ParamInfo, captured_param_dtype, main_stack, module_order, param_infos, shared_params, to_master, tokens_of
 from ..graph import StaticGraph, fmt_bytes
 from ..graph.checkpoint import CheckpointLifetimes, checkpoint_lifetimes, recompute_bytes
-from .plan import ParallelDims, ParallelPlan, ParallelPlanError, ac_modes, stage_ranges
+from ..graph.policies import kept_ops
+from .plan import ParallelDims, ParallelPlan, ParallelPlanError, block_policies, stage_ranges
 from .schedule import held_by_action, pipeline_held, rank_stages
 from ..placement import block_spec, megatron_styles
 
@@ -153,25 +154,19 @@ def _block_spans(ob: np.ndarray, phase: np.ndarray, k: int) -> tuple[np.ndarray,
     return ff, lf, fb
 
 # %% ../../nbs/45b_parallel_memory.ipynb
-def _policy_kept(g: StaticGraph, policy, ob: np.ndarray, b: int, lo: int, hi: int) -> set:
-    "Forward ops of block `b` (in [lo, hi]) whose outputs a selective policy keeps, counting the block's matmuls."
-    kept, mm = set(), 0
-    for i in range(lo, hi + 1):
-        if ob[i] != b: continue
-        name = g.ops[i].op
-        if name.startswith(("aten.mm", "aten.addmm")): mm += 1
-        if policy.saves(name, mm): kept.add(i)
-    return kept
+def _block_forward(ob: np.ndarray, b: int, lo: int, hi: int) -> list[int]:
+    "The forward ops of block `b`, in order (its first and last are `lo` and `hi`)."
+    return [i for i in range(lo, hi + 1) if ob[i] == b]
 
 # %% ../../nbs/45b_parallel_memory.ipynb
 def ac_effects(g: StaticGraph, plan: ParallelPlan, ob: np.ndarray, blocks) -> CheckpointLifetimes:
-    """What the plan's checkpointed blocks change in what the step holds (`static_dist.graph.checkpoint`): a selective
-    block keeps the outputs of the ops its policy saves (read op by op, counting the block's matmuls)."""
-    if not plan.ac or all(a == "none" for a in plan.ac): return CheckpointLifetimes({}, {}, ())
-    phase = g.op_phases()
-    ff, lf, _ = _block_spans(ob, phase, len(blocks))
-    return checkpoint_lifetimes(g, {blocks[b]: frozenset(_policy_kept(g, plan.selective, ob, b, ff[b], lf[b]) if a == "selective" else ())
-                                    for b, a in enumerate(ac_modes(plan, len(blocks))) if a != "none" and ff[b] >= 0})
+    """What the plan's checkpointed blocks change in what the step holds (`static_dist.graph.checkpoint`): each block
+    keeps the outputs of the forward ops its policy keeps (`graph.policies.kept_ops`)."""
+    pols = block_policies(plan, len(blocks))
+    if not any(p.checkpoints for p in pols): return CheckpointLifetimes({}, {}, ())
+    ff, lf, _ = _block_spans(ob, g.op_phases(), len(blocks))
+    kept = {blocks[b]: kept_ops(g, p, _block_forward(ob, b, ff[b], lf[b])) for b, p in enumerate(pols) if ff[b] >= 0}
+    return checkpoint_lifetimes(g, {m: k for m, k in kept.items() if k is not None})
 
 # %% ../../nbs/45b_parallel_memory.ipynb
 @dataclass(frozen=True)

@@ -20,15 +20,15 @@ from ..graph import StaticGraph, fmt_bytes
 from .memory import (boundary_bytes, module_blocks, op_blocks, predict_parallel_memory, predict_rank_memory,
                                          rank_profile)
 from .schedule import in_flight, pipeline_held
-from .plan import (ParallelDims, ParallelPlan, ParallelPlanError, SelectivePolicy, ac_modes, check_layout,
-                                       stage_ranges)
+from ..graph.policies import CheckpointPolicy, FullCheckpoint, NoCheckpoint, PolicyError, SelectiveOps, parse_policy
+from .plan import ParallelDims, ParallelPlan, ParallelPlanError, block_policies, check_layout, stage_ranges
 from .time import StepTime, predict_step_time, rank_work
 from ..placement import block_spec, megatron_styles
 from ..topology import Topology
 
 # %% auto 0
-__all__ = ['BENCH_PLAN_CASES', 'layout_dims', 'memory_by_category', 'balanced_stages', 'checkpoint_mix', 'Candidate',
-           'LayoutSearch', 'search_layouts', 'search_graph', 'bench_plan']
+__all__ = ['CHECKPOINT_POLICIES', 'BENCH_PLAN_CASES', 'layout_dims', 'memory_by_category', 'balanced_stages', 'checkpoint_mix',
+           'Candidate', 'LayoutSearch', 'search_layouts', 'search_graph', 'bench_plan']
 
 # %% ../../nbs/45d_parallel_search.ipynb
 def _divisors(n: int) -> list[int]: return [d for d in range(1, n + 1) if n % d == 0]
@@ -58,10 +58,12 @@ def layout_dims(world: int, *, n_blocks: int, node: int, heads: int = 0, kv_head
     return out
 
 # %% ../../nbs/45d_parallel_search.ipynb
+CHECKPOINT_POLICIES = (FullCheckpoint(), SelectiveOps())   # what the search mixes by default, most memory dropped first
+
 class _Context:
-    def __init__(self, g: StaticGraph, n_blocks: int, topo: Topology, styles: tuple, selective: SelectivePolicy,
-                 master_dtype: str | None):
-        self.g, self.n, self.topo, self.styles, self.selective, self.master = g, n_blocks, topo, styles, selective, master_dtype
+    def __init__(self, g: StaticGraph, n_blocks: int, topo: Topology, styles: tuple, policies: tuple, master_dtype: str | None):
+        self.g, self.n, self.topo, self.styles, self.master = g, n_blocks, topo, styles, master_dtype
+        self.policies = tuple(parse_policy(p) for p in policies)
         self.stack = g.structure.main
         self.captured = len(self.stack.blocks)
         self.full = n_blocks == self.captured
@@ -79,7 +81,7 @@ def plan(self: _Context, d: ParallelDims, *, ac=(), stages=(), schedule="1F1B", 
     dp = d.dp_replicate * d.fsdp_size
     mesh = (d.dp_replicate, d.fsdp_size) if d.dp_replicate > 1 else (d.fsdp_size,)
     units = block_units(self.blocks, d.pp == 1 if reshard is None else reshard)
-    return ParallelPlan(d, self.styles if d.tp > 1 else (), stages, schedule, m, tuple(ac), self.selective,
+    return ParallelPlan(d, self.styles if d.tp > 1 else (), stages, schedule, m, tuple(ac),
                         fsdp=FSDPPlan(dp, mesh, units) if dp > 1 else None, name=name)
 
 # %% ../../nbs/45d_parallel_search.ipynb
@@ -87,8 +89,8 @@ def plan(self: _Context, d: ParallelDims, *, ac=(), stages=(), schedule="1F1B", 
 def work(self: _Context, d: ParallelDims):
     key = (d.tp, d.cp)
     if key not in self._work:
-        self._work[key] = rank_work(self.g, ParallelPlan(ParallelDims(cp=d.cp, tp=d.tp), self.styles if d.tp > 1 else (),
-                                                         selective=self.selective), self.topo)
+        self._work[key] = rank_work(self.g, ParallelPlan(ParallelDims(cp=d.cp, tp=d.tp), self.styles if d.tp > 1 else ()),
+                                    self.topo, policies=self.policies)
     return self._work[key]
 
 @patch
@@ -96,12 +98,11 @@ def step_time(self: _Context, plan: ParallelPlan) -> StepTime:
     return predict_step_time(self.work(plan.dims), plan, self.topo, n_blocks=self.n)
 
 # %% ../../nbs/45d_parallel_search.ipynb
-def _uniform_profile(ctx: _Context, d: ParallelDims, mode: str, k: int):
+def _uniform_profile(ctx: _Context, d: ParallelDims, mode: CheckpointPolicy, k: int):
     "The rank profile of a stage of `k` blocks, all checkpointed as `mode` (extended from the captured blocks)."
     key = (d.tp, d.cp, mode)
     if key not in ctx._prof:
-        p = ParallelPlan(ParallelDims(cp=d.cp, tp=d.tp), ctx.styles if d.tp > 1 else (), ac=(mode,) * ctx.captured,
-                         selective=ctx.selective)
+        p = ParallelPlan(ParallelDims(cp=d.cp, tp=d.tp), ctx.styles if d.tp > 1 else (), ac=(mode,) * ctx.captured)
         ctx._prof[key] = rank_profile(ctx.g, p, 0, ctx.master)
     if k == ctx.captured: return ctx._prof[key]
     if (key, k) not in ctx._ext: ctx._ext[(key, k)] = expand_profile(ctx._prof[key], k)
@@ -121,24 +122,25 @@ def _stage_layout(ctx: _Context, d: ParallelDims, P) -> tuple:
         ctx._ext[key] = (ob, ff, ends, held)
     return ctx._ext[key]
 
-def _mixed_profile(ctx: _Context, d: ParallelDims, modes: tuple[str, ...]):
+def _mixed_profile(ctx: _Context, d: ParallelDims, modes: tuple[CheckpointPolicy, ...]):
     """The rank profile of a stage of `len(modes)` blocks checkpointed block by block as `modes`, composed from the
     uniform ones: their ops are the same, only what each block leaves held differs. An op of block `b` takes its bytes
     from the profile of `b`'s mode (an op outside the blocks from any), with what the blocks held there leave swapped
     for what they leave under their own modes."""
-    profs = {m: _uniform_profile(ctx, d, m, len(modes)) for m in sorted(set(modes))}
+    profs = {m: _uniform_profile(ctx, d, m, len(modes)) for m in dict.fromkeys(modes)}
     P0 = next(iter(profs.values()))
     if len(profs) == 1: return P0
     ob, ff, ends, held = _stage_layout(ctx, d, P0)
     cum = lambda left: np.concatenate(([0], np.cumsum(left)))
     left = {m: P.native[ends] - P.native[ff] for m, P in profs.items()}             # bytes each block leaves held
     mixed = cum([left[m][i] for i, m in enumerate(modes)])
-    src = np.array(modes)[np.maximum(ob, 0)]
+    num = {m: j for j, m in enumerate(profs)}
+    src = np.array([num[m] for m in modes])[np.maximum(ob, 0)]
     native = np.zeros(len(ob), dtype=np.int64)
     for m, P in profs.items():
-        s = src == m
+        s = src == num[m]
         native[s] = P.native[s] - cum(left[m])[held[s]] + mixed[held[s]]
-    runs = tuple(r for m, P in profs.items() for r in P.recomputes if src[r[0]] == m)   # each block's under its own mode
+    runs = tuple(r for m, P in profs.items() for r in P.recomputes if src[r[0]] == num[m])   # each block's under its own mode
     return dataclasses.replace(P0, native=native, recomputes=runs)
 
 # %% ../../nbs/45d_parallel_search.ipynb
@@ -159,13 +161,14 @@ def _pipelined(ctx: _Context, plan: ParallelPlan, P):
     held = (in_flight(plan, 0) - 1) * _forward_activations(P) + pipeline_held(plan, 0, P.op_phase, boundary, inputs=inputs)
     return dataclasses.replace(P, native=(P.native + held).astype(np.int64))
 
-def _stage_modes(ctx: _Context, plan: ParallelPlan, mode: str | None) -> tuple[str, ...]:
-    "Checkpointing of each block of the first pipeline stage (`mode` for all of them when given)."
+def _stage_modes(ctx: _Context, plan: ParallelPlan, mode: CheckpointPolicy | None) -> tuple[CheckpointPolicy, ...]:
+    "The policy of each block of the first pipeline stage, resolved block by block (`mode` on every block when given)."
     d = plan.dims
     lo, hi = stage_ranges(plan, ctx.n)[0] if d.pp > 1 else (0, ctx.n)
-    return (mode,) * (hi - lo) if mode else tuple(ac_modes(plan, ctx.n)[lo:hi])
+    if mode is None: return block_policies(plan, ctx.n)[lo:hi]
+    return tuple(parse_policy(mode).for_block(i) for i in range(lo, hi))
 
-def _memory(ctx: _Context, plan: ParallelPlan, mode: str | None = None) -> int:
+def _memory(ctx: _Context, plan: ParallelPlan, mode: CheckpointPolicy | None = None) -> int:
     """Peak bytes of the busiest rank of `plan` (exact on a full capture; see above otherwise). `mode`: uniform
     checkpointing, else the plan's per block."""
     if ctx.full: return predict_parallel_memory(ctx.g, plan, ctx.master).peak_bytes
@@ -189,8 +192,8 @@ def memory_by_category(g: StaticGraph, plan: ParallelPlan, n_blocks: int | None 
     n = n_blocks or len(g.structure.main.blocks)
     if len(g.structure.main.blocks) == n:
         return [(f"pp rank {r}", m.at_peak, m.peak_bytes) for r, m in enumerate(predict_parallel_memory(g, plan, master_dtype).ranks)]
-    d, ctx = plan.dims, _Context(g, n, None, plan.tp_styles, plan.selective, master_dtype)
-    P = _pipelined(ctx, plan, _mixed_profile(ctx, d, _stage_modes(ctx, plan, None if plan.ac else "none")))
+    d, ctx = plan.dims, _Context(g, n, None, plan.tp_styles, CHECKPOINT_POLICIES, master_dtype)
+    P = _pipelined(ctx, plan, _mixed_profile(ctx, d, _stage_modes(ctx, plan, None if plan.ac else NoCheckpoint())))
     pred = predict_rank_memory(P, plan)
     return [("busiest stage" if d.pp > 1 else "each rank", pred.at_peak, pred.peak_bytes)]
 
@@ -214,53 +217,67 @@ def balanced_stages(work, n: int, pp: int) -> tuple[int, ...]:
         s = best
 
 # %% ../../nbs/45d_parallel_search.ipynb
-def checkpoint_mix(excess: float, k: int, drop_full: float, drop_sel: float, rc_full: float, rc_sel: float) -> tuple[int, int] | None:
-    "(a, b): the fewest-recompute counts of fully and selectively checkpointed blocks (of `k`) that drop `excess` bytes."
-    if excess <= 0: return (0, 0)
-    best = None
+def _counts(m: int, k: int):
+    "Every tuple of `m` counts >= 0 adding up to at most `k`, in lexicographic order."
+    if m == 0: yield (); return
     for a in range(k + 1):
-        left = excess - a * drop_full
-        b = 0 if left <= 0 else (math.ceil(left / drop_sel) if drop_sel > 0 else k + 1)
-        if a + b > k: continue
-        cost = a * rc_full + b * rc_sel
-        if best is None or cost < best[0] - 1e-15: best = (cost, a, b)
-    return None if best is None else best[1:]
+        for rest in _counts(m - 1, k - a): yield (a, *rest)
+
+def checkpoint_mix(excess: float, k: int, drops, costs) -> tuple[int, ...] | None:
+    "Blocks (of `k`) under each policy, fewest recompute `costs`, whose `drops` (bytes per block) cover `excess` bytes."
+    m = len(drops)
+    if excess <= 0: return (0,) * m
+    best = None
+    for head in _counts(m - 1, k):
+        left = excess - sum(c * x for c, x in zip(head, drops))
+        last = 0 if left <= 0 else (math.ceil(left / drops[-1]) if drops[-1] > 0 else k + 1)
+        if sum(head) + last > k: continue
+        c = (*head, last)
+        cost = sum(x * y for x, y in zip(c, costs))
+        if best is None or cost < best[0] - 1e-15: best = (cost, c)
+    return None if best is None else best[1]
 
 # %% ../../nbs/45d_parallel_search.ipynb
-def _ac_pattern(ranges, a: int, b: int) -> tuple[str, ...]:
-    "Per block: the first `a` of every stage full, the next `b` selective."
-    out = []
-    for lo, hi in ranges:
-        for i in range(hi - lo): out.append("full" if i < a else "selective" if i < a + b else "none")
-    return tuple(out)
+def _ac_pattern(ranges, counts, policies) -> tuple[CheckpointPolicy, ...]:
+    "Per block: in every stage, the first `counts[0]` under `policies[0]`, the next `counts[1]` under `policies[1]`, ..."
+    marks = [p for p, c in zip(policies, counts) for _ in range(c)]
+    return tuple(marks[i] if i < len(marks) else NoCheckpoint() for lo, hi in ranges for i in range(hi - lo))
 
 # %% ../../nbs/45d_parallel_search.ipynb
 def _with_checkpointing(ctx: _Context, plan: ParallelPlan, m0: int, budget: int):
-    "(the plan with the cheapest checkpointing mix that fits, its memory) or why none does."
-    n, d = ctx.n, plan.dims
-    mf = _memory(ctx, dataclasses.replace(plan, ac=("full",) * n), "full")
-    if mf > budget:
-        return f"needs {fmt_bytes(m0)} without checkpointing and {fmt_bytes(mf)} with every block checkpointed > budget {fmt_bytes(budget)}"
-    ms = _memory(ctx, dataclasses.replace(plan, ac=("selective",) * n), "selective")
+    "(the plan with the cheapest mix of `ctx.policies` that fits, its memory) or why none does."
+    n, d, pols = ctx.n, plan.dims, ctx.policies
+    mems = []
+    for p in pols:                                 # the first drops the most: past the budget, the others are too
+        mems.append(_memory(ctx, dataclasses.replace(plan, ac=(p,) * n), p))
+        if len(mems) == 1 and mems[0] > budget and p == FullCheckpoint(): break
+    if min(mems) > budget:
+        return (f"needs {fmt_bytes(m0)} without checkpointing and {fmt_bytes(min(mems))} with every block checkpointed > "
+                f"budget {fmt_bytes(budget)}")
     ranges = stage_ranges(plan, n) if d.pp > 1 else ((0, n),)
     k = max(hi - lo for lo, hi in ranges)
-    w = ctx.work(d)
-    tb = min(1, len(w.rc_full) - 1)
-    df, ds, rf, rs = (m0 - mf) / k, max(m0 - ms, 0) / k, w.rc_full[tb], w.rc_selective[tb]
+    w, tb = ctx.work(d), min(1, ctx.captured - 1)
+    drops = [max(m0 - m, 0) / k for m in mems]
+    costs = [float(np.mean([w.recompute[p.for_block(i)][tb] for i in range(n)])) for p in pols]
+    cost = lambda c: sum(x * y for x, y in zip(c, costs))
     if ctx.full:
         # exact memory is at hand: the drop is not linear in the blocks (the peak moves), so try the mixes in order of
         # recompute, skipping those the linear estimate puts far short, up to a dozen exact evaluations
-        pairs = sorted(((a * rf + b * rs, a, b) for a in range(k + 1) for b in range(k + 1 - a)
-                        if a * df + b * ds >= (m0 - budget) / 2), key=lambda x: x[0])
-        for _, a, b in pairs[:12]:
-            p2 = dataclasses.replace(plan, ac=_ac_pattern(ranges, a, b))
+        mixes = sorted((c for c in _counts(len(pols), k) if sum(x * y for x, y in zip(c, drops)) >= (m0 - budget) / 2), key=cost)
+        for c in mixes[:12]:
+            p2 = dataclasses.replace(plan, ac=_ac_pattern(ranges, c, pols))
             if (mem := _memory(ctx, p2)) <= budget: return p2, mem
-    a, b = checkpoint_mix(m0 - budget, k, df, ds, rf, rs)
+    c = checkpoint_mix(m0 - budget, k, drops, costs)
+    if c is None:                                  # the linear estimate says no mix does: the policy that drops the most
+        j = int(np.argmin(mems))
+        return dataclasses.replace(plan, ac=(pols[j],) * n), mems[j]
+    c, top = list(c), int(np.argmax(drops))
     while True:
-        p2 = dataclasses.replace(plan, ac=_ac_pattern(ranges, a, b))
+        p2 = dataclasses.replace(plan, ac=_ac_pattern(ranges, c, pols))
         est = _memory(ctx, p2)                             # exact: a mixed stage's profile is composed (`_mixed_profile`)
-        if est <= budget or a >= k: return p2, est
-        a, b = a + 1, max(b - 1, 0)                          # the linear estimate was short: one more block in full
+        if est <= budget or c[top] >= k: return p2, est
+        c[top] += 1                                        # the linear estimate was short: one more block under `top`
+        if other := [j for j in range(len(c)) if j != top and c[j] > 0]: c[other[-1]] -= 1
 
 # %% ../../nbs/45d_parallel_search.ipynb
 def _cost(t: StepTime) -> float:
@@ -280,8 +297,8 @@ class Candidate:
         d = self.plan.dims
         parts = [f"{k} {getattr(d, k)}" for k in AXIS if getattr(d, k) > 1] or ["1 rank"]
         ac = self.plan.ac
-        if ac and any(a != "none" for a in ac):
-            parts.append("AC " + "/".join(f"{ac.count(m)} {m}" for m in ("full", "selective") if ac.count(m)))
+        if used := [p for p in dict.fromkeys(ac) if p != NoCheckpoint()]:
+            parts.append("AC " + "/".join(f"{ac.count(p)} {p.label}" for p in used))
         if d.pp > 1: parts.append(f"{self.plan.schedule} × {self.plan.microbatches} mb")
         return " × ".join(parts[:5]) + (", " + ", ".join(parts[5:]) if len(parts) > 5 else "")
 
@@ -312,7 +329,7 @@ def table(self: LayoutSearch, lost: int = 5) -> str:
     return "\n".join(rows)
 
 # %% ../../nbs/45d_parallel_search.ipynb
-def _most_sharded_memory(ctx: _Context, plan: ParallelPlan, mode: str) -> tuple[ParallelDims, int | None]:
+def _most_sharded_memory(ctx: _Context, plan: ParallelPlan, mode: CheckpointPolicy) -> tuple[ParallelDims, int | None]:
     """The layout with `plan`'s tp, cp, pp and micro-batches that shards the most (every data-parallel rank in dp_shard,
     none replicated), checkpointed as `mode` on every block, and its memory (None where that layout is not valid)."""
     d = plan.dims
@@ -324,30 +341,32 @@ def _most_sharded_memory(ctx: _Context, plan: ParallelPlan, mode: str) -> tuple[
     except ParallelPlanError: return top, None
 
 # %% ../../nbs/45d_parallel_search.ipynb
-def _hopeless(ctx: _Context, plan: ParallelPlan, ac: str, budget: int, bounds: dict) -> str:
+def _hopeless(ctx: _Context, plan: ParallelPlan, ac, budget: int, bounds: dict) -> str:
     """Why `plan` cannot fit, found without evaluating it ('' if it may fit). For fixed tp, cp, pp and micro-batches a
     rank's memory grows as dp_shard shrinks (its share of the parameters, gradients and optimizer state grows; gathered
     parameters and activations stay), and replicating adds to it: if the most sharded layout of that group does not fit
     even with every block checkpointed, no layout of the group does. One evaluation per group, not one per layout."""
     d = plan.dims
     key = (d.tp, d.cp, d.pp, plan.microbatches)
-    if key not in bounds: bounds[key] = _most_sharded_memory(ctx, plan, "full" if ac == "auto" else ac)
+    if key not in bounds: bounds[key] = _most_sharded_memory(ctx, plan, FullCheckpoint() if ac == "auto" else ac)
     top, mem = bounds[key]
     if mem is None or mem <= budget: return ""
-    how = " with every block checkpointed" if ac in ("auto", "full") else ""
+    how = " with every block checkpointed" if ac == "auto" or ac == FullCheckpoint() else ""
     return (f"cannot fit: dp_shard {top.dp_shard} with the same tp, cp and pp needs {fmt_bytes(mem)}{how} > budget "
             f"{fmt_bytes(budget)}, and less sharding needs more")
 
 # %% ../../nbs/45d_parallel_search.ipynb
 def search_layouts(g: StaticGraph, world: int, topo: Topology, budget_bytes: int, *, n_blocks: int | None = None,
-                   pins: dict | None = None, ac: str = "auto", microbatches: tuple[int, ...] = (2,), schedule: str = "1F1B",
-                   styles: tuple | None = None, selective: SelectivePolicy = SelectivePolicy(), master_dtype: str | None = None,
+                   pins: dict | None = None, ac="auto", microbatches: tuple[int, ...] = (2,), schedule: str = "1F1B",
+                   styles: tuple | None = None, policies: tuple = CHECKPOINT_POLICIES, master_dtype: str | None = None,
                    runners_up: int = 4, progress=None) -> LayoutSearch:
     """The fastest layout of the captured step `g` (its model extended to `n_blocks` identical blocks) on `world` ranks
-    of `topo` that fits `budget_bytes` per rank. `ac`: 'auto' (the cheapest mix that fits), or one mode for every block.
+    of `topo` that fits `budget_bytes` per rank. `ac`: 'auto' (the cheapest mix of `policies` that fits), or one policy
+    (or its name) for every block.
     `microbatches`: pipeline micro-batches per stage count (2: 2·pp)."""
     t0 = time.perf_counter()
-    if ac not in ("auto", "none", "full", "selective"): raise ParallelPlanError(f"ac {ac!r}: use auto, none, full or selective")
+    try: ac = ac if ac == "auto" else parse_policy(ac)
+    except PolicyError as e: raise ParallelPlanError(f"ac {ac!r}: use auto or a checkpointing policy ({e})") from None
     if not budget_bytes > 0: raise ParallelPlanError(f"budget {budget_bytes!r}: give the bytes each rank may use (> 0)")
     stack = g.structure.main if g.structure is not None else None
     if stack is None: raise ParallelPlanError("the captured model has no stack of repeated blocks: use plan-fsdp for it")
@@ -358,7 +377,7 @@ def search_layouts(g: StaticGraph, world: int, topo: Topology, budget_bytes: int
             raise ParallelPlanError(f"tp={pins['tp']}: no linear of {stack.block_type} has a tensor-parallel style (Megatron's "
                                     "pairs need separate nn.Linear projections; fused or Conv1D ones are not split): pin tp 1")
         pins = {**(pins or {}), "tp": 1}
-    ctx = _Context(g, n, topo, styles, selective, master_dtype)
+    ctx = _Context(g, n, topo, styles, policies, master_dtype)
     node = topo.levels[0].size if topo.levels else topo.n_devices
     dims = layout_dims(world, n_blocks=n, node=node, heads=stack.n_heads, kv_heads=stack.n_kv_heads, seq=ctx.seq, pins=pins)
     heap, tick = [], 0
@@ -366,7 +385,7 @@ def search_layouts(g: StaticGraph, world: int, topo: Topology, budget_bytes: int
         stages = balanced_stages(ctx.work(d), n, d.pp)
         for mult in (microbatches if d.pp > 1 else (None,)):
             m = d.pp * mult if mult else 1
-            mode = "none" if ac == "auto" else ac
+            mode = NoCheckpoint() if ac == "auto" else ac
             try:
                 plan = ctx.plan(d, ac=(mode,) * n, stages=stages, schedule=schedule, m=m)
                 check_layout(plan, ctx.full_stack, ctx.seq)
@@ -388,7 +407,7 @@ def search_layouts(g: StaticGraph, world: int, topo: Topology, budget_bytes: int
         if mem <= budget_bytes:
             found.append(Candidate(plan, mem, ctx.step_time(plan), "fits" if mode != "mixed" else "fits with checkpointing"))
             continue
-        if ac == "auto" and mode == "none":
+        if ac == "auto" and mode == NoCheckpoint():
             nxt = _with_checkpointing(ctx, plan, mem, budget_bytes)
             if isinstance(nxt, tuple):
                 p2, m2 = nxt

@@ -15,9 +15,10 @@ from ..graph import StaticGraph, roofline_seconds
 from ..fsdp.profile import main_stack, param_infos, tokens_of
 from ..placement import STYLES
 from ..topology import MeshSpec, Topology, collective_time, device_rates
-from .memory import (_block_spans, _policy_kept, _regions, _under_any, boundary_bytes, op_blocks,
+from ..graph.policies import FullCheckpoint, NoCheckpoint, SelectiveOps, recomputed_ops
+from .memory import (_block_forward, _block_spans, _regions, _under_any, boundary_bytes, op_blocks,
                                          tp_param_shape)
-from .plan import ParallelPlan, ParallelPlanError, ac_modes, stage_ranges
+from .plan import ParallelPlan, ParallelPlanError, block_policies, stage_ranges
 
 # %% auto 0
 __all__ = ['DEVICES', 'TIME_TERMS', 'DeviceSpec', 'device_spec', 'calibrate_device', 'op_seconds', 'RankWork', 'rank_work',
@@ -81,10 +82,9 @@ class RankWork:
     "Ops outside the main stack: before it (embedding) and after it (norm, head, loss), forward and backward."
     fwd_blocks: np.ndarray
     bwd_blocks: np.ndarray
-    rc_full: np.ndarray
-    "Recompute of a fully checkpointed block: its forward."
-    rc_selective: np.ndarray
-    "Recompute of a selectively checkpointed block: its forward ops whose outputs the policy does not keep."
+    recompute: dict
+    """{per-block checkpointing policy: seconds of each block's recompute under it}: the forward ops the policy
+    recomputes (`graph.policies.recomputed_ops`); every policy the plan and `rank_work`'s `policies` resolve to."""
     attn_fwd: np.ndarray
     "Attention ops' forward seconds per block (what a context-parallel ring hides behind)."
     kv_bytes: np.ndarray
@@ -139,8 +139,12 @@ def _tp_collectives(g: StaticGraph, plan: ParallelPlan, blocks, tokens: int, ite
     return tuple(out)
 
 # %% ../../nbs/45c_parallel_time.ipynb
-def rank_work(g: StaticGraph, plan: ParallelPlan, topo: Topology, spec: DeviceSpec | None = None) -> RankWork:
-    "One micro-batch of the captured step on one rank under `plan`'s tensor and context parallelism, per region."
+_BASE_POLICIES = (NoCheckpoint(), FullCheckpoint(), SelectiveOps())
+
+def rank_work(g: StaticGraph, plan: ParallelPlan, topo: Topology, spec: DeviceSpec | None = None,
+              policies=()) -> RankWork:
+    """One micro-batch of the captured step on one rank under `plan`'s tensor and context parallelism, per region;
+    recompute seconds for the plan's checkpointing policies, `policies` and the base ones."""
     stack, blocks = main_stack(g)
     ob, k = op_blocks(g, blocks), len(blocks)
     phase = g.op_phases()
@@ -154,10 +158,9 @@ def rank_work(g: StaticGraph, plan: ParallelPlan, topo: Topology, spec: DeviceSp
     per = lambda mask: np.bincount(ob[mask], weights=sec[mask], minlength=k)[:k]
     fwd_blocks, bwd_blocks = per(inb & (phase == 0)), per(inb & (phase == 1))
     ff, lf, _ = _block_spans(ob, phase, k)
-    rc_sel = np.zeros(k)
-    for b in range(len(blocks)):
-        kept = _policy_kept(g, plan.selective, ob, b, ff[b], lf[b])
-        rc_sel[b] = sum(sec[i] for i in range(ff[b], lf[b] + 1) if ob[i] == b and i not in kept)
+    fw = [_block_forward(ob, b, ff[b], lf[b]) if ff[b] >= 0 else [] for b in range(k)]
+    leaves = {q for p in (*_BASE_POLICIES, *plan.ac, *policies) for q in p.leaves()}
+    rc = {p: np.array([float(sec[list(recomputed_ops(g, p, fw[b]))].sum()) for b in range(k)]) for p in leaves}
     attn, kv = np.zeros(k), np.zeros(k)
     fac = _op_factor(g, plan, blocks)
     for i, o in enumerate(g.ops):
@@ -183,7 +186,7 @@ def rank_work(g: StaticGraph, plan: ParallelPlan, topo: Topology, spec: DeviceSp
     tb = min(1, len(blocks) - 1) if blocks else 0
     return RankWork(float(sec[out_f & (idx < f0)].sum()), float(sec[out_f & (idx >= f0)].sum()),
                     float(sec[out_b & (idx >= b0)].sum()), float(sec[out_b & (idx < b0)].sum()),
-                    fwd_blocks, bwd_blocks, fwd_blocks.copy(), rc_sel, attn, kv, float(sec[phase == 2].sum()),
+                    fwd_blocks, bwd_blocks, rc, attn, kv, float(sec[phase == 2].sum()),
                     boundary_bytes(g, ob, plan.dims.cp, nb), bp, pre, post, float(sum(p.numel * p.itemsize for p in params)),
                     _tp_collectives(g, plan, blocks, tokens, itemsize, {p.name: p.shape for p in params}),
                     float(flops[phase < 2].sum()), float(flops[(phase < 2) & (ob == tb)].sum()), tokens, itemsize)
@@ -288,13 +291,17 @@ class _Layout:
 
 # %% ../../nbs/45c_parallel_time.ipynb
 def _per_block(w: RankWork, plan: ParallelPlan, topo: Topology, mesh: MeshSpec, n: int) -> _Layout:
-    fwd, bwd, rcf, rcs, attn, kv, bp = (extend_blocks(a, n) for a in
-                                        (w.fwd_blocks, w.bwd_blocks, w.rc_full, w.rc_selective, w.attn_fwd, w.kv_bytes, w.block_params))
-    modes = np.array(ac_modes(plan, n) if n else ())
-    rc = np.where(modes == "full", rcf, np.where(modes == "selective", rcs, 0.0))
+    fwd, bwd, attn, kv, bp = (extend_blocks(a, n) for a in (w.fwd_blocks, w.bwd_blocks, w.attn_fwd, w.kv_bytes, w.block_params))
+    pols = block_policies(plan, n)
+    if missing := [p.label for p in set(pols) if p not in w.recompute]:
+        raise ParallelPlanError(f"the rank's work has no recompute seconds for policy {missing[0]}: pass it to "
+                                "rank_work(..., policies=)")
+    ext = {p: extend_blocks(w.recompute[p], n) for p in set(pols)}
+    rc = np.array([ext[p][i] for i, p in enumerate(pols)], dtype=np.float64)
+    checkpointed = np.array([p.checkpoints for p in pols], dtype=bool)
     fcoll = [_coll(topo, mesh, "tp", kind, b) for kind, b, f in w.tp_bytes if f]
     tp_f = sum(fcoll)
-    tp_b = sum(_coll(topo, mesh, "tp", kind, b) for kind, b, f in w.tp_bytes if not f) + np.where(modes != "none", sum(fcoll[:-1]), 0.0)
+    tp_b = sum(_coll(topo, mesh, "tp", kind, b) for kind, b, f in w.tp_bytes if not f) + np.where(checkpointed, sum(fcoll[:-1]), 0.0)
     cp = plan.dims.cp
     ring = (cp - 1) * np.array([_p2p(topo, 0, plan.dims.tp, x) for x in kv]) if cp > 1 else np.zeros(n)
     return _Layout(fwd, bwd, rc, tp_f, tp_b, np.maximum(ring - attn, 0), np.maximum(2 * ring - 2 * attn, 0), ring, bp)

@@ -18,7 +18,8 @@ from ..launch import process_group
 from ..axes import device_mesh
 from .apply import apply_ac, apply_parallel_plan
 from .memory import _block_spans, op_blocks, predict_parallel_memory, rank_fsdp_plan, rank_profile
-from .plan import ParallelPlan, ParallelPlanError, SelectivePolicy
+from ..graph.policies import FullCheckpoint, NoCheckpoint, SelectiveOps
+from .plan import ParallelPlan, ParallelPlanError, block_policies
 from ..placement import STYLES
 from ..step import OPTIMIZERS, step_loss
 from ..structure import find_structure
@@ -58,11 +59,10 @@ def predict_axis_counts(profile, plan: ParallelPlan) -> dict[str, int]:
 def _recomputed(profile, plan: ParallelPlan) -> list[str]:
     """Forward TP collectives a checkpointed block issues again in backward: those of its styled linears but the last
     in forward order, whose output only feeds the residual (checkpoint's recompute stops once backward has what it needs)."""
-    from static_dist.parallel.plan import ac_modes
     out, n = [], len(profile.blocks)
     first = {m: i for i, m in reversed(list(enumerate(profile.op_module))) if profile.op_phase[i] == 0}
-    for b, mode in zip(profile.blocks, ac_modes(plan, n) if len(plan.ac) == n else ("none",) * n):
-        if mode == "none": continue
+    for b, pol in zip(profile.blocks, block_policies(plan, n) if len(plan.ac) == n else (NoCheckpoint(),) * n):
+        if not pol.checkpoints: continue
         order = sorted(plan.tp_styles, key=lambda ns: first.get(f"{b}.{ns[0]}", 1 << 62))
         out += [kind for _, s in order[:-1] for kind, _ in STYLES[s][2]]
     return out
@@ -142,14 +142,14 @@ def measured_stack_bytes(w, plan: ParallelPlan) -> int:
     return marks["end"] - marks["start"]
 
 # %% ../../nbs/45f_parallel_verify.ipynb
-def verify_selective(w, policy: SelectivePolicy = SelectivePolicy(), graph=None) -> dict:
+def verify_selective(w, policy: SelectiveOps = SelectiveOps(), graph=None) -> dict:
     """What `policy` saves beyond full checkpointing, predicted and measured (`measured_stack_bytes`), with the bytes of
     each mode: {'none'|'full'|'selective': (predicted, measured), 'policy': (predicted, measured)}."""
     g = graph if graph is not None else w.graph()
     n = len(g.structure.main.blocks)
     out = {}
-    for mode in ("none", "full", "selective"):
-        plan = ParallelPlan(ac=(mode,) * n, selective=policy)
+    for mode, pol in (("none", NoCheckpoint()), ("full", FullCheckpoint()), ("selective", policy)):
+        plan = ParallelPlan(ac=(pol,) * n)
         out[mode] = (predicted_stack_bytes(g, plan), measured_stack_bytes(w, plan))
     out["policy"] = tuple(s - f for s, f in zip(out["selective"], out["full"]))
     return out
