@@ -113,18 +113,20 @@ def op_dtypes(g: StaticGraph) -> tuple[str, ...]:
     return tuple(out)
 
 # %% ../../nbs/02c_topology_devices.ipynb
-def work_seconds(flops, nbytes, dtypes, device, *, tf32: bool = False) -> np.ndarray:
+def work_seconds(flops, nbytes, dtypes, device, *, tf32: bool = False, dtype: str | None = None) -> np.ndarray:
     "Seconds of ops of `flops`, `nbytes` and `dtypes` (arrays, one entry per op) on `device` (see `op_seconds`)."
     spec = device_spec(device)
     flops, nbytes = np.asarray(flops, dtype=np.float64), np.asarray(nbytes, dtype=np.float64)
+    dtypes = (dtype,) * len(flops) if dtype else dtypes
     rates = {d: peak_flops(spec, d, tf32) * spec.matmul_efficiency for d in set(dtypes)}
     rate = np.array([rates[d] for d in dtypes], dtype=np.float64) if len(dtypes) else np.ones(0)
     compute = np.divide(flops, rate, out=np.zeros_like(flops), where=flops > 0)
     return spec.op_overhead + np.maximum(compute, nbytes / (spec.memory_bandwidth * spec.memory_efficiency))
 
-def op_seconds(graph: StaticGraph, device, *, tf32: bool = False) -> np.ndarray:
-    "Seconds of every op of the captured step on one `device` (a table name, a `DeviceSpec` or a topology)."
-    return work_seconds([o.flops for o in graph.ops], op_bytes(graph), op_dtypes(graph), device, tf32=tf32)
+def op_seconds(graph: StaticGraph, device, *, tf32: bool = False, dtype: str | None = None) -> np.ndarray:
+    """Seconds of every op of the captured step on one `device` (a table name, a `DeviceSpec` or a topology); `dtype`
+    charges every matmul at that dtype's peak instead of its own (a float32 capture of a step run under autocast)."""
+    return work_seconds([o.flops for o in graph.ops], op_bytes(graph), op_dtypes(graph), device, tf32=tf32, dtype=dtype)
 
 # %% ../../nbs/02c_topology_devices.ipynb
 class TwoStreams:
