@@ -24,7 +24,8 @@ def _graph(source: str, dtype: str):
     if source == "llama3-8b":
         build = w.build
         stack = find_structure(build(device="meta")).main.path
-        w = dataclasses.replace(w, build=lambda device="meta", dtype=torch.float32: first_blocks(build(device=device, dtype=dtype), stack, 3))
+        cut = lambda device="meta", dtype=torch.float32: first_blocks(build(device=device, dtype=dtype), stack, 3)
+        w = dataclasses.replace(w, build=cut)
     return w.graph()
 
 

@@ -187,7 +187,8 @@ def cmd_plan_placement(args) -> int:
 # %% ../../nbs/92_verbs.ipynb
 def cmd_plan_offload(args) -> int:
     "`static-dist plan-offload`: which saved tensors go to which tier, and when."
-    from static_dist.offload import TIER_PRESETS, offload_device, plan_markdown, plan_offload, plan_summary, plan_to_dict, tier
+    from static_dist.offload import (TIER_PRESETS, offload_device, plan_markdown, plan_offload, plan_summary,
+                                     plan_to_dict, tier)
     if args.save: check_writable(args.save, force=args.force)
     names = args.tier or ["pcie5-pinned", "nvme-gen4"]
     bad = [t for t in names if t not in TIER_PRESETS]

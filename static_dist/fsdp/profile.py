@@ -106,9 +106,11 @@ class GraphProfile:
     recomputes: tuple = ()
     "`CheckpointDeltas.recomputes` of the modules checkpointed before profiling (`rank_profile`), not in `native`."
     op_bytes: np.ndarray | None = None
-    "Bytes each op reads and writes (`graph.op_bytes`): with `op_flops` and `op_dtypes`, what `topology.work_seconds` charges."
+    "Bytes each op reads and writes (`graph.op_bytes`): with `op_flops` and `op_dtypes`, what `work_seconds` reads."
     op_dtypes: tuple[str, ...] = ()
     "The dtype each op computes in (`topology.op_dtypes`): its matmuls run at that dtype's peak."
+    optimizer_numel: int = 0
+    "Parameter elements the captured optimizer step updated: what its ops' time covers (`expand_blocks` keeps it)."
 
 # %% ../../nbs/40a_fsdp_profile.ipynb
 def _under(name: str, unit: str) -> bool:
@@ -284,8 +286,9 @@ def profile_graph(g: StaticGraph, master_dtype: str | None = None) -> GraphProfi
                         int(opt_temp), shared_params(g, by_storage), g.meta.get("model", ""), cap, tokens_of(g),
                         blocks, stack, tuple(o.op for o in g.ops), master_dtype=master_dtype or captured_param_dtype(g),
                         model_forward_end=fwd[1] if fwd else -1, model_backward_start=-1 if bwd is None else bwd,
-                        block_flows=block_flows(g, stack, len(blocks)), checkpoint=checkpoint_deltas(g, checkpointable(g, stack)),
-                        op_bytes=op_bytes(g), op_dtypes=op_dtypes(g))
+                        block_flows=block_flows(g, stack, len(blocks)),
+                        checkpoint=checkpoint_deltas(g, checkpointable(g, stack)),
+                        op_bytes=op_bytes(g), op_dtypes=op_dtypes(g), optimizer_numel=sum(p.numel for p in params))
 
 # %% ../../nbs/40a_fsdp_profile.ipynb
 def _op_blocks(P: GraphProfile) -> np.ndarray:

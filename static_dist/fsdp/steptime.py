@@ -116,7 +116,7 @@ _SECONDS: dict = {}
 def profile_seconds(profile: GraphProfile, cost: CostModel) -> np.ndarray:
     "Seconds of each op of the profile on `cost`'s device (`topology.work_seconds`), memoised per profile and device."
     if profile.op_bytes is None:
-        raise PlanError("the profile has no per-op bytes (made by an older static_dist?): make it again with profile_graph")
+        raise PlanError("the profile has no per-op bytes (an older static_dist made it): make it with profile_graph")
     spec = cost.spec
     hit = _SECONDS.get((id(profile), spec))
     if hit is not None and hit[0] is profile: return hit[1]
@@ -148,7 +148,8 @@ def _gather_time(cost: CostModel, plan: FSDPPlan, l: UnitLayout, group: int | No
 def _gather_ahead(S: TwoStreams, ph: int, o: str, seq: list, p: int, plan: FSDPPlan, lays: dict, cost: CostModel,
                   units: dict):
     """Issue unit `o`'s all-gather if nothing prefetched it, then (on its first run) the next `p` units' (`units`: by
-    name); the backward's first run outside them (the root's) prefetches the first of them (FSDP2's root pre-backward)."""
+    name); the backward's first run outside them (the root's) prefetches the first of them (FSDP2's root
+    pre-backward)."""
     need = lambda u: ph == 0 or units[u].reshard_after_forward is not False
     group = lambda u: None if ph == 0 or units[u].reshard_after_forward is True else units[u].reshard_after_forward
     gather = lambda u: S.issue((ph, u), _gather_time(cost, plan, lays[u], group(u)), S.tc, "all_gather", u)
@@ -198,7 +199,8 @@ def _micro_batch(segs, lays: dict, plan: FSDPPlan, cost: CostModel, sync: bool, 
 # %% ../../nbs/40d_fsdp_steptime.ipynb
 def predict_step(profile: GraphProfile, plan: FSDPPlan, cost: CostModel, *, _segs=None, _lays=None) -> StepPrediction:
     """Predicted step time of `plan` on `cost.topology`, with the last micro-batch's two-stream timeline and the
-    optimizer step after it (the captured optimizer's seconds over the shard group: each rank updates its shard)."""
+    optimizer step after it (the captured optimizer's seconds per parameter, for the profile's parameters, over the
+    shard group: each rank updates its shard)."""
     if cost.topology.n_devices != plan.world_size:
         raise PlanError(f"topology {cost.topology.name!r} has {cost.topology.n_devices} devices but the plan has "
                         f"world_size {plan.world_size}: use a topology preset with {plan.world_size} devices.")
@@ -207,7 +209,9 @@ def predict_step(profile: GraphProfile, plan: FSDPPlan, cost: CostModel, *, _seg
     k, sec = plan.accumulation_steps, profile_seconds(profile, cost)
     t_sync, spans = _micro_batch(segs, lays, plan, cost, True, sec)
     t_no, spans_no = _micro_batch(segs, lays, plan, cost, plan.sync_every_microbatch, sec) if k > 1 else (0.0, [])
-    opt = float(sec[profile.op_phase == 2].sum()) / plan.shard_size
+    covered = profile.optimizer_numel or 1          # an expanded profile's captured optimizer ran on fewer blocks
+    opt_sec = float((sec[profile.op_phase == 2] - cost.spec.op_overhead).sum())   # no per-op launch: see above
+    opt = opt_sec * sum(p.numel for p in profile.params) / covered / plan.shard_size
     spans.append(Span("compute", "optimizer", "", t_sync, t_sync + opt))
     step = (k - 1) * t_no + t_sync + opt
     busy = lambda st, sp: sum(s.end - s.start for s in sp if st == s.stream and s.kind != "optimizer")

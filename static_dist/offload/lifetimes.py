@@ -22,12 +22,14 @@ class OffloadDeviceError(InputError):
     "A device the offload planner cannot time: not a device-table name, an earlier offload name or a DeviceSpec."
 
 DEVICE_NAMES = {"h200-fp32": ("H200-SXM", "float32"), "h200-bf16": ("H200-SXM", "bfloat16"), "cpu": ("CPU", None)}
-"The offload planner's earlier device names: (device-table entry, dtype every matmul is charged at; None: the op's own)."
+"The offload planner's earlier device names: (device-table entry, the dtype every matmul is charged at; None: its own)."
 
 def offload_device(device) -> tuple[DeviceSpec, str | None]:
     "(device-table record, matmul dtype or None) of a table name, an earlier offload name or a `DeviceSpec`."
     if isinstance(device, DeviceSpec): return device, None
-    if isinstance(device, str) and device in DEVICE_NAMES: return DEVICES[DEVICE_NAMES[device][0]], DEVICE_NAMES[device][1]
+    if isinstance(device, str) and device in DEVICE_NAMES:
+        name, dtype = DEVICE_NAMES[device]
+        return DEVICES[name], dtype
     if isinstance(device, str) and device in DEVICES: return device_spec(device), None
     raise OffloadDeviceError(f"unknown device {device!r}; choose one of {', '.join([*DEVICE_NAMES, *DEVICES])} "
                              "or pass a topology.DeviceSpec (topology.calibrate_device measures one)")
@@ -63,7 +65,7 @@ def checkpointed_modules(fsdp_plan) -> tuple[str, ...]:
 
 # %% ../../nbs/50a_offload_lifetimes.ipynb
 def _op_starts(graph: StaticGraph, device) -> np.ndarray:
-    "Estimated start time of every op on an offload `device` (`offload_device`), plus the end of the step (length n + 1)."
+    "Estimated start time of every op on an offload `device` (`offload_device`), and the step's end (length n + 1)."
     spec, dtype = offload_device(device)
     return np.concatenate([[0.0], np.cumsum(op_seconds(graph, spec, dtype=dtype))])
 

@@ -340,7 +340,8 @@ def plan_summary(plan: OffloadPlan) -> dict:
                 offloaded={t.name: sum(d.nbytes for d in plan.offloaded if d.tier == t.name) for t in plan.tiers},
                 bytes_moved=plan.bytes_per_tier, peak_bytes=plan.peak_bytes, planned_peak_bytes=plan.planned_peak_bytes,
                 peak_reduction=1 - plan.planned_peak_bytes / plan.peak_bytes if plan.peak_bytes else 0.0,
-                stall_ms=plan.stall_s * 1e3, step_ms=plan.step_s * 1e3, device=plan.device.name + (f" ({plan.matmul_dtype} matmuls)" if plan.matmul_dtype else ""))
+                stall_ms=plan.stall_s * 1e3, step_ms=plan.step_s * 1e3,
+                device=plan.device.name + (f" ({plan.matmul_dtype} matmuls)" if plan.matmul_dtype else ""))
 
 # %% ../../nbs/50b_offload_plan.ipynb
 def plan_markdown(plan: OffloadPlan) -> str:

@@ -94,7 +94,8 @@ def _check_schema(d, where: str):
     why = {"static_dist.offload/1": "whose points are not on the executor's clock",
            "static_dist.offload/2": "whose device is not the device table's record"}
     if isinstance(d, dict) and d.get("schema") in why:
-        raise OffloadPlanError(f"{where} was written by an older static_dist (schema {d['schema']}, {why[d['schema']]}): "
+        old = d["schema"]
+        raise OffloadPlanError(f"{where} was written by an older static_dist (schema {old}, {why[old]}): "
                                "make it again with plan_offload or `static-dist plan-offload --save`")
     if not isinstance(d, dict) or d.get("schema") != OFFLOAD_SCHEMA:
         raise OffloadPlanError(f"{where} is not an offload plan: expected schema {OFFLOAD_SCHEMA!r}, found "
@@ -132,7 +133,8 @@ def plan_from_dict(d: dict, where: str = "offload plan") -> OffloadPlan:
     tiers = _tiers_from(f)
     dev = f.nested("device", keys=_DEVICE)
     mdt = f("matmul_dtype", optional(one_of(*_MATMUL_DTYPES)))
-    return OffloadPlan(**v, tiers=tiers, device=DeviceSpec(**{k: dev(k, c) for k, c in _DEVICE.items()}), matmul_dtype=mdt,
+    device = DeviceSpec(**{k: dev(k, c) for k, c in _DEVICE.items()})
+    return OffloadPlan(**v, tiers=tiers, device=device, matmul_dtype=mdt,
                        bytes_per_tier=_bytes_per_tier(f, [t.name for t in tiers]),
                        decisions=_decisions_from(f, v["n_ops"], {t.name for t in tiers}))
 

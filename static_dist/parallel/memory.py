@@ -378,7 +378,8 @@ def rank_profile(g: StaticGraph, plan: ParallelPlan, pp_rank: int = 0, master_dt
                         master_dtype=master_dtype or captured_param_dtype(g), **_root_marks(g, K),
                         recomputes=tuple((int(newix(r.at)), *recompute_bytes(g, v.checkpoint, r, weight))
                                          for r in v.checkpoint.recomputes if v.keep[r.at]),
-                        op_bytes=(op_bytes(g) * _op_share(g, plan, v))[K], op_dtypes=tuple(_dts[i] for i in K))
+                        op_bytes=(op_bytes(g) * _op_share(g, plan, v))[K], op_dtypes=tuple(_dts[i] for i in K),
+                        optimizer_numel=sum(p.numel for p in ps))
 
 # %% ../../nbs/45b_parallel_memory.ipynb
 def _saved(g: StaticGraph, v: _View, cp: int, newix) -> tuple:

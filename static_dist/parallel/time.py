@@ -13,7 +13,7 @@ import numpy as np
 from ..graph import StaticGraph
 from ..fsdp.profile import main_stack, param_infos, tokens_of
 from ..placement import STYLES
-from ..topology import MeshSpec, Topology, TwoStreams, collective_time, op_seconds
+from ..topology import MeshSpec, Topology, TwoStreams, collective_time, device_spec, op_seconds
 from .memory import (_block_spans, _policy_kept, _regions, _under_any, boundary_bytes, op_blocks,
                                          tp_param_shape)
 from .plan import ParallelPlan, ParallelPlanError, ac_modes, stage_ranges
@@ -43,7 +43,7 @@ class RankWork:
     kv_bytes: np.ndarray
     "Local key + value bytes per block that a context-parallel ring passes around."
     optimizer: float
-    "The captured step's optimizer over all captured parameters, unsharded."
+    "The captured step's optimizer over all captured parameters, unsharded, without per-op launches (foreach on a GPU)."
     boundary_bytes: float
     "Local bytes of the activation one block hands the next (what a pipeline stage sends)."
     block_params: np.ndarray
@@ -132,12 +132,14 @@ def rank_work(g: StaticGraph, plan: ParallelPlan, topo: Topology, device=None) -
         elif first.get(p.name.rpartition(".")[0], 0) < f0: pre += local(p)
         else: post += local(p)
     itemsize = params[0].itemsize if params else 4
+    # the optimizer without per-op launches: on a GPU torch runs it as a few multi-tensor (foreach) kernels
+    opt = float((sec[phase == 2] - device_spec(topo if device is None else device).op_overhead).sum())
     tokens = tokens_of(g)
     flops = np.array([o.flops for o in g.ops], dtype=np.float64)
     tb = min(1, len(blocks) - 1) if blocks else 0
     return RankWork(float(sec[out_f & (idx < f0)].sum()), float(sec[out_f & (idx >= f0)].sum()),
                     float(sec[out_b & (idx >= b0)].sum()), float(sec[out_b & (idx < b0)].sum()),
-                    fwd_blocks, bwd_blocks, fwd_blocks.copy(), rc_sel, attn, kv, float(sec[phase == 2].sum()),
+                    fwd_blocks, bwd_blocks, fwd_blocks.copy(), rc_sel, attn, kv, opt,
                     boundary_bytes(g, ob, plan.dims.cp, nb), bp, pre, post, float(sum(p.numel * p.itemsize for p in params)),
                     _tp_collectives(g, plan, blocks, tokens, itemsize, {p.name: p.shape for p in params}),
                     float(flops[phase < 2].sum()), float(flops[(phase < 2) & (ob == tb)].sum()), tokens, itemsize)
@@ -192,8 +194,8 @@ def _p2p(topo: Topology, a: int, b: int, nbytes: float) -> float:
 
 # %% ../../nbs/45c_parallel_time.ipynb
 def _two_streams(segs) -> tuple[float, float]:
-    """(end, communication busy seconds) of segments run in order on `topology.TwoStreams`: (compute seconds, (key, comm
-    seconds) the segment waits for or None, [(key, seconds)] issued at its start, [(key, seconds)] issued at its end)."""
+    """(end, communication busy seconds) of segments run in order on `topology.TwoStreams`: (compute seconds, (key,
+    comm seconds) the segment waits for or None, [(key, seconds)] issued at its start, [(key, seconds)] at its end)."""
     S = TwoStreams()
     for comp, need, at_start, at_end in segs:
         ready = S.issue(need[0], need[1], S.tc) if need is not None else 0.0

@@ -243,9 +243,11 @@ def calibrate_device(device: str | None = None, dtype: str | None = None, *, bas
     if base is not None:
         b = device_spec(base)
         return replace(b, matmul_efficiency=min(r.flops / peak_flops(b, r.dtype), 1.0), op_overhead=r.overhead,
-                       memory_efficiency=min(r.bandwidth / b.memory_bandwidth, 1.0), source=f"{b.source}; efficiencies {what}")
-    return DeviceSpec(f"measured-{r.device}", r.flops, r.flops, r.flops, r.flops, 0.0, r.bandwidth, _memory_of(r.device),
-                      0.0, 0.0, 1.0, 1.0, r.overhead, f"{what}; every dtype at that rate, links not measured")
+                       memory_efficiency=min(r.bandwidth / b.memory_bandwidth, 1.0),
+                       source=f"{b.source}; efficiencies {what}")
+    f = r.flops
+    return DeviceSpec(f"measured-{r.device}", f, f, f, f, 0.0, r.bandwidth, _memory_of(r.device), 0.0, 0.0, 1.0, 1.0,
+                      r.overhead, f"{what}; every dtype at that rate, links not measured")
 
 def _memory_of(device: str) -> int:
     "Bytes of memory of `device`: the GPU's, or the host's for a CPU."

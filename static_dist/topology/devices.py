@@ -61,25 +61,26 @@ def peak_flops(spec: DeviceSpec, dtype: str, tf32: bool = False) -> float:
     column for (float64, integers) is charged at the FP32 rate."""
     f = "flops_tf32" if dtype == "float32" and tf32 else _DTYPE_FIELD.get(dtype, "flops_fp32")
     rate = getattr(spec, f)
-    if not rate > 0: raise DeviceError(f"{spec.name} has no {dtype} matmul rate ({f} is {rate}); use a device that has one")
+    if not rate > 0: raise DeviceError(f"{spec.name} has no {dtype} matmul rate ({f} is {rate}); use a device with one")
     return rate
 
 # %% ../../nbs/02c_topology_devices.ipynb
 _GPU_ASSUMED = dict(matmul_efficiency=0.5, memory_efficiency=0.7, op_overhead=5e-6)   # assumptions, see above
+_DENSE = "dense; efficiencies and overhead assumed"
 
 DEVICES: dict[str, DeviceSpec] = {
     # NVIDIA H100 datasheet (SXM): sparse tensor-core rates halved; NVLink 900 and PCIe Gen5 128 GB/s both ways halved
     "H100-SXM": DeviceSpec("H100-SXM", 67e12, 494.5e12, 989.5e12, 989.5e12, 1979e12, 3.35e12, 80 * 10**9, 450e9, 64e9,
-                           **_GPU_ASSUMED, source="NVIDIA H100 datasheet (SXM), dense; efficiencies and overhead assumed"),
+                           **_GPU_ASSUMED, source=f"NVIDIA H100 datasheet (SXM), {_DENSE}"),
     # NVIDIA H200 datasheet (SXM): H100's compute and links, 141 GB HBM3e at 4.8 TB/s
     "H200-SXM": DeviceSpec("H200-SXM", 67e12, 494.5e12, 989.5e12, 989.5e12, 1979e12, 4.8e12, 141 * 10**9, 450e9, 64e9,
-                           **_GPU_ASSUMED, source="NVIDIA H200 datasheet (SXM), dense; efficiencies and overhead assumed"),
+                           **_GPU_ASSUMED, source=f"NVIDIA H200 datasheet (SXM), {_DENSE}"),
     # NVIDIA L40S datasheet: 91.6 FP32, 183 TF32, 362.05 BF16/FP16, 733 FP8 dense; 864 GB/s; PCIe Gen4 64 GB/s both ways
     "L40S": DeviceSpec("L40S", 91.6e12, 183e12, 362.05e12, 362.05e12, 733e12, 864e9, 48 * 10**9, 0.0, 32e9,
-                       **_GPU_ASSUMED, source="NVIDIA L40S datasheet, dense; efficiencies and overhead assumed"),
+                       **_GPU_ASSUMED, source=f"NVIDIA L40S datasheet, {_DENSE}"),
     # NVIDIA A100 datasheet (80GB SXM): 19.5 FP32, 156 TF32, 312 BF16/FP16 dense, no FP8; 2,039 GB/s; NVLink 600 GB/s
-    "A100-SXM-80GB": DeviceSpec("A100-SXM-80GB", 19.5e12, 156e12, 312e12, 312e12, 0.0, 2.039e12, 80 * 10**9, 300e9, 32e9,
-                                **_GPU_ASSUMED, source="NVIDIA A100 datasheet (80GB SXM), dense; efficiencies and overhead assumed"),
+    "A100-SXM-80GB": DeviceSpec("A100-SXM-80GB", 19.5e12, 156e12, 312e12, 312e12, 0.0, 2.039e12, 80 * 10**9, 300e9,
+                                32e9, **_GPU_ASSUMED, source=f"NVIDIA A100 datasheet (80GB SXM), {_DENSE}"),
     # One socket: 32 cores x 2.0 GHz x 64 fp32 FLOPs/cycle (AVX-512, 2 FMA units); no TF32/FP8, BF16/FP16 assumed at
     # the FP32 rate (AMX not counted); 8 x DDR5-4800 = 307.2 GB/s; shared-memory copies between ranks assumed 20 GB/s
     "CPU": DeviceSpec("CPU", 32 * 2.0e9 * 64, 32 * 2.0e9 * 64, 32 * 2.0e9 * 64, 32 * 2.0e9 * 64, 0.0, 8 * 38.4e9,
@@ -93,8 +94,8 @@ def device_spec(device) -> DeviceSpec:
     if isinstance(device, DeviceSpec): return device
     name = device if isinstance(device, str) else getattr(device, "device", None)
     if name not in DEVICES:
-        raise DeviceError(f"no device-table entry for {name!r}; choose one of {', '.join(DEVICES)}, or pass a DeviceSpec "
-                          "(topology.calibrate_device measures one)")
+        raise DeviceError(f"no device-table entry for {name!r}; choose one of {', '.join(DEVICES)}, or pass a "
+                          "DeviceSpec (topology.calibrate_device measures one)")
     spec, flops = DEVICES[name], getattr(device, "device_flops", None)
     if flops is None or flops == spec.flops_bf16: return spec
     s = flops / spec.flops_bf16
@@ -134,7 +135,7 @@ class TwoStreams:
     def __init__(self): self.tc, self.tm, self.busy, self.done, self.spans = 0.0, 0.0, 0.0, {}, []
 
     def issue(self, key, seconds: float, at: float, kind: str = "comm", unit: str = "") -> float:
-        "Queue collective `key` of `seconds` on the comm stream, not before `at`; its end (issued once: later calls return it)."
+        "Queue collective `key` of `seconds` on the comm stream, not before `at`; its end (a key is issued once)."
         if key in self.done: return self.done[key]
         if seconds <= 0: self.done[key] = at; return at
         start = max(self.tm, at)

@@ -196,8 +196,8 @@ def _dgx(name: str, gpu: str, n_nodes: int = 1, gpus_per_node: int = 8, nic: str
     nv = Link("nvswitch", DEVICES[gpu].link_bandwidth, NVSWITCH_H100.latency)
     levels = (Level("node", gpus_per_node, nv),)
     if n_nodes > 1: levels += (Level("cluster", n_nodes, NICS[nic]),)
-    return Topology(name, n_nodes * gpus_per_node, gpu, host_link=Link("pcie", DEVICES[gpu].host_bandwidth, PCIE_GEN5.latency),
-                    levels=levels, **_device_fields(gpu))
+    host = Link("pcie", DEVICES[gpu].host_bandwidth, PCIE_GEN5.latency)
+    return Topology(name, n_nodes * gpus_per_node, gpu, host_link=host, levels=levels, **_device_fields(gpu))
 
 # %% ../../nbs/02a_topology_model.ipynb
 def _pcie_box(n_gpus: int = 8, sockets: int = 2, gpu: str = "L40S") -> Topology:
