@@ -258,7 +258,7 @@ def _get(x, path):
 
 VALUES = st.one_of(st.none(), st.booleans(), st.integers(-2**40, 2**40), st.floats(allow_nan=True, allow_infinity=True),
                    st.text(max_size=8), st.lists(st.integers(-3, 3), max_size=3), st.just({}), st.just("float32"),
-                   st.sampled_from(["cpu", "nvme", "disk", "must_retain", "safe_to_offload", "static_dist.offload/2"]))
+                   st.sampled_from(["cpu", "nvme", "disk", "must_retain", "safe_to_offload", "static_dist.offload/3"]))
 
 
 @settings(max_examples=300, deadline=None, database=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

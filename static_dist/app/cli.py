@@ -222,7 +222,8 @@ def _offload_parser(sub):
     _workload_args(p)
     p.add_argument("--tier", action="append", help="tier preset, repeatable (default: pcie5-pinned and nvme-gen4)")
     p.add_argument("--host-limit", type=size("--host-limit"), help="host memory the CPU tier may use (default: no limit)")
-    p.add_argument("--device", default="cpu", help="device timing model (default: cpu)")
+    p.add_argument("--device", default="cpu", help="device the ops are timed on: a device-table name (H100-SXM, "
+                   "H200-SXM, L40S, A100-SXM-80GB, CPU) or h200-fp32, h200-bf16, cpu (default: cpu)")
     p.add_argument("--recompute", action="append", help="module FQN under activation checkpointing (repeatable)")
     p.add_argument("--min-bytes", type=size("--min-bytes"), default="16KiB", help="keep tensors smaller than this")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")

@@ -187,12 +187,14 @@ def cmd_plan_placement(args) -> int:
 # %% ../../nbs/92_verbs.ipynb
 def cmd_plan_offload(args) -> int:
     "`static-dist plan-offload`: which saved tensors go to which tier, and when."
-    from static_dist.offload import DEVICE_PRESETS, TIER_PRESETS, plan_markdown, plan_offload, plan_summary, plan_to_dict, tier
+    from static_dist.offload import (TIER_PRESETS, offload_device, plan_markdown, plan_offload, plan_summary,
+                                     plan_to_dict, tier)
     if args.save: check_writable(args.save, force=args.force)
     names = args.tier or ["pcie5-pinned", "nvme-gen4"]
     bad = [t for t in names if t not in TIER_PRESETS]
     if bad: raise UsageError(f"--tier {bad[0]!r}: choose from {', '.join(TIER_PRESETS)}")
-    if args.device not in DEVICE_PRESETS: raise UsageError(f"--device {args.device!r}: choose from {', '.join(DEVICE_PRESETS)}")
+    try: offload_device(args.device)
+    except ValueError as e: raise UsageError(f"--device: {e}") from None
     w = workload_of(args)
     with status(f"capturing {w.source}") as update: g = w.graph(progress=update)
     known = {o.module for o in g.ops}

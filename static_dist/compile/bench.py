@@ -24,23 +24,31 @@ __all__ = ['cpu_cost_model', 'cpu_step', 'calibrate_world', 'measure_world', 'be
 
 # %% ../../nbs/42e_compile_bench.ipynb
 def cpu_cost_model(world_size: int, efficiency: float, device_flops: float | None = None, calibration=None):
-    "A `fsdp.CostModel` for this CPU: measured matmul FLOP/s, the gloo link of `calibration` (or an in-memory copy)."
+    """A `fsdp.CostModel` for this CPU: measured matmul FLOP/s, the gloo link of `calibration` (or an in-memory copy),
+    and the device table's `CPU` record with that rate, the fitted `efficiency` and no memory or per-op term (the bench
+    fits one efficiency to the whole step: a CPU step's per-op cost is in it)."""
+    import math
+    from dataclasses import replace
     from static_dist.fsdp import CostModel
-    from static_dist.topology import Level, Link, Topology, matmul_flops
+    from static_dist.topology import Level, Link, Topology, device_spec, matmul_flops
     flops = device_flops or (calibration.device_flops if calibration is not None and calibration.device_flops else matmul_flops())
     link = calibration.link() if calibration is not None else Link("shm", 5e9, 2e-5)
     topo = Topology("cpu-gloo", world_size, "CPU", flops, 2**34, link, (Level("host", world_size, link),))
-    return CostModel(topo, efficiency, algorithm="ring")
+    dev = replace(device_spec(topo), matmul_efficiency=efficiency, memory_bandwidth=math.inf, op_overhead=0.0,
+                  source="measured matmul FLOP/s, efficiency fitted to a one-rank step")
+    return CostModel(topo, dev, algorithm="ring")
 
 # %% ../../nbs/42e_compile_bench.ipynb
 def cpu_step(profile, plan: FSDPPlan, cost) -> dict:
-    "Predicted seconds of one step on CPU ranks: compute + all communication (serial: no core left to overlap) and its parts."
+    """Predicted seconds of one step on CPU ranks: compute + all communication (serial: no core left to overlap) and its
+    parts, without the optimizer step (the bench adds the measured one)."""
     from static_dist.fsdp import predict_step
     p = predict_step(profile, plan, cost)
     recompute = sum(s.end - s.start for s in p.spans if s.kind == "recompute") * plan.accumulation_steps
-    return dict(step_s=p.compute_seconds + p.comm_seconds, compute_s=p.compute_seconds - recompute,
+    opt = sum(s.end - s.start for s in p.spans if s.kind == "optimizer")
+    return dict(step_s=p.compute_seconds - opt + p.comm_seconds, compute_s=p.compute_seconds - opt - recompute,
                 recompute_s=recompute, exposed_comm_s=p.comm_seconds, comm_s=p.comm_seconds,
-                overlapped_step_s=p.step_seconds, counts=p.counts)
+                overlapped_step_s=p.step_seconds - opt, counts=p.counts)
 
 # %% ../../nbs/42e_compile_bench.ipynb
 def _block_units(model: nn.Module, world: int, k: int = 1) -> FSDPPlan:

@@ -14,7 +14,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from ..graph import StaticGraph, fmt_bytes
+from ..graph import StaticGraph, fmt_bytes, op_bytes
+from ..topology import op_dtypes
 from ..graph.checkpoint import CheckpointDeltas, checkpoint_deltas, checkpointable
 from ..util import DTYPE_BYTES, StaticDistError
 
@@ -104,6 +105,12 @@ class GraphProfile:
     "{module: `checkpoint_deltas`}: what checkpointing it changes, for each module below the stack or beside it."
     recomputes: tuple = ()
     "`CheckpointDeltas.recomputes` of the modules checkpointed before profiling (`rank_profile`), not in `native`."
+    op_bytes: np.ndarray | None = None
+    "Bytes each op reads and writes (`graph.op_bytes`): with `op_flops` and `op_dtypes`, what `work_seconds` reads."
+    op_dtypes: tuple[str, ...] = ()
+    "The dtype each op computes in (`topology.op_dtypes`): its matmuls run at that dtype's peak."
+    optimizer_numel: int = 0
+    "Parameter elements the captured optimizer step updated: what its ops' time covers (`expand_blocks` keeps it)."
 
 # %% ../../nbs/40a_fsdp_profile.ipynb
 def _under(name: str, unit: str) -> bool:
@@ -279,7 +286,9 @@ def profile_graph(g: StaticGraph, master_dtype: str | None = None) -> GraphProfi
                         int(opt_temp), shared_params(g, by_storage), g.meta.get("model", ""), cap, tokens_of(g),
                         blocks, stack, tuple(o.op for o in g.ops), master_dtype=master_dtype or captured_param_dtype(g),
                         model_forward_end=fwd[1] if fwd else -1, model_backward_start=-1 if bwd is None else bwd,
-                        block_flows=block_flows(g, stack, len(blocks)), checkpoint=checkpoint_deltas(g, checkpointable(g, stack)))
+                        block_flows=block_flows(g, stack, len(blocks)),
+                        checkpoint=checkpoint_deltas(g, checkpointable(g, stack)),
+                        op_bytes=op_bytes(g), op_dtypes=op_dtypes(g), optimizer_numel=sum(p.numel for p in params))
 
 # %% ../../nbs/40a_fsdp_profile.ipynb
 def _op_blocks(P: GraphProfile) -> np.ndarray:
@@ -384,6 +393,7 @@ def _newpos(where: dict, i: int, pieces) -> int | None:
 def _lay_out_ops(P: GraphProfile, pieces: list, ren) -> tuple[dict, dict]:
     "The expanded per-op fields of the profile, and `where[(piece, captured op)]` = new op index."
     mods, names, phase, flops, native, temp, where, new = [], [], [], [], [], [], {}, {}
+    nbytes, dts = [], []
     for kk, (ix, off, blk) in enumerate(pieces):
         start, copy = len(mods), None if blk in (None, "shift") else blk
         for t, i in enumerate(ix.tolist()):
@@ -393,10 +403,13 @@ def _lay_out_ops(P: GraphProfile, pieces: list, ren) -> tuple[dict, dict]:
             mods.append(new[m, copy])
             where.setdefault((kk, i), start + t)
         if P.op_names: names += [P.op_names[i] for i in ix]
+        if P.op_dtypes: dts += [P.op_dtypes[i] for i in ix]
+        if P.op_bytes is not None: nbytes.append(P.op_bytes[ix])
         phase.append(P.op_phase[ix]); flops.append(P.op_flops[ix])
         native.append(P.native[ix] + off); temp.append(P.temporary[ix])
     return dict(op_module=tuple(mods), op_names=tuple(names), op_phase=np.concatenate(phase),
-                op_flops=np.concatenate(flops), native=np.concatenate(native), temporary=np.concatenate(temp)), where
+                op_flops=np.concatenate(flops), native=np.concatenate(native), temporary=np.concatenate(temp),
+                op_bytes=np.concatenate(nbytes) if P.op_bytes is not None else None, op_dtypes=tuple(dts)), where
 
 # %% ../../nbs/40a_fsdp_profile.ipynb
 def _expand_params(P: GraphProfile, where: dict, ren, extra: int) -> list[ParamInfo]:

@@ -9,13 +9,17 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from .memory import UnitLayout, _cached, layout
 from .plan import FSDPPlan, innermost
 from .profile import GraphProfile, PlanError
 from ..graph import pyplot
+from ..topology import TwoStreams, device_spec, work_seconds
 
 # %% auto 0
-__all__ = ['Span', 'StepPrediction', 'CostModel', 'default_cost_model', 'predict_comms', 'predict_step', 'plot_fsdp_timeline']
+__all__ = ['Span', 'StepPrediction', 'CostModel', 'default_cost_model', 'predict_comms', 'profile_seconds', 'predict_step',
+           'plot_fsdp_timeline']
 
 # %% ../../nbs/40d_fsdp_steptime.ipynb
 @dataclass(frozen=True)
@@ -54,23 +58,28 @@ class StepPrediction:
 # %% ../../nbs/40d_fsdp_steptime.ipynb
 @dataclass(frozen=True)
 class CostModel:
-    "Hardware assumptions the time prediction uses."
+    "Hardware the time prediction uses: a topology, and the device (table entry or measured) its ops run on."
     topology: Any
     "A `static_dist.topology.Topology` with at least world_size devices."
-    efficiency: float = 0.5
-    "Achieved fraction of `topology.device_flops` for matmul-heavy compute."
+    device: Any = None
+    "A `topology.DeviceSpec` (one `calibrate_device` measured, say); None: the device table's entry for the topology."
     algorithm: str = "hierarchical"
     "Collective algorithm passed to `collective_time`."
 
+    @property
+    def spec(self):
+        "The `topology.DeviceSpec` ops are charged on: `device`, else the table's for the topology's device."
+        return device_spec(self.topology if self.device is None else self.device)
+
 # %% ../../nbs/40d_fsdp_steptime.ipynb
-def default_cost_model(world_size: int, efficiency: float = 0.5) -> CostModel:
-    "H100 nodes of 8 GPUs (one node if world_size <= 8, InfiniBand NDR between nodes)."
+def default_cost_model(world_size: int, device=None) -> CostModel:
+    "H100 nodes of 8 GPUs (one node if world_size <= 8, InfiniBand NDR between nodes); `device`: see `CostModel`."
     from static_dist.topology import preset
     if world_size <= 8: topo = preset("cluster", n_nodes=1, gpus_per_node=world_size)
     elif world_size % 8: raise PlanError(f"world_size={world_size} is not a multiple of 8 GPUs per node: pass a "
                                          f"CostModel with a topology that has {world_size} devices.")
     else: topo = preset("cluster", n_nodes=world_size // 8, gpus_per_node=8)
-    return CostModel(topo, efficiency)
+    return CostModel(topo, device)
 
 # %% ../../nbs/40d_fsdp_steptime.ipynb
 def predict_comms(profile: GraphProfile, plan: FSDPPlan) -> dict:
@@ -87,7 +96,7 @@ def predict_comms(profile: GraphProfile, plan: FSDPPlan) -> dict:
 
 # %% ../../nbs/40d_fsdp_steptime.ipynb
 def _segments(profile: GraphProfile, plan: FSDPPlan):
-    "Runs of consecutive forward/backward ops owned by one unit: [(phase, unit, flops)]."
+    "Runs of consecutive forward/backward ops owned by one unit: [(phase, unit, first op, last op + 1)]."
     return _cached("segments", profile, plan, _segments_uncached)
 
 def _segments_uncached(profile: GraphProfile, plan: FSDPPlan):
@@ -95,12 +104,26 @@ def _segments_uncached(profile: GraphProfile, plan: FSDPPlan):
     mods = sorted(set(profile.op_module))
     own = {m: innermost(m, set(names)) for m in mods}
     out = []
-    for i, (m, ph, f) in enumerate(zip(profile.op_module, profile.op_phase, profile.op_flops)):
+    for i, (m, ph) in enumerate(zip(profile.op_module, profile.op_phase)):
         if ph == 2: break
         o = own[m]
-        if out and out[-1][0] == ph and out[-1][1] == o: out[-1][2] += f
-        else: out.append([int(ph), o, float(f)])
+        if out and out[-1][0] == ph and out[-1][1] == o: out[-1][3] = i + 1
+        else: out.append([int(ph), o, i, i + 1])
     return out
+
+_SECONDS: dict = {}
+
+def profile_seconds(profile: GraphProfile, cost: CostModel) -> np.ndarray:
+    "Seconds of each op of the profile on `cost`'s device (`topology.work_seconds`), memoised per profile and device."
+    if profile.op_bytes is None:
+        raise PlanError("the profile has no per-op bytes (an older static_dist made it): make it with profile_graph")
+    spec = cost.spec
+    hit = _SECONDS.get((id(profile), spec))
+    if hit is not None and hit[0] is profile: return hit[1]
+    if len(_SECONDS) > 64: _SECONDS.clear()
+    sec = work_seconds(profile.op_flops, profile.op_bytes, profile.op_dtypes, spec)
+    _SECONDS[(id(profile), spec)] = (profile, sec)
+    return sec
 
 # %% ../../nbs/40d_fsdp_steptime.ipynb
 def _ctime(cost: CostModel, mesh_shape: tuple, dim: int, kind: str, nbytes: int) -> float:
@@ -122,34 +145,26 @@ def _gather_time(cost: CostModel, plan: FSDPPlan, l: UnitLayout, group: int | No
     return _ctime(cost, sub, len(sub) - 1, "all_gather", l.unsharded_bytes)
 
 # %% ../../nbs/40d_fsdp_steptime.ipynb
-class _Streams:
-    "The two streams of one micro-batch: `tc` compute and `tm` comm end times, the spans, and what has been issued."
-    def __init__(self): self.spans, self.tc, self.tm, self.done = [], 0.0, 0.0, {}
-    def issue(self, key, dur: float, t: float, kind: str, unit: str):
-        "Queue a collective on the comm stream, not before time `t`."
-        s = max(self.tm, t); self.tm = s + dur
-        self.spans.append(Span("comm", kind, unit, s, self.tm)); self.done[key] = self.tm
-    def compute(self, kind: str, unit: str, start: float, dur: float) -> float:
-        self.spans.append(Span("compute", kind, unit, start, start + dur))
-        return start + dur
-
-# %% ../../nbs/40d_fsdp_steptime.ipynb
-def _gather_ahead(S: _Streams, ph: int, o: str, seq: list, p: int, plan: FSDPPlan, lays: dict, cost: CostModel,
+def _gather_ahead(S: TwoStreams, ph: int, o: str, seq: list, p: int, plan: FSDPPlan, lays: dict, cost: CostModel,
                   units: dict):
-    "Issue unit `o`'s all-gather if nothing prefetched it, then (on its first run) the next `p` units' (`units`: by name)."
+    """Issue unit `o`'s all-gather if nothing prefetched it, then (on its first run) the next `p` units' (`units`: by
+    name); the backward's first run outside them (the root's) prefetches the first of them (FSDP2's root
+    pre-backward)."""
     need = lambda u: ph == 0 or units[u].reshard_after_forward is not False
     group = lambda u: None if ph == 0 or units[u].reshard_after_forward is True else units[u].reshard_after_forward
-    if o in seq and (ph, o) not in S.done and need(o):   # not prefetched: issue now (no overlap)
-        S.issue((ph, o), _gather_time(cost, plan, lays[o], group(o)), S.tc, "all_gather", o)
+    gather = lambda u: S.issue((ph, u), _gather_time(cost, plan, lays[u], group(u)), S.tc, "all_gather", u)
+    if ph == 1 and o not in seq and seq and (1, "root") not in S.done:
+        S.done[(1, "root")] = 1
+        if need(seq[0]): gather(seq[0])
+    if o in seq and (ph, o) not in S.done and need(o): gather(o)    # not prefetched: issue now (no overlap)
     if (ph, o, "started") not in S.done and o in seq:
         S.done[(ph, o, "started")] = 1
         j = seq.index(o)
         for q in seq[j + 1:j + 1 + p]:
-            if (ph, q) not in S.done and need(q):
-                S.issue((ph, q), _gather_time(cost, plan, lays[q], group(q)), S.tc, "all_gather", q)
+            if (ph, q) not in S.done and need(q): gather(q)
 
 # %% ../../nbs/40d_fsdp_steptime.ipynb
-def _sync_grads(S: _Streams, o: str, plan: FSDPPlan, lays: dict, cost: CostModel):
+def _sync_grads(S: TwoStreams, o: str, plan: FSDPPlan, lays: dict, cost: CostModel):
     "Unit `o`'s reduce-scatter over the shard group, then its all-reduce across replicas (HSDP)."
     ms = plan.mesh_shape
     if plan.shard_size > 1:
@@ -158,38 +173,49 @@ def _sync_grads(S: _Streams, o: str, plan: FSDPPlan, lays: dict, cost: CostModel
         S.issue((3, o), _ctime(cost, ms, 0, "all_reduce", lays[o].rs_bytes // plan.shard_size), S.tm, "all_reduce", o)
 
 # %% ../../nbs/40d_fsdp_steptime.ipynb
-def _micro_batch(segs, lays: dict, plan: FSDPPlan, cost: CostModel, sync: bool) -> tuple[float, list]:
-    "(end time, spans) of one micro-batch; `sync`: reduce-scatter the gradients at each unit's last backward op."
-    units, rate = {u.module: u for u in plan.units}, cost.topology.device_flops * cost.efficiency
-    fseq = [u for u in dict.fromkeys(o for ph, o, _ in segs if ph == 0) if lays[u].params]
-    bseq = [u for u in dict.fromkeys(o for ph, o, _ in segs if ph == 1) if lays[u].params and u]
-    last_b = {o: i for i, (ph, o, _) in enumerate(segs) if ph == 1}
-    S = _Streams()
-    for i, (ph, o, f) in enumerate(segs):
-        seq, p = (fseq, plan.forward_prefetch) if ph == 0 else (bseq, plan.backward_prefetch)
+def _micro_batch(segs, lays: dict, plan: FSDPPlan, cost: CostModel, sync: bool, sec: np.ndarray) -> tuple[float, list]:
+    """(end time, spans) of one micro-batch; `sync`: reduce-scatter the gradients at each unit's last backward op;
+    `sec`: seconds of each op (`profile_seconds`)."""
+    units, cs = {u.module: u for u in plan.units}, np.concatenate([[0.0], np.cumsum(sec)])
+    run = lambda a, b: float(cs[b] - cs[a])
+    fwd = {}
+    for ph, o, a, b in segs:
+        if ph == 0: fwd[o] = fwd.get(o, 0.0) + run(a, b)             # a checkpointed unit recomputes its own forward
+    fseq = [u for u in dict.fromkeys(o for ph, o, _, _ in segs if ph == 0) if lays[u].params]
+    bseq = [u for u in dict.fromkeys(o for ph, o, _, _ in segs if ph == 1) if lays[u].params and u]
+    last_b = {o: i for i, (ph, o, _, _) in enumerate(segs) if ph == 1}
+    S = TwoStreams()
+    for i, (ph, o, a, b) in enumerate(segs):
+        seq, p = (fseq, plan.forward_prefetch) if ph == 0 else (bseq, max(plan.backward_prefetch, 1))
         _gather_ahead(S, ph, o, seq, p, plan, lays, cost, units)
-        start = max(S.tc, S.done.get((ph, o), 0.0))
+        ready = S.done.get((ph, o), 0.0)
         if ph == 1 and units[o].activation_checkpointing and (1, o, "rc") not in S.done:
             S.done[(1, o, "rc")] = 1
-            start = S.compute("recompute", o, start, lays[o].fwd_flops / rate)
-        S.tc = S.compute(("forward", "backward")[ph], o, start, f / rate)
+            ready = S.compute(fwd.get(o, 0.0), ready, "recompute", o)
+        S.compute(run(a, b), ready, ("forward", "backward")[ph], o)
         if ph == 1 and last_b[o] == i and sync and lays[o].params: _sync_grads(S, o, plan, lays, cost)
-    return max(S.tc, S.tm), S.spans
+    return S.end, [Span(*s) for s in S.spans]
 
 # %% ../../nbs/40d_fsdp_steptime.ipynb
 def predict_step(profile: GraphProfile, plan: FSDPPlan, cost: CostModel, *, _segs=None, _lays=None) -> StepPrediction:
-    "Predicted step time of `plan` on `cost.topology`, with the last micro-batch's two-stream timeline."
+    """Predicted step time of `plan` on `cost.topology`, with the last micro-batch's two-stream timeline and the
+    optimizer step after it (the captured optimizer's seconds per parameter, for the profile's parameters, over the
+    shard group: each rank updates its shard)."""
     if cost.topology.n_devices != plan.world_size:
         raise PlanError(f"topology {cost.topology.name!r} has {cost.topology.n_devices} devices but the plan has "
                         f"world_size {plan.world_size}: use a topology preset with {plan.world_size} devices.")
     segs = _segs if _segs is not None else _segments(profile, plan)
     lays = {l.module: l for l in (_lays if _lays is not None else layout(profile, plan))}
-    k = plan.accumulation_steps
-    t_sync, spans = _micro_batch(segs, lays, plan, cost, True)
-    t_no, spans_no = _micro_batch(segs, lays, plan, cost, plan.sync_every_microbatch) if k > 1 else (0.0, [])
-    step = (k - 1) * t_no + t_sync
-    busy = lambda st, sp: sum(s.end - s.start for s in sp if s.stream == st)
-    comp = busy("compute", spans) * k
+    k, sec = plan.accumulation_steps, profile_seconds(profile, cost)
+    t_sync, spans = _micro_batch(segs, lays, plan, cost, True, sec)
+    t_no, spans_no = _micro_batch(segs, lays, plan, cost, plan.sync_every_microbatch, sec) if k > 1 else (0.0, [])
+    covered = profile.optimizer_numel or 1          # an expanded profile's captured optimizer ran on fewer blocks
+    opt_sec = float((sec[profile.op_phase == 2] - cost.spec.op_overhead).sum())   # no per-op launch: see above
+    opt = opt_sec * sum(p.numel for p in profile.params) / covered / plan.shard_size
+    spans.append(Span("compute", "optimizer", "", t_sync, t_sync + opt))
+    step = (k - 1) * t_no + t_sync + opt
+    busy = lambda st, sp: sum(s.end - s.start for s in sp if st == s.stream and s.kind != "optimizer")
+    comp = busy("compute", spans) * k + opt
     comm = busy("comm", spans) + (k - 1) * busy("comm", spans_no)
     tokens = profile.tokens * k
     return StepPrediction(step, comp, comm, max(step - comp, 0.0), tokens / step if step else 0.0, tuple(spans),
@@ -202,7 +228,7 @@ def plot_fsdp_timeline(step: StepPrediction, ax=None, title: str | None = None):
     fig = ax.figure if ax is not None else plt.figure(figsize=(6, 2), dpi=80)
     ax = ax or fig.add_subplot()
     colors = {"forward": "#4c72b0", "backward": "#dd8452", "recompute": "#8172b2", "all_gather": "#ccb974",
-              "reduce_scatter": "#c44e52", "all_reduce": "#937860"}
+              "reduce_scatter": "#c44e52", "all_reduce": "#937860", "optimizer": "#55a868"}
     for s in step.spans:
         y = 1 if s.stream == "compute" else 0
         ax.broken_barh([(s.start * 1e3, (s.end - s.start) * 1e3)], (y - 0.4, 0.8), color=colors[s.kind], lw=0)

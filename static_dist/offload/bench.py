@@ -20,7 +20,7 @@ from ..step import MicroBatch, forward_backward
 from ..util import silent_stderr_fd
 from .executor import OffloadExecutor, refuse_compiled
 from .spill import checksum_rate
-from .lifetimes import calibrate_device
+from ..topology import calibrate_device
 from .plan import TIER_PRESETS, OffloadPlan, Tier, plan_offload, plan_summary
 
 # %% auto 0
@@ -146,9 +146,11 @@ def _relative(out: list[dict]) -> list[dict]:
 
 # %% ../../nbs/50f_offload_bench.ipynb
 def _bench_plan(g: StaticGraph, cuda: bool, disk: dict) -> OffloadPlan:
-    "The plan the bench runs: GPU presets on a GPU; on a CPU one disk tier at the measured buffered write rate."
-    if cuda: tiers, dm = (TIER_PRESETS["pcie5-pinned"], TIER_PRESETS["nvme-gen4"]), calibrate_device("this-gpu", "cuda")
-    else: tiers, dm = (Tier("nvme", disk["write_Bps"], 1e-4, math.inf, "disk"),), calibrate_device()
+    """The plan the bench runs on this device's measured float32 rates: GPU tier presets, or on a CPU one disk tier at
+    its buffered write rate."""
+    dm = calibrate_device("cuda" if cuda else "cpu", "float32", n=512, numel=2**22)
+    if cuda: tiers = (TIER_PRESETS["pcie5-pinned"], TIER_PRESETS["nvme-gen4"])
+    else: tiers = (Tier("nvme", disk["write_Bps"], 1e-4, math.inf, "disk"),)
     return plan_offload(g, tiers, device=dm, min_bytes=0 if not cuda else 16384)
 
 # %% ../../nbs/50f_offload_bench.ipynb

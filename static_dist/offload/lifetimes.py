@@ -10,42 +10,29 @@ from typing import Sequence
 
 import numpy as np
 
-from ..graph import StaticGraph, roofline_seconds
-from ..topology import device_rates
+from ..graph import StaticGraph
+from ..topology import DEVICES, DeviceSpec, device_spec, op_seconds
+from ..util import InputError
 
 # %% auto 0
-__all__ = ['DEVICE_PRESETS', 'DeviceModel', 'op_times', 'calibrate_device', 'SavedTensor', 'checkpointed_modules',
-           'saved_tensors']
+__all__ = ['DEVICE_NAMES', 'OffloadDeviceError', 'offload_device', 'SavedTensor', 'checkpointed_modules', 'saved_tensors']
 
 # %% ../../nbs/50a_offload_lifetimes.ipynb
-@dataclass(frozen=True)
-class DeviceModel:
-    "How fast the device runs one op: a roofline with a fixed per-op overhead."
-    name: str
-    flops: float
-    "Achieved FLOP/s for matmul-like ops."
-    bandwidth: float
-    "Achieved memory bytes/s for elementwise ops."
-    overhead: float
-    "Seconds per op regardless of size (launch, dispatch)."
+class OffloadDeviceError(InputError):
+    "A device the offload planner cannot time: not a device-table name, an earlier offload name or a DeviceSpec."
 
-# %% ../../nbs/50a_offload_lifetimes.ipynb
-DEVICE_PRESETS: dict[str, DeviceModel] = {
-    "h200-fp32": DeviceModel("h200-fp32", 0.6 * 67e12, 0.8 * 4.8e12, 5e-6),
-    "h200-bf16": DeviceModel("h200-bf16", 0.6 * 989e12, 0.8 * 4.8e12, 5e-6),
-    "cpu": DeviceModel("cpu", 50e9, 10e9, 10e-6),
-}
+DEVICE_NAMES = {"h200-fp32": ("H200-SXM", "float32"), "h200-bf16": ("H200-SXM", "bfloat16"), "cpu": ("CPU", None)}
+"The offload planner's earlier device names: (device-table entry, the dtype every matmul is charged at; None: its own)."
 
-# %% ../../nbs/50a_offload_lifetimes.ipynb
-def op_times(graph: StaticGraph, device: DeviceModel) -> np.ndarray:
-    "Estimated seconds of every op of `graph` on `device` (`graph.roofline_seconds` at its rates)."
-    return roofline_seconds(graph, device.flops, device.bandwidth, device.overhead)
-
-# %% ../../nbs/50a_offload_lifetimes.ipynb
-def calibrate_device(name: str = "this-cpu", device: str = "cpu") -> DeviceModel:
-    "Measure matmul FLOP/s, elementwise bandwidth and a tiny op's overhead on `device` in fp32 (under a second)."
-    r = device_rates(device, "float32", n=512, numel=2**22)
-    return DeviceModel(name, r.flops, r.bandwidth, r.overhead)
+def offload_device(device) -> tuple[DeviceSpec, str | None]:
+    "(device-table record, matmul dtype or None) of a table name, an earlier offload name or a `DeviceSpec`."
+    if isinstance(device, DeviceSpec): return device, None
+    if isinstance(device, str) and device in DEVICE_NAMES:
+        name, dtype = DEVICE_NAMES[device]
+        return DEVICES[name], dtype
+    if isinstance(device, str) and device in DEVICES: return device_spec(device), None
+    raise OffloadDeviceError(f"unknown device {device!r}; choose one of {', '.join([*DEVICE_NAMES, *DEVICES])} "
+                             "or pass a topology.DeviceSpec (topology.calibrate_device measures one)")
 
 # %% ../../nbs/50a_offload_lifetimes.ipynb
 @dataclass(frozen=True)
@@ -77,9 +64,10 @@ def checkpointed_modules(fsdp_plan) -> tuple[str, ...]:
     return tuple(u.module for u in getattr(fsdp_plan, "units", ()) if getattr(u, "activation_checkpointing", False))
 
 # %% ../../nbs/50a_offload_lifetimes.ipynb
-def _op_starts(graph: StaticGraph, device: DeviceModel) -> np.ndarray:
-    "Estimated start time of every op, plus the end of the step (length n + 1)."
-    return np.concatenate([[0.0], np.cumsum(op_times(graph, device))])
+def _op_starts(graph: StaticGraph, device) -> np.ndarray:
+    "Estimated start time of every op on an offload `device` (`offload_device`), and the step's end (length n + 1)."
+    spec, dtype = offload_device(device)
+    return np.concatenate([[0.0], np.cumsum(op_seconds(graph, spec, dtype=dtype))])
 
 def _backward_start(graph: StaticGraph) -> int:
     "Index of the first op outside the forward pass (the number of ops if there is none)."
@@ -97,9 +85,9 @@ def _saved_tensor(l, r, start: np.ndarray, bwd0: int, recomputed: Sequence[str])
                        l.created >= bwd0 or _under(l.saved_in, recomputed), float(start[end] - start[l.created]))
 
 # %% ../../nbs/50a_offload_lifetimes.ipynb
-def saved_tensors(graph: StaticGraph, device: DeviceModel = DEVICE_PRESETS["cpu"],
+def saved_tensors(graph: StaticGraph, device: DeviceSpec | str = "cpu",
                   recomputed: Sequence[str] = ()) -> list[SavedTensor]:
-    "Every storage saved for backward in `graph`, with its windows in ops and seconds."
+    "Every storage saved for backward in `graph`, with its windows in ops and seconds on `device` (`offload_device`)."
     start, bwd0 = _op_starts(graph, device), _backward_start(graph)
     first_t = {}
     for r in graph.tensors: first_t.setdefault(r.storage, r)

@@ -13,7 +13,8 @@ from typing import Literal, Sequence
 import numpy as np
 
 from ..graph import PHASES, StaticGraph, fmt_bytes, pyplot
-from .lifetimes import DEVICE_PRESETS, DeviceModel, SavedTensor, op_times, saved_tensors
+from .lifetimes import SavedTensor, offload_device, saved_tensors
+from ..topology import DeviceSpec, op_seconds
 from ..util import StaticDistError
 
 # %% auto 0
@@ -125,7 +126,8 @@ class OffloadPlan:
     "Per-tensor offload decisions for one captured step, their schedule and predictions."
     decisions: tuple[OffloadDecision, ...]
     tiers: tuple[Tier, ...]
-    device: DeviceModel
+    device: DeviceSpec
+    "The device-table record (or a measured one) the ops were timed on (`topology.op_seconds`)."
     n_ops: int
     "Ops in the graph the plan was made from."
     signature: str
@@ -144,6 +146,8 @@ class OffloadPlan:
     min_bytes: int = 16384
     lookahead: int = 8
     "Ops before the first backward use by which a prefetch should be done."
+    matmul_dtype: str | None = None
+    "The dtype every matmul was charged at (an earlier offload device name: `h200-bf16`); None: each op's own."
 
     @property
     def offloaded(self) -> tuple[OffloadDecision, ...]:
@@ -265,13 +269,6 @@ def planned_live_bytes(graph: StaticGraph, plan: OffloadPlan) -> np.ndarray:
     return total + np.cumsum(delta)[:len(total)]
 
 # %% ../../nbs/50b_offload_plan.ipynb
-def _device_model(device: DeviceModel | str) -> DeviceModel:
-    if isinstance(device, str):
-        if device not in DEVICE_PRESETS: raise OffloadUsageError(f"unknown device {device!r}; choose one of {sorted(DEVICE_PRESETS)} or pass a DeviceModel")
-        device = DEVICE_PRESETS[device]
-    if not isinstance(device, DeviceModel): raise OffloadUsageError(f"device must be a preset name or a DeviceModel, found {type(device).__name__}")
-    return device
-
 def _plan_tiers(tiers: Sequence[Tier], host_limit: float | None) -> tuple[Tier, ...]:
     "The tiers, checked, with the CPU-kind ones capped at the host-memory limit."
     tiers = tuple(tiers) if isinstance(tiers, (tuple, list)) else (tiers,)
@@ -302,20 +299,27 @@ def _decisions(rows: list[SavedTensor], chosen: dict, release: dict, prefetch: d
                                  prefetch_at=prefetch.get(s.storage)) for s in rows)
 
 # %% ../../nbs/50b_offload_plan.ipynb
+def _offload_device(device):
+    "`lifetimes.offload_device`, its error as the planner's usage error."
+    try: return offload_device(device)
+    except ValueError as e: raise OffloadUsageError(str(e)) from None
+
+# %% ../../nbs/50b_offload_plan.ipynb
 def plan_offload(graph: StaticGraph, tiers: Sequence[Tier] = (TIER_PRESETS["pcie5-pinned"], TIER_PRESETS["nvme-gen4"]),
-                 *, host_limit: float | None = None, device: DeviceModel | str = "cpu", recomputed: Sequence[str] = (),
+                 *, host_limit: float | None = None, device: DeviceSpec | str = "cpu", recomputed: Sequence[str] = (),
                  safety: float = 2.0, min_bytes: int = 16384, lookahead: int = 8) -> OffloadPlan:
-    "Decide per saved tensor of `graph`: keep it, or move it to a tier, with when; and predict the effect."
+    """Decide per saved tensor of `graph`: keep it, or move it to a tier, with when; and predict the effect. `device`: a
+    device-table name, an earlier offload name (`lifetimes.DEVICE_NAMES`) or a `topology.DeviceSpec`."""
     _check_args(graph, safety, min_bytes, lookahead, recomputed)
-    device, tiers = _device_model(device), _plan_tiers(tiers, host_limit)
-    t, rows = op_times(graph, device), saved_tensors(graph, device, recomputed)
+    (spec, dtype), tiers = _offload_device(device), _plan_tiers(tiers, host_limit)
+    t, rows = op_seconds(graph, spec, dtype=dtype), saved_tensors(graph, device, recomputed)
     chosen = _choose(rows, tiers, safety, min_bytes)
     release, prefetch, stall = _schedule_kept(rows, chosen, tiers, t, _hook_ticks(graph), lookahead)
     decisions = _decisions(rows, chosen, release, prefetch)
     per_tier = {x.name: 2 * sum(d.nbytes for d in decisions if d.tier == x.name) for x in tiers}
     base = int(graph.peak().bytes)
-    plan = OffloadPlan(decisions, tiers, device, len(graph.ops), graph_signature(graph), base, base, per_tier,
-                       float(stall), float(t.sum()), safety, min_bytes, lookahead)
+    plan = OffloadPlan(decisions, tiers, spec, len(graph.ops), graph_signature(graph), base, base, per_tier,
+                       float(stall), float(t.sum()), safety, min_bytes, lookahead, dtype)
     after = planned_live_bytes(graph, plan)
     return dataclasses.replace(plan, planned_peak_bytes=int(after.max()) if len(after) else 0)
 
@@ -336,7 +340,8 @@ def plan_summary(plan: OffloadPlan) -> dict:
                 offloaded={t.name: sum(d.nbytes for d in plan.offloaded if d.tier == t.name) for t in plan.tiers},
                 bytes_moved=plan.bytes_per_tier, peak_bytes=plan.peak_bytes, planned_peak_bytes=plan.planned_peak_bytes,
                 peak_reduction=1 - plan.planned_peak_bytes / plan.peak_bytes if plan.peak_bytes else 0.0,
-                stall_ms=plan.stall_s * 1e3, step_ms=plan.step_s * 1e3, device=plan.device.name)
+                stall_ms=plan.stall_s * 1e3, step_ms=plan.step_s * 1e3,
+                device=plan.device.name + (f" ({plan.matmul_dtype} matmuls)" if plan.matmul_dtype else ""))
 
 # %% ../../nbs/50b_offload_plan.ipynb
 def plan_markdown(plan: OffloadPlan) -> str:

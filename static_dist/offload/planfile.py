@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from ..graph import StaticGraph, fmt_bytes
-from .lifetimes import DeviceModel
+from ..topology import DeviceSpec
 from .plan import CLASSES, OffloadDecision, OffloadError, OffloadPlan, Tier, graph_signature
 from ..util import (MAX_BYTES, Fields, StaticDistError, atomic_write, boolean, dtype_name, errors_as, integer,
                               list_of, number, one_of, optional, read_json, shown, string)
@@ -27,8 +27,9 @@ class OffloadPlanError(OffloadError, ValueError):
     "An offload plan (or plan file) is malformed or does not fit the graph; the message names the field and its path."
 
 # %% ../../nbs/50c_offload_planfile.ipynb
-OFFLOAD_SCHEMA = "static_dist.offload/2"
-"Version 2: points on autograd's hook calls, each decision carries its whole `SavedTensor` record."
+OFFLOAD_SCHEMA = "static_dist.offload/3"
+"""Version 3: the device is the device table's record (`topology.DeviceSpec`) and the dtype matmuls were charged at;
+version 2: points on autograd's hook calls, each decision carries its whole `SavedTensor` record."""
 
 def plan_to_dict(plan: OffloadPlan) -> dict:
     "A JSON-ready dict of the plan."
@@ -43,10 +44,15 @@ def _plan_error(where: str):
     return lambda msg: OffloadPlanError(f"{where}: {msg}; make the plan again with plan_offload or `static-dist plan-offload --save`")
 
 _TIER_KEYS = tuple(f.name for f in dataclasses.fields(Tier))
-_DEVICE = dict(name=string(), flops=number(above=0), bandwidth=number(above=0), overhead=number(lo=0))
+_DEVICE = dict(name=string(), flops_fp32=number(above=0), flops_tf32=number(above=0), flops_bf16=number(above=0),
+               flops_fp16=number(above=0), flops_fp8=number(lo=0), memory_bandwidth=number(above=0),
+               memory_bytes=integer(1, of="bytes"), link_bandwidth=number(lo=0), host_bandwidth=number(lo=0),
+               matmul_efficiency=number(above=0), memory_efficiency=number(above=0), op_overhead=number(lo=0),
+               source=string())
 _TOP = dict(n_ops=integer(0), signature=string(), peak_bytes=integer(0, MAX_BYTES), planned_peak_bytes=integer(0, MAX_BYTES),
             stall_s=number(lo=0), step_s=number(lo=0), safety=number(lo=1), min_bytes=integer(0), lookahead=integer(0))
-_KEYS = ("schema", "decisions", "tiers", "device", "bytes_per_tier", *_TOP)
+_MATMUL_DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")
+_KEYS = ("schema", "decisions", "tiers", "device", "bytes_per_tier", "matmul_dtype", *_TOP)
 
 # %% ../../nbs/50c_offload_planfile.ipynb
 def _tier_from(f: Fields) -> Tier:
@@ -85,10 +91,12 @@ def _decision_from(f: Fields, checks: dict, tiers: set) -> OffloadDecision:
 
 # %% ../../nbs/50c_offload_planfile.ipynb
 def _check_schema(d, where: str):
-    if isinstance(d, dict) and d.get("schema") == "static_dist.offload/1":
-        raise OffloadPlanError(f"{where} was written by an older static_dist (schema static_dist.offload/1, whose "
-                               "points are not on the executor's clock): make it again with plan_offload or "
-                               "`static-dist plan-offload --save`")
+    why = {"static_dist.offload/1": "whose points are not on the executor's clock",
+           "static_dist.offload/2": "whose device is not the device table's record"}
+    if isinstance(d, dict) and d.get("schema") in why:
+        old = d["schema"]
+        raise OffloadPlanError(f"{where} was written by an older static_dist (schema {old}, {why[old]}): "
+                               "make it again with plan_offload or `static-dist plan-offload --save`")
     if not isinstance(d, dict) or d.get("schema") != OFFLOAD_SCHEMA:
         raise OffloadPlanError(f"{where} is not an offload plan: expected schema {OFFLOAD_SCHEMA!r}, found "
                                f"{d.get('schema') if isinstance(d, dict) else type(d).__name__!r}")
@@ -124,7 +132,9 @@ def plan_from_dict(d: dict, where: str = "offload plan") -> OffloadPlan:
     v = {k: f(k, c) for k, c in _TOP.items()}
     tiers = _tiers_from(f)
     dev = f.nested("device", keys=_DEVICE)
-    return OffloadPlan(**v, tiers=tiers, device=DeviceModel(**{k: dev(k, c) for k, c in _DEVICE.items()}),
+    mdt = f("matmul_dtype", optional(one_of(*_MATMUL_DTYPES)))
+    device = DeviceSpec(**{k: dev(k, c) for k, c in _DEVICE.items()})
+    return OffloadPlan(**v, tiers=tiers, device=device, matmul_dtype=mdt,
                        bytes_per_tier=_bytes_per_tier(f, [t.name for t in tiers]),
                        decisions=_decisions_from(f, v["n_ops"], {t.name for t in tiers}))
 

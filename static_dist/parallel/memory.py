@@ -14,7 +14,8 @@ import numpy as np
 from ..fsdp import FSDPPlan, FSDPUnit, GraphProfile, MemoryPrediction, block_units, predict_memory
 from ..fsdp.plan import unit_finder
 from ..fsdp.profile import ParamInfo, captured_param_dtype, main_stack, module_order, param_infos, shared_params, to_master, tokens_of
-from ..graph import StaticGraph, fmt_bytes
+from ..graph import StaticGraph, fmt_bytes, op_bytes
+from ..topology import op_dtypes
 from ..graph.checkpoint import CheckpointLifetimes, checkpoint_lifetimes, recompute_bytes
 from ..graph.policies import kept_ops
 from .plan import ParallelDims, ParallelPlan, ParallelPlanError, block_policies, stage_ranges
@@ -320,16 +321,19 @@ def _local_params(mine, v: _View, plan: ParallelPlan, newix) -> list[ParamInfo]:
     return out
 
 # %% ../../nbs/45b_parallel_memory.ipynb
-def _flops(g: StaticGraph, plan: ParallelPlan, v: _View) -> np.ndarray:
-    "FLOPs of each op on this rank: 1/tp inside the sharded linears and sub-layers, 1/cp along the sequence."
-    styles = v.styles
-    f = np.array([o.flops for o in g.ops], dtype=np.float64)
+def _op_share(g: StaticGraph, plan: ParallelPlan, v: _View) -> np.ndarray:
+    "Share of each op's work on this rank: 1/tp inside the sharded linears and sub-layers, 1/cp along the sequence."
+    styles, f = v.styles, np.ones(len(g.ops))
     tp, cp = plan.dims.tp, plan.dims.cp
     for i, o in enumerate(g.ops):
         if o.phase == "optimizer": continue
         if tp > 1 and (o.module in styles and styles[o.module] != "replicate" or v.op_factor[i] * cp < 1): f[i] /= tp
         f[i] /= cp
     return f
+
+def _flops(g: StaticGraph, plan: ParallelPlan, v: _View) -> np.ndarray:
+    "FLOPs of each op on this rank (`_op_share` of the captured op's)."
+    return np.array([o.flops for o in g.ops], dtype=np.float64) * _op_share(g, plan, v)
 
 # %% ../../nbs/45b_parallel_memory.ipynb
 def _root_marks(g: StaticGraph, K: np.ndarray) -> dict:
@@ -361,13 +365,16 @@ def rank_profile(g: StaticGraph, plan: ParallelPlan, pp_rank: int = 0, master_dt
     seen, weight = {}, lambda s: s.nbytes * _storage_fraction(s, v, g, plan.dims.cp)   # a recompute's, as the rank holds it
     for j, i in enumerate(K):
         if g.ops[i].phase == "forward": seen.setdefault(g.ops[i].module, j)
+    _dts = op_dtypes(g)
     return GraphProfile(tuple(ps), module_order(seen, [p.module for p in ps], len(K)), tuple(g.ops[i].module for i in K),
                         phase, _flops(g, plan, v)[K], native, temp, _saved(g, v, plan.dims.cp, newix),
                         int(temp[phase == 2].max()) if (phase == 2).any() else 0, _tied(g, by_storage, ps), g.meta.get("model", ""),
                         cap, tokens_of(g) // plan.dims.cp, _stage_blocks(plan, blocks, v), stack, tuple(g.ops[i].op for i in K),
                         master_dtype=master_dtype or captured_param_dtype(g), **_root_marks(g, K),
                         recomputes=tuple((int(newix(r.at)), *recompute_bytes(g, v.checkpoint, r, weight))
-                                         for r in v.checkpoint.recomputes if v.keep[r.at]))
+                                         for r in v.checkpoint.recomputes if v.keep[r.at]),
+                        op_bytes=(op_bytes(g) * _op_share(g, plan, v))[K], op_dtypes=tuple(_dts[i] for i in K),
+                        optimizer_numel=sum(p.numel for p in ps))
 
 # %% ../../nbs/45b_parallel_memory.ipynb
 def _saved(g: StaticGraph, v: _View, cp: int, newix) -> tuple:

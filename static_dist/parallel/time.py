@@ -11,63 +11,17 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from ..axes import fsdp_dim, layout_mesh
-from ..graph import StaticGraph, roofline_seconds
+from ..graph import StaticGraph
 from ..fsdp.profile import main_stack, param_infos, tokens_of
 from ..placement import STYLES
-from ..topology import MeshSpec, Topology, collective_time, device_rates
+from ..topology import MeshSpec, Topology, TwoStreams, collective_time, device_spec, op_seconds
 from ..graph.policies import FullCheckpoint, NoCheckpoint, SelectiveOps, recomputed_ops
 from .memory import (_block_forward, _block_spans, _regions, _under_any, boundary_bytes, op_blocks,
                                          tp_param_shape)
 from .plan import ParallelPlan, ParallelPlanError, block_policies, stage_ranges
 
 # %% auto 0
-__all__ = ['DEVICES', 'TIME_TERMS', 'DeviceSpec', 'device_spec', 'calibrate_device', 'op_seconds', 'RankWork', 'rank_work',
-           'StepTime', 'extend_blocks', 'predict_step_time']
-
-# %% ../../nbs/45c_parallel_time.ipynb
-@dataclass(frozen=True)
-class DeviceSpec:
-    "A device kind's memory bandwidth and the fractions of its peaks that matmuls and memory-bound ops reach."
-    memory_bandwidth: float
-    "Bytes/s of device memory (datasheet)."
-    matmul_efficiency: float = 0.5
-    "Achieved / peak FLOP/s of matmul-class ops."
-    memory_efficiency: float = 0.7
-    "Achieved / peak bandwidth of memory-bound ops (norms, softmax, elementwise, the optimizer)."
-    source: str = "datasheet bandwidth, assumed efficiencies"
-
-# %% ../../nbs/45c_parallel_time.ipynb
-# H100 SXM5: 3.35 TB/s HBM3; H200 SXM: 4.8 TB/s HBM3e; L40S: 864 GB/s GDDR6 (NVIDIA datasheets).
-# CPU: one DDR5 socket of 8 channels at 4800 MT/s is ~300 GB/s; a rank sharing a socket gets far less: calibrate.
-DEVICES: dict[str, DeviceSpec] = {
-    "H100-SXM": DeviceSpec(3.35e12),
-    "H200-SXM": DeviceSpec(4.8e12),
-    "L40S": DeviceSpec(864e9),
-    "CPU": DeviceSpec(50e9, 0.5, 0.5),
-}
-
-# %% ../../nbs/45c_parallel_time.ipynb
-def device_spec(topo: Topology) -> DeviceSpec:
-    "The device table's entry for the topology's device."
-    if topo.device not in DEVICES:
-        raise ParallelPlanError(f"no device-table entry for {topo.device!r} (known: {', '.join(DEVICES)}): add one to "
-                                "parallel.time.DEVICES, or measure one with calibrate_device()")
-    return DEVICES[topo.device]
-
-# %% ../../nbs/45c_parallel_time.ipynb
-def calibrate_device(topo: Topology, device: str | None = None, *, n: int = 1024, numel: int = 2**24,
-                     repeat: int = 5) -> DeviceSpec:
-    "The device table's entry for `topo.device` with its efficiencies measured on `device` (`topology.device_rates`)."
-    r = device_rates(device, n=n, numel=numel, repeat=repeat)
-    base = device_spec(topo)
-    return DeviceSpec(base.memory_bandwidth, min(r.flops / topo.device_flops, 1.0), min(r.bandwidth / base.memory_bandwidth, 1.0),
-                      f"measured on {r.device} ({r.dtype}): {r.flops / 1e9:.1f} GFLOP/s matmul, {r.bandwidth / 1e9:.1f} GB/s elementwise")
-
-# %% ../../nbs/45c_parallel_time.ipynb
-def op_seconds(g: StaticGraph, topo: Topology, spec: DeviceSpec | None = None) -> np.ndarray:
-    "Seconds of each op of the captured step on one device of `topo`: `graph.roofline_seconds` at the table's rates."
-    spec = spec or device_spec(topo)
-    return roofline_seconds(g, topo.device_flops * spec.matmul_efficiency, spec.memory_bandwidth * spec.memory_efficiency)
+__all__ = ['TIME_TERMS', 'RankWork', 'rank_work', 'StepTime', 'extend_blocks', 'predict_step_time']
 
 # %% ../../nbs/45c_parallel_time.ipynb
 _ATTENTION = ("aten._scaled_dot_product", "aten._flash_attention", "aten._efficient_attention", "aten._cudnn_attention")
@@ -90,7 +44,7 @@ class RankWork:
     kv_bytes: np.ndarray
     "Local key + value bytes per block that a context-parallel ring passes around."
     optimizer: float
-    "The captured step's optimizer over all captured parameters, unsharded."
+    "The captured step's optimizer over all captured parameters, unsharded, without per-op launches (foreach on a GPU)."
     boundary_bytes: float
     "Local bytes of the activation one block hands the next (what a pipeline stage sends)."
     block_params: np.ndarray
@@ -141,14 +95,14 @@ def _tp_collectives(g: StaticGraph, plan: ParallelPlan, blocks, tokens: int, ite
 # %% ../../nbs/45c_parallel_time.ipynb
 _BASE_POLICIES = (NoCheckpoint(), FullCheckpoint(), SelectiveOps())
 
-def rank_work(g: StaticGraph, plan: ParallelPlan, topo: Topology, spec: DeviceSpec | None = None,
-              policies=()) -> RankWork:
+def rank_work(g: StaticGraph, plan: ParallelPlan, topo: Topology, device=None, policies=()) -> RankWork:
     """One micro-batch of the captured step on one rank under `plan`'s tensor and context parallelism, per region;
-    recompute seconds for the plan's checkpointing policies, `policies` and the base ones."""
+    recompute seconds for the plan's checkpointing policies, `policies` and the base ones. `device`: a `DeviceSpec`
+    (measured) instead of the table's entry for the topology's device."""
     stack, blocks = main_stack(g)
     ob, k = op_blocks(g, blocks), len(blocks)
     phase = g.op_phases()
-    sec = op_seconds(g, topo, spec) * _op_factor(g, plan, blocks)
+    sec = op_seconds(g, topo if device is None else device) * _op_factor(g, plan, blocks)
     nb = [t.nbytes for t in g.tensors]
     inb = ob >= 0
     f_first = np.flatnonzero(inb & (phase == 0)); b_first = np.flatnonzero(inb & (phase == 1))
@@ -181,12 +135,14 @@ def rank_work(g: StaticGraph, plan: ParallelPlan, topo: Topology, spec: DeviceSp
         elif first.get(p.name.rpartition(".")[0], 0) < f0: pre += local(p)
         else: post += local(p)
     itemsize = params[0].itemsize if params else 4
+    # the optimizer without per-op launches: on a GPU torch runs it as a few multi-tensor (foreach) kernels
+    opt = float((sec[phase == 2] - device_spec(topo if device is None else device).op_overhead).sum())
     tokens = tokens_of(g)
     flops = np.array([o.flops for o in g.ops], dtype=np.float64)
     tb = min(1, len(blocks) - 1) if blocks else 0
     return RankWork(float(sec[out_f & (idx < f0)].sum()), float(sec[out_f & (idx >= f0)].sum()),
                     float(sec[out_b & (idx >= b0)].sum()), float(sec[out_b & (idx < b0)].sum()),
-                    fwd_blocks, bwd_blocks, rc, attn, kv, float(sec[phase == 2].sum()),
+                    fwd_blocks, bwd_blocks, rc, attn, kv, opt,
                     boundary_bytes(g, ob, plan.dims.cp, nb), bp, pre, post, float(sum(p.numel * p.itemsize for p in params)),
                     _tp_collectives(g, plan, blocks, tokens, itemsize, {p.name: p.shape for p in params}),
                     float(flops[phase < 2].sum()), float(flops[(phase < 2) & (ob == tb)].sum()), tokens, itemsize)
@@ -224,20 +180,15 @@ def _p2p(topo: Topology, a: int, b: int, nbytes: float) -> float:
 
 # %% ../../nbs/45c_parallel_time.ipynb
 def _two_streams(segs) -> tuple[float, float]:
-    """(end, communication busy seconds) of segments run in order: (compute seconds, (key, comm seconds) the segment
-    waits for or None, [(key, seconds)] issued at its start, [(key, seconds)] issued at its end)."""
-    tc = tm = busy = 0.0
-    done: dict = {}
-    def issue(key, dur, t):
-        nonlocal tm, busy
-        if key in done or dur <= 0: done.setdefault(key, t); return
-        s = max(tm, t); tm = s + dur; busy += dur; done[key] = tm
+    """(end, communication busy seconds) of segments run in order on `topology.TwoStreams`: (compute seconds, (key,
+    comm seconds) the segment waits for or None, [(key, seconds)] issued at its start, [(key, seconds)] at its end)."""
+    S = TwoStreams()
     for comp, need, at_start, at_end in segs:
-        if need is not None: issue(need[0], need[1], tc)
-        for key, dur in at_start: issue(key, dur, tc)
-        tc = max(tc, done[need[0]] if need is not None else 0.0) + comp
-        for key, dur in at_end: issue(key, dur, tc)
-    return max(tc, tm), busy
+        ready = S.issue(need[0], need[1], S.tc) if need is not None else 0.0
+        for key, dur in at_start: S.issue(key, dur, S.tc)
+        S.compute(comp, ready)
+        for key, dur in at_end: S.issue(key, dur, S.tc)
+    return S.end, S.busy
 
 # %% ../../nbs/45c_parallel_time.ipynb
 TIME_TERMS = ("forward", "backward", "recompute", "tp", "cp", "dp", "pp_bubble", "pp_p2p", "optimizer")

@@ -6,8 +6,9 @@
 __all__ = []
 
 # %% ../../nbs/02_topology.ipynb
+from .devices import *
 from .model import *
 from .calibration import *
-from . import model, calibration
+from . import devices, model, calibration
 
-__all__ = [*model.__all__, *calibration.__all__]
+__all__ = [*devices.__all__, *model.__all__, *calibration.__all__]

@@ -7,19 +7,20 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 from fastcore.basics import patch
 
 from .model import (COLLECTIVES, Level, Link, Topology, _check_kind, alpha_beta, collective_bytes,
                                         collective_steps)
+from .devices import DeviceSpec, device_spec, peak_flops
 from ..launch import launch
 
 # %% auto 0
 __all__ = ['CalibrationPoint', 'collective_buffers', 'run_collective', 'measure_collectives', 'fit_alpha_beta', 'Calibration',
-           'fit_calibration', 'matmul_flops', 'calibrate', 'DeviceRates', 'device_rates', 'calibration_on_ranks',
-           'launch_calibration', 'plot_calibration', 'calibration_table']
+           'fit_calibration', 'matmul_flops', 'calibrate', 'DeviceRates', 'device_rates', 'calibrate_device',
+           'calibration_on_ranks', 'launch_calibration', 'plot_calibration', 'calibration_table']
 
 # %% ../../nbs/02b_topology_calibration.ipynb
 @dataclass(frozen=True)
@@ -230,6 +231,29 @@ def device_rates(device: str | None = None, dtype: str | None = None, *, n: int 
     overhead = _fastest(lambda: [one.add(1) for _ in range(100)], repeat, sync) / 100
     return DeviceRates(str(device), dtype, matmul_flops(n, repeat, device, dtype), bandwidth, overhead)
 
+
+# %% ../../nbs/02b_topology_calibration.ipynb
+def calibrate_device(device: str | None = None, dtype: str | None = None, *, base=None, n: int = 1024,
+                     numel: int = 2**24, repeat: int = 5) -> DeviceSpec:
+    """The device-table record of `device` measured in `dtype` (`device_rates`): `base`'s peaks, memory and links with
+    measured efficiencies and overhead, or (no `base`) the measured rates as the peaks of every dtype."""
+    r = device_rates(device, dtype, n=n, numel=numel, repeat=repeat)
+    what = (f"measured on {r.device} ({r.dtype}): {r.flops / 1e9:.1f} GFLOP/s matmul, {r.bandwidth / 1e9:.1f} GB/s "
+            f"elementwise, {r.overhead * 1e6:.1f} µs per op")
+    if base is not None:
+        b = device_spec(base)
+        return replace(b, matmul_efficiency=min(r.flops / peak_flops(b, r.dtype), 1.0), op_overhead=r.overhead,
+                       memory_efficiency=min(r.bandwidth / b.memory_bandwidth, 1.0),
+                       source=f"{b.source}; efficiencies {what}")
+    f = r.flops
+    return DeviceSpec(f"measured-{r.device}", f, f, f, f, 0.0, r.bandwidth, _memory_of(r.device), 0.0, 0.0, 1.0, 1.0,
+                      r.overhead, f"{what}; every dtype at that rate, links not measured")
+
+def _memory_of(device: str) -> int:
+    "Bytes of memory of `device`: the GPU's, or the host's for a CPU."
+    import psutil, torch
+    if str(device).startswith("cuda"): return int(torch.cuda.get_device_properties(torch.device(device)).total_memory)
+    return int(psutil.virtual_memory().total)
 
 # %% ../../nbs/02b_topology_calibration.ipynb
 def calibration_on_ranks(kinds, sizes, repeat: int = 5) -> dict:

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 from fastcore.basics import patch
 
+from .devices import DEVICES
 from ..util import (Fields, InputError, atomic_write, errors_as, integer, number, one_of, read_json,
                               string)
 
@@ -57,9 +58,10 @@ class Topology:
     name: str
     n_devices: int
     device: str
-    "e.g. H100-SXM, H200-SXM, L40S, CPU."
+    "A device-table name (`topology.DEVICES`): H100-SXM, H200-SXM, L40S, A100-SXM-80GB, CPU."
     device_flops: float
-    "Dense bf16 FLOP/s per device (datasheet peak; planners apply their own efficiency)."
+    """Dense bf16 FLOP/s per device: the table's `flops_bf16` in every GPU preset; a rank's share of a CPU socket,
+    or a measured rate, scales the table's peaks (`device_spec`)."""
     device_memory: int
     "Bytes of memory per device."
     host_link: Link
@@ -167,20 +169,16 @@ def load_topology(path) -> Topology:
     return Topology.from_dict(d)
 
 # %% ../../nbs/02a_topology_model.ipynb
-# H100 SXM5: 989 TFLOPS dense BF16 (datasheet: 1,979 "with sparsity"), 80 GB HBM3, NVLink 4 at 900 GB/s
-#   bidirectional per GPU -> 450 GB/s per direction, PCIe Gen5 x16 host link 128 GB/s bidirectional -> 64 GB/s.
-#   Source: NVIDIA H100 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/h100).
-# H200 SXM: same compute and NVLink as H100 SXM, 141 GB HBM3e. Source: NVIDIA H200 datasheet.
-# L40S (PCIe card, no NVLink): 362 TFLOPS dense BF16 (733 with sparsity), 48 GB GDDR6, PCIe Gen4 x16
-#   64 GB/s bidirectional -> 32 GB/s. Source: NVIDIA L40S datasheet.
-_GPUS = {
-    "H100-SXM": dict(device_flops=989e12, device_memory=80 * 10**9),
-    "H200-SXM": dict(device_flops=989e12, device_memory=141 * 10**9),
-    "L40S": dict(device_flops=362e12, device_memory=48 * 10**9),
-}
-NVSWITCH_H100 = Link("nvswitch", 450e9, 2e-6)
-PCIE_GEN5 = Link("pcie", 64e9, 5e-6)
-PCIE_GEN4 = Link("pcie", 32e9, 5e-6)
+# Every device number comes from the device table (`topology.devices.DEVICES`, cited there): a preset takes the
+# device's dense BF16 peak, its memory, its NVLink and its host link (per direction) from it. Latencies are not in a
+# datasheet: 2 µs over NVSwitch and 5 µs over PCIe are assumptions (NCCL's small-message times are of this order).
+def _device_fields(gpu: str) -> dict:
+    d = DEVICES[gpu]
+    return dict(device_flops=d.flops_bf16, device_memory=d.memory_bytes)
+
+NVSWITCH_H100 = Link("nvswitch", DEVICES["H100-SXM"].link_bandwidth, 2e-6)
+PCIE_GEN5 = Link("pcie", DEVICES["H100-SXM"].host_bandwidth, 5e-6)
+PCIE_GEN4 = Link("pcie", DEVICES["L40S"].host_bandwidth, 5e-6)
 
 # %% ../../nbs/02a_topology_model.ipynb
 # NICs: ConnectX-7 InfiniBand NDR 400 Gb/s = 50 GB/s per direction, one per GPU in a DGX H100/H200 (8 per node);
@@ -195,21 +193,24 @@ NICS = {
 # %% ../../nbs/02a_topology_model.ipynb
 def _dgx(name: str, gpu: str, n_nodes: int = 1, gpus_per_node: int = 8, nic: str = "ib-ndr") -> Topology:
     if nic not in NICS: raise ValueError(f"unknown nic {nic!r}; use one of {sorted(NICS)}")
-    levels = (Level("node", gpus_per_node, NVSWITCH_H100),)
+    nv = Link("nvswitch", DEVICES[gpu].link_bandwidth, NVSWITCH_H100.latency)
+    levels = (Level("node", gpus_per_node, nv),)
     if n_nodes > 1: levels += (Level("cluster", n_nodes, NICS[nic]),)
-    return Topology(name, n_nodes * gpus_per_node, gpu, host_link=PCIE_GEN5, levels=levels, **_GPUS[gpu])
+    host = Link("pcie", DEVICES[gpu].host_bandwidth, PCIE_GEN5.latency)
+    return Topology(name, n_nodes * gpus_per_node, gpu, host_link=host, levels=levels, **_device_fields(gpu))
 
 # %% ../../nbs/02a_topology_model.ipynb
 def _pcie_box(n_gpus: int = 8, sockets: int = 2, gpu: str = "L40S") -> Topology:
     if n_gpus % sockets: raise ValueError(f"pcie-box: n_gpus={n_gpus} must divide evenly over sockets={sockets}")
     levels = (Level("socket", n_gpus // sockets, PCIE_GEN4), Level("host", sockets, Link("numa", 20e9, 8e-6)))
-    return Topology("pcie-box", n_gpus, gpu, host_link=PCIE_GEN4, levels=levels, **_GPUS[gpu])
+    return Topology("pcie-box", n_gpus, gpu, host_link=PCIE_GEN4, levels=levels, **_device_fields(gpu))
 
 # %% ../../nbs/02a_topology_model.ipynb
 def _cpu_2socket(ranks_per_socket: int = 1) -> Topology:
-    shm, upi = Link("shm", 20e9, 1e-6), Link("numa", 10e9, 2e-6)
-    return Topology("cpu-2socket", 2 * ranks_per_socket, "CPU", device_flops=32 * 2.0e9 * 64 / ranks_per_socket,
-                    device_memory=256 * 2**30 // ranks_per_socket, host_link=shm,
+    cpu = DEVICES["CPU"]
+    shm, upi = Link("shm", cpu.link_bandwidth, 1e-6), Link("numa", 10e9, 2e-6)
+    return Topology("cpu-2socket", 2 * ranks_per_socket, "CPU", device_flops=cpu.flops_bf16 / ranks_per_socket,
+                    device_memory=cpu.memory_bytes // ranks_per_socket, host_link=shm,
                     levels=(Level("socket", ranks_per_socket, shm), Level("host", 2, upi)))
 
 # %% ../../nbs/02a_topology_model.ipynb
