@@ -449,7 +449,7 @@ def predict_parallel_memory(g: StaticGraph, plan: ParallelPlan, master_dtype: st
 def placement_other_bytes(g: StaticGraph, dp: int, tp: int, master_dtype: str | None = None) -> int:
     """A rank's bytes at its peak besides the repeated block's linears' parameter state, for the placement search's
     memory constraint (`placement.search_plan(other_bytes=...)`): the peak of dp_shard `dp` × tp `tp` with Megatron's
-    styles and every block an FSDP unit, less those linears' state (`placement.linear_memory`, which placement adds back)."""
+    styles and every block an FSDP unit, less those linears' state as placement counts it (`placement.linear_memory`)."""
     spec, blocks = block_spec(g), g.structure.main.blocks
     styles = megatron_styles(spec)
     plan = ParallelPlan(ParallelDims(dp_shard=dp, tp=tp), tuple((n, s) for n, s in styles.items() if s != "replicate") if tp > 1 else (),

@@ -72,7 +72,7 @@ def _linear_io(graph, fqn: str) -> tuple[int, int]:
 
 # %% ../../nbs/30c_placement_blocks.ipynb
 def _linear_ops(graph, fqn: str) -> list[int]:
-    "Indices of module `fqn`'s ops: its forward ops, and the backward ops that read its parameters or write their gradients."
+    "Indices of module `fqn`'s ops: its forward ops, and the backward ops on its parameters or their gradients."
     under = lambda m: m == fqn or m.startswith(fqn + ".")
     mine = {s.id for s in graph.storages if s.role in ("parameter", "gradient")
             and under(s.name.removesuffix(".grad").rpartition(".")[0])}

@@ -114,7 +114,7 @@ def load_topology_arg(name: str, n: int) -> Topology:
 _GRAPHS: dict = {}
 
 def _spec_for(model: str, topo: Topology) -> BlockSpec:
-    "BlockSpec of workload `model` (any source `load_workload` takes) at batch 1 x seq 128, captured once, priced on `topo`."
+    "BlockSpec of workload `model` (any `load_workload` source) at batch 1 x seq 128, captured once, priced on `topo`."
     if model not in _GRAPHS:
         from static_dist.workload import load_workload
         _GRAPHS[model] = load_workload(model, batch=1, seq=128).graph()

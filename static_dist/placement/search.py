@@ -64,7 +64,8 @@ def linear_memory(l: LinearSpec, style: str, dp_shard: bool, dp: int, tp: int) -
     "Bytes per device of a linear's parameters, gradients and optimizer state, sharded by its style and dp choice."
     return l.state_bytes / (tp if style != "replicate" else 1) / (dp if dp_shard else 1)
 
-def choice_cost(l: LinearSpec, style: str, dp_shard: bool, topo: Topology, mesh: MeshSpec, tp_dim: str = "tp") -> Choice:
+def choice_cost(l: LinearSpec, style: str, dp_shard: bool, topo: Topology, mesh: MeshSpec,
+                tp_dim: str = "tp") -> Choice:
     "Time, memory and collectives of one linear under one style and dp choice."
     if l.seconds is None:
         raise PlacementError(f"{l.name}: its time is not known; read the block with block_spec(graph, topo)")
@@ -171,7 +172,8 @@ def _layout_rows(spec: BlockSpec, opts: list) -> tuple[list, list, list]:
     return rows, lo, hi
 
 # %% ../../nbs/30e_placement_search.ipynb
-def search_plan(spec: BlockSpec, topo: Topology, mesh: MeshSpec, tp_dim: str = "tp", *, memory_budget: float | None = None, other_bytes: float = 0.0, allow_dp_shard: bool = True,
+def search_plan(spec: BlockSpec, topo: Topology, mesh: MeshSpec, tp_dim: str = "tp", *,
+                memory_budget: float | None = None, other_bytes: float = 0.0, allow_dp_shard: bool = True,
                 time_limit: float = 30.0) -> ShardingPlan:
     """Minimum predicted step time plan for the repeated block (MILP, HiGHS), within the memory budget. `other_bytes`: a
     rank's bytes at its peak besides the linears' state (activations, gathered parameters, the rest of the model), from
