@@ -52,8 +52,8 @@ def main() -> dict:
     # the plan is made from the captured graph of one dp rank's batch
     g = capture(zm.build(device="meta"), (tokens[half],), loss_fn=zm.loss, targets=targets[half], optimizer="sgd")
     cfg = zm.build(device="meta").cfg
-    spec = llama_block_spec(g, cfg)
     topo, mspec = preset("cpu-2socket", ranks_per_socket=2), MeshSpec((2, 2), ("dp", "tp"))
+    spec = llama_block_spec(g, cfg, topo)
     meg = evaluate_plan(spec, MEGATRON, topo, mspec, method="megatron")
     found = search_plan(spec, topo, mspec, memory_budget=meg.memory * 1.01, allow_dp_shard=False)
     mixed = evaluate_plan(spec, {"attention.wq": "colwise_gather", "attention.wk": "colwise_gather",
@@ -122,4 +122,4 @@ def main() -> dict:
 def _collectives(spec, plan, topo, mspec):
     from static_dist.placement import choice_cost
     return [c for n, s, f in plan.styles
-            for c in choice_cost(spec.linear(n), s, f, topo, mspec, plan.tp_dim, state_factor=spec.state_factor).collectives]
+            for c in choice_cost(spec.linear(n), s, f, topo, mspec, plan.tp_dim).collectives]

@@ -9,7 +9,7 @@ import torch
 from static_dist.graph import capture
 from static_dist.placement import (MEGATRON, NoRepeatedBlocksError, block_spec, brute_force_plan, check_plan,
                                    llama_block_spec, megatron_styles, module_groups, search_plan)
-from static_dist.topology import MeshSpec, preset
+from static_dist.topology import MeshSpec, op_seconds, preset
 from static_dist.util import StaticDistError
 from static_dist.zoo import get_model
 
@@ -39,13 +39,13 @@ def test_zoo_llama_spec_equals_the_config_one():
     m = zm.build(device="meta")
     x, y = zm.batch(2, 64)
     g = capture(m, x, loss_fn=zm.loss, targets=y, optimizer="adamw")
-    spec = block_spec(g)
-    assert spec == llama_block_spec(g, m.cfg)
+    spec = block_spec(g, TOPO)
+    assert spec == llama_block_spec(g, m.cfg, TOPO)
     assert megatron_styles(spec) == MEGATRON
 
 
 def test_gpt_fused_qkv_at_transformer_h(gpt_graph):
-    spec = block_spec(gpt_graph)
+    spec = block_spec(gpt_graph, TOPO)
     assert (spec.prefix, spec.n_layers) == ("transformer.h", 3)
     assert spec.chains == ((("attn.qkv",), "attn.proj"), (("mlp.fc",), "mlp.proj"))
     qkv, proj, fc, out = (spec.linear(n) for n in ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj"))
@@ -53,7 +53,14 @@ def test_gpt_fused_qkv_at_transformer_h(gpt_graph):
     assert (qkv.in_features, qkv.out_features, qkv.fused, qkv.out_heads) == (d, 3 * d, 3, 12)
     assert (proj.in_heads, fc.out_heads, fc.out_features, out.in_features) == (4, 0, 4 * d, 4 * d)
     assert (qkv.in_bytes, qkv.out_bytes, fc.out_bytes) == (B * T * d * 4, B * T * 3 * d * 4, B * T * 4 * d * 4)
-    assert qkv.flops == 3 * 2 * (B * T) * d * (3 * d)          # forward 2·tokens·in·out, backward twice that
+    # its time: the time model's seconds of its forward ops and of the backward ops on its weight, bias or their
+    # gradients (autograd runs those outside the module's backward scope); among them the three matmuls
+    fqn = "transformer.h.0.attn.qkv"
+    ids = {s.id for s in gpt_graph.storages if s.name.removesuffix(".grad") in (f"{fqn}.weight", f"{fqn}.bias")}
+    ops = [i for i, o in enumerate(gpt_graph.ops) if (o.phase == "forward" and o.module == fqn)
+           or (o.phase == "backward" and {gpt_graph.tensors[t].storage for t in o.inputs + o.outputs} & ids)]
+    assert [gpt_graph.ops[i].flops for i in ops if gpt_graph.ops[i].flops] == [2 * (B * T) * d * (3 * d)] * 3
+    assert qkv.seconds == pytest.approx(sum(op_seconds(gpt_graph, TOPO)[i] for i in ops), rel=1e-12)
     naive = {"attn.qkv": "colwise", "attn.proj": "rowwise", "mlp.fc": "colwise", "mlp.proj": "rowwise"}
     vs = check_plan(spec, naive, MESH)                          # column shards of a fused qkv split q, k and v apart
     assert [v.check for v in vs] == ["fused projections"]
@@ -68,7 +75,7 @@ def test_gpt_fused_qkv_at_transformer_h(gpt_graph):
 
 
 def test_hf_llama_at_model_layers(hf_graph):
-    spec = block_spec(hf_graph)
+    spec = block_spec(hf_graph, TOPO)
     assert (spec.prefix, spec.n_layers) == ("model.layers", 3)
     assert spec.chains == ((("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "self_attn.o_proj"),
                            (("mlp.gate_proj", "mlp.up_proj"), "mlp.down_proj"))
@@ -85,13 +92,13 @@ def test_hf_llama_at_model_layers(hf_graph):
 
 
 def test_module_groups_split_nested_stacks(gpt_graph, hf_graph):
-    mg = module_groups(gpt_graph)
+    mg = module_groups(gpt_graph, TOPO)
     assert mg.names == ("transformer.wte", "transformer.wpe", "transformer.h.0", "transformer.h.1", "transformer.h.2",
                         "transformer.ln_f", "lm_head")
     hidden = 2 * (2 * 64 * 128 * 4)                               # the hidden state and its gradient
     assert [(a, b) for a, b, _ in mg.edges][1:] == [(2, 3), (3, 4), (4, 5), (5, 6)]
     assert {n for *_, n in mg.edges} == {hidden}
-    hf = module_groups(hf_graph)
+    hf = module_groups(hf_graph, TOPO)
     assert [n for n in hf.names if n.startswith("model.layers")] == [f"model.layers.{i}" for i in range(3)]
     assert len(hf.names) > 5
 

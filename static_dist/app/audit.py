@@ -152,11 +152,12 @@ def placement_section(c: Context):
     from static_dist.topology import MeshSpec, preset
     if c.graph.structure.main is None:
         raise NotApplicable("no stack of repeated blocks in the model: tensor-parallel placement plans a repeated block")
-    try: spec = block_spec(c.graph)
+    topo = preset("dgx-h100")
+    try: spec = block_spec(c.graph, topo)
     except StaticDistError as e: raise NotApplicable(str(e).splitlines()[0]) from None
     try: other, why = placement_other_bytes(c.graph, 2, 4), ""      # the rest of a rank's memory: the one parallel model
     except ParallelPlanError as e: other, why = None, str(e)
-    rep = plan_report(spec, preset("dgx-h100"), MeshSpec((2, 4), ("dp", "tp")), other_bytes=other)
+    rep = plan_report(spec, topo, MeshSpec((2, 4), ("dp", "tp")), other_bytes=other)
     md = _placement_table(rep) + ([] if other is not None else ["", f"Peak per rank not predicted: {why}."])
     if rep["megatron"]["violations"]:
         md += ["", "The Megatron plan is not valid on this mesh:", ""] + [f"- {v}" for v in rep["megatron"]["violations"]]

@@ -175,7 +175,7 @@ def cmd_plan_placement(args) -> int:
     # the rest of a rank's memory (activations, gathered parameters, the other state) from the one parallel memory model
     try: other, why = placement_other_bytes(g, mesh.size // mesh.shape[-1], mesh.shape[-1]), ""
     except ParallelPlanError as e: other, why = None, str(e)
-    try: rep = plan_report(block_spec(g), topo, mesh, other_bytes=other, memory_budget=args.memory,
+    try: rep = plan_report(block_spec(g, topo), topo, mesh, other_bytes=other, memory_budget=args.memory,
                            allow_dp_shard=not args.no_dp_shard)
     except ValueError as e: raise UsageError(str(e)) from None
     if args.json: print(json.dumps(rep, indent=2, default=str)); return 0

@@ -20,7 +20,7 @@ from ..graph.checkpoint import CheckpointLifetimes, checkpoint_lifetimes, recomp
 from ..graph.policies import kept_ops
 from .plan import ParallelDims, ParallelPlan, ParallelPlanError, block_policies, stage_ranges
 from .schedule import held_by_action, pipeline_held, rank_stages
-from ..placement import block_spec, megatron_styles
+from ..placement import block_spec, linear_memory, megatron_styles
 
 # %% auto 0
 __all__ = ['module_blocks', 'op_blocks', 'op_stages', 'tp_op_factor', 'tp_views', 'tp_local_graph', 'tp_param_shape',
@@ -451,11 +451,10 @@ def predict_parallel_memory(g: StaticGraph, plan: ParallelPlan, master_dtype: st
 def placement_other_bytes(g: StaticGraph, dp: int, tp: int, master_dtype: str | None = None) -> int:
     """A rank's bytes at its peak besides the repeated block's linears' parameter state, for the placement search's
     memory constraint (`placement.search_plan(other_bytes=...)`): the peak of dp_shard `dp` × tp `tp` with Megatron's
-    styles and every block an FSDP unit, less those linears' state (sharded over tp and dp, as placement counts it)."""
+    styles and every block an FSDP unit, less those linears' state as placement counts it (`placement.linear_memory`)."""
     spec, blocks = block_spec(g), g.structure.main.blocks
     styles = megatron_styles(spec)
     plan = ParallelPlan(ParallelDims(dp_shard=dp, tp=tp), tuple((n, s) for n, s in styles.items() if s != "replicate") if tp > 1 else (),
                         fsdp=FSDPPlan(dp, (dp,), block_units(blocks)) if dp > 1 else None)
-    linears = spec.n_layers * sum(l.param_bytes * spec.state_factor / (tp if styles[l.name] != "replicate" else 1) / dp
-                                  for l in spec.linears)
+    linears = spec.n_layers * sum(linear_memory(l, styles[l.name], True, dp, tp) for l in spec.linears)
     return max(int(predict_parallel_memory(g, plan, master_dtype).peak_bytes - linears), 0)

@@ -30,7 +30,7 @@ def _placement_view(model: str, topology: str, mesh: str) -> View:
     ms = MeshSpec(tuple(int(v) for v in mesh.split("x")), ("dp", "tp"))
     try:
         topo = load_topology_arg(topology, ms.size); check_mesh(topo, ms)
-        rep = plan_report(report._spec_for(model), topo, ms)
+        rep = plan_report(report._spec_for(model, topo), topo, ms)
     except ValueError as e: return View(str(e), f"**Not a valid choice**: {e}")
     fig, (ax,) = harness_figure(7, 3.2)
     plot_plans(rep, ax).tight_layout()

@@ -35,14 +35,15 @@ class Placement:
     def to_dict(self) -> dict: return asdict(self) | {"cost": self.cost}
 
 # %% ../../nbs/30b_placement_assign.ipynb
-def _times(mg: ModuleGroups, topo: Topology, efficiency: float) -> np.ndarray:
-    return np.array(mg.flops, dtype=float) / (topo.device_flops * efficiency)
+def _times(mg: ModuleGroups) -> np.ndarray:
+    "Seconds of each group on one device: the time model's, read by `module_groups`."
+    return np.array(mg.seconds, dtype=float)
 
-def placement_cost(mg: ModuleGroups, topo: Topology, devices, efficiency: float = 0.5) -> tuple[float, float]:
+def placement_cost(mg: ModuleGroups, topo: Topology, devices) -> tuple[float, float]:
     "(comm seconds, makespan seconds) of an assignment; the reference every solver is checked against."
     comm = sum(n / topo.link(devices[a], devices[b]).bandwidth for a, b, n in mg.edges if devices[a] != devices[b])
     load = np.zeros(topo.n_devices)
-    np.add.at(load, list(devices), _times(mg, topo, efficiency))
+    np.add.at(load, list(devices), _times(mg))
     return float(comm), float(load.max())
 
 # %% ../../nbs/30b_placement_assign.ipynb
@@ -51,8 +52,8 @@ def _fits(mg: ModuleGroups, topo: Topology, devices) -> bool:
     np.add.at(mem, list(devices), mg.memory)
     return bool((mem <= topo.device_memory).all())
 
-def _result(mg, topo, devices, method, t0, efficiency) -> Placement:
-    c, m = placement_cost(mg, topo, devices, efficiency)
+def _result(mg, topo, devices, method, t0) -> Placement:
+    c, m = placement_cost(mg, topo, devices)
     return Placement(tuple(int(d) for d in devices), c, m, method, round(time.perf_counter() - t0, 4),
                      _fits(mg, topo, devices))
 
@@ -94,33 +95,33 @@ def _ilp_constraints(mg: ModuleGroups, topo: Topology, t: np.ndarray, pairs: lis
     return A.tocsr(), lo, hi
 
 # %% ../../nbs/30b_placement_assign.ipynb
-def place_ilp(mg: ModuleGroups, topo: Topology, efficiency: float = 0.5, time_limit: float = 30.0, *,
+def place_ilp(mg: ModuleGroups, topo: Topology, time_limit: float = 30.0, *,
               pipeline: bool = False) -> Placement:
     "Optimal group -> device assignment by MILP (scipy.optimize.milp, HiGHS); `pipeline`: stages in group order."
     from scipy.optimize import Bounds, LinearConstraint, milp
     t0 = time.perf_counter()
     G, D = len(mg.names), topo.n_devices
     pairs = [(d, e) for d in range(D) for e in range(D) if d != e]
-    nx, n, t = G * D, G * D + len(mg.edges) * len(pairs) + 1, _times(mg, topo, efficiency)
+    nx, n, t = G * D, G * D + len(mg.edges) * len(pairs) + 1, _times(mg)
     c, cons = _ilp_objective(mg, topo, pairs), LinearConstraint(*_ilp_constraints(mg, topo, t, pairs, pipeline))
     res = milp(c / max(c.max(), t.max(), 1e-30), constraints=cons, integrality=np.r_[np.ones(nx), np.zeros(n - nx)],
                bounds=Bounds(np.zeros(n), np.r_[np.ones(n - 1), np.inf]), options=dict(time_limit=time_limit, mip_rel_gap=1e-9))
     if res.x is None:
         raise ValueError(f"no placement fits: the groups need {sum(mg.memory):,} bytes, {D} devices hold "
                          f"{topo.device_memory:,} each ({res.message}); use more devices or less memory per group")
-    return _result(mg, topo, np.argmax(res.x[:nx].reshape(G, D), axis=1), "ilp", t0, efficiency)
+    return _result(mg, topo, np.argmax(res.x[:nx].reshape(G, D), axis=1), "ilp", t0)
 
 # %% ../../nbs/30b_placement_assign.ipynb
-def place_greedy(mg: ModuleGroups, topo: Topology, efficiency: float = 0.5) -> Placement:
+def place_greedy(mg: ModuleGroups, topo: Topology) -> Placement:
     "Baseline: contiguous stages, cut when a device's compute reaches its share (or its memory is full)."
     t0 = time.perf_counter()
-    t = _times(mg, topo, efficiency); share = t.sum() / topo.n_devices
+    t = _times(mg); share = t.sum() / topo.n_devices
     devices, d, load, mem = [], 0, 0.0, 0
     for g in range(len(mg.names)):
         if d < topo.n_devices - 1 and load > 0 and (load + t[g] / 2 > share or mem + mg.memory[g] > topo.device_memory):
             d, load, mem = d + 1, 0.0, 0
         devices.append(d); load += t[g]; mem += mg.memory[g]
-    return _result(mg, topo, devices, "greedy", t0, efficiency)
+    return _result(mg, topo, devices, "greedy", t0)
 
 # %% ../../nbs/30b_placement_assign.ipynb
 def check_pipeline(mg: ModuleGroups, devices) -> list:
@@ -134,7 +135,7 @@ def check_pipeline(mg: ModuleGroups, devices) -> list:
     return out
 
 # %% ../../nbs/30b_placement_assign.ipynb
-def place_brute_force(mg: ModuleGroups, topo: Topology, efficiency: float = 0.5, limit: int = 200_000, *,
+def place_brute_force(mg: ModuleGroups, topo: Topology, limit: int = 200_000, *,
                       pipeline: bool = False) -> Placement:
     "Every assignment that fits (small graphs only: devices ** groups <= limit)."
     t0 = time.perf_counter()
@@ -143,7 +144,7 @@ def place_brute_force(mg: ModuleGroups, topo: Topology, efficiency: float = 0.5,
     best = None
     for devs in itertools.product(range(D), repeat=G):
         if not _fits(mg, topo, devs) or (pipeline and check_pipeline(mg, devs)): continue
-        c = sum(placement_cost(mg, topo, devs, efficiency))
+        c = sum(placement_cost(mg, topo, devs))
         if best is None or c < best[0] - 1e-15: best = (c, devs)
     if best is None: raise ValueError("no assignment fits in memory")
-    return _result(mg, topo, best[1], "brute_force", t0, efficiency)
+    return _result(mg, topo, best[1], "brute_force", t0)

@@ -19,11 +19,11 @@ from ..topology import MeshSpec, Topology, preset
 __all__ = ['plan_report', 'plot_plans', 'solve_case', 'bench_placement', 'load_topology_arg']
 
 # %% ../../nbs/30g_placement_report.ipynb
-def _plan_row(spec: BlockSpec, plan: ShardingPlan, topo: Topology, mesh: MeshSpec, tp_dim: str, eff: float,
+def _plan_row(spec: BlockSpec, plan: ShardingPlan, topo: Topology, mesh: MeshSpec, tp_dim: str,
               budget: float, other_bytes: float | None) -> dict:
     """One plan of the report: the plan, its per-linear costs, its violations, and with `other_bytes` (a rank's bytes
     besides the linears' state, from the one memory model) its peak per rank and whether that fits; else None."""
-    per = {n: asdict(choice_cost(spec.linear(n), s, f, topo, mesh, tp_dim, eff, spec.state_factor))
+    per = {n: asdict(choice_cost(spec.linear(n), s, f, topo, mesh, tp_dim))
            for n, s, f in plan.styles}
     viol = [str(v) for v in check_plan(spec, {n: s for n, s, _ in plan.styles}, mesh, tp_dim)]
     peak = None if other_bytes is None else plan.memory + other_bytes
@@ -37,12 +37,11 @@ def plan_report(spec: BlockSpec, topo: Topology, mesh: MeshSpec, tp_dim: str = "
     linears' state, from the one memory model (`parallel.placement_other_bytes`); without it, memory is the linears'
     state alone and whether a plan fits is not known (None)."""
     found = search_plan(spec, topo, mesh, tp_dim, other_bytes=other_bytes or 0.0, **search_kw)
-    eff = search_kw.get("efficiency", 0.5)
     budget = search_kw.get("memory_budget") or topo.device_memory
-    rows = dict(found=_plan_row(spec, found, topo, mesh, tp_dim, eff, budget, other_bytes))
-    try: meg = evaluate_plan(spec, megatron_styles(spec), topo, mesh, tp_dim, efficiency=eff, method="megatron")
+    rows = dict(found=_plan_row(spec, found, topo, mesh, tp_dim, budget, other_bytes))
+    try: meg = evaluate_plan(spec, megatron_styles(spec), topo, mesh, tp_dim, method="megatron")
     except Exception as e: rows["megatron"] = dict(error=str(e))     # e.g. a dim of Megatron's plan does not divide
-    else: rows["megatron"] = _plan_row(spec, meg, topo, mesh, tp_dim, eff, budget, other_bytes)
+    else: rows["megatron"] = _plan_row(spec, meg, topo, mesh, tp_dim, budget, other_bytes)
     return dict(topology=topo.name, mesh=mesh.to_dict(), n_layers=spec.n_layers, other_bytes=other_bytes, **rows)
 
 # %% ../../nbs/30g_placement_report.ipynb
@@ -86,7 +85,7 @@ def solve_case(model: str, topo_name: str, topo_kw: dict, shape, names, batch: i
     g = load_workload(model, batch=batch, seq=seq, dtype="bfloat16").graph()
     t1 = time.perf_counter()
     topo, mesh = preset(topo_name, **topo_kw), MeshSpec(tuple(shape), tuple(names))
-    rep = plan_report(block_spec(g), topo, mesh)
+    rep = plan_report(block_spec(g, topo), topo, mesh)
     t2 = time.perf_counter()
     return dict(model=model, topology=topo.name, mesh=dict(zip(names, shape)), batch=batch, seq=seq,
                 capture_seconds=round(t1 - t0, 3), solve_seconds=round(t2 - t1, 3), **_case_summary(rep))
@@ -112,14 +111,14 @@ def load_topology_arg(name: str, n: int) -> Topology:
     return preset(name)
 
 # %% ../../nbs/30g_placement_report.ipynb
-_SPECS: dict = {}
+_GRAPHS: dict = {}
 
-def _spec_for(model: str) -> BlockSpec:
-    "BlockSpec of workload `model` (any source `load_workload` takes) at batch 1 x seq 128, captured once."
-    if model not in _SPECS:
+def _spec_for(model: str, topo: Topology) -> BlockSpec:
+    "BlockSpec of workload `model` (any `load_workload` source) at batch 1 x seq 128, captured once, priced on `topo`."
+    if model not in _GRAPHS:
         from static_dist.workload import load_workload
-        _SPECS[model] = block_spec(load_workload(model, batch=1, seq=128).graph())
-    return _SPECS[model]
+        _GRAPHS[model] = load_workload(model, batch=1, seq=128).graph()
+    return block_spec(_GRAPHS[model], topo)
 
 # %% ../../nbs/30g_placement_report.ipynb
 def _report_markdown(rep: dict) -> str:

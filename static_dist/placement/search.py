@@ -20,8 +20,8 @@ from .layout import STYLES, _divisible, check_plan, parallel_style
 from ..topology import MeshSpec, Topology, check_mesh, collective_bytes, collective_time
 
 # %% auto 0
-__all__ = ['MEGATRON', 'Choice', 'choice_cost', 'ShardingPlan', 'megatron_styles', 'evaluate_plan', 'search_plan',
-           'brute_force_plan']
+__all__ = ['MEGATRON', 'Choice', 'linear_memory', 'choice_cost', 'ShardingPlan', 'megatron_styles', 'evaluate_plan',
+           'search_plan', 'brute_force_plan']
 
 # %% ../../nbs/30e_placement_search.ipynb
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ class Choice:
     compute_seconds: float
     comm_seconds: float
     memory: float
-    "Bytes per device of param + grad + optimizer state."
+    "Bytes per device of its parameters, gradients and optimizer state (`linear_memory`)."
     comm_bytes: int
     "Bytes one rank sends (collective_bytes) per step."
     collectives: tuple[tuple[str, str, str, int], ...]
@@ -60,18 +60,24 @@ def _collectives(l: LinearSpec, style: str, dp_shard: bool, dp: int, tp: int) ->
     return colls
 
 # %% ../../nbs/30e_placement_search.ipynb
-def choice_cost(l: LinearSpec, style: str, dp_shard: bool, topo: Topology, mesh: MeshSpec, tp_dim: str = "tp",
-                efficiency: float = 0.5, state_factor: float = 4.0) -> Choice:
+def linear_memory(l: LinearSpec, style: str, dp_shard: bool, dp: int, tp: int) -> float:
+    "Bytes per device of a linear's parameters, gradients and optimizer state, sharded by its style and dp choice."
+    return l.state_bytes / (tp if style != "replicate" else 1) / (dp if dp_shard else 1)
+
+def choice_cost(l: LinearSpec, style: str, dp_shard: bool, topo: Topology, mesh: MeshSpec,
+                tp_dim: str = "tp") -> Choice:
     "Time, memory and collectives of one linear under one style and dp choice."
+    if l.seconds is None:
+        raise PlacementError(f"{l.name}: its time is not known; read the block with block_spec(graph, topo)")
     dp, tp = _mesh_dims(mesh, tp_dim)
     m2, split = MeshSpec((dp, tp), ("dp", "tp")), (tp if style != "replicate" else 1)
     colls = _collectives(l, style, dp_shard, dp, tp)
     comm = sum(collective_time(topo, m2, d, k, n, algorithm="hierarchical" if d == "dp" else "ring")
                for _, k, d, n in colls)
-    comp = l.flops / split / (topo.device_flops * efficiency)
+    comp = l.seconds / split
     nbytes = sum(collective_bytes(k, n, tp if d == "tp" else dp) for _, k, d, n in colls)
-    mem = l.param_bytes * state_factor / split / (dp if dp_shard else 1)
-    return Choice(style, dp_shard, comp + comm, comp, comm, mem, nbytes, tuple(colls))
+    return Choice(style, dp_shard, comp + comm, comp, comm, linear_memory(l, style, dp_shard, dp, tp), nbytes,
+                  tuple(colls))
 
 # %% ../../nbs/30e_placement_search.ipynb
 @dataclass(frozen=True)
@@ -122,13 +128,19 @@ def megatron_styles(spec: BlockSpec) -> dict:
     return out
 
 # %% ../../nbs/30e_placement_search.ipynb
+def _check_priced(spec: BlockSpec, topo: Topology) -> None:
+    "PlacementError unless the block's linears were priced on `topo`'s device."
+    if spec.priced_on != (topo.device, topo.device_flops):
+        raise PlacementError(f"the block's linears were priced on {spec.priced_on or 'no device'}, not on "
+                             f"{topo.name}'s {topo.device}: read the block with block_spec(graph, topo)")
+
 def evaluate_plan(spec: BlockSpec, styles: dict, topo: Topology, mesh: MeshSpec, tp_dim: str = "tp",
-                  dp_shard: dict | None = None, efficiency: float = 0.5, method: str = "fixed") -> ShardingPlan:
+                  dp_shard: dict | None = None, method: str = "fixed") -> ShardingPlan:
     "Predicted cost of a given assignment (e.g. the hand-written Megatron plan)."
-    check_mesh(topo, mesh)
+    check_mesh(topo, mesh); _check_priced(spec, topo)
     dp_shard = dp_shard or {}
-    cs = [choice_cost(spec.linear(n), styles[n], dp_shard.get(n, False), topo, mesh, tp_dim, efficiency,
-                      spec.state_factor) for n in (l.name for l in spec.linears)]
+    cs = [choice_cost(spec.linear(n), styles[n], dp_shard.get(n, False), topo, mesh, tp_dim)
+          for n in (l.name for l in spec.linears)]
     L = spec.n_layers
     return ShardingPlan(spec.prefix, L, mesh, tp_dim, tuple((l.name, c.style, c.dp_shard) for l, c in zip(spec.linears, cs)),
                         L * sum(c.seconds for c in cs), L * sum(c.comm_bytes for c in cs), L * sum(c.memory for c in cs), method)
@@ -160,7 +172,7 @@ def _layout_rows(spec: BlockSpec, opts: list) -> tuple[list, list, list]:
     return rows, lo, hi
 
 # %% ../../nbs/30e_placement_search.ipynb
-def search_plan(spec: BlockSpec, topo: Topology, mesh: MeshSpec, tp_dim: str = "tp", *, efficiency: float = 0.5,
+def search_plan(spec: BlockSpec, topo: Topology, mesh: MeshSpec, tp_dim: str = "tp", *,
                 memory_budget: float | None = None, other_bytes: float = 0.0, allow_dp_shard: bool = True,
                 time_limit: float = 30.0) -> ShardingPlan:
     """Minimum predicted step time plan for the repeated block (MILP, HiGHS), within the memory budget. `other_bytes`: a
@@ -168,10 +180,10 @@ def search_plan(spec: BlockSpec, topo: Topology, mesh: MeshSpec, tp_dim: str = "
     the one memory model (`parallel.placement_other_bytes`); 0 bounds the linears' state alone."""
     from scipy.optimize import Bounds, LinearConstraint, milp
     t0 = time.perf_counter()
-    check_mesh(topo, mesh)
+    check_mesh(topo, mesh); _check_priced(spec, topo)
     dp, tp = _mesh_dims(mesh, tp_dim)
     opts = _options(spec, tp, dp, allow_dp_shard)
-    cost = {o: choice_cost(o[0], o[1], o[2], topo, mesh, tp_dim, efficiency, spec.state_factor) for o in opts}
+    cost = {o: choice_cost(o[0], o[1], o[2], topo, mesh, tp_dim) for o in opts}
     L, budget = spec.n_layers, topo.device_memory if memory_budget is None else memory_budget
     c = np.array([cost[o].seconds for o in opts]) * L
     rows, lo, hi = _layout_rows(spec, opts)
@@ -181,7 +193,7 @@ def search_plan(spec: BlockSpec, topo: Topology, mesh: MeshSpec, tp_dim: str = "
     if res.x is None: raise ValueError(_no_fit_message(spec, opts, cost, other_bytes, budget, res.message))
     chosen = [opts[i] for i in np.flatnonzero(res.x > 0.5)]
     plan = evaluate_plan(spec, {l.name: s for l, s, _ in chosen}, topo, mesh, tp_dim,
-                         {l.name: f for l, _, f in chosen}, efficiency, "ilp")
+                         {l.name: f for l, _, f in chosen}, "ilp")
     return ShardingPlan(**{**plan.__dict__, "solve_seconds": round(time.perf_counter() - t0, 4)})
 
 # %% ../../nbs/30e_placement_search.ipynb
@@ -192,7 +204,7 @@ def _no_fit_message(spec: BlockSpec, opts, cost: dict, other_bytes: float, budge
             f"{best:,.0f} ({why}); use a larger tp/dp degree, allow_dp_shard=True, or more memory")
 
 # %% ../../nbs/30e_placement_search.ipynb
-def brute_force_plan(spec: BlockSpec, topo: Topology, mesh: MeshSpec, tp_dim: str = "tp", *, efficiency: float = 0.5,
+def brute_force_plan(spec: BlockSpec, topo: Topology, mesh: MeshSpec, tp_dim: str = "tp", *,
                      memory_budget: float | None = None, other_bytes: float = 0.0) -> ShardingPlan:
     "Reference: every style combination (dp replicated) that passes `check_plan`; the cheapest that fits."
     dp, tp = _mesh_dims(mesh, tp_dim)
@@ -202,7 +214,7 @@ def brute_force_plan(spec: BlockSpec, topo: Topology, mesh: MeshSpec, tp_dim: st
     for combo in itertools.product(STYLES, repeat=len(names)):
         styles = dict(zip(names, combo))
         if check_plan(spec, styles, mesh, tp_dim): continue
-        p = evaluate_plan(spec, styles, topo, mesh, tp_dim, efficiency=efficiency, method="brute_force")
+        p = evaluate_plan(spec, styles, topo, mesh, tp_dim, method="brute_force")
         if p.memory + other_bytes <= budget and (best is None or p.seconds < best.seconds - 1e-15): best = p
     if best is None: raise ValueError("no valid plan fits the memory budget")
     return best
