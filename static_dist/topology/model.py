@@ -20,8 +20,7 @@ from ..util import (Fields, InputError, atomic_write, errors_as, integer, number
 # %% auto 0
 __all__ = ['LINK_KINDS', 'MAX_DEVICES', 'MAX_TOPOLOGY_BYTES', 'NVSWITCH_H100', 'PCIE_GEN5', 'PCIE_GEN4', 'NICS', 'PRESETS',
            'COLLECTIVES', 'ALGORITHMS', 'TopologyError', 'Link', 'Level', 'Topology', 'load_topology', 'preset',
-           'MeshSpec', 'check_mesh', 'collective_bytes', 'collective_steps', 'alpha_beta', 'collective_time',
-           'op_seconds']
+           'MeshSpec', 'check_mesh', 'collective_bytes', 'collective_steps', 'alpha_beta', 'collective_time']
 
 # %% ../../nbs/02a_topology_model.ipynb
 class TopologyError(InputError):
@@ -359,20 +358,3 @@ def collective_time(topo: Topology, mesh: MeshSpec, dim: int | str, kind: str, n
         if algorithm == "hierarchical": times.append(_hier(topo, g, kind, nbytes, topo.levels_spanned(g)))
         else: times.append(_flat(topo, g, kind, nbytes, algorithm))
     return max(times)
-
-# %% ../../nbs/02a_topology_model.ipynb
-# Memory bandwidth per device kind: H100 SXM5 3.35 TB/s HBM3 (NVIDIA H100 datasheet); H200 SXM 4.8 TB/s HBM3e
-#   (NVIDIA H200 datasheet); L40S 864 GB/s GDDR6 (NVIDIA L40S datasheet). CPU: one DDR5 socket of 8 channels at
-#   4800 MT/s is ~300 GB/s and ranks share it, so 50 GB/s per rank is assumed (calibrate for a real number).
-# The second number is the fraction of it memory-bound ops reach (assumed: 0.7 on GPUs, 0.5 on a CPU).
-_BANDWIDTH = {"H100-SXM": (3.35e12, 0.7), "H200-SXM": (4.8e12, 0.7), "L40S": (864e9, 0.7), "CPU": (50e9, 0.5)}
-_MATMUL_EFFICIENCY = 0.5    # achieved / peak FLOP/s of the ops' compute (assumed)
-
-def op_seconds(graph, topo: Topology) -> np.ndarray:
-    "Seconds of each op of the captured step on one device of `topo` (`graph.roofline_seconds` at the device's rates)."
-    from static_dist.graph import roofline_seconds
-    if topo.device not in _BANDWIDTH:
-        raise TopologyError(f"no memory bandwidth known for device {topo.device!r}; use one of {sorted(_BANDWIDTH)}")
-    bw, eff = _BANDWIDTH[topo.device]
-    return roofline_seconds(graph, topo.device_flops * _MATMUL_EFFICIENCY, bw * eff)
-
