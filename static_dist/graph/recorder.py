@@ -230,6 +230,7 @@ class _Recorder(TorchDispatchMode):
         self.model_forward: list[int] | None = None       # [first, last] op of the model's own forward
         self.model_backward_start: int | None = None      # op before which a gradient first reached its outputs
         self._model_hooks: list = []
+        self._op_info: dict = {}              # op -> (name, FLOP formula, computes uncounted), looked up once per op
 
 # %% ../../nbs/00c_graph_recorder.ipynb
 @patch
@@ -281,6 +282,22 @@ def output_id(self: _Recorder, t: torch.Tensor, func) -> int:
     return tid
 
 # %% ../../nbs/00c_graph_recorder.ipynb
+def _tensors(x):
+    "The tensors in an op's arguments or outputs (nested tuples, lists, dicts), in tree_flatten's order, without its cost."
+    if isinstance(x, torch.Tensor): yield x
+    elif isinstance(x, (tuple, list)):
+        for v in x: yield from _tensors(v)
+    elif isinstance(x, dict):
+        for v in x.values(): yield from _tensors(v)
+
+@patch
+def _info(self: _Recorder, func) -> tuple:
+    "(name, FLOP formula or None, computes without one) of `func`, looked up on its first call in this capture."
+    if (info := self._op_info.get(func)) is None:
+        f = flop_formula(func)
+        info = self._op_info[func] = (str(func), f, f is None and computes(func))
+    return info
+
 @patch
 def __torch_dispatch__(self: _Recorder, func, types, args=(), kwargs=None):
     kwargs = kwargs or {}
@@ -292,12 +309,11 @@ def __torch_dispatch__(self: _Recorder, func, types, args=(), kwargs=None):
     if self._packed and self.phase != "optimizer" and func._schema.is_mutable: self._note_write(func, args, kwargs)
     # `torch.tensor(...)` makes its constant outside dispatch and then calls lift_fresh: the constant is
     # the op's output, not a pre-existing input (fake mode returns a new fake for it, real mode the same tensor).
-    ins = () if func is _aten.lift_fresh.default else tuple(
-        self.tensor_id(a) for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor))
-    outs = tuple(self.output_id(o, func) for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor))
-    f = flop_formula(func)
-    if f is None and computes(func): self.uncounted[str(func)] = self.uncounted.get(str(func), 0) + 1
-    self.ops.append(OpRecord(len(self.ops), str(func), self.phase, self.module(), ins, outs,
+    ins = () if func is _aten.lift_fresh.default else tuple(self.tensor_id(a) for a in _tensors((args, kwargs)))
+    outs = tuple(self.output_id(o, func) for o in _tensors(out))
+    name, f, uncounted = self._info(func)
+    if uncounted: self.uncounted[name] = self.uncounted.get(name, 0) + 1
+    self.ops.append(OpRecord(len(self.ops), name, self.phase, self.module(), ins, outs,
                              0 if f is None else int(f(*args, **kwargs, out_val=out))))
     if self.progress is not None and len(self.ops) % 2000 == 0: self.progress(self.phase, len(self.ops))
     return out

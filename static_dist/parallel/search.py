@@ -27,8 +27,9 @@ from ..placement import block_spec, megatron_styles
 from ..topology import Topology
 
 # %% auto 0
-__all__ = ['CHECKPOINT_POLICIES', 'BENCH_PLAN_CASES', 'layout_dims', 'memory_by_category', 'balanced_stages', 'checkpoint_mix',
-           'Candidate', 'LayoutSearch', 'search_layouts', 'search_graph', 'bench_plan']
+__all__ = ['CHECKPOINT_POLICIES', 'BENCH_PLAN_CASES', 'SPEED_CASES', 'layout_dims', 'memory_by_category', 'balanced_stages',
+           'checkpoint_mix', 'Candidate', 'LayoutSearch', 'search_layouts', 'search_graph', 'bare_step_seconds',
+           'bench_speed', 'bench_plan']
 
 # %% ../../nbs/45d_parallel_search.ipynb
 def _divisors(n: int) -> list[int]: return [d for d in range(1, n + 1) if n % d == 0]
@@ -466,8 +467,75 @@ def _measure_seconds(w, plan: ParallelPlan) -> tuple[int, float]:
     return peak, time.perf_counter() - t0
 
 # %% ../../nbs/45d_parallel_search.ipynb
-def bench_plan(progress=None, cases=BENCH_PLAN_CASES, seq: int = 8192, budget_gb: float = 80, measure: bool = True) -> dict:
-    "Search times for `cases` ((zoo model, world), ...) and one FSDPMemTracker measurement of the first case's plan."
+def bare_step_seconds(w) -> float:
+    "Seconds of one bare fake step of workload `w`: built on meta, made fake, forward, loss, backward, optimizer step."
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from static_dist.step import make_optimizer, step_loss
+    from static_dist.util import torch_dtype
+    t0 = time.perf_counter()
+    model = w.build(device="meta", dtype=torch_dtype(w.dtype))
+    args, kwargs, targets = w.inputs(device="meta")
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model.to_empty(device="cpu")
+        fake = lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype) if isinstance(t, torch.Tensor) else t
+        args, kwargs, targets = tuple(map(fake, args)), {k: fake(v) for k, v in kwargs.items()}, fake(targets)
+        opt = None if w.optimizer == "none" else make_optimizer(w.optimizer, model.parameters(), foreach=False)
+        step_loss(w.loss, model(*args, **kwargs), targets).backward()
+        if opt is not None: opt.step()
+    return time.perf_counter() - t0
+
+
+# %% ../../nbs/45d_parallel_search.ipynb
+SPEED_CASES = dict(bare="llama3-70b", capture="llama3-70b", fsdp=("llama3-70b", 1024), plan=("llama3-405b", 512))
+
+def _timed_plan(kind: str, name: str, world: int, budget: int) -> dict:
+    "Seconds of `plan-fsdp` (kind 'fsdp') or `plan` of zoo model `name` on `world` ranks: capture, search, end to end."
+    from static_dist.fsdp import plan_fsdp, profile_workload
+    from static_dist.topology import preset
+    from static_dist.workload import load_workload
+    t0 = time.perf_counter()
+    w = load_workload(name)
+    if kind == "fsdp": prof = profile_workload(w, "bfloat16", "float32")
+    else: g, n, _ = search_graph(w)
+    t1 = time.perf_counter()
+    if kind == "fsdp": plan_fsdp(prof, world_size=world, budget=budget, param_dtype="bfloat16", reduce_dtype="float32")
+    else: search_layouts(g, world, preset("cluster", n_nodes=max(world // 8, 1), gpus_per_node=min(world, 8)), budget, n_blocks=n)
+    t2 = time.perf_counter()
+    return dict(capture_seconds=t1 - t0, search_seconds=t2 - t1, seconds=t2 - t0)
+
+def _speed_once(cases: dict, budget: int) -> dict:
+    "One side-by-side run of `cases` (see SPEED_CASES): seconds of each."
+    from static_dist.workload import load_workload
+    out = dict(bare_step_seconds=bare_step_seconds(load_workload(cases["bare"])))
+    t0 = time.perf_counter(); load_workload(cases["capture"]).graph(); out["capture_seconds"] = time.perf_counter() - t0
+    for kind in ("fsdp", "plan"): out[kind] = _timed_plan(kind, *cases[kind], budget)
+    return out
+
+
+# %% ../../nbs/45d_parallel_search.ipynb
+def bench_speed(progress=None, cases: dict = SPEED_CASES, repeat: int = 3, budget: int = 80 * 2**30) -> dict:
+    "Side-by-side seconds of a bare fake step, a capture, plan-fsdp and plan (`cases`), `repeat` times, and their ratios."
+    runs = []
+    for r in range(repeat):
+        if progress: progress(f"speed: run {r + 1}/{repeat}")
+        runs.append(_speed_once(cases, budget))
+    med = lambda f: float(np.median([f(x) for x in runs]))
+    bare = med(lambda x: x["bare_step_seconds"])
+    out = dict(cases={k: list(v) if isinstance(v, tuple) else v for k, v in cases.items()}, repeat=repeat, runs=runs,
+               bare_step_seconds=bare, capture_seconds=med(lambda x: x["capture_seconds"]),
+               capture_over_bare=med(lambda x: x["capture_seconds"] / x["bare_step_seconds"]))
+    for kind in ("fsdp", "plan"):
+        out[kind] = {k: med(lambda x: x[kind][k]) for k in ("capture_seconds", "search_seconds", "seconds")}
+        out[kind]["seconds_over_bare"] = med(lambda x: x[kind]["seconds"] / x["bare_step_seconds"])
+    return out
+
+
+# %% ../../nbs/45d_parallel_search.ipynb
+def bench_plan(progress=None, cases=BENCH_PLAN_CASES, seq: int = 8192, budget_gb: float = 80, measure: bool = True,
+               speed: bool = True, repeat: int = 3) -> dict:
+    """Search times for `cases` ((zoo model, world), ...), one FSDPMemTracker measurement of the first case's plan, and
+    (`speed`) `bench_speed`'s side-by-side seconds and ratios to a bare fake step."""
     from static_dist.topology import preset
     from static_dist.util import environment
     from static_dist.workload import load_workload
@@ -496,4 +564,5 @@ def bench_plan(progress=None, cases=BENCH_PLAN_CASES, seq: int = 8192, budget_gb
         out["measurement"] = dict(model=row["model"], world=world, layout=r.best.label(), predicted_bytes=r.best.memory_bytes,
                                   measured_bytes=peak, ratio=r.best.memory_bytes / peak, measure_seconds=secs,
                                   search_seconds=row["search_seconds"], measure_over_search=secs / row["search_seconds"])
+    if speed: out["speed"] = bench_speed(say, repeat=repeat)
     return out
