@@ -14,7 +14,8 @@ import argparse
 import torch
 import torch.distributed as dist
 
-from static_dist.fsdp import FSDPPlan, apply_plan, plan_fsdp, predict_memory, profile_graph
+from static_dist.cost import profile_graph
+from static_dist.fsdp import FSDPPlan, apply_plan, plan_fsdp, predict_memory
 from static_dist.graph import fmt_bytes
 from static_dist.launch import close_process_group, init_process_group
 from static_dist.step import make_optimizer, train_step

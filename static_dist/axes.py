@@ -10,7 +10,7 @@ import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .util import StaticDistError
+from .errors import StaticDistError
 
 # %% auto 0
 __all__ = ['AXES', 'AXIS', 'MESH_DIMS', 'FLAT_DIMS', 'FLAT', 'MeshError', 'Axis', 'FlatDim', 'degrees', 'mesh_dims',

@@ -17,7 +17,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
-from .util import StaticDistError, read_json, resolve
+from .errors import StaticDistError
+from .files import read_json
+from .util import resolve
 
 # %% auto 0
 __all__ = ['LaunchError', 'free_port', 'under_torchrun', 'default_backend', 'init_process_group', 'close_process_group',

@@ -16,7 +16,8 @@ from typing import Iterable
 
 from fastcore.basics import patch
 
-from .util import InputError, check_name, file_kind, new_mode, place, stat_or_none, umask
+from .errors import InputError
+from .files import check_name, file_kind, new_mode, place, stat_or_none, umask
 
 # %% auto 0
 __all__ = ['held_signals', 'OutputFolder']

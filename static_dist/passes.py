@@ -19,7 +19,7 @@ import torch.fx as fx
 from fastcore.basics import patch
 
 from . import ops as sdops
-from .util import StaticDistError
+from .errors import StaticDistError
 
 # %% auto 0
 __all__ = ['PATTERNS', 'RewriteReport', 'RewriteError', 'compare_programs', 'rewrite_ops', 'NodeStat', 'NodeProfile',

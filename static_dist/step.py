@@ -12,7 +12,7 @@ from typing import Any, Callable, ContextManager, Sequence
 import torch
 import torch.nn as nn
 
-from .util import InputError
+from .errors import InputError
 
 # %% auto 0
 __all__ = ['OPTIMIZERS', 'step_loss', 'StepError', 'make_optimizer', 'MicroBatch', 'micro_batch', 'batch_loss',

@@ -11,7 +11,8 @@ import sys
 import torch
 import torch.nn as nn
 
-from .util import Fields, StaticDistError, boolean, integer, list_of, string
+from .validation import Fields, boolean, integer, list_of, string
+from .errors import StaticDistError
 
 # %% auto 0
 __all__ = ['LinearInfo', 'BlockStack', 'ModelStructure', 'find_structure', 'StructureError', 'is_compiled', 'compiled_modules']

@@ -13,7 +13,7 @@ import threading
 import traceback
 from pathlib import Path
 
-from .util import StaticDistError, first_line
+from .errors import StaticDistError, first_line
 
 # %% auto 0
 __all__ = ['ModelCodeError', 'watch_interrupts', 'last_signal', 'user_frame', 'model_code']

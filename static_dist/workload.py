@@ -20,8 +20,8 @@ from fastcore.basics import patch
 from .graph import StaticGraph, capture
 from .step import OPTIMIZERS as _STEP_OPTIMIZERS, MicroBatch
 from .usercode import ModelCodeError, model_code
-from .util import (DTYPES as _DTYPE_NAMES, InputError, StaticDistError, check_memory, check_real_size, errors_as,
-                              first_line, import_ref, is_file_ref, torch_dtype)
+from .util import DTYPES as _DTYPE_NAMES, check_memory, check_real_size, import_ref, is_file_ref, torch_dtype
+from .errors import InputError, StaticDistError, errors_as, first_line
 from .workload_hf import hf_config, hf_head, hf_parts, hf_sizes, quiet_transformers
 
 # %% auto 0

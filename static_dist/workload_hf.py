@@ -13,8 +13,8 @@ from typing import Callable
 
 import torch
 
-from .util import (MAX_SMALL_BYTES, InputError, errors_as, file_kind, first_line, loads_json, read_bounded,
-                              stat_or_none)
+from .files import MAX_SMALL_BYTES, file_kind, loads_json, read_bounded, stat_or_none
+from .errors import InputError, errors_as, first_line
 
 # %% auto 0
 __all__ = ['SUPPORTED', 'MAX_POSITION_ATTRS', 'HFSourceError', 'import_transformers', 'quiet_transformers', 'hf_config',

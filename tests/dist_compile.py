@@ -20,7 +20,8 @@ from torch.distributed.tensor.debug import CommDebugMode
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from static_dist.compile import CompileOptions, apply_compiled, compile_record, count_collectives, graphs_compiled
-from static_dist.fsdp import FSDPPlan, FSDPUnit, comm_counts, predict_comms, profile_graph
+from static_dist.cost import comm_counts, profile_graph
+from static_dist.fsdp import FSDPPlan, FSDPUnit, predict_comms
 from static_dist.step import make_optimizer, train_step
 from static_dist.graph import capture
 from static_dist.zoo import TransformerBlock, get_model

@@ -11,8 +11,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 
-from static_dist.fsdp import (FSDPPlan, FSDPUnit, apply_plan, comm_counts, plan_fsdp, predict_comms, predict_memory,
-                              profile_graph)
+from static_dist.cost import comm_counts, profile_graph
+from static_dist.fsdp import FSDPPlan, FSDPUnit, apply_plan, plan_fsdp, predict_comms, predict_memory
 from static_dist.step import make_optimizer, train_step
 from static_dist.graph import capture
 from static_dist.zoo import get_model

@@ -11,7 +11,8 @@ import time
 
 import torch
 
-from static_dist.fsdp import FSDPPlan, FSDPUnit, memtracker_fsdp_peak, predict_memory, profile_graph
+from static_dist.cost import profile_graph
+from static_dist.fsdp import FSDPPlan, FSDPUnit, memtracker_fsdp_peak, predict_memory
 from static_dist.graph import capture
 from static_dist.zoo import get_model
 

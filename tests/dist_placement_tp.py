@@ -13,7 +13,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from static_dist.graph import capture
-from static_dist.placement import (MEGATRON, LayoutError, ShardingPlan, apply_plan, evaluate_plan, llama_block_spec, search_plan,
+from static_dist.placement import (MEGATRON, LayoutError, ShardingPlan, apply_sharding_plan, evaluate_plan, llama_block_spec, search_plan,
                                    validate_plan)
 from static_dist.topology import MeshSpec, preset
 from static_dist.zoo import get_model
@@ -75,7 +75,7 @@ def main() -> dict:
     dist.broadcast_object_list(plans, src=0)
     found, meg, mixed, fsdp = (ShardingPlan.from_dict(d) for d in plans)
     for label, plan in (("found", found), ("megatron", meg), ("mixed", mixed), ("found_fsdp", fsdp)):
-        m = apply_plan(zm.build(device="cpu", seed=0), mesh, spec, plan)
+        m = apply_sharding_plan(zm.build(device="cpu", seed=0), mesh, spec, plan)
         rec = CommBytes()
         with CommDebugMode() as cdm, rec:
             out = m(tokens[half])

@@ -23,7 +23,8 @@ from static_dist.compile import (CompileOptions, apply_compiled, compile_record,
                                  graphs_compiled)
 from static_dist.launch import close_process_group, init_process_group
 from static_dist.step import train_step
-from static_dist.fsdp import FSDPPlan, FSDPUnit, predict_comms, profile_graph
+from static_dist.cost import profile_graph
+from static_dist.fsdp import FSDPPlan, FSDPUnit, predict_comms
 from static_dist.graph import capture
 from static_dist.zoo import Llama, LlamaConfig, get_model
 

@@ -21,7 +21,8 @@ import torch.distributed as dist
 
 from static_dist.launch import close_process_group, init_process_group
 from static_dist.step import train_step
-from static_dist.fsdp import FSDPPlan, FSDPUnit, apply_plan, predict_memory, profile_graph
+from static_dist.cost import profile_graph
+from static_dist.fsdp import FSDPPlan, FSDPUnit, apply_plan, predict_memory
 from static_dist.graph import capture
 from static_dist.zoo import Llama, LlamaConfig, get_model
 

@@ -490,7 +490,7 @@ def test_sign_only_real_export_archives(tmp_path):
 
 def test_save_artifact_atomic_and_force(tmp_path):
     from static_dist.artifact import save_artifact
-    from static_dist.util import StaticDistError
+    from static_dist.errors import StaticDistError
     ep = torch.export.load(io.BytesIO(PAYLOAD))
     p = save_artifact(ep, tmp_path / "a.sdxa", signing_key=KEY)
     before = p.read_bytes()

@@ -90,7 +90,7 @@ import torch.nn.functional as F
 
 from static_dist.graph import CaptureError
 from static_dist.structure import find_structure
-from static_dist.util import StaticDistError
+from static_dist.errors import StaticDistError
 
 
 def test_keyword_inputs_give_the_positional_step():

@@ -54,7 +54,8 @@ def _llama(tmp_path, layers: int) -> str:
 @pytest.mark.parametrize("captured,measured", [(2, 2), (3, 5)])
 def test_fsdp_checkpointed_units_within_1_percent(tmp_path, captured, measured):
     import dataclasses
-    from static_dist.fsdp import FSDPPlan, block_units, expand_blocks, profile_graph, verify_workload
+    from static_dist.cost import expand_blocks, profile_graph
+    from static_dist.fsdp import FSDPPlan, block_units, verify_workload
     prof = profile_graph(load_workload(_llama(tmp_path, captured), batch=1, seq=512).graph(dtype="bfloat16"), "float32")
     if measured > captured: prof = expand_blocks(prof, measured)
     units = block_units(prof.blocks)

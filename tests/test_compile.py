@@ -141,7 +141,8 @@ def test_bench_compile_json():
 def test_fake_pg_counts_match_predict_comms():
     "Eager FSDP2 under a fake process group of 1, 4 and 8 ranks: CommDebugMode's counts equal predict_comms, with accumulation."
     from static_dist.compile import fake_pg_counts
-    from static_dist.fsdp import FSDPPlan, FSDPUnit, profile_graph
+    from static_dist.cost import profile_graph
+    from static_dist.fsdp import FSDPPlan, FSDPUnit
     from static_dist.graph import capture
     from static_dist.zoo import get_model
     zm = get_model("tiny")

@@ -111,7 +111,8 @@ def _plan_doc() -> dict:
     (dict(mesh_shape=[4]), "mesh_shape: [4] multiplies to 4, not world_size 8: give [8] for FSDP"),
 ])
 def test_plan_file_fields_are_checked(edit, message):
-    from static_dist.fsdp import FSDPPlan, PlanError
+    from static_dist.cost import PlanError
+    from static_dist.fsdp import FSDPPlan
     with pytest.raises(PlanError) as e:
         FSDPPlan.from_json(json.dumps({**_plan_doc(), **edit}))
     assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
@@ -119,7 +120,8 @@ def test_plan_file_fields_are_checked(edit, message):
 
 def test_plan_file_is_read_bounded(tmp_path):
     import os
-    from static_dist.fsdp import MAX_PLAN_BYTES, FSDPPlan, PlanError
+    from static_dist.cost import PlanError
+    from static_dist.fsdp import MAX_PLAN_BYTES, FSDPPlan
     p = tmp_path / "p.json"
     p.write_text(json.dumps(_plan_doc()))
     assert json.loads(FSDPPlan.from_json(p).to_json()) == _plan_doc()

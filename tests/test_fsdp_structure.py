@@ -13,12 +13,10 @@ import torch
 import torch.nn.functional as F
 from hypothesis import Phase, given, settings, strategies as st
 
-from static_dist.fsdp import (BlockMismatchError, FSDPPlan, FSDPUnit, Overrides, PlanError, expand_profile, apply_plan,
-                              block_mismatch, candidate_unit_sets, expand_blocks, plan_fsdp, predict_comms,
-                              predict_memory, predict_plan, profile_expanded, profile_graph, profile_workload,
-                              validate, verify_plan)
+from static_dist.cost import BlockMismatchError, PlanError, expand_profile, block_mismatch, expand_blocks, profile_expanded, profile_graph, profile_workload
+from static_dist.fsdp import FSDPPlan, FSDPUnit, Overrides, apply_plan, candidate_unit_sets, plan_fsdp, predict_comms, predict_memory, predict_plan, validate, verify_plan
 from static_dist.graph import capture
-from static_dist.util import StaticDistError
+from static_dist.errors import StaticDistError
 from static_dist.workload import load_workload
 from static_dist.zoo import PRESETS, Llama
 
@@ -205,7 +203,8 @@ def test_verify_plan_gpt_with_tied_embeddings():
     r = _run("""
 import json, sys, torch; sys.path.insert(0, 'tests')
 from gpt_model import build_gpt, gpt_loss
-from static_dist.fsdp import FSDPPlan, FSDPUnit, profile_graph, verify_plan
+from static_dist.cost import profile_graph
+from static_dist.fsdp import FSDPPlan, FSDPUnit, verify_plan
 from static_dist.graph import capture
 x = torch.randint(0, 512, (2, 64)); y = torch.randint(0, 512, (2, 64))
 prof = profile_graph(capture(build_gpt(4), x, loss_fn=gpt_loss, targets=y, optimizer="adamw"))
@@ -219,7 +218,8 @@ print(json.dumps(v.to_dict()))""")
 
 LLAMA3_8B = """
 import json, sys, time, torch, transformers
-from static_dist.fsdp import FSDPPlan, FSDPUnit, profile_graph, verify_plan
+from static_dist.cost import profile_graph
+from static_dist.fsdp import FSDPPlan, FSDPUnit, verify_plan
 from static_dist.graph import capture
 W = [int(w) for w in sys.argv[1:]] or [64, 1024]
 cfg = transformers.LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,

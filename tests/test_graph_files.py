@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from static_dist.graph import GRAPH_SCHEMA, GraphFileError, StaticGraph, capture, graph_from_dict, load_graph
-from static_dist.util import InputError, StaticDistError
+from static_dist.errors import InputError, StaticDistError
 
 
 class _Net(nn.Module):

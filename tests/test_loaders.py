@@ -8,7 +8,8 @@ import threading
 
 import pytest
 
-from static_dist.util import MAX_SMALL_BYTES, StaticDistError
+from static_dist.files import MAX_SMALL_BYTES
+from static_dist.errors import StaticDistError
 
 
 def _loaders():

@@ -314,7 +314,7 @@ def test_gpu_executor_identical_and_lower_peak():
 
 def test_api_misuse_is_a_typed_error(offload_tiny):
     from static_dist.offload import OffloadUsageError
-    from static_dist.util import StaticDistError
+    from static_dist.errors import StaticDistError
     g = offload_tiny.g
     plan = plan_offload(g)
     for call, words in [(lambda: OffloadExecutor(None, None), "graph must be a StaticGraph"),

@@ -19,7 +19,7 @@ import static_dist.offload as off
 from static_dist.offload import executor, spill   # where the names monkeypatched below are looked up
 from static_dist.offload import (OffloadCorruptionError, OffloadDiskError, OffloadExecutor, OffloadInplaceError,
                                  OffloadPlanError, Tier, check_plan, plan_from_dict, plan_offload, plan_to_dict)
-from static_dist.util import StaticDistError
+from static_dist.errors import StaticDistError
 
 DISK = Tier("nvme", 1e9, 1e-5, math.inf, "disk")
 CPU = Tier("cpu", 2e9, 1e-5, math.inf, "cpu")

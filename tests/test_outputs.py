@@ -13,7 +13,8 @@ import pytest
 
 from static_dist.app.cli import main
 from static_dist.outputs import OutputFolder
-from static_dist.util import InputError, atomic_write
+from static_dist.errors import InputError
+from static_dist.files import atomic_write
 
 ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="mknod needs root")
 

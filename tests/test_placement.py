@@ -11,7 +11,7 @@ import torch
 from hypothesis import Phase, given, settings, strategies as st
 
 from static_dist.graph import capture
-from static_dist.placement import (MEGATRON, ModuleGroups, block_spec, brute_force_plan, check_pipeline, check_plan,
+from static_dist.placement import (MEGATRON, ModuleGroups, block_spec, brute_force_plan, check_pipeline, check_sharding_plan,
                                    choice_cost, evaluate_plan, llama_block_spec, module_groups, place_brute_force,
                                    place_greedy, place_ilp, search_plan)
 from static_dist.topology import MeshSpec, op_seconds, preset
@@ -70,7 +70,7 @@ def test_sharding_ilp_matches_brute_force(tiny, case, slack):
     spec = llama_block_spec(g, cfg, topo)
     mesh = MeshSpec(shape, ("dp", "tp"))
     meg = evaluate_plan(spec, MEGATRON, topo, mesh)
-    budget = meg.memory * (1 + slack) if not check_plan(spec, MEGATRON, mesh) else None
+    budget = meg.memory * (1 + slack) if not check_sharding_plan(spec, MEGATRON, mesh) else None
     try:
         ref = brute_force_plan(spec, topo, mesh, memory_budget=budget)
     except ValueError:
@@ -79,7 +79,7 @@ def test_sharding_ilp_matches_brute_force(tiny, case, slack):
         return
     got = search_plan(spec, topo, mesh, memory_budget=budget, allow_dp_shard=False)
     assert got.seconds == pytest.approx(ref.seconds, rel=1e-9)
-    assert check_plan(spec, {n: s for n, s, _ in got.styles}, mesh) == []
+    assert check_sharding_plan(spec, {n: s for n, s, _ in got.styles}, mesh) == []
 
 
 def test_dp_sharding_chosen_only_under_memory_pressure(tiny):

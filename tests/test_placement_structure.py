@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from static_dist.graph import capture
-from static_dist.placement import (MEGATRON, NoRepeatedBlocksError, block_spec, brute_force_plan, check_plan,
+from static_dist.placement import (MEGATRON, NoRepeatedBlocksError, block_spec, brute_force_plan, check_sharding_plan,
                                    llama_block_spec, megatron_styles, module_groups, search_plan)
 from static_dist.topology import MeshSpec, op_seconds, preset
-from static_dist.util import StaticDistError
+from static_dist.errors import StaticDistError
 from static_dist.zoo import get_model
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -62,14 +62,14 @@ def test_gpt_fused_qkv_at_transformer_h(gpt_graph):
     assert [gpt_graph.ops[i].flops for i in ops if gpt_graph.ops[i].flops] == [2 * (B * T) * d * (3 * d)] * 3
     assert qkv.seconds == pytest.approx(sum(op_seconds(gpt_graph, TOPO)[i] for i in ops), rel=1e-12)
     naive = {"attn.qkv": "colwise", "attn.proj": "rowwise", "mlp.fc": "colwise", "mlp.proj": "rowwise"}
-    vs = check_plan(spec, naive, MESH)                          # column shards of a fused qkv split q, k and v apart
+    vs = check_sharding_plan(spec, naive, MESH)                          # column shards of a fused qkv split q, k and v apart
     assert [v.check for v in vs] == ["fused projections"]
     meg = megatron_styles(spec)                                 # so Megatron's rule keeps that chain whole
     assert meg == {"attn.qkv": "replicate", "attn.proj": "replicate", "mlp.fc": "colwise", "mlp.proj": "rowwise"}
-    assert check_plan(spec, meg, MESH) == []
+    assert check_sharding_plan(spec, meg, MESH) == []
     found = search_plan(spec, TOPO, MESH, allow_dp_shard=False)
     assert found.style("attn.qkv") not in ("colwise", "colwise_gather")
-    assert check_plan(spec, {n: s for n, s, _ in found.styles}, MESH) == []
+    assert check_sharding_plan(spec, {n: s for n, s, _ in found.styles}, MESH) == []
     assert found.seconds == pytest.approx(brute_force_plan(spec, TOPO, MESH).seconds, rel=1e-9)
     assert set(found.parallelize_plan()) <= {f"transformer.h.{i}.{l.name}" for i in range(3) for l in spec.linears}
 
@@ -82,11 +82,11 @@ def test_hf_llama_at_model_layers(hf_graph):
     heads = {l.name: (l.in_heads, l.out_heads) for l in spec.linears}
     assert heads == {"self_attn.q_proj": (0, 4), "self_attn.k_proj": (0, 2), "self_attn.v_proj": (0, 2),
                      "self_attn.o_proj": (4, 0), "mlp.gate_proj": (0, 0), "mlp.up_proj": (0, 0), "mlp.down_proj": (0, 0)}
-    assert check_plan(spec, megatron_styles(spec), MESH) == []
+    assert check_sharding_plan(spec, megatron_styles(spec), MESH) == []
     found = search_plan(spec, TOPO, MESH, allow_dp_shard=False)
     assert found.seconds == pytest.approx(brute_force_plan(spec, TOPO, MESH).seconds, rel=1e-9)
     # 2 kv heads over tp=4 cannot be split: column-sharding k/v is refused
-    vs = check_plan(spec, megatron_styles(spec), MeshSpec((1, 4), ("dp", "tp")))
+    vs = check_sharding_plan(spec, megatron_styles(spec), MeshSpec((1, 4), ("dp", "tp")))
     assert {v.module for v in vs if v.check == "divisibility"} == {"model.layers.*.self_attn.k_proj",
                                                                      "model.layers.*.self_attn.v_proj"}
 
@@ -164,4 +164,4 @@ def test_hf_gpt2_conv1d_is_never_tensor_parallel(tmp_path):
     spec = block_spec(load_workload(f"hf:{tmp_path / 'config.json'}", batch=2, seq=32).graph())
     assert spec.linears and not any(l.shardable for l in spec.linears)
     assert set(megatron_styles(spec).values()) == {"replicate"}
-    assert "module type" in [v.check for v in check_plan(spec, {spec.linears[-1].name: "rowwise"}, MESH)]
+    assert "module type" in [v.check for v in check_sharding_plan(spec, {spec.linears[-1].name: "rowwise"}, MESH)]

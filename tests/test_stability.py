@@ -200,5 +200,5 @@ def test_hooks_inside_compiled_blocks_are_refused():
 def test_stability_widget_refuses_too_few_steps(steps):
     "#22 section 12: steps the fault slider cannot span is a StaticDistError naming the minimum, not a TraitError."
     from static_dist.stability import stability_widget
-    from static_dist.util import StaticDistError
+    from static_dist.errors import StaticDistError
     with pytest.raises(StaticDistError, match="at least 40"): stability_widget(steps=steps)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import transformers
 
 from static_dist.graph import memtracker_peak
-from static_dist.util import StaticDistError
+from static_dist.errors import StaticDistError
 from static_dist.workload import Workload, WorkloadError, load_workload
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -21,7 +21,9 @@ from ..util import environment
 from ..graph import fmt_bytes
 from ..step import make_optimizer
 from ..outputs import OutputFolder
-from ..util import StaticDistError, TooBigError, atomic_write, check_real_size
+from ..errors import StaticDistError
+from ..util import TooBigError, check_real_size
+from ..files import atomic_write
 
 # %% auto 0
 __all__ = ['STABILITY_STEPS', 'SECTIONS', 'REPORT_FILES', 'NotApplicable', 'Context', 'section', 'graph_section',

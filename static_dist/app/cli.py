@@ -14,7 +14,9 @@ from pathlib import Path
 from .. import __version__
 from ..axes import AXES
 from ..usercode import last_signal, model_code, watch_interrupts
-from ..util import InputError, StaticDistError, check_name, file_kind, parse_bytes, resolve, stat_or_none
+from ..errors import InputError, StaticDistError
+from ..files import check_name, file_kind, stat_or_none
+from ..util import parse_bytes, resolve
 
 # %% auto 0
 __all__ = ['MAX_COUNT', 'MAX_RANKS', 'VERBS', 'count', 'real', 'size', 'mesh', 'infile', 'outfile', 'prefix', 'outdir', 'Parser',

@@ -14,7 +14,8 @@ import torch
 from .cli import UsageError
 from .verbs import print_markdown, status, topology_arg, workload_of
 from ..axes import AXES, device_mesh
-from ..util import atomic_write, check_real_size, check_writable
+from ..files import atomic_write, check_writable
+from ..util import check_real_size
 
 # %% auto 0
 __all__ = ['PIN_DIMS', 'layout_pins', 'layout_topology', 'ac_summary', 'layout_lines', 'layout_memory', 'cmd_plan',
@@ -140,7 +141,8 @@ def _verify_layout(w, plan, g):
 def _predicted_oom(w, cfg, args) -> str | None:
     "Why the step would not fit --budget (peak and budget), or None when it fits or --force says to train anyway."
     import os
-    from static_dist.fsdp import plan_fsdp, profile_graph
+    from static_dist.cost import profile_graph
+    from static_dist.fsdp import plan_fsdp
     from static_dist.graph import fmt_bytes
     from static_dist.launch import under_torchrun
     if args.force: return None

@@ -17,7 +17,8 @@ import torch.nn as nn
 from .cli import UsageError
 from ..graph import fmt_bytes
 from ..outputs import OutputFolder
-from ..util import MAX_SMALL_BYTES, atomic_write, check_memory, check_real_size, check_writable, read_bounded
+from ..files import MAX_SMALL_BYTES, atomic_write, check_writable, read_bounded
+from ..util import check_memory, check_real_size
 
 # %% auto 0
 __all__ = ['EXPORT_FILES', 'status', 'workload_of', 'print_markdown', 'cmd_capture', 'cmd_plan_fsdp', 'topology_arg', 'mesh_spec',
@@ -66,7 +67,7 @@ def cmd_capture(args) -> int:
 # %% ../../nbs/92_verbs.ipynb
 def _fsdp_profile(args, w, given):
     "The step profiled in the compute dtype (the given plan's param_dtype, else --precision), fp32 masters under bf16."
-    from static_dist.fsdp import profile_workload
+    from static_dist.cost import profile_workload
     bf16 = given.param_dtype == "bfloat16" if given else args.precision == "bf16"
     with status(f"capturing {w.source}") as update:   # a few blocks, extrapolated where they are identical
         return profile_workload(w, "bfloat16" if bf16 else None, "float32" if bf16 else None, progress=update)

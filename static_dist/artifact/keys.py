@@ -11,7 +11,8 @@ from typing import Iterable, Mapping
 from fastcore.basics import patch
 import torch
 from ..export.source import INSTALL_HINT
-from ..util import InputError, StaticDistError, atomic_write, loads_json, read_bounded
+from ..errors import InputError, StaticDistError
+from ..files import atomic_write, loads_json, read_bounded
 
 # %% auto 0
 __all__ = ['MAGIC', 'PROTOCOL_VERSION', 'SUPPORTED_VERSIONS', 'MAX_KEY_BYTES', 'DEFAULT_POLICY', 'ArtifactError',

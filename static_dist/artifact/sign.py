@@ -9,7 +9,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Mapping
 import torch
-from ..util import atomic_write
+from ..files import atomic_write
 from .keys import (MAGIC, PROTOCOL_VERSION, _DOMAIN, ArtifactUsageError, Fingerprint, NotExportedProgramError,
                                        PayloadTooLargeError, PlatformPolicy, PolicyError, _ed, _fingerprint, _require, key_id, policy_for)
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 import torch
-from ..util import read_bounded
+from ..files import read_bounded
 from .keys import (MAGIC, SUPPORTED_VERSIONS, _HEADER_MAX, ArtifactFileError, ArtifactFormatError, ArtifactUsageError,
                                        BadMagicError, DeserializationError, DeviceMismatchError, DigestMismatchError, Fingerprint,
                                        PayloadTooLargeError, PlatformPolicy, SignatureError, UnsupportedVersionError, UntrustedKeyError,

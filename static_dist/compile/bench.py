@@ -259,7 +259,7 @@ def bench_compile(progress=None, *, model: str = "tiny", batch: int = 8, seq: in
                   world1_backends: Sequence[str] = ("inductor", "inductor+comm"), accumulation: Sequence[int] = (1, 2)) -> dict:
     "Eager vs compiled FSDP2 step time at each gloo world size on this CPU, side by side, each next to the calibrated time model."
     from static_dist.util import environment
-    from static_dist.fsdp import profile_graph
+    from static_dist.cost import profile_graph
     import psutil
     say, busy_before = progress or (lambda s: None), psutil.cpu_percent(interval=1.0)   # other work on the cores, not a lagging average
     if not worlds or worlds[0] != 1: raise CompileError(f"worlds={tuple(worlds)}: start with 1 (the efficiency is fitted there).")

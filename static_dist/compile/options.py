@@ -12,7 +12,7 @@ from typing import Any
 
 from fastcore.basics import patch
 
-from ..util import StaticDistError
+from ..errors import StaticDistError
 
 # %% auto 0
 __all__ = ['CompileError', 'CompileOptions', 'BlockChoice', 'KnobChoice', 'CompileRecord']

@@ -11,10 +11,11 @@ import warnings
 import torch
 from torch import nn
 
-from ..fsdp import FSDPPlan, apply_plan, comm_counts, plan_mesh, predict_comms
+from ..cost import comm_counts
+from ..fsdp import FSDPPlan, apply_plan, plan_mesh, predict_comms
 from ..launch import process_group
 from ..step import MicroBatch, make_optimizer, train_step
-from ..util import silent_stderr_fd
+from ..files import silent_stderr_fd
 
 # %% auto 0
 __all__ = ['count_collectives', 'fake_pg_counts']

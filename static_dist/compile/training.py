@@ -117,7 +117,7 @@ def _plan(prof, c: TrainConfig, world: int, budget: int):
                      accumulation_steps=c.accumulation).plan
 
 def _write_log(path: str, log: list[dict]):
-    from static_dist.util import atomic_write
+    from static_dist.files import atomic_write
     atomic_write(path, "".join(json.dumps(r) + "\n" for r in log))
 
 # %% ../../nbs/42f_compile_training.ipynb
@@ -125,7 +125,8 @@ def train_compiled(config: TrainConfig = TrainConfig(), progress=None, workload=
     """Plan (fsdp.plan_fsdp) → pre-flight recompile check → apply + compile → train with the monitors → step log and summary.
     `workload`: a `static_dist.workload.Workload` to train instead of `config.model` (its batch and seq are used)."""
     import torch.distributed as dist
-    from static_dist.fsdp import predict_memory, profile_graph
+    from static_dist.cost import profile_graph
+    from static_dist.fsdp import predict_memory
     from static_dist.stability import STRATEGIES, Trainer
     from static_dist.util import parse_bytes
     say, c = progress or (lambda s: None), config

@@ -8,8 +8,9 @@ import dataclasses, datetime, json, math
 from dataclasses import dataclass, field, asdict
 from fastcore.basics import patch
 import torch
-from ..util import (Fields, StaticDistError, boolean, either, errors_as, integer, list_of, loads_json, mapping, number,
-                              one_of, optional, read_json, string)
+from ..validation import Fields, boolean, either, integer, list_of, mapping, number, one_of, optional, string
+from ..errors import StaticDistError, errors_as
+from ..files import loads_json, read_json
 
 # %% auto 0
 __all__ = ['SCHEMA', 'SCHEMA_VERSION', 'SEVERITIES', 'Stage', 'Finding', 'NumericCheck', 'ExportReport', 'ReportFileError',

@@ -8,7 +8,7 @@ import contextlib, functools, importlib, inspect, io, logging, os, re, sys, sysc
 from dataclasses import dataclass
 from pathlib import Path
 import torch
-from ..util import StaticDistError
+from ..errors import StaticDistError
 
 # %% auto 0
 __all__ = ['INSTALL_HINT', 'MissingDependency', 'require', 'quiet', 'SourceLoc', 'is_user_file', 'is_user_frame', 'loc_from_text',

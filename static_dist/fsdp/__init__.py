@@ -6,8 +6,8 @@
 __all__ = ['fsdp_widget']
 
 # %% ../../nbs/40_fsdp.ipynb
-from .profile import *
-from .few_blocks import *
+from ..cost.profile import *
+from ..cost.few_blocks import *
 from .plan import *
 from .memory import *
 from .steptime import *
@@ -18,8 +18,8 @@ from .verify import *
 # %% ../../nbs/40_fsdp.ipynb
 import math
 
-from . import apply as _apply, memory as _memory, plan as _plan, profile as _profile
-from . import few_blocks as _few_blocks
+from . import apply as _apply, memory as _memory, plan as _plan
+from ..cost import few_blocks as _few_blocks, profile as _profile
 from . import search as _search, steptime as _steptime, verify as _verify
 from ..graph import StaticGraph, fmt_bytes
 

@@ -12,7 +12,7 @@ import torch.nn as nn
 
 from ..axes import device_mesh, fsdp_degrees, fsdp_mesh
 from .plan import FSDPPlan, validate
-from .profile import PlanError
+from ..cost.profile import PlanError
 from ..graph.policies import apply_checkpointing
 
 # %% auto 0

@@ -12,10 +12,12 @@ from typing import Sequence
 import numpy as np
 
 from .plan import FSDPPlan, _prefixes, innermost, unit_finder
-from .profile import GraphProfile, PlanError
+from ..cost.profile import GraphProfile, PlanError
 from ..graph.checkpoint import apply_deltas, recompute_extra
 from ..util import DTYPE_BYTES
 from ..graph import fmt_bytes, pyplot
+from ..graph.records import BACKWARD, OPTIMIZER
+
 
 # %% auto 0
 __all__ = ['CATEGORIES', 'shard_numel', 'UnitLayout', 'layout', 'MemoryPrediction', 'predict_memory', 'plot_fsdp_memory']
@@ -122,7 +124,7 @@ def _layout(profile: GraphProfile, plan: FSDPPlan) -> tuple[UnitLayout, ...]:
     for p in profile.params:                          # as `unit_of`, with the sets built once
         o = None if ignored and innermost(p.name, ignored) is not None else innermost(p.name, names)
         if o is not None: params[o].append(p)
-    nb = np.flatnonzero(profile.op_phase == 1)
+    nb = np.flatnonzero(profile.op_phase == BACKWARD)
     out = []
     for u in plan.units:
         fwd = _span(first, last, inside[u.module], 0) or (0, 0)
@@ -230,7 +232,7 @@ def _add_all_gathers(C: _Curves, profile: GraphProfile, plan: FSDPPlan, lays) ->
     root = next((l for l in lays if l.module == "" and l.params), None)
     root_pre_bwd = profile.model_backward_start          # when a gradient first reaches the model's outputs
     if root_pre_bwd < 0:
-        nb = [i for i in np.flatnonzero(profile.op_phase == 1) if profile.op_module[i]]
+        nb = [i for i in np.flatnonzero(profile.op_phase == BACKWARD) if profile.op_module[i]]
         root_pre_bwd = int(nb[0]) if nb else (root.bwd[0] if root else 0)
     for seq, p, key in ((list(lays), plan.forward_prefetch, 0), (bwd_need, plan.backward_prefetch, 1)):
         seq = [l for l in seq if l.params]
@@ -252,7 +254,7 @@ def _add_all_gathers(C: _Curves, profile: GraphProfile, plan: FSDPPlan, lays) ->
 def _add_reduce_scatters(C: _Curves, profile: GraphProfile, lays, reduce_at: int | None = None) -> None:
     """One reduce-scatter input alive from a unit's post-backward to the next unit's (the last to the end of backward);
     with `reduce_at`, the units reduce one after another at that op: the largest input counts there."""
-    last_bwd = int(np.flatnonzero(profile.op_phase == 1)[-1]) if (profile.op_phase == 1).any() else C.n - 1
+    last_bwd = int(np.flatnonzero(profile.op_phase == BACKWARD)[-1]) if (profile.op_phase == BACKWARD).any() else C.n - 1
     rs = [l for l in sorted(lays, key=lambda l: (l.bwd[1], l.module == "")) if l.params]
     if reduce_at is not None:
         if rs: C.add("reduce_scatter", reduce_at, reduce_at, max(l.rs_bytes for l in rs))
@@ -276,7 +278,7 @@ def _activations(profile: GraphProfile, plan: FSDPPlan, lays, shard_ratio: float
     """Native bytes per op (optimizer temporaries shrunk to the shard, checkpointing applied, compute dtype applied),
     and the recomputes for `_add_recomputes`."""
     act = profile.native.astype(np.int64).copy()
-    opt = profile.op_phase == 2
+    opt = profile.op_phase == OPTIMIZER
     act[opt] -= (profile.temporary[opt] * (1 - shard_ratio)).astype(np.int64)
     ckpt = _checkpointed(profile, plan)
     act = apply_deltas(act, [profile.checkpoint[m] for m in ckpt], recomputes=False)
@@ -325,7 +327,7 @@ def predict_memory(profile: GraphProfile, plan: FSDPPlan, *, reduce_after_backwa
     n, lays = len(profile.op_module), layout(profile, plan)
     C = _Curves(n)
     total_full = _add_ignored(C, profile, plan)
-    bwd = np.flatnonzero(profile.op_phase == 1)
+    bwd = np.flatnonzero(profile.op_phase == BACKWARD)
     reduce_at = int(bwd[-1]) if reduce_after_backward and len(bwd) else None
     total_sh = _add_units(C, profile, plan, lays, reduce_at)
     _add_all_gathers(C, profile, plan, lays)

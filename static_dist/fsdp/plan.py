@@ -17,10 +17,11 @@ from typing import Callable
 import torch.nn as nn
 from fastcore.basics import patch
 
-from .profile import GraphProfile, PlanError
+from ..cost.profile import GraphProfile, PlanError
 from ..graph.policies import CheckpointPolicy, FullCheckpoint, NoCheckpoint
-from ..util import (Fields, boolean, dtype_name, either, errors_as, integer, list_of, loads_json, optional,
-                              read_json, shown, string)
+from ..validation import Fields, boolean, dtype_name, either, integer, list_of, optional, shown, string
+from ..errors import errors_as
+from ..files import loads_json, read_json
 
 # %% auto 0
 __all__ = ['PLAN_SCHEMA', 'MAX_WORLD', 'MAX_PLAN_BYTES', 'FSDPUnit', 'FSDPPlan', 'block_units', 'innermost', 'unit_finder',
@@ -97,7 +98,7 @@ def to_json(self: FSDPPlan, path=None) -> str:
     "The plan as JSON; written atomically to `path` when given."
     s = json.dumps(self.to_dict(), indent=1)
     if path is not None:
-        from static_dist.util import atomic_write
+        from static_dist.files import atomic_write
         atomic_write(path, s)
     return s
 

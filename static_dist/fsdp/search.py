@@ -16,7 +16,7 @@ from fastcore.basics import patch
 
 from .memory import MemoryPrediction, layout, predict_memory
 from .plan import FSDPPlan, FSDPUnit, _prefixes, unit_of, validate
-from .profile import GraphProfile, PlanError, _under, profile_graph
+from ..cost.profile import GraphProfile, PlanError, profile_graph, within
 from .steptime import CostModel, StepPrediction, default_cost_model, predict_step
 from ..graph import StaticGraph, fmt_bytes
 
@@ -60,15 +60,15 @@ def _blocks(profile: GraphProfile) -> list[str]:
     "The main stack's blocks (from the structure); else the outermost numbered modules that hold parameters."
     if profile.blocks: return list(profile.blocks)
     owners = {p.module for p in profile.params}
-    cand = [m for m in profile.modules if re.search(r"(^|\.)\d+$", m) and any(_under(o, m) for o in owners)]
-    return [m for m in cand if not any(c != m and _under(m, c) for c in cand)]
+    cand = [m for m in profile.modules if re.search(r"(^|\.)\d+$", m) and any(within(o, m) for o in owners)]
+    return [m for m in cand if not any(c != m and within(m, c) for c in cand)]
 
 # %% ../../nbs/40e_fsdp_search.ipynb
 def _ends(profile: GraphProfile, blocks: list[str]) -> list[str]:
     "Children of the stack's ancestors that hold no block (embeddings, final norm, head), wherever the stack sits."
     parent = blocks[0].rpartition(".")[0] if blocks else ""
     anc = set(_prefixes(parent.rpartition(".")[0])) | {parent} if parent else {""}
-    return [m for m in profile.modules if m and m.rpartition(".")[0] in anc and not any(_under(b, m) for b in blocks)]
+    return [m for m in profile.modules if m and m.rpartition(".")[0] in anc and not any(within(b, m) for b in blocks)]
 
 def _subtree_bytes(profile: GraphProfile) -> dict[str, int]:
     "{module: bytes of the parameters under it} ('': all of them), from one pass over the parameters."
@@ -94,10 +94,10 @@ def candidate_unit_sets(profile: GraphProfile, ov: Overrides = Overrides()) -> d
         if subs: sets["sub-blocks+ends"] = ["", *subs, *ends]
     elif ends: sets["top-level"] = ["", *ends]
     out = {}
-    splits = lambda m: any(len({_under(n, m) for n in grp}) > 1 for grp in profile.tied)   # a unit may not cut a tie
+    splits = lambda m: any(len({within(n, m) for n in grp}) > 1 for grp in profile.tied)   # a unit may not cut a tie
     for name, s in sets.items():
         s = [m for m in s if not m or not splits(m)]
-        s = [m for m in dict.fromkeys([*s, *ov.units, *ov.pinned]) if not any(_under(m, ig) for ig in ov.ignored)]
+        s = [m for m in dict.fromkeys([*s, *ov.units, *ov.pinned]) if not any(within(m, ig) for ig in ov.ignored)]
         order = {m: i for i, m in enumerate(profile.modules)}
         out[name] = tuple(sorted(s, key=lambda m: (m != "", order.get(m, 0))))
     return out

@@ -13,9 +13,11 @@ import numpy as np
 
 from .memory import UnitLayout, _cached, layout
 from .plan import FSDPPlan, innermost
-from .profile import GraphProfile, PlanError
+from ..cost.profile import GraphProfile, PlanError
 from ..graph import pyplot
 from ..topology import TwoStreams, device_spec, work_seconds
+from ..graph.records import BACKWARD, FORWARD, OPTIMIZER
+
 
 # %% auto 0
 __all__ = ['Span', 'StepPrediction', 'CostModel', 'default_cost_model', 'predict_comms', 'profile_seconds', 'predict_step',
@@ -105,7 +107,7 @@ def _segments_uncached(profile: GraphProfile, plan: FSDPPlan):
     own = {m: innermost(m, set(names)) for m in mods}
     out = []
     for i, (m, ph) in enumerate(zip(profile.op_module, profile.op_phase)):
-        if ph == 2: break
+        if ph == OPTIMIZER: break
         o = own[m]
         if out and out[-1][0] == ph and out[-1][1] == o: out[-1][3] = i + 1
         else: out.append([int(ph), o, i, i + 1])
@@ -150,10 +152,10 @@ def _gather_ahead(S: TwoStreams, ph: int, o: str, seq: list, p: int, plan: FSDPP
     """Issue unit `o`'s all-gather if nothing prefetched it, then (on its first run) the next `p` units' (`units`: by
     name); the backward's first run outside them (the root's) prefetches the first of them (FSDP2's root
     pre-backward)."""
-    need = lambda u: ph == 0 or units[u].reshard_after_forward is not False
-    group = lambda u: None if ph == 0 or units[u].reshard_after_forward is True else units[u].reshard_after_forward
+    need = lambda u: ph == FORWARD or units[u].reshard_after_forward is not False
+    group = lambda u: None if ph == FORWARD or units[u].reshard_after_forward is True else units[u].reshard_after_forward
     gather = lambda u: S.issue((ph, u), _gather_time(cost, plan, lays[u], group(u)), S.tc, "all_gather", u)
-    if ph == 1 and o not in seq and seq and (1, "root") not in S.done:
+    if ph == BACKWARD and o not in seq and seq and (1, "root") not in S.done:
         S.done[(1, "root")] = 1
         if need(seq[0]): gather(seq[0])
     if o in seq and (ph, o) not in S.done and need(o): gather(o)    # not prefetched: issue now (no overlap)
@@ -180,20 +182,20 @@ def _micro_batch(segs, lays: dict, plan: FSDPPlan, cost: CostModel, sync: bool, 
     run = lambda a, b: float(cs[b] - cs[a])
     fwd = {}
     for ph, o, a, b in segs:
-        if ph == 0: fwd[o] = fwd.get(o, 0.0) + run(a, b)             # a checkpointed unit recomputes its own forward
-    fseq = [u for u in dict.fromkeys(o for ph, o, _, _ in segs if ph == 0) if lays[u].params]
-    bseq = [u for u in dict.fromkeys(o for ph, o, _, _ in segs if ph == 1) if lays[u].params and u]
-    last_b = {o: i for i, (ph, o, _, _) in enumerate(segs) if ph == 1}
+        if ph == FORWARD: fwd[o] = fwd.get(o, 0.0) + run(a, b)             # a checkpointed unit recomputes its own forward
+    fseq = [u for u in dict.fromkeys(o for ph, o, _, _ in segs if ph == FORWARD) if lays[u].params]
+    bseq = [u for u in dict.fromkeys(o for ph, o, _, _ in segs if ph == BACKWARD) if lays[u].params and u]
+    last_b = {o: i for i, (ph, o, _, _) in enumerate(segs) if ph == BACKWARD}
     S = TwoStreams()
     for i, (ph, o, a, b) in enumerate(segs):
-        seq, p = (fseq, plan.forward_prefetch) if ph == 0 else (bseq, max(plan.backward_prefetch, 1))
+        seq, p = (fseq, plan.forward_prefetch) if ph == FORWARD else (bseq, max(plan.backward_prefetch, 1))
         _gather_ahead(S, ph, o, seq, p, plan, lays, cost, units)
         ready = S.done.get((ph, o), 0.0)
-        if ph == 1 and units[o].activation_checkpointing and (1, o, "rc") not in S.done:
+        if ph == BACKWARD and units[o].activation_checkpointing and (1, o, "rc") not in S.done:
             S.done[(1, o, "rc")] = 1
             ready = S.compute(fwd.get(o, 0.0), ready, "recompute", o)
         S.compute(run(a, b), ready, ("forward", "backward")[ph], o)
-        if ph == 1 and last_b[o] == i and sync and lays[o].params: _sync_grads(S, o, plan, lays, cost)
+        if ph == BACKWARD and last_b[o] == i and sync and lays[o].params: _sync_grads(S, o, plan, lays, cost)
     return S.end, [Span(*s) for s in S.spans]
 
 # %% ../../nbs/40d_fsdp_steptime.ipynb
@@ -210,7 +212,7 @@ def predict_step(profile: GraphProfile, plan: FSDPPlan, cost: CostModel, *, _seg
     t_sync, spans = _micro_batch(segs, lays, plan, cost, True, sec)
     t_no, spans_no = _micro_batch(segs, lays, plan, cost, plan.sync_every_microbatch, sec) if k > 1 else (0.0, [])
     covered = profile.optimizer_numel or 1          # an expanded profile's captured optimizer ran on fewer blocks
-    opt_sec = float((sec[profile.op_phase == 2] - cost.spec.op_overhead).sum())   # no per-op launch: see above
+    opt_sec = float((sec[profile.op_phase == OPTIMIZER] - cost.spec.op_overhead).sum())   # no per-op launch: see above
     opt = opt_sec * sum(p.numel for p in profile.params) / covered / plan.shard_size
     spans.append(Span("compute", "optimizer", "", t_sync, t_sync + opt))
     step = (k - 1) * t_no + t_sync + opt

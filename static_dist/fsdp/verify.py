@@ -18,112 +18,16 @@ import torch.nn as nn
 from .apply import apply_plan, plan_mesh
 from .memory import predict_memory
 from .plan import FSDPPlan, FSDPUnit, validate
-from .profile import GraphProfile, PlanError, profile_graph
+from ..cost.profile import GraphProfile, PlanError, profile_graph
 from .search import plan_fsdp
+from ..cost.measure import comm_counter, comm_counts, measure_step, to_empty_tied
 from .steptime import predict_comms
 from ..graph import explain_failure, fmt_bytes, quiet_torch_logs
 from ..launch import process_group
 from ..step import OPTIMIZERS, MicroBatch, make_optimizer, train_step
 
 # %% auto 0
-__all__ = ['comm_counter', 'comm_counts', 'to_empty_tied', 'measure_step', 'memtracker_fsdp_peak', 'Verification', 'verify_plan',
-           'verify_workload', 'bench_fsdp']
-
-# %% ../../nbs/40g_fsdp_verify.ipynb
-def _one_step(m, opt, inputs, kwargs, targets, loss_fn, plan: FSDPPlan):
-    "The package's one step over `plan.accumulation_steps` copies of the micro-batch, synced as the plan says."
-    train_step(m, opt, [MicroBatch(inputs, kwargs, targets)] * plan.accumulation_steps, loss_fn, plan=plan)
-
-# %% ../../nbs/40g_fsdp_verify.ipynb
-class _FlatModules:
-    """Stands in for CommDebugMode's module tracker, which fails on a model that calls one module twice in a forward (a
-    shared ReLU, as torchvision's BasicBlock has, or every stage module once per pipeline micro-batch): torch's
-    `_CommModeModuleTracker` adds a forward hook on every *call* of a module, each of which pops the module stack, so
-    the second call pops once too often (IndexError) and the first hook is left on the module. The counts need no
-    module: every op is counted under 'Global'."""
-    name, is_bw, activation_checkpointing = "Global", False, False
-    def __init__(self): self.module_parents_dict = {"Global": set()}
-    def __enter__(self): return self
-    def __exit__(self, *exc): return None
-
-def comm_counter(point_to_point: bool = False):
-    """A `CommDebugMode` that counts collectives (`get_comm_counts`) without following modules (see `_FlatModules`);
-    with `point_to_point`, `c10d.send` and `c10d.recv_` too (a pipeline's messages)."""
-    from torch.distributed.tensor.debug import CommDebugMode
-    mode = CommDebugMode()
-    mode.advanced_module_tracker = _FlatModules()
-    if point_to_point: mode.comm_registry |= {torch.ops.c10d.send, torch.ops.c10d.recv_}
-    return mode
-
-def comm_counts(mode) -> dict:
-    "CommDebugMode's counts in predict_comms' keys."
-    out = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
-    for op, n in mode.get_comm_counts().items():
-        s = str(op)
-        key = next((k for k, pat in (("reduce_scatter", "reduce_scatter"), ("all_gather", "all_gather"),
-                                     ("all_gather", "allgather"), ("all_reduce", "all_reduce"),
-                                     ("all_reduce", "allreduce")) if pat in s), None)
-        if key: out[key] += n
-    return out
-
-# %% ../../nbs/40g_fsdp_verify.ipynb
-class _Where:
-    "Context: the FQN of the innermost module whose forward raised (global module hooks; `.failed_in`)."
-    def __init__(self, model: nn.Module):
-        self.names, self.stack, self.failed_in = {id(m): n for n, m in model.named_modules()}, [], ""
-    def __enter__(self):
-        from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
-        self.h = [register_module_forward_pre_hook(lambda m, a: self._push(m)),
-                  register_module_forward_hook(lambda m, a, o: self._pop())]
-        return self
-    def _push(self, m): self.stack.append(self.names.get(id(m), ""))
-    def _pop(self):
-        if self.stack: self.stack.pop()
-    def __exit__(self, *exc):
-        for h in self.h: h.remove()
-        if exc[0] is not None and self.stack: self.failed_in = self.stack[-1]
-
-# %% ../../nbs/40g_fsdp_verify.ipynb
-def to_empty_tied(m: nn.Module, device) -> nn.Module:
-    """`m.to_empty(device=device)` with its tied weights tied again: `to_empty` gives every module that shares a
-    parameter a storage of its own, so a tied model would be measured untied (one more weight, gradient and state)."""
-    groups = {}
-    for n, p in m.named_parameters(remove_duplicate=False): groups.setdefault(id(p), []).append(n)
-    m.to_empty(device=device)
-    for names in (ns for ns in groups.values() if len(ns) > 1):
-        first = m.get_parameter(names[0])
-        for n in names[1:]:
-            mod, _, attr = n.rpartition(".")
-            setattr(m.get_submodule(mod), attr, first)
-    return m
-
-
-# %% ../../nbs/40g_fsdp_verify.ipynb
-def measure_step(m: nn.Module, plan: FSDPPlan, inputs, kwargs, targets, loss_fn, optimizer: str) -> tuple[int, object]:
-    """Materialise the (sharded, meta-device) `m` under FakeTensorMode and track two steps of `plan`'s micro-batches:
-    (the second's peak on rank 0 by FSDPMemTracker, or MemTracker for a model FSDP does not wrap; its CommDebugMode)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from torch.distributed._tools.mem_tracker import MemTracker
-    from torch.distributed.fsdp import FSDPModule
-    where = _Where(m)
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        to_empty_tied(m, "cpu")
-        opt = make_optimizer(optimizer, m.parameters(), lr=1e-3)
-        ins = tuple(t for t in (*inputs, *kwargs.values(), targets) if isinstance(t, torch.Tensor))
-        if isinstance(m, FSDPModule): fmt = FSDPMemTracker(m, opt); fmt.track_inputs(ins)
-        else: fmt = MemTracker(); fmt.track_external(m, opt, *ins)
-        try:
-            with quiet_torch_logs(), warnings.catch_warnings():  # the error below says it in one line
-                warnings.filterwarnings("ignore", message="(FSDP2-wrapped module|Full backward hook|For backward hooks to be called)")  # torch's notes
-                with fmt, where: _one_step(m, opt, inputs, kwargs, targets, loss_fn, plan)
-                fmt.reset_mod_stats()   # clears the modules' stats only: the tracker's own peak restarts when it is entered again
-                # (the first step's peak is no steady state's: its optimizer makes its state, and DTensor's sharding propagation,
-                # cold, makes fake tensors of each parameter's global shape under the tracker's fake mode, which it counts)
-                with fmt, comm_counter() as cdm, where: _one_step(m, opt, inputs, kwargs, targets, loss_fn, plan)
-        except PlanError: raise
-        except Exception as e: raise explain_failure(e, "the FSDP step under FSDPMemTracker", where.failed_in) from None
-    return int(sum(d["Total"] for d in fmt.get_tracker_snapshot("peak").values())), cdm
+__all__ = ['memtracker_fsdp_peak', 'Verification', 'verify_plan', 'verify_workload', 'bench_fsdp']
 
 # %% ../../nbs/40g_fsdp_verify.ipynb
 def _check_masters(m: nn.Module, master: str) -> None:
@@ -207,7 +111,7 @@ def verify_workload(w, plan: FSDPPlan, profile: GraphProfile | None = None) -> V
 import subprocess
 import sys
 
-from .few_blocks import profile_workload
+from ..cost.few_blocks import profile_workload
 from .search import PlanReport
 
 # %% ../../nbs/40g_fsdp_verify.ipynb

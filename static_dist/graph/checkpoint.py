@@ -13,6 +13,8 @@ from fastcore.basics import patch
 
 from .query import _ancestors
 from .records import StaticGraph
+from .records import BACKWARD, FORWARD, OPTIMIZER
+
 
 # %% auto 0
 __all__ = ['common_module', 'forward_drops', 'module_spans', 'Recompute', 'CheckpointLifetimes', 'checkpoint_lifetimes',
@@ -34,7 +36,7 @@ def forward_drops(g: StaticGraph) -> dict[int, int]:
     until the call returns). A storage no forward op read is not in it: it goes when it is made."""
     phase, last_op, anc, last = g.op_phases(), {}, {}, {}    # each module's last forward op; per storage: common module, last read
     for i, o in enumerate(g.ops):
-        if phase[i] != 0: continue
+        if phase[i] != FORWARD: continue
         for m in _ancestors(o.module): last_op[m] = i
         for t in o.inputs:
             sid = g.tensors[t].storage
@@ -57,7 +59,7 @@ def module_spans(g: StaticGraph, modules) -> dict[str, tuple[int, int, int, int]
     want, phase = set(modules), g.op_phases()
     out = {m: [-1, -1, -1, -1] for m in want}
     for i, o in enumerate(g.ops):
-        if phase[i] == 2: continue
+        if phase[i] == OPTIMIZER: continue
         k = 2 * int(phase[i])
         for m in _ancestors(o.module):
             if m in want:
@@ -118,13 +120,13 @@ def _module(self: _Index, m: str, kept: frozenset, saved: list, absent: dict, he
     g, phase, (f0, f1, b0, b1) = self.g, self.phase, self.spans[m]
     if f0 < 0 or b0 < 0: return None
     ids = {s.id for s in saved}
-    at = next((i for i in range(b0, b1 + 1) if phase[i] == 1 and _under(g.ops[i].module, m)
+    at = next((i for i in range(b0, b1 + 1) if phase[i] == BACKWARD and _under(g.ops[i].module, m)
                and any(self.storage_of[t] in ids for t in g.ops[i].inputs)), b0)
     for i in kept:
         for sid in self.made_at.get(i, ()): held[sid] = max(held.get(sid, -1), at)
     release = max((self.n if s.freed is None else s.freed for s in saved), default=b0)
     for i in range(f0, f1 + 1):                           # its inputs: what the recompute runs on
-        if phase[i] != 0 or not _under(g.ops[i].module, m): continue
+        if phase[i] != FORWARD or not _under(g.ops[i].module, m): continue
         for t in g.ops[i].inputs:
             s = g.storages[self.storage_of[t]]
             if 0 <= s.created < f0 and s.role in ("activation", "temporary", "other"): held[s.id] = max(held.get(s.id, -1), release)

@@ -15,8 +15,10 @@ from fastcore.basics import patch
 
 from .records import PHASES, ROLES, OpRecord, StaticGraph, StorageRecord, TensorRecord
 from ..structure import ModelStructure, StructureError
-from ..util import (MAX_BYTES, Fields, StaticDistError, atomic_write, dtype_name, errors_as, integer, list_of,
-                              mapping, one_of, optional, read_json, shown, string)
+from ..util import MAX_BYTES
+from ..validation import Fields, dtype_name, integer, list_of, mapping, one_of, optional, shown, string
+from ..errors import StaticDistError, errors_as
+from ..files import atomic_write, read_json
 
 # %% auto 0
 __all__ = ['GRAPH_SCHEMA', 'GraphFileError', 'graph_from_dict', 'load_graph']

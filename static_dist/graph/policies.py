@@ -13,7 +13,7 @@ from typing import ClassVar, Sequence
 
 from fastcore.basics import patch_to
 
-from ..util import InputError
+from ..errors import InputError
 
 # %% auto 0
 __all__ = ['POLICIES', 'PolicyError', 'CheckpointPolicy', 'parse_policy', 'NoCheckpoint', 'FullCheckpoint', 'SelectiveOps',

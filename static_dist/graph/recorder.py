@@ -27,7 +27,7 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .records import OpRecord, StorageRecord, TensorRecord
-from ..util import StaticDistError
+from ..errors import StaticDistError
 
 # %% auto 0
 __all__ = ['CaptureError', 'CaptureTypeError', 'explain_failure', 'quiet_torch_logs', 'flop_formula', 'op_flops',

@@ -5,6 +5,8 @@
 # %% ../../nbs/00b_graph_records.ipynb 3
 from __future__ import annotations
 
+from enum import IntEnum
+
 import functools
 import math
 from dataclasses import dataclass, field
@@ -15,11 +17,19 @@ from fastcore.basics import patch
 from ..structure import ModelStructure
 
 # %% auto 0
-__all__ = ['PHASES', 'ROLES', 'Phase', 'Role', 'OpRecord', 'TensorRecord', 'StorageRecord', 'StaticGraph', 'Lifetime', 'Peak',
-           'ModuleStats', 'fmt_bytes', 'fmt_flops']
+__all__ = ['PHASES', 'FORWARD', 'BACKWARD', 'OPTIMIZER', 'ROLES', 'Phase', 'Role', 'PhaseIndex', 'OpRecord', 'TensorRecord',
+           'StorageRecord', 'StaticGraph', 'Lifetime', 'Peak', 'ModuleStats', 'fmt_bytes', 'fmt_flops']
 
 # %% ../../nbs/00b_graph_records.ipynb
 PHASES = ("forward", "backward", "optimizer")
+
+class PhaseIndex(IntEnum):
+    "A phase as the int8 arrays `StaticGraph.op_phases()` and `GraphProfile.op_phase` hold it: its index in PHASES."
+    FORWARD = 0
+    BACKWARD = 1
+    OPTIMIZER = 2
+
+FORWARD, BACKWARD, OPTIMIZER = PhaseIndex
 ROLES = ("parameter", "buffer", "gradient", "optimizer_state", "activation", "input", "temporary", "other")
 Phase = Literal["forward", "backward", "optimizer"]
 Role = Literal["parameter", "buffer", "gradient", "optimizer_state", "activation", "input", "temporary", "other"]

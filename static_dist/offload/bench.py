@@ -17,7 +17,7 @@ import torch
 
 from ..graph import StaticGraph
 from ..step import MicroBatch, forward_backward
-from ..util import silent_stderr_fd
+from ..files import silent_stderr_fd
 from .executor import OffloadExecutor, refuse_compiled
 from .spill import checksum_rate
 from ..topology import calibrate_device

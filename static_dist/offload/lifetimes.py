@@ -12,7 +12,7 @@ import numpy as np
 
 from ..graph import StaticGraph
 from ..topology import DEVICES, DeviceSpec, device_spec, op_seconds
-from ..util import InputError
+from ..errors import InputError
 
 # %% auto 0
 __all__ = ['DEVICE_NAMES', 'OffloadDeviceError', 'offload_device', 'SavedTensor', 'checkpointed_modules', 'saved_tensors']

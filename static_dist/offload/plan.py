@@ -15,7 +15,7 @@ import numpy as np
 from ..graph import PHASES, StaticGraph, fmt_bytes, pyplot
 from .lifetimes import SavedTensor, offload_device, saved_tensors
 from ..topology import DeviceSpec, op_seconds
-from ..util import StaticDistError
+from ..errors import StaticDistError
 
 # %% auto 0
 __all__ = ['GB', 'TIER_PRESETS', 'Klass', 'CLASSES', 'CLASS_COLORS', 'OffloadError', 'OffloadUsageError', 'Tier', 'tier',

@@ -15,8 +15,10 @@ import torch
 from ..graph import StaticGraph, fmt_bytes
 from ..topology import DeviceSpec
 from .plan import CLASSES, OffloadDecision, OffloadError, OffloadPlan, Tier, graph_signature
-from ..util import (MAX_BYTES, Fields, StaticDistError, atomic_write, boolean, dtype_name, errors_as, integer,
-                              list_of, number, one_of, optional, read_json, shown, string)
+from ..util import MAX_BYTES
+from ..validation import Fields, boolean, dtype_name, integer, list_of, number, one_of, optional, shown, string
+from ..errors import StaticDistError, errors_as
+from ..files import atomic_write, read_json
 
 # %% auto 0
 __all__ = ['OFFLOAD_SCHEMA', 'MAX_PLAN_FILE_BYTES', 'OffloadPlanError', 'plan_to_dict', 'plan_from_dict', 'save_plan',

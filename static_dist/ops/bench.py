@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from ..util import StaticDistError
+from ..errors import StaticDistError
 from .register import _tk
 from .builtin import _add_relu_ref, _rms_norm_bwd_ref, _rms_norm_ref, _softmax_cuda
 

@@ -11,9 +11,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..fsdp import FSDPPlan, FSDPUnit, GraphProfile, MemoryPrediction, block_units, predict_memory
+from ..cost import GraphProfile
+from ..fsdp import FSDPPlan, FSDPUnit, MemoryPrediction, block_units, predict_memory
 from ..fsdp.plan import unit_finder
-from ..fsdp.profile import ParamInfo, captured_param_dtype, main_stack, module_order, param_infos, shared_params, to_master, tokens_of
+from ..cost.profile import ParamInfo, captured_param_dtype, main_stack, module_order, param_infos, shared_params, to_master, tokens_of
 from ..graph import StaticGraph, fmt_bytes, op_bytes
 from ..topology import op_dtypes
 from ..graph.checkpoint import CheckpointLifetimes, checkpoint_lifetimes, recompute_bytes
@@ -21,6 +22,8 @@ from ..graph.policies import kept_ops
 from .plan import ParallelDims, ParallelPlan, ParallelPlanError, block_policies, stage_ranges
 from .schedule import held_by_action, pipeline_held, rank_stages
 from ..placement import block_spec, linear_memory, megatron_styles
+from ..graph.records import BACKWARD, FORWARD, OPTIMIZER
+
 
 # %% auto 0
 __all__ = ['module_blocks', 'op_blocks', 'op_stages', 'tp_op_factor', 'tp_views', 'tp_local_graph', 'tp_param_shape',
@@ -149,7 +152,7 @@ def _block_spans(ob: np.ndarray, phase: np.ndarray, k: int) -> tuple[np.ndarray,
     "(first forward op, last forward op, first backward op) of each of `k` blocks (-1: none)."
     ff, lf, fb = (np.full(k, -1, dtype=np.int64) for _ in range(3))
     for b in range(k):
-        f, bw = np.flatnonzero((ob == b) & (phase == 0)), np.flatnonzero((ob == b) & (phase == 1))
+        f, bw = np.flatnonzero((ob == b) & (phase == FORWARD)), np.flatnonzero((ob == b) & (phase == BACKWARD))
         if len(f): ff[b], lf[b] = f[0], f[-1]
         if len(bw): fb[b] = bw[0]
     return ff, lf, fb
@@ -290,7 +293,7 @@ def _others_held(g: StaticGraph, plan: ParallelPlan, pp_rank: int, v: _View, K: 
             b += gath[o] * (kind == "B" and o > s and o in h.gathered)     # resharded here in one micro-batch's step
             b += grads[o] * ((o in h.backed) - (1 if prior_grads else kind == "B" and o > s))
         most[s, kind] = max(most.get((s, kind), -math.inf), b)
-    return np.array([most.get((int(v.stage_of_op[i]), "FB"[ph]), 0.0) if ph < 2 else 0.0 for i, ph in zip(K, phase)])
+    return np.array([most.get((int(v.stage_of_op[i]), "FB"[ph]), 0.0) if ph < OPTIMIZER else 0.0 for i, ph in zip(K, phase)])
 
 # %% ../../nbs/45b_parallel_memory.ipynb
 def boundary_bytes(g: StaticGraph, ob: np.ndarray, cp: int = 1, nb: list | None = None) -> float:
@@ -368,7 +371,7 @@ def rank_profile(g: StaticGraph, plan: ParallelPlan, pp_rank: int = 0, master_dt
     _dts = op_dtypes(g)
     return GraphProfile(tuple(ps), module_order(seen, [p.module for p in ps], len(K)), tuple(g.ops[i].module for i in K),
                         phase, _flops(g, plan, v)[K], native, temp, _saved(g, v, plan.dims.cp, newix),
-                        int(temp[phase == 2].max()) if (phase == 2).any() else 0, _tied(g, by_storage, ps), g.meta.get("model", ""),
+                        int(temp[phase == OPTIMIZER].max()) if (phase == OPTIMIZER).any() else 0, _tied(g, by_storage, ps), g.meta.get("model", ""),
                         cap, tokens_of(g) // plan.dims.cp, _stage_blocks(plan, blocks, v), stack, tuple(g.ops[i].op for i in K),
                         master_dtype=master_dtype or captured_param_dtype(g), **_root_marks(g, K),
                         recomputes=tuple((int(newix(r.at)), *recompute_bytes(g, v.checkpoint, r, weight))

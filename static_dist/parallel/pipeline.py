@@ -18,13 +18,13 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from .apply import apply_parallel_plan
 from .schedule import rank_stages
-from .plan import ParallelPlan, ParallelPlanError, check_layout, stage_ranges
+from .plan import SCHEDULES, ParallelPlan, ParallelPlanError, check_layout, stage_ranges
 from .verify import axis_counts
 from ..step import StepError, micro_batch, train_step
 from ..structure import BlockStack, find_structure
 
 # %% auto 0
-__all__ = ['SCHEDULES', 'stage_units', 'TensorSpec', 'PipelineSplit', 'plan_split', 'StageSkip', 'split_stage', 'PipelineRank',
+__all__ = ['stage_units', 'TensorSpec', 'PipelineSplit', 'plan_split', 'StageSkip', 'split_stage', 'PipelineRank',
            'build_pipeline', 'sync_tied', 'pipeline_accumulate', 'pipeline_step', 'pipeline_axis_counts',
            'predict_pipeline_counts']
 
@@ -232,8 +232,6 @@ def split_stage(model: nn.Module, split: PipelineSplit, stage: int) -> nn.Module
     return model
 
 # %% ../../nbs/45g_parallel_pipeline.ipynb
-SCHEDULES = {"GPipe": "ScheduleGPipe", "1F1B": "Schedule1F1B", "Interleaved1F1B": "ScheduleInterleaved1F1B"}
-
 @dataclass
 class PipelineRank:
     "One pipeline rank's part of a plan: its stage modules, their `PipelineStage`s, the schedule, and the tied parameters it syncs."

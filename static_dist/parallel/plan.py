@@ -13,12 +13,14 @@ from dataclasses import dataclass, field
 from fastcore.basics import patch
 
 from ..axes import AXES, FLAT, MESH_DIMS, mesh_dims
-from ..fsdp import FSDPPlan, FSDPUnit, PlanError
+from ..cost import PlanError
+from ..fsdp import FSDPPlan, FSDPUnit
 from ..placement import STYLES
 from ..structure import BlockStack
 from ..graph.policies import CheckpointPolicy, NoCheckpoint, PolicyError, SelectiveOps, parse_policy
-from ..util import (Fields, boolean, either, errors_as, integer, list_of, loads_json, mapping, one_of, read_json,
-                              string)
+from ..validation import Fields, boolean, either, integer, list_of, mapping, one_of, string
+from ..errors import errors_as
+from ..files import loads_json, read_json
 
 # %% auto 0
 __all__ = ['ParallelDims', 'SCHEDULES', 'PARALLEL_SCHEMA', 'ParallelPlanError', 'ParallelPlan', 'block_policies', 'stage_ranges',
@@ -57,7 +59,7 @@ def mesh(self: ParallelDims) -> tuple[tuple[int, ...], tuple[str, ...]]:
     return mesh_dims(self)
 
 # %% ../../nbs/45a_parallel_plan.ipynb
-SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")
+SCHEDULES = {"GPipe": "ScheduleGPipe", "1F1B": "Schedule1F1B", "Interleaved1F1B": "ScheduleInterleaved1F1B"}   # name -> torch.distributed.pipelining class
 
 def _policies(ac) -> tuple[CheckpointPolicy, ...]:
     "Each entry of a plan's `ac` as a policy object (a name or JSON form is parsed); ParallelPlanError naming the entry."

@@ -14,7 +14,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..axes import device_mesh, optional_mesh
-from ..fsdp.verify import comm_counter
+from ..cost.measure import comm_counter
 from .apply import apply_ac, apply_compile, apply_parallel_plan
 from .pipeline import PipelineRank, build_pipeline, pipeline_axis_counts, pipeline_step, predict_pipeline_counts
 from .plan import ParallelPlan, ParallelPlanError

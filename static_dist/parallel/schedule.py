@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from .plan import ParallelPlan, ParallelPlanError
+from ..graph.records import BACKWARD, OPTIMIZER
+
 
 # %% auto 0
 __all__ = ['rank_stages', 'schedule_actions', 'Held', 'held_by_action', 'in_flight', 'pipeline_buffers', 'pipeline_held']
@@ -105,6 +107,6 @@ def pipeline_held(plan: ParallelPlan, pp_rank: int, phase: np.ndarray, boundary:
     if plan.dims.pp == 1: return np.zeros(len(phase))
     out = np.full(len(phase), pipeline_buffers(plan, pp_rank, boundary) + (plan.microbatches - 1) * inputs)
     n_stage, mine = max(len(plan.stages), 1), rank_stages(plan, pp_rank)
-    if any(s < n_stage - 1 for s in mine): out[phase == 1] += boundary
-    if n_stage - 1 in mine and forward_end >= 0: out[forward_end:][phase[forward_end:] < 2] += output
+    if any(s < n_stage - 1 for s in mine): out[phase == BACKWARD] += boundary
+    if n_stage - 1 in mine and forward_end >= 0: out[forward_end:][phase[forward_end:] < OPTIMIZER] += output
     return out

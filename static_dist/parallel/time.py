@@ -12,13 +12,15 @@ import numpy as np
 
 from ..axes import fsdp_dim, layout_mesh
 from ..graph import StaticGraph
-from ..fsdp.profile import main_stack, param_infos, tokens_of
+from ..cost.profile import main_stack, param_infos, tokens_of
 from ..placement import STYLES
 from ..topology import MeshSpec, Topology, TwoStreams, collective_time, device_spec, op_seconds
 from ..graph.policies import FullCheckpoint, NoCheckpoint, SelectiveOps, recomputed_ops
 from .memory import (_block_forward, _block_spans, _regions, _under_any, boundary_bytes, op_blocks,
                                          tp_param_shape)
 from .plan import ParallelPlan, ParallelPlanError, block_policies, stage_ranges
+from ..graph.records import BACKWARD, FORWARD, OPTIMIZER
+
 
 # %% auto 0
 __all__ = ['TIME_TERMS', 'RankWork', 'rank_work', 'StepTime', 'extend_blocks', 'predict_step_time']
@@ -105,12 +107,12 @@ def rank_work(g: StaticGraph, plan: ParallelPlan, topo: Topology, device=None, p
     sec = op_seconds(g, topo if device is None else device) * _op_factor(g, plan, blocks)
     nb = [t.nbytes for t in g.tensors]
     inb = ob >= 0
-    f_first = np.flatnonzero(inb & (phase == 0)); b_first = np.flatnonzero(inb & (phase == 1))
+    f_first = np.flatnonzero(inb & (phase == FORWARD)); b_first = np.flatnonzero(inb & (phase == BACKWARD))
     f0 = f_first[0] if len(f_first) else len(g.ops); b0 = b_first[0] if len(b_first) else len(g.ops)
     idx = np.arange(len(g.ops))
-    out_f, out_b = ~inb & (phase == 0), ~inb & (phase == 1)
+    out_f, out_b = ~inb & (phase == FORWARD), ~inb & (phase == BACKWARD)
     per = lambda mask: np.bincount(ob[mask], weights=sec[mask], minlength=k)[:k]
-    fwd_blocks, bwd_blocks = per(inb & (phase == 0)), per(inb & (phase == 1))
+    fwd_blocks, bwd_blocks = per(inb & (phase == FORWARD)), per(inb & (phase == BACKWARD))
     ff, lf, _ = _block_spans(ob, phase, k)
     fw = [_block_forward(ob, b, ff[b], lf[b]) if ff[b] >= 0 else [] for b in range(k)]
     leaves = {q for p in (*_BASE_POLICIES, *plan.ac, *policies) for q in p.leaves()}
@@ -118,7 +120,7 @@ def rank_work(g: StaticGraph, plan: ParallelPlan, topo: Topology, device=None, p
     attn, kv = np.zeros(k), np.zeros(k)
     fac = _op_factor(g, plan, blocks)
     for i, o in enumerate(g.ops):
-        if ob[i] >= 0 and phase[i] == 0 and o.op.startswith(_ATTENTION):
+        if ob[i] >= 0 and phase[i] == FORWARD and o.op.startswith(_ATTENTION):
             attn[ob[i]] += sec[i]
             kv[ob[i]] += sum(nb[t] for t in o.inputs[1:3]) * fac[i]
     params, _ = param_infos(g)
@@ -136,7 +138,7 @@ def rank_work(g: StaticGraph, plan: ParallelPlan, topo: Topology, device=None, p
         else: post += local(p)
     itemsize = params[0].itemsize if params else 4
     # the optimizer without per-op launches: on a GPU torch runs it as a few multi-tensor (foreach) kernels
-    opt = float((sec[phase == 2] - device_spec(topo if device is None else device).op_overhead).sum())
+    opt = float((sec[phase == OPTIMIZER] - device_spec(topo if device is None else device).op_overhead).sum())
     tokens = tokens_of(g)
     flops = np.array([o.flops for o in g.ops], dtype=np.float64)
     tb = min(1, len(blocks) - 1) if blocks else 0
@@ -145,7 +147,7 @@ def rank_work(g: StaticGraph, plan: ParallelPlan, topo: Topology, device=None, p
                     fwd_blocks, bwd_blocks, rc, attn, kv, opt,
                     boundary_bytes(g, ob, plan.dims.cp, nb), bp, pre, post, float(sum(p.numel * p.itemsize for p in params)),
                     _tp_collectives(g, plan, blocks, tokens, itemsize, {p.name: p.shape for p in params}),
-                    float(flops[phase < 2].sum()), float(flops[(phase < 2) & (ob == tb)].sum()), tokens, itemsize)
+                    float(flops[phase < OPTIMIZER].sum()), float(flops[(phase < OPTIMIZER) & (ob == tb)].sum()), tokens, itemsize)
 
 # %% ../../nbs/45c_parallel_time.ipynb
 def _prefixes(name: str):

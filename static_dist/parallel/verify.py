@@ -11,8 +11,9 @@ from dataclasses import dataclass
 
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from ..fsdp import measure_step, predict_comms
-from ..fsdp.profile import captured_param_dtype
+from ..cost import measure_step
+from ..fsdp import predict_comms
+from ..cost.profile import captured_param_dtype
 from ..graph import fmt_bytes
 from ..launch import process_group
 from ..axes import device_mesh
@@ -24,6 +25,8 @@ from ..placement import STYLES
 from ..step import OPTIMIZERS, step_loss
 from ..structure import find_structure
 from ..util import torch_dtype
+from ..graph.records import FORWARD
+
 
 # %% auto 0
 __all__ = ['axis_counts', 'predict_axis_counts', 'ParallelVerification', 'verify_parallel', 'predicted_stack_bytes',
@@ -60,7 +63,7 @@ def _recomputed(profile, plan: ParallelPlan) -> list[str]:
     """Forward TP collectives a checkpointed block issues again in backward: those of its styled linears but the last
     in forward order, whose output only feeds the residual (checkpoint's recompute stops once backward has what it needs)."""
     out, n = [], len(profile.blocks)
-    first = {m: i for i, m in reversed(list(enumerate(profile.op_module))) if profile.op_phase[i] == 0}
+    first = {m: i for i, m in reversed(list(enumerate(profile.op_module))) if profile.op_phase[i] == FORWARD}
     for b, pol in zip(profile.blocks, block_policies(plan, n) if len(plan.ac) == n else (NoCheckpoint(),) * n):
         if not pol.checkpoints: continue
         order = sorted(plan.tp_styles, key=lambda ns: first.get(f"{b}.{ns[0]}", 1 << 62))

@@ -7,17 +7,17 @@ from __future__ import annotations
 
 from .blocks import BlockSpec
 from .groups import LayoutError, PlacementError
-from .layout import check_plan
+from .layout import check_sharding_plan
 from .search import ShardingPlan
 
 # %% auto 0
-__all__ = ['validate_plan', 'apply_plan']
+__all__ = ['validate_plan', 'apply_sharding_plan']
 
 # %% ../../nbs/30f_placement_apply.ipynb
 def validate_plan(spec: BlockSpec, plan: ShardingPlan) -> ShardingPlan:
     "Raise LayoutError listing every violation; return the plan when consistent."
     dp_dims = [n for n in plan.mesh.names if n != plan.tp_dim] if any(f for *_, f in plan.styles) else None
-    vs = check_plan(spec, {n: s for n, s, _ in plan.styles}, plan.mesh, plan.tp_dim, dp_dims)
+    vs = check_sharding_plan(spec, {n: s for n, s, _ in plan.styles}, plan.mesh, plan.tp_dim, dp_dims)
     if vs: raise LayoutError(vs)
     return plan
 
@@ -40,7 +40,7 @@ def _check_for_model(model, spec: BlockSpec, plan: ShardingPlan) -> None:
                              f"have: search a plan for this model")
 
 # %% ../../nbs/30f_placement_apply.ipynb
-def apply_plan(model, device_mesh, spec: BlockSpec, plan: ShardingPlan):
+def apply_sharding_plan(model, device_mesh, spec: BlockSpec, plan: ShardingPlan):
     """Validate, then apply: `parallelize_module` on the tp dim, and `fully_shard` over the dp dims for the linears
     the plan shards there (`reshard_after_forward=True`: gathered in forward and again in backward, as priced).
     `device_mesh` is the whole DeviceMesh, with the plan's dim names. Returns the model."""

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..fsdp.profile import param_infos
+from ..cost.profile import param_infos
 from ..topology import Topology, op_seconds
-from ..util import StaticDistError
+from ..errors import StaticDistError
 
 # %% auto 0
 __all__ = ['PlacementError', 'NoRepeatedBlocksError', 'Violation', 'LayoutError', 'ModuleGroups', 'module_groups']

@@ -11,7 +11,7 @@ from dataclasses import asdict
 import numpy as np
 
 from .blocks import BlockSpec, block_spec
-from .layout import check_plan
+from .layout import check_sharding_plan
 from .search import ShardingPlan, choice_cost, evaluate_plan, megatron_styles, search_plan
 from ..topology import MeshSpec, Topology, preset
 
@@ -25,7 +25,7 @@ def _plan_row(spec: BlockSpec, plan: ShardingPlan, topo: Topology, mesh: MeshSpe
     besides the linears' state, from the one memory model) its peak per rank and whether that fits; else None."""
     per = {n: asdict(choice_cost(spec.linear(n), s, f, topo, mesh, tp_dim))
            for n, s, f in plan.styles}
-    viol = [str(v) for v in check_plan(spec, {n: s for n, s, _ in plan.styles}, mesh, tp_dim)]
+    viol = [str(v) for v in check_sharding_plan(spec, {n: s for n, s, _ in plan.styles}, mesh, tp_dim)]
     peak = None if other_bytes is None else plan.memory + other_bytes
     return dict(plan=plan.to_dict(), per_linear=per, violations=viol, peak_bytes=peak,
                 fits=None if peak is None else peak <= budget)

@@ -16,7 +16,7 @@ from fastcore.basics import patch
 
 from .blocks import BlockSpec, LinearSpec
 from .groups import PlacementError
-from .layout import STYLES, _divisible, check_plan, parallel_style
+from .layout import STYLES, _divisible, check_sharding_plan, parallel_style
 from ..topology import MeshSpec, Topology, check_mesh, collective_bytes, collective_time
 
 # %% auto 0
@@ -152,7 +152,7 @@ def _options(spec: BlockSpec, tp: int, dp: int, allow_dp_shard: bool):
 
 # %% ../../nbs/30e_placement_search.ipynb
 def _layout_rows(spec: BlockSpec, opts: list) -> tuple[list, list, list]:
-    "(rows, lo, hi): one style per linear, and the layout rules of `check_plan` as equalities over the options."
+    "(rows, lo, hi): one style per linear, and the layout rules of `check_sharding_plan` as equalities over the options."
     rows, lo, hi = [], [], []
     def row(coef: dict, a, b):
         r = np.zeros(len(opts))
@@ -206,14 +206,14 @@ def _no_fit_message(spec: BlockSpec, opts, cost: dict, other_bytes: float, budge
 # %% ../../nbs/30e_placement_search.ipynb
 def brute_force_plan(spec: BlockSpec, topo: Topology, mesh: MeshSpec, tp_dim: str = "tp", *,
                      memory_budget: float | None = None, other_bytes: float = 0.0) -> ShardingPlan:
-    "Reference: every style combination (dp replicated) that passes `check_plan`; the cheapest that fits."
+    "Reference: every style combination (dp replicated) that passes `check_sharding_plan`; the cheapest that fits."
     dp, tp = _mesh_dims(mesh, tp_dim)
     budget = topo.device_memory if memory_budget is None else memory_budget
     names = [l.name for l in spec.linears]
     best = None
     for combo in itertools.product(STYLES, repeat=len(names)):
         styles = dict(zip(names, combo))
-        if check_plan(spec, styles, mesh, tp_dim): continue
+        if check_sharding_plan(spec, styles, mesh, tp_dim): continue
         p = evaluate_plan(spec, styles, topo, mesh, tp_dim, method="brute_force")
         if p.memory + other_bytes <= budget and (best is None or p.seconds < best.seconds - 1e-15): best = p
     if best is None: raise ValueError("no valid plan fits the memory budget")

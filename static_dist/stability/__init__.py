@@ -24,7 +24,7 @@ import math
 from dataclasses import replace
 
 from ..harness import View, harness, harness_figure, widgets
-from ..util import InputError
+from ..errors import InputError
 
 # %% ../../nbs/60_stability.ipynb
 def _tuned(s: Strategy, window: int, ratio: float, z: float) -> Strategy:

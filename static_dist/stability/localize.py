@@ -156,7 +156,7 @@ def first_bad(self: Localizer) -> Localization | None:
     return None
 
 # %% ../../nbs/60b_stability_localize.ipynb
-from ..util import StaticDistError
+from ..errors import StaticDistError
 
 class CompiledHookError(StaticDistError, ValueError):
     "A stability feature needs a hook inside a `torch.compile`d block, where the compiled code would not run it."

@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from ..graph import StaticGraph, op_bytes
-from ..util import InputError
+from ..errors import InputError
 
 # %% auto 0
 __all__ = ['DEVICES', 'DeviceError', 'DeviceSpec', 'peak_flops', 'device_spec', 'op_dtypes', 'work_seconds', 'op_seconds',

@@ -14,8 +14,9 @@ import numpy as np
 from fastcore.basics import patch
 
 from .devices import DEVICES
-from ..util import (Fields, InputError, atomic_write, errors_as, integer, number, one_of, read_json,
-                              string)
+from ..validation import Fields, integer, number, one_of, string
+from ..errors import InputError, errors_as
+from ..files import atomic_write, read_json
 
 # %% auto 0
 __all__ = ['LINK_KINDS', 'MAX_DEVICES', 'MAX_TOPOLOGY_BYTES', 'NVSWITCH_H100', 'PCIE_GEN5', 'PCIE_GEN4', 'NICS', 'PRESETS',
