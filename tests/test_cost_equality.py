@@ -10,7 +10,7 @@ import torch
 
 from static_dist.cost import profile_graph
 from static_dist.fsdp import CostModel, FSDPPlan, FSDPUnit, predict_memory, predict_step
-from static_dist.fsdp.few_blocks import first_blocks
+from static_dist.cost.few_blocks import first_blocks
 from static_dist.parallel import ParallelDims, ParallelPlan, predict_parallel_memory, predict_step_time, rank_work
 from static_dist.structure import find_structure
 from static_dist.topology import preset

@@ -71,7 +71,7 @@ def _directives(src: str) -> dict[str, str]:
 def page_name(nb: Path, index: Path | None) -> str:
     "`nbs/40_fsdp.ipynb` -> `fsdp.html` (number prefix dropped, as nbdev's URLs do); the index -> `index.html`."
     if index is not None and nb.resolve() == index.resolve(): return "index.html"
-    stem = re.sub(r"^\d+[a-z]?_", "", nb.stem)
+    stem = re.sub(r"^\d+[a-z]*_", "", nb.stem)
     return f"{stem}.html"
 
 
