@@ -1,4 +1,5 @@
-"""#13's shape of the literate source: small exported cells in every notebook, no library module over 500 lines."""
+"""#13's shape of the literate source: small exported cells in every notebook, no library module over 500 lines, no
+line over 120 characters."""
 import importlib.util, json
 from pathlib import Path
 
@@ -25,3 +26,19 @@ def test_every_notebook_has_small_exported_cells():
 def test_no_module_over_500_lines():
     over = {n: k for n, k in cell_stats.module_lengths().items() if k > cell_stats.MAX_MODULE}
     assert not over, f"modules over {cell_stats.MAX_MODULE} lines (split them by stage): {over}"
+
+
+def test_finds_long_lines_in_notebooks_and_modules(tmp_path):
+    # a hand-made project: one 121-character line in a notebook cell, one in a module, one nbdev __all__ line (allowed)
+    long = "x = '" + "a" * 115 + "'"
+    assert len(long) == 121
+    nb = dict(cells=[dict(cell_type="code", source=["y = 1\n", long + "\n"])])
+    (tmp_path / "nbs").mkdir(); (tmp_path / "nbs" / "x.ipynb").write_text(json.dumps(nb))
+    (tmp_path / "static_dist").mkdir()
+    (tmp_path / "static_dist" / "m.py").write_text("__all__ = [" + "'n', " * 30 + "]\n" + long + "\n")
+    assert cell_stats.long_lines(tmp_path) == ["nbs/x.ipynb:cell 0 line 2", "static_dist/m.py:2"]
+
+
+def test_no_line_over_120_characters():
+    long = cell_stats.long_lines()
+    assert not long, f"{len(long)} lines over {cell_stats.MAX_LINE} characters (wrap them), first: {long[:5]}"

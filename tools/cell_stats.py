@@ -1,7 +1,8 @@
 """Size of the literate units: lines per exported cell (per notebook) and lines per library module.
 
-    python tools/cell_stats.py            # table; exit 1 if a notebook's median exported cell > 15 lines
-                                          # or a module (other than nbdev's _modidx) is over 500 lines
+    python tools/cell_stats.py            # table; exit 1 if a notebook's median exported cell > 15 lines,
+                                          # a module (other than nbdev's _modidx) is over 500 lines,
+                                          # or a line of source is over 120 characters
 
 A cell's length counts every line except nbdev directives (`#| ...`), blank lines included.
 """
@@ -10,7 +11,7 @@ import json, re, statistics, sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-MAX_MEDIAN, MAX_MODULE = 15, 500
+MAX_MEDIAN, MAX_MODULE, MAX_LINE = 15, 500, 120
 _EXPORT = re.compile(r"^#\|\s*(export|exporti|exports)\b", re.M)
 
 
@@ -46,6 +47,31 @@ def module_lengths(root: Path = ROOT) -> dict[str, int]:
     return out
 
 
+def _nbdev_written(i: int, line: str) -> bool:
+    """A line nbdev_export writes itself, which no notebook cell holds: the module docstring on line 1 (the notebook's
+    description, prose) and the `__all__` list."""
+    return (i == 1 and line.startswith('"""')) or line.startswith("__all__") or line.startswith("           '")
+
+
+def long_lines(root: Path = ROOT, limit: int = MAX_LINE) -> list[str]:
+    """'file:line' of every line over `limit` characters: in notebook code cells, in the index, in the library (what
+    nbdev writes itself left out: `_modidx.py`, module docstrings, `__all__` lists), in tests/ and tools/."""
+    out = []
+    for nb in [root / "index.ipynb", *sorted((root / "nbs").glob("*.ipynb"))]:
+        if not nb.exists(): continue
+        for k, c in enumerate(json.loads(nb.read_text())["cells"]):
+            if c["cell_type"] != "code": continue
+            for i, l in enumerate("".join(c["source"]).splitlines(), 1):
+                if len(l) > limit: out.append(f"{nb.relative_to(root)}:cell {k} line {i}")
+    files = [p for d in ("static_dist", "tests", "tools") for p in sorted((root / d).rglob("*.py"))]
+    for p in files:
+        if p.name == "_modidx.py": continue
+        for i, l in enumerate(p.read_text().splitlines(), 1):
+            if len(l) > limit and not (root / "static_dist" in p.parents and _nbdev_written(i, l)):
+                out.append(f"{p.relative_to(root)}:{i}")
+    return out
+
+
 def main() -> int:
     bad = []
     for name, med in notebook_medians().items():
@@ -55,6 +81,9 @@ def main() -> int:
         print(f"{name:36s} cells {len(L):3d}  median {med:5.1f}  max {max(L):4d}{flag}")
     for name, n in module_lengths().items():
         if n > MAX_MODULE: bad.append(name); print(f"module {name}: {n} lines  <-- over {MAX_MODULE}")
+    long = long_lines()
+    for where in long: print(f"{where}: over {MAX_LINE} characters")
+    if long: bad.append(f"{len(long)} long lines")
     print("ok" if not bad else f"{len(bad)} over the limits: {', '.join(bad)}")
     return 1 if bad else 0
 
