@@ -106,7 +106,7 @@ def _run(w, values: dict):
         v = w.view(**values)
         for c in w.kwargs_widgets:
             why = v.disabled.get(c._kwarg)
-            c.disabled, c.tooltip = bool(why), why
+            c.disabled, c.tooltip = bool(why), why or ""   # None would show as title="null"
         w.png = _show(v)
         w.shown = (v.text, w.png)
         return v.result

@@ -27,10 +27,21 @@ __all__ = ['EXPORT_FILES', 'status', 'workload_of', 'print_markdown', 'cmd_captu
 
 # %% ../../nbs/92_verbs.ipynb
 @contextmanager
-def status(text: str):
-    "A rich spinner on stderr while work runs; yields `update(text)` for library `progress` callbacks (off a terminal, an estimate is printed once)."
+def status(text: str, every: float = 10.0):
+    """Progress on stderr while work runs; yields `update(text)` for library `progress` callbacks. On a terminal, a
+    rich spinner; in a notebook, plain lines (at most one per `every` seconds, then the last one with the seconds
+    taken), so a saved notebook keeps text, not a widget; elsewhere (a pipe), an estimate is printed once."""
     from rich.console import Console
     console, said = Console(stderr=True), []
+    if console.is_jupyter:
+        t0, last = time.monotonic(), {"msg": text, "at": time.monotonic()}
+        def note(msg: str):
+            last["msg"] = msg
+            if time.monotonic() - last["at"] >= every:
+                last["at"] = time.monotonic(); print(f"… {msg}", file=sys.stderr, flush=True)
+        yield note
+        print(f"done: {last['msg']} ({time.monotonic() - t0:.1f} s)", file=sys.stderr, flush=True)
+        return
     def update(msg: str):
         s.update(msg)
         if "; about " in msg and not said and not console.is_terminal:
