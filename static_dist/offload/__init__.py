@@ -5,6 +5,7 @@
 # %% ../../nbs/50_offload.ipynb 3
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Sequence
 
@@ -59,13 +60,23 @@ def _transfers(plan: OffloadPlan) -> str:
     return f"Transfers per step: {'; '.join(parts)}. Compute {plan.step_s * 1e3:.3g} ms, stall {plan.stall_s * 1e3:.3g} ms."
 
 # %% ../../nbs/50_offload.ipynb
+def _host_note(plan: OffloadPlan, host_limit_mib: float, g: StaticGraph) -> str:
+    """What the host limit does at this setting: a limit the plan never reaches changes nothing when raised (the
+    slider stays live: lowering it can move tensors to NVMe), and the reader is told so."""
+    if host_limit_mib <= 0: return ""
+    uncapped = tuple(dataclasses.replace(t, capacity=math.inf) if t.kind == "cpu" else t for t in plan.tiers)
+    free = plan_offload(g, uncapped, device=plan.device)
+    if [d.tier for d in free.decisions] != [d.tier for d in plan.decisions]: return ""
+    return (f" Host limit {host_limit_mib:g} MiB is not reached: without any limit the plan is the same, so a higher "
+            "limit changes nothing; a lower one moves tensors to NVMe once the CPU tier is full.")
+
 def _offload_view(model: str, batch: int, seq: int, cpu_gbps: float, nvme_gbps: float, host_limit_mib: float) -> View:
     "One setting of the harness: the plan's table and traffic, device memory with and without it, and the lifetimes."
     g, plan = offload_report(seq, cpu_gbps, nvme_gbps, host_limit_mib, model, batch)
     fig, (mem, life) = harness_figure(9, 8, rows=2, heights=(2, 3))
     plot_offload_memory(g, plan, ax=mem); plot_lifetimes(g, plan, ax=life, top=24)
     off = {"cpu_gbps": "host limit 0 MiB: the CPU tier holds nothing, so its bandwidth changes nothing"} if host_limit_mib <= 0 else {}
-    return View(plan, plan_markdown(plan) + "\n\n" + _transfers(plan), fig, off)
+    return View(plan, plan_markdown(plan) + "\n\n" + _transfers(plan) + _host_note(plan, host_limit_mib, g), fig, off)
 
 # %% ../../nbs/50_offload.ipynb
 def offload_widget(model: str = "tiny", batch: int = 4, seqs: Sequence[int] = (32, 64, 128, 256)):
