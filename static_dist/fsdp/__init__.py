@@ -72,7 +72,7 @@ def fsdp_widget(profile: GraphProfile):
     wide = dict(style={"description_width": "initial"}, continuous_update=False)
     return harness(lambda **kw: _plan_view(profile, **kw),
                    budget_mib=W.FloatLogSlider(value=b0, base=2, min=math.log2(b0) - 6, max=math.log2(b0) + 6,
-                                               description="budget MiB", **wide),
+                                               description="budget MiB", readout_format=".4g", **wide),
                    world=W.Dropdown(options=[8, 16, 64, 256, 1024], value=8),
                    replicas=W.Dropdown(options=[1, 2, 4, 8], value=1),
                    precision=W.ToggleButtons(options=["bf16", "fp32"]),

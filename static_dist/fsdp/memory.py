@@ -356,6 +356,6 @@ def plot_fsdp_memory(mem: MemoryPrediction, ax=None, budget: int | None = None, 
     if budget: ax.axhline(budget / 2**30, color="r", lw=1, label="budget")
     ax.set_xlabel("op index (forward → backward → optimizer)"); ax.set_ylabel("GiB on rank 0")
     ax.set_title(title or f"peak {fmt_bytes(mem.peak_bytes)} ({mem.peak_phase})", fontsize=9)
-    ax.legend(fontsize=6, loc="upper left", ncol=2)
+    ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)   # beside the plot, not on it
     fig.tight_layout()
     return fig

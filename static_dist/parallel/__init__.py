@@ -96,7 +96,7 @@ def parallel_widget(g: StaticGraph, topo=None, world: int = 8, budget_mib: float
     wide = dict(style={"description_width": "initial"}, continuous_update=False)
     return harness(lambda **kw: _layout_view(g, topo, world, **kw),
                    budget_mib=W.FloatLogSlider(value=budget_mib, base=2, min=math.log2(budget_mib) - 4,
-                                               max=math.log2(budget_mib) + 2, description="budget MiB", **wide),
+                                               max=math.log2(budget_mib) + 2, description="budget MiB", readout_format=".4g", **wide),
                    tp=W.Dropdown(options=degrees, value=1), pp=W.Dropdown(options=degrees, value=1),
                    cp=W.Dropdown(options=degrees, value=1), ac=W.ToggleButtons(options=list(POLICIES)))
 

@@ -53,16 +53,18 @@ def plot_plans(report: dict, ax=None):
     ax = ax or fig.add_subplot()
     labels = [k for k in ("found", "megatron") if "per_linear" in report.get(k, {})]
     names = list(report[labels[0]]["per_linear"])
-    w, x = 0.4, np.arange(len(names))
+    # compute and communication side by side on a log axis: stacked, a compute bar 100x shorter than its comm is invisible
+    w, x = 0.2, np.arange(len(names))
     for j, lab in enumerate(labels):
         per = report[lab]["per_linear"]
-        comp = np.array([per[n]["compute_seconds"] for n in names]) * 1e6
-        comm = np.array([per[n]["comm_seconds"] for n in names]) * 1e6
-        ax.bar(x + j * w, comp, w, label=f"{lab}: compute", color=f"C{2 * j}")
-        ax.bar(x + j * w, comm, w, bottom=comp, label=f"{lab}: comm", color=f"C{2 * j + 1}")
-    ax.set_xticks(x + w / 2, [n.split(".")[-1] for n in names])
-    ax.set(ylabel="µs per layer and step", title=f"{report['topology']}, mesh {report['mesh']['shape']}")
-    ax.legend(fontsize=7)
+        for k, term in enumerate(("compute", "comm")):
+            us = np.array([per[n][f"{term}_seconds"] for n in names]) * 1e6
+            ax.bar(x + (2 * j + k) * w, np.maximum(us, 1e-3), w, label=f"{lab}: {term}", color=f"C{2 * j + k}")
+    ax.set_xticks(x + 1.5 * w, [n.split(".")[-1] for n in names])
+    ax.set_yscale("log")
+    ax.set(ylabel="µs per layer and step (log)", title=f"{report['topology']}, mesh {report['mesh']['shape']}")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    fig.tight_layout()
     return fig
 
 # %% ../../nbs/30g_placement_report.ipynb

@@ -267,6 +267,17 @@ def _plot_series(ax, r: RunReport):
     if al: ax[0].scatter(*zip(*al), marker="x", s=25, color=l.get_color(), zorder=3)
 
 # %% ../../nbs/60e_stability_run.ipynb
+def _plain_log_ticks(ax):
+    """Tick labels of a log y axis as plain numbers (6, 20, 0.5), not 6×10⁰. Minor ticks: every one when the axis spans
+    less than a decade (else there may be no label at all), else those at 2 and 5."""
+    from matplotlib.ticker import FuncFormatter
+    lead = lambda v: round(v / 10 ** math.floor(math.log10(v))) if v > 0 else 0
+    def minor(v, _):
+        lo, hi = ax.get_ylim()
+        return f"{v:.3g}" if hi < 10 * lo or lead(v) in (2, 5) else ""
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_formatter(FuncFormatter(minor))
+
 def plot_run(runs: RunReport | Sequence[RunReport], ax=None, faults: Sequence[Fault] | None = None):
     "Loss (top) and gradient norm (bottom, log) per step of one or more runs; faults shaded, alarms marked."
     from static_dist.graph import pyplot
@@ -277,9 +288,11 @@ def plot_run(runs: RunReport | Sequence[RunReport], ax=None, faults: Sequence[Fa
     for r in runs: _plot_series(ax, r)
     for f in runs[0].faults if faults is None else faults:
         for a in ax: a.axvspan(f.step - 0.5, f.step + f.duration - 0.5, color="red", alpha=0.15)
-        ax[0].annotate(f.kind, (f.step, 1), xycoords=("data", "axes fraction"), va="top", fontsize=8, color="red")
+        # the fault's name above the plot, where no data is
+        ax[0].annotate(f.kind, (f.step, 1.01), xycoords=("data", "axes fraction"), va="bottom", fontsize=8, color="red")
     ax[0].set_ylabel("loss"); ax[1].set_ylabel("grad norm"); ax[1].set_yscale("log"); ax[1].set_xlabel("step")
+    _plain_log_ticks(ax[1])
     ax[0].axhline(runs[0].entropy_rate, ls=":", color="gray", lw=1)
-    ax[0].legend(fontsize=7, loc="upper right")
+    ax[0].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     fig.tight_layout()
     return fig
