@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import copy
+import gc
 import time
 from contextlib import contextmanager, nullcontext
 from typing import Callable, Literal
@@ -270,7 +271,7 @@ def capture(
     real_inputs, real_kwargs = _check_args(model, mode, example_inputs, example_kwargs, targets, loss_fn)
     t0 = time.perf_counter()
     device = _check_device(device) if device is not None else _model_device(model)
-    with quiet_torch_logs():
+    with quiet_torch_logs(), _young_collections_only():   # see below
         return _capture(model, real_inputs, real_kwargs, loss_fn, targets, optimizer, mode, device, progress, t0)
 
 # %% ../../nbs/00d_graph_step.ipynb
@@ -314,6 +315,17 @@ class _RecordingFakeMode(FakeTensorMode):
         finally:
             self.rec = None
             rec.unwatch_model()
+
+# %% ../../nbs/00d_graph_step.ipynb
+@contextmanager
+def _young_collections_only():
+    "Pause the garbage collector's full collections for the block (the young generations are still collected)."
+    before = gc.get_threshold()
+    paused = (*before[:2], max(before[2], 2**30))
+    gc.set_threshold(*paused)
+    try: yield
+    finally:
+        if gc.get_threshold() == paused: gc.set_threshold(*before)
 
 # %% ../../nbs/00d_graph_step.ipynb
 def _capture(model, real_inputs, real_kwargs, loss_fn, targets, optimizer, mode, device, progress, t0) -> StaticGraph:
