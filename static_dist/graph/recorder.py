@@ -49,7 +49,7 @@ def _user_line(frames) -> str:
     for fs in frames:
         if fs.filename.startswith(_TORCH_DIR) or "/torch/" in fs.filename: continue
         if _GRAPH_DIR and fs.filename.startswith(_GRAPH_DIR): continue
-        if fs.name in ("__torch_dispatch__", "pack", "unpack", "_note_write"): continue
+        if fs.name in ("__torch_dispatch__", "_fake_dispatch", "pack", "unpack", "_note_write"): continue
         if "/contextlib.py" in fs.filename: continue
         where = f"{fs.filename}:{fs.lineno} in {fs.name}" + (f": `{fs.line.strip()}`" if fs.line else "")
     return where

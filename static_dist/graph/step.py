@@ -301,10 +301,10 @@ class _RecordingFakeMode(FakeTensorMode):
         self._inside = True            # what runs from here (fake mode's own decompositions too) is not the step's
         try:
             _check_same_dtype(func, args)
-            return self.rec.run(func, types, args, kwargs or {}, self._fake)
+            return self.rec.run(func, types, args, kwargs or {}, self._fake_dispatch)
         finally: self._inside = False
 
-    def _fake(self, func, types, args, kwargs): return _FAKE_DISPATCH(self, func, types, args, kwargs)
+    def _fake_dispatch(self, func, types, args, kwargs): return _FAKE_DISPATCH(self, func, types, args, kwargs)
 
     @contextmanager
     def recording(self, rec: _Recorder):
