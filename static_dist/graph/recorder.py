@@ -327,7 +327,7 @@ def output_id(self: _Recorder, t: torch.Tensor, packet: str) -> int:
 
 # %% ../../nbs/00c_graph_recorder.ipynb
 def _flat(x, into: list) -> list:
-    "`into` with the tensors of `x` (an op's arguments or outputs: nested tuples, lists, dicts) appended in pytree order."
+    "`into`, with the tensors of `x` (an op's arguments or outputs, nested in tuples, lists, dicts) in pytree order."
     for v in x:
         if isinstance(v, torch.Tensor): into.append(v)
         elif isinstance(v, (tuple, list)): _flat(v, into)
