@@ -12,7 +12,7 @@ import traceback
 import warnings
 import weakref
 from contextlib import contextmanager
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.nn as nn
@@ -24,7 +24,6 @@ from torch.utils.module_tracker import ModuleTracker
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
-from torch.utils.weak import WeakIdKeyDictionary
 
 from .records import OpRecord, StorageRecord, TensorRecord
 from ..errors import StaticDistError
@@ -50,7 +49,7 @@ def _user_line(frames) -> str:
     for fs in frames:
         if fs.filename.startswith(_TORCH_DIR) or "/torch/" in fs.filename: continue
         if _GRAPH_DIR and fs.filename.startswith(_GRAPH_DIR): continue
-        if fs.name in ("__torch_dispatch__", "pack", "unpack", "_note_write"): continue
+        if fs.name in ("__torch_dispatch__", "_fake_dispatch", "pack", "unpack", "_note_write"): continue
         if "/contextlib.py" in fs.filename: continue
         where = f"{fs.filename}:{fs.lineno} in {fs.name}" + (f": `{fs.line.strip()}`" if fs.line else "")
     return where
@@ -206,6 +205,33 @@ class ModuleScopes(ModuleTracker):
         return super().__exit__(*args)
 
 # %% ../../nbs/00c_graph_recorder.ipynb
+class _Ref(weakref.ref):
+    "A weak reference that carries its entry: the object's id and the value."
+    __slots__ = ("key", "value")
+
+class _IdMap:
+    "Object -> value by identity, holding objects weakly: an entry goes when its object dies, after `on_free(value)`."
+    def __init__(self, on_free: Callable | None = None):
+        self.data: dict[int, _Ref] = {}
+        self.on_free, self._callback = on_free, self._gone     # one bound method for every reference
+
+    def get(self, obj, default=None):
+        ref = self.data.get(id(obj))
+        return default if ref is None or ref() is not obj else ref.value
+
+    def __setitem__(self, obj, value) -> None:
+        ref = _Ref(obj, self._callback)
+        ref.key, ref.value = id(obj), value
+        self.data[ref.key] = ref
+
+    def __delitem__(self, obj) -> None: del self.data[id(obj)]
+
+    def _gone(self, ref: _Ref) -> None:
+        if self.data.get(ref.key) is not ref: return            # the entry was replaced or removed before
+        del self.data[ref.key]
+        if self.on_free is not None: self.on_free(ref.value)
+
+# %% ../../nbs/00c_graph_recorder.ipynb
 # profiler markers, and metadata queries (`prim.device`) that fake tensors route through the mode: not ops.
 _SKIP_NAMESPACES = ("profiler", "prim")
 
@@ -217,9 +243,8 @@ class _Recorder(TorchDispatchMode):
         self.ops: list[OpRecord] = []
         self.tensors: list[TensorRecord] = []
         self.storages: list[dict] = []
-        self._tid = WeakIdKeyDictionary()   # tensor object -> id
-        self._sid = WeakIdKeyDictionary()   # storage object -> id
-        self._finalizers: list[weakref.finalize] = []
+        self._tid = _IdMap()                        # tensor object -> id
+        self._sid = _IdMap(on_free=self._freed)     # storage object -> id; its death notes the op it died after
         self.saves: list[tuple[int, int]] = []     # (index of the next op, tensor id) per pack, in call order
         self.unpacks: list[tuple[int, int]] = []
         self._closed = False
@@ -230,13 +255,21 @@ class _Recorder(TorchDispatchMode):
         self.model_forward: list[int] | None = None       # [first, last] op of the model's own forward
         self.model_backward_start: int | None = None      # op before which a gradient first reached its outputs
         self._model_hooks: list = []
-        self._op_info: dict = {}              # op -> (name, FLOP formula, computes uncounted), looked up once per op
+        self._op_info: dict = {}              # op -> _OpInfo, looked up once per op
+        self._modules: dict = {}              # (pass-throughs to skip, open modules...) -> `module()`
 
 # %% ../../nbs/00c_graph_recorder.ipynb
 @patch
 def module(self: _Recorder) -> str:
     "FQN (relative to the captured model) of the innermost module running now."
-    best, stale = (-1, 0, ""), getattr(self.tracker, "passthrough", ()) if self.phase == "backward" else ()
+    stale = getattr(self.tracker, "passthrough", ()) if self.phase == "backward" else ()
+    key = (len(stale), *self.tracker.parents)
+    if (found := self._modules.get(key)) is None: found = self._modules[key] = self._innermost(stale)
+    return found
+
+@patch
+def _innermost(self: _Recorder, stale) -> str:
+    best = (-1, 0, "")
     for name in self.tracker.parents:
         if name == "Global" or name == self.root or name in stale: continue   # a pass-through runs no backward op
         rel = name[len(self.root) + 1:] if name.startswith(self.root + ".") else name
@@ -244,17 +277,18 @@ def module(self: _Recorder) -> str:
     return best[2]
 
 # %% ../../nbs/00c_graph_recorder.ipynb
+_EXISTING = ("parameter", "buffer", "input", "other")     # roles of what exists before the op being recorded
+
 @patch
 def storage_id(self: _Recorder, t: torch.Tensor, role: str, name: str) -> int:
     st = t.untyped_storage()
     sid = self._sid.get(st)
     if sid is None:
         sid = len(self.storages)
-        created = -1 if role in ("parameter", "buffer", "input", "other") else len(self.ops)
+        created = -1 if role in _EXISTING else len(self.ops)
         self.storages.append(dict(id=sid, nbytes=st.nbytes(), device=str(t.device), role=role, name=name,
                                   created=created, freed=None, saved_in=None))
         self._sid[st] = sid
-        self._finalizers.append(weakref.finalize(st, self._freed, sid))
     return sid
 
 @patch
@@ -262,68 +296,102 @@ def _freed(self: _Recorder, sid: int):
     if not self._closed: self.storages[sid]["freed"] = len(self.ops) - 1
 
 # %% ../../nbs/00c_graph_recorder.ipynb
+_DTYPE_NAMES: dict = {}
+
+def _dtype_name(dt: torch.dtype) -> str:
+    "'float32' for torch.float32 (made once per dtype)."
+    if (s := _DTYPE_NAMES.get(dt)) is None: s = _DTYPE_NAMES[dt] = str(dt).removeprefix("torch.")
+    return s
+
 @patch
 def tensor_id(self: _Recorder, t: torch.Tensor, role: str = "other", name: str = "") -> int:
     tid = self._tid.get(t)
-    if tid is None:
-        tid = len(self.tensors)
-        self.tensors.append(TensorRecord(tid, self.storage_id(t, role, name), tuple(t.shape),
-                                         str(t.dtype).removeprefix("torch.")))
-        self._tid[t] = tid
+    return self._new_tensor(t, role, name) if tid is None else tid
+
+@patch
+def _new_tensor(self: _Recorder, t: torch.Tensor, role: str, name: str) -> int:
+    tid = len(self.tensors)
+    self.tensors.append(TensorRecord(tid, self.storage_id(t, role, name), tuple(t.shape), _dtype_name(t.dtype)))
+    self._tid[t] = tid
     return tid
 
 @patch
-def output_id(self: _Recorder, t: torch.Tensor, func) -> int:
-    "Id of an op's output; a tensor whose shape an in-place op changed (`unsqueeze_`, `t_`) gets a new id."
-    tid = self.tensor_id(t, "temporary", str(func.overloadpacket))
+def output_id(self: _Recorder, t: torch.Tensor, packet: str) -> int:
+    "Id of an output of an op of `packet`; a tensor whose shape an in-place op changed (`unsqueeze_`) gets a new id."
+    tid = self._tid.get(t)
+    if tid is None: return self._new_tensor(t, "temporary", packet)
     if self.tensors[tid].shape != tuple(t.shape):
         del self._tid[t]
-        tid = self.tensor_id(t)
+        tid = self._new_tensor(t, "other", "")
     return tid
 
 # %% ../../nbs/00c_graph_recorder.ipynb
-def _tensors(x):
-    "The tensors in an op's arguments or outputs (nested tuples, lists, dicts), in tree_flatten's order, without its cost."
-    if isinstance(x, torch.Tensor): yield x
-    elif isinstance(x, (tuple, list)):
-        for v in x: yield from _tensors(v)
-    elif isinstance(x, dict):
-        for v in x.values(): yield from _tensors(v)
+def _flat(x, into: list) -> list:
+    "`into`, with the tensors of `x` (an op's arguments or outputs, nested in tuples, lists, dicts) in pytree order."
+    for v in x:
+        if isinstance(v, torch.Tensor): into.append(v)
+        elif isinstance(v, (tuple, list)): _flat(v, into)
+        elif isinstance(v, dict): _flat(v.values(), into)
+    return into
+
+# %% ../../nbs/00c_graph_recorder.ipynb
+class _OpInfo(NamedTuple):
+    "What the recorder needs of an op, looked up on its first call in a capture."
+    name: str                   # 'aten.mm.default'
+    packet: str                 # 'aten.mm': the name of the storages it allocates
+    flops: Callable | None      # its FLOP formula (see `flop_formula`)
+    uncounted: bool             # it computes, but has no formula
+    skip: bool                  # not an op: a profiler marker or a metadata query
+    mutable: bool               # it writes an argument (in-place, out=)
 
 @patch
-def _info(self: _Recorder, func) -> tuple:
-    "(name, FLOP formula or None, computes without one) of `func`, looked up on its first call in this capture."
-    if (info := self._op_info.get(func)) is None:
-        f = flop_formula(func)
-        info = self._op_info[func] = (str(func), f, f is None and computes(func))
+def _info(self: _Recorder, func) -> _OpInfo:
+    f = flop_formula(func)
+    info = self._op_info[func] = _OpInfo(str(func), str(func.overloadpacket), f, f is None and computes(func),
+                                         func.namespace in _SKIP_NAMESPACES, func._schema.is_mutable)
     return info
 
+# %% ../../nbs/00c_graph_recorder.ipynb
+def _call(func, types, args, kwargs): return func(*args, **kwargs)
+
 @patch
-def __torch_dispatch__(self: _Recorder, func, types, args=(), kwargs=None):
-    kwargs = kwargs or {}
-    try: out = func(*args, **kwargs)
+def run(self: _Recorder, func, types, args, kwargs: dict, call: Callable = _call):
+    "Run an op by `call(func, types, args, kwargs)` and record it; a failing op notes the module it failed in."
+    try: out = call(func, types, args, kwargs)
     except Exception:
         if self.failed_in is None: self.failed_in = self.module()
         raise
-    if func.namespace in _SKIP_NAMESPACES: return out
-    if self._packed and self.phase != "optimizer" and func._schema.is_mutable: self._note_write(func, args, kwargs)
+    self.record(func, args, kwargs, out)
+    return out
+
+@patch
+def __torch_dispatch__(self: _Recorder, func, types, args=(), kwargs=None):
+    return self.run(func, types, args, kwargs or {})
+
+# %% ../../nbs/00c_graph_recorder.ipynb
+_LIFT_FRESH = _aten.lift_fresh.default
+
+@patch
+def record(self: _Recorder, func, args, kwargs: dict, out) -> None:
+    "Append the `OpRecord` of an op that ran: the tensors it read and returned, its phase, module and FLOPs."
+    info = self._op_info.get(func) or self._info(func)
+    if info.skip: return
+    if info.mutable and self._packed and self.phase != "optimizer": self._note_write(func, args, kwargs)
     # `torch.tensor(...)` makes its constant outside dispatch and then calls lift_fresh: the constant is
     # the op's output, not a pre-existing input (fake mode returns a new fake for it, real mode the same tensor).
-    ins = () if func is _aten.lift_fresh.default else tuple(self.tensor_id(a) for a in _tensors((args, kwargs)))
-    outs = tuple(self.output_id(o, func) for o in _tensors(out))
-    name, f, uncounted = self._info(func)
-    if uncounted: self.uncounted[name] = self.uncounted.get(name, 0) + 1
-    self.ops.append(OpRecord(len(self.ops), name, self.phase, self.module(), ins, outs,
+    ins = () if func is _LIFT_FRESH else tuple([self.tensor_id(a) for a in _flat((args, kwargs), [])])
+    outs = tuple([self.output_id(o, info.packet) for o in _flat((out,), [])])
+    if info.uncounted: self.uncounted[info.name] = self.uncounted.get(info.name, 0) + 1
+    f = info.flops
+    self.ops.append(OpRecord(len(self.ops), info.name, self.phase, self.module(), ins, outs,
                              0 if f is None else int(f(*args, **kwargs, out_val=out))))
     if self.progress is not None and len(self.ops) % 2000 == 0: self.progress(self.phase, len(self.ops))
-    return out
 
 # %% ../../nbs/00c_graph_recorder.ipynb
 @patch
 def close(self: _Recorder) -> list[StorageRecord]:
     "Stop listening for frees; freeze the storage table; warn (once) of ops that compute and were not counted."
     self._closed = True
-    for f in self._finalizers: f.detach()
     if self.uncounted:
         ops = ", ".join(f"{op} ×{n}" for op, n in sorted(self.uncounted.items()))
         warnings.warn(f"FLOPs not counted for {len(self.uncounted)} op(s) that compute, which have no FLOP formula: "
@@ -387,17 +455,26 @@ def _modified(self: _Recorder, t: torch.Tensor, version: int, saver: str, module
 
 # %% ../../nbs/00c_graph_recorder.ipynb
 @patch
-def __enter__(self: _Recorder):
-    "Enter the mode; with a `ModuleScopes` tracker, also watch its model's forward and the gradients of its outputs."
+def watch_model(self: _Recorder) -> None:
+    "With a `ModuleScopes` tracker, watch its model's forward and the gradients of its outputs (see `notes`)."
     m = getattr(self.tracker, "model", None)
     if m is not None and not self._model_hooks:
         self._model_hooks = [m.register_forward_pre_hook(self._model_pre), m.register_forward_hook(self._model_post)]
+
+@patch
+def unwatch_model(self: _Recorder) -> None:
+    for h in self._model_hooks: h.remove()
+    self._model_hooks = []
+
+@patch
+def __enter__(self: _Recorder):
+    "Enter the mode (a step on real tensors), watching the model."
+    self.watch_model()
     return TorchDispatchMode.__enter__(self)
 
 @patch
 def __exit__(self: _Recorder, *args):
-    for h in self._model_hooks: h.remove()
-    self._model_hooks = []
+    self.unwatch_model()
     return TorchDispatchMode.__exit__(self, *args)
 
 # %% ../../nbs/00c_graph_recorder.ipynb

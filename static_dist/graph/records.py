@@ -35,7 +35,7 @@ Phase = Literal["forward", "backward", "optimizer"]
 Role = Literal["parameter", "buffer", "gradient", "optimizer_state", "activation", "input", "temporary", "other"]
 
 # %% ../../nbs/00b_graph_records.ipynb
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class OpRecord:
     "One aten op as it ran."
     index: int
@@ -54,7 +54,7 @@ class OpRecord:
     "FLOPs from `torch.utils.flop_counter`'s formulas (0 for ops it does not count)."
 
 # %% ../../nbs/00b_graph_records.ipynb
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TensorRecord:
     "A tensor object (a view or a base) as first seen."
     id: int
@@ -74,7 +74,7 @@ def _itemsize(dtype: str) -> int:
     return getattr(torch, dtype.removeprefix("torch.")).itemsize
 
 # %% ../../nbs/00b_graph_records.ipynb
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class StorageRecord:
     "A block of memory: what it is for and when it existed."
     id: int

@@ -6,8 +6,9 @@
 from __future__ import annotations
 
 import copy
+import gc
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from typing import Callable, Literal
 
 import torch
@@ -270,7 +271,7 @@ def capture(
     real_inputs, real_kwargs = _check_args(model, mode, example_inputs, example_kwargs, targets, loss_fn)
     t0 = time.perf_counter()
     device = _check_device(device) if device is not None else _model_device(model)
-    with quiet_torch_logs():
+    with quiet_torch_logs(), _young_collections_only():   # see below
         return _capture(model, real_inputs, real_kwargs, loss_fn, targets, optimizer, mode, device, progress, t0)
 
 # %% ../../nbs/00d_graph_step.ipynb
@@ -278,19 +279,57 @@ _aten = torch.ops.aten
 _SAME_DTYPE_OPS = {_aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default, _aten.mv.default,
                    _aten.addmv.default, _aten.dot.default, _aten.convolution.default}
 
-class _SameDtype(torch.utils._python_dispatch.TorchDispatchMode):
-    "In fake mode, refuse what eager refuses: a matrix product or convolution of floating tensors of different dtypes."
-    def __init__(self, mode: str): super().__init__(); self.on = mode == "fake"
+def _check_same_dtype(func, args) -> None:
+    "Refuse what eager refuses: a matrix product or convolution of floating tensors of different dtypes."
+    if func not in _SAME_DTYPE_OPS: return
+    dts = sorted({str(a.dtype) for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()})
+    if len(dts) > 1: raise RuntimeError(f"expected the inputs of {func.__name__} to have the same dtype, but got "
+                                        f"{' and '.join(dts)} (eager refuses it too: cast the inputs or the model)")
+
+# %% ../../nbs/00d_graph_step.ipynb
+# FakeTensorMode's handler without the dynamo-disabling wrapper torch puts on every mode's handler: ours has it already
+_FAKE_DISPATCH = getattr(FakeTensorMode.__torch_dispatch__, "__wrapped__", FakeTensorMode.__torch_dispatch__)
+
+class _RecordingFakeMode(FakeTensorMode):
+    "`FakeTensorMode` that, while `recording`, checks dtypes and hands each op the step runs to a recorder."
+    def __init__(self):
+        super().__init__(allow_non_fake_inputs=True)
+        self.rec, self._inside = None, False
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self.on and func in _SAME_DTYPE_OPS:
-            dts = sorted({str(a.dtype) for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()})
-            if len(dts) > 1: raise RuntimeError(f"expected the inputs of {func.__name__} to have the same dtype, but got "
-                                                f"{' and '.join(dts)} (eager refuses it too: cast the inputs or the model)")
-        return func(*args, **(kwargs or {}))
+        if self.rec is None or self._inside: return FakeTensorMode.__torch_dispatch__(self, func, types, args, kwargs)
+        self._inside = True            # what runs from here (fake mode's own decompositions too) is not the step's
+        try:
+            _check_same_dtype(func, args)
+            return self.rec.run(func, types, args, kwargs or {}, self._fake_dispatch)
+        finally: self._inside = False
+
+    def _fake_dispatch(self, func, types, args, kwargs): return _FAKE_DISPATCH(self, func, types, args, kwargs)
+
+    @contextmanager
+    def recording(self, rec: _Recorder):
+        "Record the ops run in this block with `rec` (which watches its model meanwhile)."
+        rec.watch_model()
+        self.rec = rec
+        try: yield rec
+        finally:
+            self.rec = None
+            rec.unwatch_model()
+
+# %% ../../nbs/00d_graph_step.ipynb
+@contextmanager
+def _young_collections_only():
+    "Pause the garbage collector's full collections for the block (the young generations are still collected)."
+    before = gc.get_threshold()
+    paused = (*before[:2], max(before[2], 2**30))
+    gc.set_threshold(*paused)
+    try: yield
+    finally:
+        if gc.get_threshold() == paused: gc.set_threshold(*before)
 
 # %% ../../nbs/00d_graph_step.ipynb
 def _capture(model, real_inputs, real_kwargs, loss_fn, targets, optimizer, mode, device, progress, t0) -> StaticGraph:
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if mode == "fake" else nullcontext()
+    fake_mode = _RecordingFakeMode() if mode == "fake" else nullcontext()
     work, mapping = _copy_model(model, mode, fake_mode, device)
     opt = _build_optimizer(optimizer, model, mapping, work, _foreach_default(mode, device))
     inputs = tuple(_to_capture(x, mode, fake_mode, device) for x in real_inputs)
@@ -300,7 +339,8 @@ def _capture(model, real_inputs, real_kwargs, loss_fn, targets, optimizer, mode,
     _check_token_ids(work, _id_ranges(zip([n for n, _ in named], [*real_inputs, *real_kwargs.values()],
                                           [x for _, x in named])))
     rec, names = _start_recorder(work, named, targets, progress)
-    with fake_mode, rec.tracker, rec, torch.autograd.graph.saved_tensors_hooks(rec.pack, rec.unpack), _SameDtype(mode):
+    recording = fake_mode.recording(rec) if mode == "fake" else rec     # one Python dispatch per op: see above
+    with fake_mode, rec.tracker, recording, torch.autograd.graph.saved_tensors_hooks(rec.pack, rec.unpack):
         _run_step(rec, work, inputs, kwargs, loss_fn, targets, opt, progress)
         _settle_roles(rec, work, names, opt)
     storages = rec.close()
