@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 from dataclasses import dataclass
@@ -156,15 +157,19 @@ def _stack_from_names(params: Sequence[str]) -> tuple[str, tuple[str, ...]]:
     return c, tuple(f"{c}.{i}" if c else str(i) for i in range(len(kids[c])))
 
 # %% ../../nbs/06a_cost_profile.ipynb
+@functools.lru_cache(maxsize=64)
+def _block_patterns(container: str) -> tuple[re.Pattern, re.Pattern]:
+    "(a block's number, a block's prefix) patterns of `container`, compiled once: an expansion renames thousands."
+    pre = re.escape(container) + r"\." if container else ""
+    return re.compile(rf"^{pre}(\d+)(\.|$)"), re.compile(rf"^({pre})\d+")
+
 def _block_of(module: str, container: str) -> int | None:
     "Number of the block of `container` that holds `module`, else None."
-    pre = re.escape(container) + r"\." if container else ""
-    m = re.match(rf"^{pre}(\d+)(\.|$)", module)
+    m = _block_patterns(container)[0].match(module)
     return int(m.group(1)) if m else None
 
 def _rename_block(name: str, container: str, k: int) -> str:
-    pre = re.escape(container) + r"\." if container else ""
-    return re.sub(rf"^({pre})\d+", lambda m: f"{m.group(1)}{k}", name)
+    return _block_patterns(container)[1].sub(lambda m: f"{m.group(1)}{k}", name)
 
 def _natural_key(s: str): return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", s)]
 
@@ -207,7 +212,8 @@ def param_infos(g: StaticGraph) -> tuple[list[ParamInfo], dict[int, list[str]]]:
     for s in pnames:
         t = shapes[s.id]
         itemsize = torch.empty((), dtype=getattr(torch, t.dtype)).element_size()
-        params.append(ParamInfo(s.name, tuple(t.shape), itemsize, states.get(s.name, 0), grads.get(s.name, -1)))
+        params.append(ParamInfo(name=s.name, shape=tuple(t.shape), itemsize=itemsize, state_bytes=states.get(s.name, 0),
+                                grad_created=grads.get(s.name, -1)))
         by_storage.setdefault(s.id, []).append(s.name)
     return params, by_storage
 
@@ -286,10 +292,12 @@ def profile_graph(g: StaticGraph, master_dtype: str | None = None) -> GraphProfi
     params, native, temp, cap = to_master(params, native, live["temporary"], phase, master_dtype)
     stack, blocks = main_stack(g)
     fwd, bwd = g.meta.get("model_forward"), g.meta.get("model_backward_start")   # recorded by the capture
-    return GraphProfile(tuple(params), tuple(order), tuple(o.module for o in g.ops), phase,
-                        np.array([o.flops for o in g.ops], dtype=np.float64), native, temp.astype(np.int64), saved,
-                        int(opt_temp), shared_params(g, by_storage), g.meta.get("model", ""), cap, tokens_of(g),
-                        blocks, stack, tuple(o.op for o in g.ops), master_dtype=master_dtype or captured_param_dtype(g),
+    return GraphProfile(params=tuple(params), modules=tuple(order), op_module=tuple(o.module for o in g.ops),
+                        op_phase=phase, op_flops=np.array([o.flops for o in g.ops], dtype=np.float64), native=native,
+                        temporary=temp.astype(np.int64), saved=saved, opt_temp_peak=int(opt_temp),
+                        tied=shared_params(g, by_storage), model=g.meta.get("model", ""), compute_itemsize=cap,
+                        tokens=tokens_of(g), blocks=blocks, stack=stack, op_names=tuple(o.op for o in g.ops),
+                        master_dtype=master_dtype or captured_param_dtype(g),
                         model_forward_end=fwd[1] if fwd else -1, model_backward_start=-1 if bwd is None else bwd,
                         block_flows=block_flows(g, stack, len(blocks)),
                         checkpoint=checkpoint_deltas(g, checkpointable(g, stack)),
@@ -395,26 +403,36 @@ def _newpos(where: dict, i: int, pieces) -> int | None:
     return next((where[(kk, int(i))] for kk in pieces if (kk, int(i)) in where), None)
 
 # %% ../../nbs/06a_cost_profile.ipynb
-def _lay_out_ops(P: GraphProfile, pieces: list, ren) -> tuple[dict, dict]:
+class _Where:
+    """`where[(piece, captured op)]`: the new index of a captured op in a piece of the expansion, `(piece, op) in
+    where` whether the piece holds it. One table of positions per distinct piece, not one entry per new op: the copies
+    of block 1 share theirs, so a 126-block expansion builds a few hundred entries, not tens of thousands."""
+    def __init__(self, pieces: list):
+        self.pos, self.start, seen, n = [], [], {}, 0
+        for ix, _, _ in pieces:
+            if id(ix) not in seen: seen[id(ix)] = {i: t for t, i in reversed(list(enumerate(ix.tolist())))}
+            self.pos.append(seen[id(ix)]); self.start.append(n); n += len(ix)
+    def __contains__(self, key) -> bool: return key[1] in self.pos[key[0]]
+    def __getitem__(self, key) -> int: return self.start[key[0]] + self.pos[key[0]][key[1]]
+
+def _lay_out_ops(P: GraphProfile, pieces: list, ren) -> tuple[dict, _Where]:
     "The expanded per-op fields of the profile, and `where[(piece, captured op)]` = new op index."
-    mods, names, phase, flops, native, temp, where, new = [], [], [], [], [], [], {}, {}
-    nbytes, dts = [], []
-    for kk, (ix, off, blk) in enumerate(pieces):
-        start, copy = len(mods), None if blk in (None, "shift") else blk
-        for t, i in enumerate(ix.tolist()):
-            m = P.op_module[i]
-            if (m, copy) not in new:   # a few dozen modules among tens of thousands of ops: rename each once
-                new[m, copy] = ren(m) if copy is None else _rename_block(m, P.stack, copy)
-            mods.append(new[m, copy])
-            where.setdefault((kk, i), start + t)
-        if P.op_names: names += [P.op_names[i] for i in ix]
-        if P.op_dtypes: dts += [P.op_dtypes[i] for i in ix]
+    mods, names, phase, flops, native, temp, nbytes, dts, memo = [], [], [], [], [], [], [], [], {}
+    for ix, off, blk in pieces:
+        if id(ix) not in memo:     # the copies share block 1's ops: read their fields once
+            memo[id(ix)] = [tuple(f[i] for i in ix.tolist()) for f in (P.op_module, P.op_names, P.op_dtypes) if f]
+        src, *rest = memo[id(ix)]
+        copy = None if blk in (None, "shift") else blk
+        new = {m: ren(m) if copy is None else _rename_block(m, P.stack, copy) for m in set(src)}   # a few dozen
+        mods += [new[m] for m in src]
+        if P.op_names: names += rest.pop(0)
+        if P.op_dtypes: dts += rest.pop(0)
         if P.op_bytes is not None: nbytes.append(P.op_bytes[ix])
         phase.append(P.op_phase[ix]); flops.append(P.op_flops[ix])
         native.append(P.native[ix] + off); temp.append(P.temporary[ix])
     return dict(op_module=tuple(mods), op_names=tuple(names), op_phase=np.concatenate(phase),
                 op_flops=np.concatenate(flops), native=np.concatenate(native), temporary=np.concatenate(temp),
-                op_bytes=np.concatenate(nbytes) if P.op_bytes is not None else None, op_dtypes=tuple(dts)), where
+                op_bytes=np.concatenate(nbytes) if P.op_bytes is not None else None, op_dtypes=tuple(dts)), _Where(pieces)
 
 # %% ../../nbs/06a_cost_profile.ipynb
 def _expand_params(P: GraphProfile, where: dict, ren, extra: int) -> list[ParamInfo]:
@@ -423,12 +441,12 @@ def _expand_params(P: GraphProfile, where: dict, ren, extra: int) -> list[ParamI
     def grad(p, pieces) -> int:
         g = _newpos(where, p.grad_created, pieces) if p.grad_created >= 0 else None
         return -1 if g is None else g
-    params = []
+    params, moved = [], lambda p, name, g: ParamInfo(name=name, shape=p.shape, itemsize=p.itemsize,
+                                                     state_bytes=p.state_bytes, grad_created=g)   # replace(), faster
     for p in P.params:
-        params.append(dataclasses.replace(p, name=ren(p.name), grad_created=grad(p, keep)))
+        params.append(moved(p, ren(p.name), grad(p, keep)))
         if _block_of(p.module, c) == 1:
-            params += [dataclasses.replace(p, name=_rename_block(p.name, c, j + 2), grad_created=grad(p, [2 * extra + 1 - j]))
-                       for j in range(extra)]
+            params += [moved(p, _rename_block(p.name, c, j + 2), grad(p, [2 * extra + 1 - j])) for j in range(extra)]
     return sorted(params, key=lambda p: _natural_key(p.name))
 
 # %% ../../nbs/06a_cost_profile.ipynb
@@ -489,9 +507,8 @@ def expand_profile(P: GraphProfile, n_blocks: int) -> GraphProfile:
     opt = phase == OPTIMIZER
     native[opt] += (temp[opt] * (scale - 1)).astype(np.int64)
     temp[opt] = (temp[opt] * scale).astype(np.int64)
-    seen = {}
-    for i, m in enumerate(ops["op_module"]):
-        if phase[i] == FORWARD: seen.setdefault(m, i)
+    seen, mods = {}, ops["op_module"]
+    for i in np.flatnonzero(phase == FORWARD).tolist(): seen.setdefault(mods[i], i)
     blocks = tuple(f"{P.stack}.{i}" if P.stack else str(i) for i in range(n_blocks))
     def moved(i: int) -> int:                              # a captured op outside the copies, at its new index
         j = _newpos(where, i, [0, extra + 1, 2 * extra + 2]) if i >= 0 else None

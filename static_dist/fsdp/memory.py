@@ -116,9 +116,12 @@ def _layout(profile: GraphProfile, plan: FSDPPlan) -> tuple[UnitLayout, ...]:
     inside = {u: [] for u in names}                   # modules (of ops) inside each unit
     owned = {u: [] for u in names}                    # ... whose innermost unit it is
     for i, m in enumerate(mods):
+        o = None                                      # the first unit on the way up is the innermost (`innermost`)
         for a in _prefixes(m):
-            if a in inside: inside[a].append(i)
-        if (o := innermost(m, names)) is not None: owned[o].append(i)
+            if a in inside:
+                inside[a].append(i)
+                if o is None: o = a
+        if o is not None: owned[o].append(i)
     ignored = set(plan.ignored)
     params = {u: [] for u in names}
     for p in profile.params:                          # as `unit_of`, with the sets built once

@@ -320,7 +320,8 @@ def _local_params(mine, v: _View, plan: ParallelPlan, newix) -> list[ParamInfo]:
     for p in mine:
         shape = tp_param_shape(p.name, p.shape, plan, v.styles)
         r = math.prod(shape) / max(p.numel, 1)
-        out.append(ParamInfo(p.name, shape, p.itemsize, int(p.state_bytes * r), int(newix(p.grad_created)) if p.grad_created >= 0 else -1))
+        out.append(ParamInfo(name=p.name, shape=shape, itemsize=p.itemsize, state_bytes=int(p.state_bytes * r),
+                             grad_created=int(newix(p.grad_created)) if p.grad_created >= 0 else -1))
     return out
 
 # %% ../../nbs/45b_parallel_memory.ipynb
@@ -369,11 +370,14 @@ def rank_profile(g: StaticGraph, plan: ParallelPlan, pp_rank: int = 0, master_dt
     for j, i in enumerate(K):
         if g.ops[i].phase == "forward": seen.setdefault(g.ops[i].module, j)
     _dts = op_dtypes(g)
-    return GraphProfile(tuple(ps), module_order(seen, [p.module for p in ps], len(K)), tuple(g.ops[i].module for i in K),
-                        phase, _flops(g, plan, v)[K], native, temp, _saved(g, v, plan.dims.cp, newix),
-                        int(temp[phase == OPTIMIZER].max()) if (phase == OPTIMIZER).any() else 0, _tied(g, by_storage, ps), g.meta.get("model", ""),
-                        cap, tokens_of(g) // plan.dims.cp, _stage_blocks(plan, blocks, v), stack, tuple(g.ops[i].op for i in K),
-                        master_dtype=master_dtype or captured_param_dtype(g), **_root_marks(g, K),
+    return GraphProfile(params=tuple(ps), modules=module_order(seen, [p.module for p in ps], len(K)),
+                        op_module=tuple(g.ops[i].module for i in K), op_phase=phase, op_flops=_flops(g, plan, v)[K],
+                        native=native, temporary=temp, saved=_saved(g, v, plan.dims.cp, newix),
+                        opt_temp_peak=int(temp[phase == OPTIMIZER].max()) if (phase == OPTIMIZER).any() else 0,
+                        tied=_tied(g, by_storage, ps), model=g.meta.get("model", ""), compute_itemsize=cap,
+                        tokens=tokens_of(g) // plan.dims.cp, blocks=_stage_blocks(plan, blocks, v), stack=stack,
+                        op_names=tuple(g.ops[i].op for i in K), master_dtype=master_dtype or captured_param_dtype(g),
+                        **_root_marks(g, K),
                         recomputes=tuple((int(newix(r.at)), *recompute_bytes(g, v.checkpoint, r, weight))
                                          for r in v.checkpoint.recomputes if v.keep[r.at]),
                         op_bytes=(op_bytes(g) * _op_share(g, plan, v))[K], op_dtypes=tuple(_dts[i] for i in K),

@@ -78,7 +78,7 @@ class _Context:
         self.full_stack = self.stack if self.full else dataclasses.replace(self.stack, blocks=names)
         inputs = g.meta.get("inputs") or []
         self.seq = inputs[0][1] if inputs and isinstance(inputs[0], list) and len(inputs[0]) > 1 else None
-        self._work, self._prof, self._ext, self._mem = {}, {}, {}, {}
+        self._work, self._prof, self._ext, self._mem, self._time, self._flight = {}, {}, {}, {}, {}, {}
 
 # %% ../../nbs/45d_parallel_search.ipynb
 @patch
@@ -101,7 +101,16 @@ def work(self: _Context, d: ParallelDims):
 
 @patch
 def step_time(self: _Context, plan: ParallelPlan) -> StepTime:
-    return predict_step_time(self.work(plan.dims), plan, self.topo, n_blocks=self.n)
+    "`predict_step_time` of `plan`, once per plan (the search asks again for the layouts it keeps)."
+    if plan not in self._time: self._time[plan] = predict_step_time(self.work(plan.dims), plan, self.topo, n_blocks=self.n)
+    return self._time[plan]
+
+@patch
+def first_in_flight(self: _Context, plan: ParallelPlan) -> int:
+    "`schedule.in_flight` of the first pipeline rank, once per schedule (what it reads of the plan is the key)."
+    key = (plan.dims.pp, plan.schedule, plan.microbatches, len(plan.stages))
+    if key not in self._flight: self._flight[key] = in_flight(plan, 0)
+    return self._flight[key]
 
 # %% ../../nbs/45d_parallel_search.ipynb
 def _uniform_profile(ctx: _Context, d: ParallelDims, mode: CheckpointPolicy, k: int):
@@ -166,7 +175,7 @@ def _pipelined(ctx: _Context, plan: ParallelPlan, P):
         ctx._ext[("boundary", d.cp)] = (boundary_bytes(ctx.g, op_blocks(ctx.g, ctx.stack.blocks), d.cp),
                                         sum(s.nbytes for s in ctx.g.storages if s.role == "input") / d.cp)
     boundary, inputs = ctx._ext[("boundary", d.cp)]
-    held = (in_flight(plan, 0) - 1) * _forward_activations(P) + pipeline_held(plan, 0, P.op_phase, boundary, inputs=inputs)
+    held = (ctx.first_in_flight(plan) - 1) * _forward_activations(P) + pipeline_held(plan, 0, P.op_phase, boundary, inputs=inputs)
     return dataclasses.replace(P, native=(P.native + held).astype(np.int64))
 
 # %% ../../nbs/45d_parallel_search.ipynb
@@ -188,7 +197,7 @@ def _memory(ctx: _Context, plan: ParallelPlan, mode: CheckpointPolicy | None = N
         raise ParallelPlanError(f"a stage of {k} blocks is shorter than the {ctx.captured} captured ones")
     modes = _stage_modes(ctx, plan, mode)
     key = (d.tp, d.cp, modes if len(set(modes)) > 1 else (k, modes[0]), d.fsdp_size, d.dp_replicate > 1, d.pp > 1,
-           in_flight(plan, 0), plan.microbatches)
+           ctx.first_in_flight(plan), plan.microbatches)
     if key not in ctx._mem:                    # the replicate degree aside, these set a rank's memory
         P = _pipelined(ctx, plan, _mixed_profile(ctx, d, modes))
         ctx._mem[key] = predict_rank_memory(P, plan).peak_bytes
