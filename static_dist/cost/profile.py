@@ -129,6 +129,7 @@ def module_order(first_op: dict[str, int], extra, n: int) -> tuple[str, ...]:
     for m, i in [*first_op.items(), *((m, n) for m in extra)]:
         a = m
         while True:
+            if a in first and first[a] <= i: break        # so are its ancestors': each one's is its subtree's least
             first[a] = min(first.get(a, n), i)
             if not a: break
             a = a.rpartition(".")[0]
@@ -168,10 +169,12 @@ def _block_of(module: str, container: str) -> int | None:
     m = _block_patterns(container)[0].match(module)
     return int(m.group(1)) if m else None
 
+@functools.lru_cache(maxsize=1 << 17)               # the search expands to many depths: the same names recur
 def _rename_block(name: str, container: str, k: int) -> str:
     return _block_patterns(container)[1].sub(lambda m: f"{m.group(1)}{k}", name)
 
-def _natural_key(s: str): return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", s)]
+@functools.lru_cache(maxsize=1 << 17)
+def _natural_key(s: str) -> tuple: return tuple(int(t) if t.isdigit() else t for t in re.split(r"(\d+)", s))
 
 # %% ../../nbs/06a_cost_profile.ipynb
 def shared_params(g: StaticGraph, by_storage: dict) -> tuple[tuple[str, ...], ...]:
@@ -304,10 +307,14 @@ def profile_graph(g: StaticGraph, master_dtype: str | None = None) -> GraphProfi
                         op_bytes=op_bytes(g), op_dtypes=op_dtypes(g), optimizer_numel=sum(p.numel for p in params))
 
 # %% ../../nbs/06a_cost_profile.ipynb
+_LAST_OB: list = [None, None, None]      # (op modules, stack, block of each op) of the last call: an expansion asks thrice
+
 def _op_blocks(P: GraphProfile) -> np.ndarray:
     "Block number of each op (-1 outside the main stack)."
+    if _LAST_OB[0] is P.op_module and _LAST_OB[1] == P.stack: return _LAST_OB[2].copy()
     of = {m: -1 if (b := _block_of(m, P.stack)) is None else b for m in set(P.op_module)}   # a few dozen modules
-    return np.array([of[m] for m in P.op_module], dtype=np.int64)
+    _LAST_OB[:] = P.op_module, P.stack, np.array([of[m] for m in P.op_module], dtype=np.int64)
+    return _LAST_OB[2].copy()
 
 # %% ../../nbs/06a_cost_profile.ipynb
 def _op_mismatch(P: GraphProfile, ix: dict, k: int) -> list[str]:
@@ -380,15 +387,21 @@ def expand_blocks(profile: GraphProfile, n_blocks: int) -> GraphProfile:
 
 # %% ../../nbs/06a_cost_profile.ipynb
 def _pieces(P: GraphProfile, extra: int) -> list[tuple[np.ndarray, int, int | str | None]]:
-    "The new op order as pieces: (captured op indices, native offset, block number of a copy / 'shift' / None)."
+    """The new op order as pieces: (captured op indices, how many blocks' activations its bytes alive are offset by,
+    block number of a copy / 'shift' / None)."""
     ob, n = _op_blocks(P), len(P.op_module)
     idx = lambda b, ph: np.flatnonzero((ob == b) & (P.op_phase == ph))
     f1, b1 = idx(1, 0), idx(1, 1)
-    delta = int(P.native[idx(2, 0)[0]] - P.native[f1[0]])          # activations one block leaves behind
     cut_f, cut_b = f1[-1] + 1, b1[0]
-    return [(np.arange(0, cut_f), 0, None), *((f1, (j + 1) * delta, j + 2) for j in range(extra)),
-            (np.arange(cut_f, cut_b), extra * delta, "shift"),
-            *((b1, (j + 1) * delta, j + 2) for j in reversed(range(extra))), (np.arange(cut_b, n), 0, "shift")]
+    return [(np.arange(0, cut_f), 0, None), *((f1, j + 1, j + 2) for j in range(extra)),
+            (np.arange(cut_f, cut_b), extra, "shift"),
+            *((b1, j + 1, j + 2) for j in reversed(range(extra))), (np.arange(cut_b, n), 0, "shift")]
+
+def _block_delta(P: GraphProfile) -> int:
+    "Activations one block leaves behind: what the bytes alive grow by with each copy of block 1."
+    ob = _op_blocks(P)
+    first = lambda b: np.flatnonzero((ob == b) & (P.op_phase == FORWARD))[0]
+    return int(P.native[first(2)] - P.native[first(1)])
 
 # %% ../../nbs/06a_cost_profile.ipynb
 def _renamer(container: str, extra: int):
@@ -415,10 +428,11 @@ class _Where:
     def __contains__(self, key) -> bool: return key[1] in self.pos[key[0]]
     def __getitem__(self, key) -> int: return self.start[key[0]] + self.pos[key[0]][key[1]]
 
-def _lay_out_ops(P: GraphProfile, pieces: list, ren) -> tuple[dict, _Where]:
-    "The expanded per-op fields of the profile, and `where[(piece, captured op)]` = new op index."
-    mods, names, phase, flops, native, temp, nbytes, dts, memo = [], [], [], [], [], [], [], [], {}
-    for ix, off, blk in pieces:
+def _lay_out_ops(P: GraphProfile, pieces: list, ren) -> tuple[dict, np.ndarray, np.ndarray, _Where]:
+    """The expanded per-op fields of the profile but the bytes alive; the captured op of each new op and how many
+    blocks' activations its bytes alive are offset by; and `where[(piece, captured op)]` = new op index."""
+    mods, names, dts, memo = [], [], [], {}
+    for ix, _, blk in pieces:
         if id(ix) not in memo:     # the copies share block 1's ops: read their fields once
             memo[id(ix)] = [tuple(f[i] for i in ix.tolist()) for f in (P.op_module, P.op_names, P.op_dtypes) if f]
         src, *rest = memo[id(ix)]
@@ -427,12 +441,11 @@ def _lay_out_ops(P: GraphProfile, pieces: list, ren) -> tuple[dict, _Where]:
         mods += [new[m] for m in src]
         if P.op_names: names += rest.pop(0)
         if P.op_dtypes: dts += rest.pop(0)
-        if P.op_bytes is not None: nbytes.append(P.op_bytes[ix])
-        phase.append(P.op_phase[ix]); flops.append(P.op_flops[ix])
-        native.append(P.native[ix] + off); temp.append(P.temporary[ix])
-    return dict(op_module=tuple(mods), op_names=tuple(names), op_phase=np.concatenate(phase),
-                op_flops=np.concatenate(flops), native=np.concatenate(native), temporary=np.concatenate(temp),
-                op_bytes=np.concatenate(nbytes) if P.op_bytes is not None else None, op_dtypes=tuple(dts)), _Where(pieces)
+    ix = np.concatenate([ix for ix, _, _ in pieces])
+    copies = np.concatenate([np.full(len(ix), c, dtype=np.int64) for ix, c, _ in pieces])
+    ops = dict(op_module=tuple(mods), op_names=tuple(names), op_phase=P.op_phase[ix], op_flops=P.op_flops[ix],
+               op_bytes=P.op_bytes[ix] if P.op_bytes is not None else None, op_dtypes=tuple(dts))
+    return ops, ix, copies, _Where(pieces)
 
 # %% ../../nbs/06a_cost_profile.ipynb
 def _expand_params(P: GraphProfile, where: dict, ren, extra: int) -> list[ParamInfo]:
@@ -496,30 +509,52 @@ def _foreach(P: GraphProfile) -> bool:
     "Does the optimizer step work on all parameters at once (`aten._foreach_*`)? Assumed for a profile without op names."
     return not P.op_names or any("_foreach_" in P.op_names[i] for i in np.flatnonzero(P.op_phase == OPTIMIZER))
 
-def expand_profile(P: GraphProfile, n_blocks: int) -> GraphProfile:
-    "Repeat block 1's ops, parameters and saved activations `n_blocks - k` more times (checked by `expand_blocks`)."
+@dataclass(frozen=True)
+class _Expansion:
+    "What an expansion to one depth reads from the captured ops and parameters alone (not from the bytes they hold)."
+    ops: dict
+    "The expanded op_module, op_names, op_phase, op_flops, op_bytes and op_dtypes."
+    ix: np.ndarray
+    "The captured op of each new op."
+    copies: np.ndarray
+    "How many blocks' activations each new op's bytes alive are offset by."
+    where: _Where
+    params: tuple
+    modules: tuple
+    blocks: tuple
+    scale: float
+    "What the optimizer's temporaries grow by: the expanded parameter bytes over the captured (1: not a foreach step)."
+
+def _expansion(P: GraphProfile, n_blocks: int) -> _Expansion:
+    "What expanding `P` to `n_blocks` reads from its ops and parameters: the new ops, parameters, modules and blocks."
     extra = n_blocks - len(P.blocks)
     ren = _renamer(P.stack, extra)
-    ops, where = _lay_out_ops(P, _pieces(P, extra), ren)
+    ops, ix, copies, where = _lay_out_ops(P, _pieces(P, extra), ren)
     params = _expand_params(P, where, ren, extra)
     scale = sum(p.numel * p.itemsize for p in params) / sum(p.numel * p.itemsize for p in P.params) if _foreach(P) else 1
-    native, temp, phase = ops["native"], ops["temporary"], ops["op_phase"]
-    opt = phase == OPTIMIZER
-    native[opt] += (temp[opt] * (scale - 1)).astype(np.int64)
-    temp[opt] = (temp[opt] * scale).astype(np.int64)
     seen, mods = {}, ops["op_module"]
-    for i in np.flatnonzero(phase == FORWARD).tolist(): seen.setdefault(mods[i], i)
-    blocks = tuple(f"{P.stack}.{i}" if P.stack else str(i) for i in range(n_blocks))
+    for i in np.flatnonzero(ops["op_phase"] == FORWARD).tolist(): seen.setdefault(mods[i], i)
+    e = _Expansion(ops=ops, ix=ix, copies=copies, where=where, params=tuple(params), scale=scale,
+                   modules=module_order(seen, [p.module for p in params], len(ix)),
+                   blocks=tuple(f"{P.stack}.{i}" if P.stack else str(i) for i in range(n_blocks)))
+    return e
+
+def expand_profile(P: GraphProfile, n_blocks: int) -> GraphProfile:
+    "Repeat block 1's ops, parameters and saved activations `n_blocks - k` more times (checked by `expand_blocks`)."
+    extra, E = n_blocks - len(P.blocks), _expansion(P, n_blocks)
+    native, temp, opt = P.native[E.ix] + E.copies * _block_delta(P), P.temporary[E.ix], E.ops["op_phase"] == OPTIMIZER
+    native[opt] += (temp[opt] * (E.scale - 1)).astype(np.int64)
+    temp[opt] = (temp[opt] * E.scale).astype(np.int64)
     def moved(i: int) -> int:                              # a captured op outside the copies, at its new index
-        j = _newpos(where, i, [0, extra + 1, 2 * extra + 2]) if i >= 0 else None
+        j = _newpos(E.where, i, [0, extra + 1, 2 * extra + 2]) if i >= 0 else None
         return -1 if j is None else j
     flows = P.block_flows[:2] + P.block_flows[1:2] * extra + P.block_flows[2:] if P.block_flows else ()
-    ckpt, runs = _expand_checkpoint(P, where, ren, extra)
-    return dataclasses.replace(P, **ops, params=tuple(params), saved=tuple(_expand_saved(P, where, ren, extra)),
-                               checkpoint=ckpt, recomputes=runs,
-                               modules=module_order(seen, [p.module for p in params], len(phase)), blocks=blocks,
-                               path=f"expanded from {len(P.blocks)} of {n_blocks} blocks", block_flows=flows,
-                               model_forward_end=moved(P.model_forward_end),
+    ren = _renamer(P.stack, extra)
+    ckpt, runs = _expand_checkpoint(P, E.where, ren, extra)
+    return dataclasses.replace(P, **E.ops, native=native, temporary=temp, params=E.params, modules=E.modules,
+                               saved=tuple(_expand_saved(P, E.where, ren, extra)), checkpoint=ckpt, recomputes=runs,
+                               blocks=E.blocks, path=f"expanded from {len(P.blocks)} of {n_blocks} blocks",
+                               block_flows=flows, model_forward_end=moved(P.model_forward_end),
                                model_backward_start=moved(P.model_backward_start))
 
 # %% ../../nbs/06a_cost_profile.ipynb

@@ -101,9 +101,11 @@ def work(self: _Context, d: ParallelDims):
 
 @patch
 def step_time(self: _Context, plan: ParallelPlan) -> StepTime:
-    "`predict_step_time` of `plan`, once per plan (the search asks again for the layouts it keeps)."
-    if plan not in self._time: self._time[plan] = predict_step_time(self.work(plan.dims), plan, self.topo, n_blocks=self.n)
-    return self._time[plan]
+    "`predict_step_time` of `plan`, once per plan object (the search asks again for the layouts it keeps)."
+    hit = self._time.get(id(plan))                 # by identity: hashing a plan of 126 units costs more than a look-up
+    if hit is None or hit[0] is not plan:          # (the plan is kept in the value, so its id is not reused)
+        hit = self._time[id(plan)] = (plan, predict_step_time(self.work(plan.dims), plan, self.topo, n_blocks=self.n))
+    return hit[1]
 
 @patch
 def first_in_flight(self: _Context, plan: ParallelPlan) -> int:

@@ -97,6 +97,12 @@ def _tp_collectives(g: StaticGraph, plan: ParallelPlan, blocks, tokens: int, ite
 
 # %% ../../nbs/45c_parallel_time.ipynb
 _BASE_POLICIES = (NoCheckpoint(), FullCheckpoint(), SelectiveOps())
+_LAST_SECONDS: list = [None, None, None]  # (graph, device, op seconds) of the last call: a search asks once per tp × cp
+
+def _op_seconds(g: StaticGraph, device) -> np.ndarray:
+    "`topology.op_seconds` of `g` on `device`, remembered for the last (graph, device) pair (the very objects)."
+    if _LAST_SECONDS[0] is not g or _LAST_SECONDS[1] is not device: _LAST_SECONDS[:] = g, device, op_seconds(g, device)
+    return _LAST_SECONDS[2]
 
 def rank_work(g: StaticGraph, plan: ParallelPlan, topo: Topology, device=None, policies=()) -> RankWork:
     """One micro-batch of the captured step on one rank under `plan`'s tensor and context parallelism, per region;
@@ -105,7 +111,8 @@ def rank_work(g: StaticGraph, plan: ParallelPlan, topo: Topology, device=None, p
     stack, blocks = main_stack(g)
     ob, k = op_blocks(g, blocks), len(blocks)
     phase = g.op_phases()
-    sec = op_seconds(g, topo if device is None else device) * _op_factor(g, plan, blocks)
+    fac = _op_factor(g, plan, blocks)
+    sec = _op_seconds(g, topo if device is None else device) * fac
     nb = [t.nbytes for t in g.tensors]
     inb = ob >= 0
     f_first = np.flatnonzero(inb & (phase == FORWARD)); b_first = np.flatnonzero(inb & (phase == BACKWARD))
@@ -119,7 +126,6 @@ def rank_work(g: StaticGraph, plan: ParallelPlan, topo: Topology, device=None, p
     leaves = {q for p in (*_BASE_POLICIES, *plan.ac, *policies) for q in p.leaves()}
     rc = {p: np.array([float(sec[list(recomputed_ops(g, p, fw[b]))].sum()) for b in range(k)]) for p in leaves}
     attn, kv = np.zeros(k), np.zeros(k)
-    fac = _op_factor(g, plan, blocks)
     for i, o in enumerate(g.ops):
         if o.op.startswith(_ATTENTION) and ob[i] >= 0 and phase[i] == FORWARD:      # the name first: it is the cheap test
             attn[ob[i]] += sec[i]
