@@ -12,7 +12,7 @@ import functools
 import math
 import re
 from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -27,8 +27,9 @@ from ..graph.records import FORWARD, OPTIMIZER
 
 # %% auto 0
 __all__ = ['PlanError', 'BlockMismatchError', 'ParamInfo', 'GraphProfile', 'within', 'module_order', 'main_stack',
-           'shared_params', 'tokens_of', 'param_infos', 'to_master', 'block_flows', 'captured_param_dtype',
-           'profile_graph', 'block_mismatch', 'expand_blocks', 'expand_profile', 'profile_expanded']
+           'shared_params', 'tokens_of', 'param_infos', 'MasterParams', 'to_master', 'block_flows',
+           'captured_param_dtype', 'profile_graph', 'block_mismatch', 'expand_blocks', 'expand_profile',
+           'profile_expanded']
 
 # %% ../../nbs/06a_cost_profile.ipynb
 class PlanError(StaticDistError, ValueError):
@@ -221,10 +222,20 @@ def param_infos(g: StaticGraph) -> tuple[list[ParamInfo], dict[int, list[str]]]:
     return params, by_storage
 
 # %% ../../nbs/06a_cost_profile.ipynb
-def to_master(params: list, native: np.ndarray, temporary: np.ndarray, phase: np.ndarray, master_dtype: str | None):
-    "(params, native, temporary, compute itemsize) with parameters kept in `master_dtype` (itemsize 0: no change)."
+class MasterParams(NamedTuple):
+    "A step's parameters and bytes with the parameters kept in a master dtype (`to_master`)."
+    params: list
+    native: np.ndarray
+    temporary: np.ndarray
+    compute_itemsize: int
+    "Bytes per element of the captured (compute) dtype; 0: the master dtype is the captured one."
+
+def to_master(params: list, native: np.ndarray, temporary: np.ndarray, phase: np.ndarray,
+              master_dtype: str | None) -> MasterParams:
+    "The parameters and bytes with parameters kept in `master_dtype` (None: as captured)."
     cap = params[0].itemsize if params else 4
-    if master_dtype is None or DTYPE_BYTES[master_dtype] == cap: return params, native, temporary, 0
+    if master_dtype is None or DTYPE_BYTES[master_dtype] == cap:
+        return MasterParams(params=params, native=native, temporary=temporary, compute_itemsize=0)
     r = DTYPE_BYTES[master_dtype] / cap
     params = [dataclasses.replace(p, itemsize=DTYPE_BYTES[master_dtype], state_bytes=int(p.state_bytes * r)) for p in params]
     opt = phase == OPTIMIZER
@@ -232,7 +243,7 @@ def to_master(params: list, native: np.ndarray, temporary: np.ndarray, phase: np
     native[opt] += extra
     temporary = temporary.copy()
     temporary[opt] += extra
-    return params, native, temporary, cap
+    return MasterParams(params=params, native=native, temporary=temporary, compute_itemsize=cap)
 
 # %% ../../nbs/06a_cost_profile.ipynb
 _NATIVE = ("activation", "temporary", "input", "buffer", "other")
@@ -292,7 +303,8 @@ def profile_graph(g: StaticGraph, master_dtype: str | None = None) -> GraphProfi
     saved = tuple((s.nbytes, s.saved_in or "", s.created, n if s.freed is None else s.freed)
                   for s in g.storages if s.role == "activation")
     opt_temp = live["temporary"][phase == OPTIMIZER].max() if (phase == OPTIMIZER).any() else 0
-    params, native, temp, cap = to_master(params, native, live["temporary"], phase, master_dtype)
+    m = to_master(params, native, live["temporary"], phase, master_dtype)
+    params, native, temp, cap = m.params, m.native, m.temporary, m.compute_itemsize
     stack, blocks = main_stack(g)
     fwd, bwd = g.meta.get("model_forward"), g.meta.get("model_backward_start")   # recorded by the capture
     return GraphProfile(params=tuple(params), modules=tuple(order), op_module=tuple(o.module for o in g.ops),

@@ -365,7 +365,8 @@ def rank_profile(g: StaticGraph, plan: ParallelPlan, pp_rank: int = 0, master_dt
     extra = extra + pipeline_held(plan, pp_rank, phase, boundary, output, _root_marks(g, K)["model_forward_end"], inputs)
     native = (sum(live[r] for r in live)[K] + extra).astype(np.int64)
     temp = live["temporary"][K].astype(np.int64)
-    ps, native, temp, cap = to_master(_local_params(mine, v, plan, newix), native, temp, phase, master_dtype)
+    m = to_master(_local_params(mine, v, plan, newix), native, temp, phase, master_dtype)
+    ps, native, temp, cap = m.params, m.native, m.temporary, m.compute_itemsize
     seen, weight = {}, lambda s: s.nbytes * _storage_fraction(s, v, g, plan.dims.cp)   # a recompute's, as the rank holds it
     for j, i in enumerate(K):
         if g.ops[i].phase == "forward": seen.setdefault(g.ops[i].module, j)

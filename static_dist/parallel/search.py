@@ -12,6 +12,7 @@ import heapq
 import math
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 from fastcore.basics import patch
@@ -126,8 +127,19 @@ def _uniform_profile(ctx: _Context, d: ParallelDims, mode: CheckpointPolicy, k: 
     return ctx._ext[(key, k)]
 
 # %% ../../nbs/45d_parallel_search.ipynb
-def _stage_layout(ctx: _Context, d: ParallelDims, P) -> tuple:
-    "(block of each op, first forward op, op where each forward ends, blocks held at each op) of a `k`-block stage profile."
+class _StageLayout(NamedTuple):
+    "Where the blocks of a `k`-block stage profile run (`_stage_layout`)."
+    blocks: np.ndarray
+    "The block of each op (-1: outside the stack)."
+    first: np.ndarray
+    "Each block's first forward op."
+    ends: np.ndarray
+    "The op at which each block's forward ends (the next block's first)."
+    held: np.ndarray
+    "Blocks whose activations are held at each op: in forward, those done; in backward, those not yet started."
+
+def _stage_layout(ctx: _Context, d: ParallelDims, P) -> _StageLayout:
+    "Where the blocks of a `k`-block stage profile run, once per (tp, cp, k)."
     key = ("layout", d.tp, d.cp, len(P.blocks))
     if key not in ctx._ext:
         k, ph, ob = len(P.blocks), P.op_phase, module_blocks(P.op_module, P.blocks)
@@ -135,8 +147,9 @@ def _stage_layout(ctx: _Context, d: ParallelDims, P) -> tuple:
         fb = np.sort([np.flatnonzero((ob == b) & (ph == BACKWARD))[0] for b in range(k)])
         ends = np.append(ff[1:], np.flatnonzero((ob == k - 1) & (ph == FORWARD))[-1] + 1)
         t = np.arange(len(ph))           # held: in forward, the blocks done; in backward, those not yet started
-        held = np.where(ph == FORWARD, np.searchsorted(ends, t, side="right"), np.where(ph == BACKWARD, k - np.searchsorted(fb, t, side="right"), 0))
-        ctx._ext[key] = (ob, ff, ends, held)
+        held = np.where(ph == FORWARD, np.searchsorted(ends, t, side="right"),
+                        np.where(ph == BACKWARD, k - np.searchsorted(fb, t, side="right"), 0))
+        ctx._ext[key] = _StageLayout(blocks=ob, first=ff, ends=ends, held=held)
     return ctx._ext[key]
 
 # %% ../../nbs/45d_parallel_search.ipynb
@@ -148,7 +161,8 @@ def _mixed_profile(ctx: _Context, d: ParallelDims, modes: tuple[CheckpointPolicy
     profs = {m: _uniform_profile(ctx, d, m, len(modes)) for m in dict.fromkeys(modes)}
     P0 = next(iter(profs.values()))
     if len(profs) == 1: return P0
-    ob, ff, ends, held = _stage_layout(ctx, d, P0)
+    S = _stage_layout(ctx, d, P0)
+    ob, ff, ends, held = S.blocks, S.first, S.ends, S.held
     cum = lambda left: np.concatenate(([0], np.cumsum(left)))
     left = {m: P.native[ends] - P.native[ff] for m, P in profs.items()}             # bytes each block leaves held
     mixed = cum([left[m][i] for i, m in enumerate(modes)])
