@@ -104,6 +104,7 @@ def _op_seconds(g: StaticGraph, device) -> np.ndarray:
     if _LAST_SECONDS[0] is not g or _LAST_SECONDS[1] is not device: _LAST_SECONDS[:] = g, device, op_seconds(g, device)
     return _LAST_SECONDS[2]
 
+# %% ../../nbs/45c_parallel_time.ipynb
 def rank_work(g: StaticGraph, plan: ParallelPlan, topo: Topology, device=None, policies=()) -> RankWork:
     """One micro-batch of the captured step on one rank under `plan`'s tensor and context parallelism, per region;
     recompute seconds for the plan's checkpointing policies, `policies` and the base ones. `device`: a `DeviceSpec`
@@ -313,6 +314,7 @@ class _MicroBatch(NamedTuple):
     params: float
     "Local parameter bytes of the units the rank holds (what its optimizer step updates)."
 
+# %% ../../nbs/45c_parallel_time.ipynb
 def _rank_micro_batch(w: RankWork, L: _Layout, plan: ParallelPlan, stages: list, ranges, ag, sync_cost, do_sync: bool,
                       gather: bool = True) -> _MicroBatch:
     """One micro-batch on the pipeline rank running `stages`; `gather`: its forward all-gathers the units (not when they
@@ -360,6 +362,7 @@ class _SlowestRank(NamedTuple):
     "The first micro-batch (it syncs gradients; FSDP's accumulation may skip the sync in the others)."
     later: _MicroBatch
 
+# %% ../../nbs/45c_parallel_time.ipynb
 def predict_step_time(work: RankWork, plan: ParallelPlan, topo: Topology, *, n_blocks: int | None = None) -> StepTime:
     "Seconds of one optimizer step of `plan` on `topo`'s devices from a rank's work (`rank_work`), for `n_blocks` blocks."
     from static_dist.parallel.schedule import rank_stages
