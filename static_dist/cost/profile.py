@@ -423,9 +423,12 @@ def _renamer(container: str, extra: int):
         return _rename_block(m, container, b + extra) if b is not None and b >= 2 else m
     return ren
 
-def _newpos(where: dict, i: int, pieces) -> int | None:
+def _newpos(where: _Where, i: int, pieces) -> int | None:
     "New index of captured op `i` in the first of `pieces` that holds it (None: in none of them)."
-    return next((where[(kk, int(i))] for kk in pieces if (kk, int(i)) in where), None)
+    i = int(i)
+    for kk in pieces:                             # a loop, not a generator: an expansion asks thousands of times
+        if (t := where.pos[kk].get(i)) is not None: return where.start[kk] + t
+    return None
 
 # %% ../../nbs/06a_cost_profile.ipynb
 class _Where:
