@@ -432,20 +432,18 @@ def _newpos(where: _Where, i: int, pieces) -> int | None:
 
 # %% ../../nbs/06a_cost_profile.ipynb
 class _Where:
-    """`where[(piece, captured op)]`: the new index of a captured op in a piece of the expansion, `(piece, op) in
-    where` whether the piece holds it. One table of positions per distinct piece, not one entry per new op: the copies
-    of block 1 share theirs, so a 126-block expansion builds a few hundred entries, not tens of thousands."""
+    """Where each piece of the expansion starts (`start[piece]`) and the position of each captured op in it
+    (`pos[piece][op]`, `_newpos` reads them). One table of positions per distinct piece, not one entry per new op: the
+    copies of block 1 share theirs, so a 126-block expansion builds a few hundred entries, not tens of thousands."""
     def __init__(self, pieces: list):
         self.pos, self.start, seen, n = [], [], {}, 0
         for ix, _, _ in pieces:
             if id(ix) not in seen: seen[id(ix)] = {i: t for t, i in reversed(list(enumerate(ix.tolist())))}
             self.pos.append(seen[id(ix)]); self.start.append(n); n += len(ix)
-    def __contains__(self, key) -> bool: return key[1] in self.pos[key[0]]
-    def __getitem__(self, key) -> int: return self.start[key[0]] + self.pos[key[0]][key[1]]
 
 def _lay_out_ops(P: GraphProfile, pieces: list, ren) -> tuple[dict, np.ndarray, np.ndarray, _Where]:
     """The expanded per-op fields of the profile but the bytes alive; the captured op of each new op and how many
-    blocks' activations its bytes alive are offset by; and `where[(piece, captured op)]` = new op index."""
+    blocks' activations its bytes alive are offset by; and where each captured op went (`_Where`)."""
     mods, names, dts, memo = [], [], [], {}
     for ix, _, blk in pieces:
         if id(ix) not in memo:     # the copies share block 1's ops: read their fields once
@@ -463,7 +461,7 @@ def _lay_out_ops(P: GraphProfile, pieces: list, ren) -> tuple[dict, np.ndarray, 
     return ops, ix, copies, _Where(pieces)
 
 # %% ../../nbs/06a_cost_profile.ipynb
-def _expand_params(P: GraphProfile, where: dict, ren, extra: int) -> list[ParamInfo]:
+def _expand_params(P: GraphProfile, where: _Where, ren, extra: int) -> list[ParamInfo]:
     "Every parameter renamed, block 1's copied `extra` times, each with the new op of its gradient."
     keep, c = [0, extra + 1, 2 * extra + 2], P.stack
     def grad(p, pieces) -> int:
@@ -478,14 +476,14 @@ def _expand_params(P: GraphProfile, where: dict, ren, extra: int) -> list[ParamI
     return sorted(params, key=lambda p: _natural_key(p.name))
 
 # %% ../../nbs/06a_cost_profile.ipynb
-def _copy_created(where: dict, cr: int, j: int, ob: np.ndarray, stride: int, keep: list) -> int | None:
+def _copy_created(where: _Where, cr: int, j: int, ob: np.ndarray, stride: int, keep: list) -> int | None:
     """New op that creates copy `j`'s version of a tensor block 1 saves, made at captured op `cr`: in the copy itself,
     in the block before it (a block's input, made by block 0 for block 1), else where it stays (before the stack)."""
     if ob[cr] == 1: return _newpos(where, cr, [1 + j])
     if ob[cr] == 0: return _newpos(where, cr + stride, [j])      # piece j: copy j - 1, or for j = 0 block 1 itself
     return _newpos(where, cr, keep)
 
-def _expand_saved(P: GraphProfile, where: dict, ren, extra: int) -> list[tuple[int, str, int, int]]:
+def _expand_saved(P: GraphProfile, where: _Where, ren, extra: int) -> list[tuple[int, str, int, int]]:
     "Saved activations at their new ops; block 1's copied with each copy of the block."
     keep, c, n, ob = [0, extra + 1, 2 * extra + 2], P.stack, len(P.op_module), _op_blocks(P)
     first = lambda b: int(np.flatnonzero((ob == b) & (P.op_phase == FORWARD))[0])
@@ -501,7 +499,7 @@ def _expand_saved(P: GraphProfile, where: dict, ren, extra: int) -> list[tuple[i
             if c3 is not None and f3 is not None: saved.append((nb, _rename_block(w, c, j + 2), c3, f3))
     return saved
 
-def _expand_checkpoint(P: GraphProfile, where: dict, ren, extra: int) -> tuple[dict, tuple]:
+def _expand_checkpoint(P: GraphProfile, where: _Where, ren, extra: int) -> tuple[dict, tuple]:
     "Checkpoint deltas and recomputes at their new ops; block 1's copied with each copy of the block (`_copy_created`)."
     keep, c, ob = [0, extra + 1, 2 * extra + 2], P.stack, _op_blocks(P)
     stride = int(np.flatnonzero(ob == 1)[0] - np.flatnonzero(ob == 0)[0])

@@ -132,7 +132,7 @@ def tp_local_graph(g: StaticGraph, plan: ParallelPlan, blocks) -> StaticGraph:
     graph object for the same (graph, tp, styles, blocks), so that what is computed from it can be remembered."""
     key = (id(g), plan.dims.tp, plan.tp_styles, tuple(blocks))
     if (hit := _LOCAL.get(key)) is not None and hit[0] is g: return hit[1]
-    if len(_LOCAL) > 32: _LOCAL.clear()
+    if len(_LOCAL) > 8: _LOCAL.clear()                       # a few graphs alive at most
     _LOCAL[key] = (g, _tp_local(g, plan, blocks))            # the graph kept alive: its id is not reused
     return _LOCAL[key][1]
 
@@ -184,7 +184,7 @@ def ac_effects(g: StaticGraph, plan: ParallelPlan, ob: np.ndarray, blocks) -> Ch
     if (hit := _EFFECTS.get(key)) is not None and hit[0] is g: return hit[1]
     ff, lf, _ = _block_spans(ob, g.op_phases(), len(blocks))
     kept = {blocks[b]: kept_ops(g, p, _block_forward(ob, b, ff[b], lf[b])) for b, p in enumerate(pols) if ff[b] >= 0}
-    if len(_EFFECTS) > 32: _EFFECTS.clear()
+    if len(_EFFECTS) > 16: _EFFECTS.clear()
     _EFFECTS[key] = (g, checkpoint_lifetimes(g, {m: k for m, k in kept.items() if k is not None}))
     return _EFFECTS[key][1]
 
@@ -369,7 +369,7 @@ _PER_OP: dict = {}      # id(graph) -> (graph, op_bytes, op_dtypes): a search pr
 def _per_op(g: StaticGraph) -> tuple[np.ndarray, tuple]:
     "(`graph.op_bytes`, `topology.op_dtypes`) of `g`, once per graph object."
     if (hit := _PER_OP.get(id(g))) is None or hit[0] is not g:
-        if len(_PER_OP) > 32: _PER_OP.clear()
+        if len(_PER_OP) > 8: _PER_OP.clear()
         hit = _PER_OP[id(g)] = (g, op_bytes(g), op_dtypes(g))
     return hit[1], hit[2]
 
