@@ -392,6 +392,16 @@ def _hopeless(ctx: _Context, plan: ParallelPlan, ac, budget: int, bounds: dict) 
             f"{fmt_bytes(budget)}, and less sharding needs more")
 
 # %% ../../nbs/45d_parallel_search.ipynb
+class _Entry(NamedTuple):
+    "A layout in the search's heap, ordered by its cost, then by when it came (so plans are never compared)."
+    cost: float
+    tick: int
+    plan: ParallelPlan
+    mode: object
+    "The policy on every block, or 'mixed' once `_with_checkpointing` chose a mix."
+    memory: int | None
+    "Its memory when known (a mix's), else None."
+
 def search_layouts(g: StaticGraph, world: int, topo: Topology, budget_bytes: int, *, n_blocks: int | None = None,
                    pins: dict | None = None, ac="auto", microbatches: tuple[int, ...] = (2,), schedule: str = "1F1B",
                    styles: tuple | None = None, policies: tuple = CHECKPOINT_POLICIES, master_dtype: str | None = None,
@@ -426,11 +436,13 @@ def search_layouts(g: StaticGraph, world: int, topo: Topology, budget_bytes: int
                 plan = ctx.plan(d, ac=(mode,) * n, stages=stages, schedule=schedule, m=m)
                 check_layout(plan, ctx.full_stack, ctx.seq)
             except ParallelPlanError: continue
-            heapq.heappush(heap, (_cost(ctx.step_time(plan)), tick, plan, mode, None)); tick += 1
+            heapq.heappush(heap, _Entry(cost=_cost(ctx.step_time(plan)), tick=tick, plan=plan, mode=mode, memory=None))
+            tick += 1
     considered = tick
     found, lost, evaluated, bounds = [], [], 0, {}
     while heap and len(found) < 1 + runners_up:
-        t, _, plan, mode, mem = heapq.heappop(heap)
+        e = heapq.heappop(heap)
+        plan, mode, mem = e.plan, e.mode, e.memory
         if mem is None and (why := _hopeless(ctx, plan, ac, budget_bytes, bounds)):
             if not found: lost.append(Candidate(plan, 0, ctx.step_time(plan), why))
             continue
@@ -447,7 +459,8 @@ def search_layouts(g: StaticGraph, world: int, topo: Topology, budget_bytes: int
             nxt = _with_checkpointing(ctx, plan, mem, budget_bytes)
             if isinstance(nxt, tuple):
                 p2, m2 = nxt
-                heapq.heappush(heap, (_cost(ctx.step_time(p2)), tick, p2, "mixed", m2)); tick += 1
+                heapq.heappush(heap, _Entry(cost=_cost(ctx.step_time(p2)), tick=tick, plan=p2, mode="mixed", memory=m2))
+                tick += 1
                 continue
             why = nxt
         else: why = f"needs {fmt_bytes(mem)} > budget {fmt_bytes(budget_bytes)}"
