@@ -3,6 +3,7 @@ its definition (block 1's forward and backward repeated, each copy's bytes offse
 search's records of its layouts equal the same layouts evaluated directly, outside the search's memos, and FSDP's layout
 memo is shared by exactly the profiles whose ops and parameters are the very same objects."""
 import dataclasses
+import math
 import re
 
 import numpy as np
@@ -42,8 +43,9 @@ def _block(m: str, stack: str):
 def reference_ops(P, n: int) -> dict:
     """The expanded per-op fields, one op at a time from the definition: the ops up to block 1's forward end, block 1's
     forward `extra` more times as blocks 2, 3, ... (bytes alive + (j + 1) x what one block leaves behind), the ops up to
-    block 1's backward (+ extra x), the copies' backwards in reverse, the rest; captured blocks >= 2 renumbered after the
-    copies; the optimizer's temporaries scaled by the parameter bytes when one foreach step updates them all."""
+    block 1's backward (+ extra x), the copies' backwards in reverse, the rest; captured blocks >= 2 renumbered
+    after the copies; the optimizer's temporaries scaled by the parameter bytes when one foreach step updates them
+    all."""
     extra, stack, N = n - len(P.blocks), P.stack, len(P.op_module)
     ob = [_block(m, stack) for m in P.op_module]
     ops_of = lambda b, ph: [i for i in range(N) if ob[i] == b and int(P.op_phase[i]) == ph]
@@ -63,7 +65,8 @@ def reference_ops(P, n: int) -> dict:
     native, temp = np.array([r[2] for r in rows], dtype=np.int64), P.temporary[ix].copy()
     pb = lambda ps: sum(p.numel * p.itemsize for p in ps)
     foreach = any("_foreach_" in P.op_names[i] for i in range(N) if int(P.op_phase[i]) == 2)   # else one per parameter
-    scale = (pb(P.params) + extra * pb(p for p in P.params if _block(p.module, stack) == 1)) / pb(P.params) if foreach else 1
+    grown = pb(P.params) + extra * pb(p for p in P.params if _block(p.module, stack) == 1)
+    scale = grown / pb(P.params) if foreach else 1
     opt = P.op_phase[ix] == 2
     native[opt] += (temp[opt] * (scale - 1)).astype(np.int64)
     temp[opt] = (temp[opt] * scale).astype(np.int64)
@@ -115,13 +118,15 @@ def searched():
     g = _blocks(3)
     topo = preset("cluster", n_nodes=2, gpus_per_node=8)
     roomy = search_layouts(g, 16, topo, 2**40, n_blocks=8, runners_up=0).best.memory_bytes
-    run = lambda **kw: search_layouts(g, 16, topo, int(roomy * 0.75), n_blocks=8, runners_up=6, microbatches=(1, 2), **kw)
+    run = lambda **kw: search_layouts(g, 16, topo, int(roomy * 0.75), n_blocks=8, runners_up=6, microbatches=(1, 2),
+                                      **kw)
     return g, topo, [run(), run(pins={"pp": 2}), run(pins={"pp": 2}, schedule="Interleaved1F1B")]
 
 
 def test_search_records_equal_direct_evaluations(searched):
     """Each layout the search kept, its step time and memory evaluated on their own: the rank's work made afresh for
-    the layout's tp and cp (no memo of the search's), the step predicted, the memory composed by `memory_by_category`."""
+    the layout's tp and cp (no memo of the search's), the step predicted, the memory composed by
+    `memory_by_category`."""
     g, topo, rs = searched
     kept = [c for r in rs for c in (r.best, *r.runners_up)]
     assert None not in kept and len(kept) > 6 and sum(c.plan.dims.pp > 1 for c in kept) > 3, [r.table() for r in rs]
@@ -133,3 +138,26 @@ def test_search_records_equal_direct_evaluations(searched):
         t = predict_step_time(w, c.plan, topo, n_blocks=8)
         assert t.to_dict() == c.time.to_dict(), c.label()
         assert memory_by_category(g, c.plan, 8)[0][2] == c.memory_bytes, c.label()
+
+
+def test_tp_time_charges_by_what_a_rank_computes_not_where_the_capture_files_it(g3):
+    """At tp 2 the capture files the backward of `wq` and `wk` under `wv` (of `w1` under `w3`), and with it the adds of
+    the projections' input gradients: whole hidden-size tensors, a partial sum on every rank, so charged whole; every
+    matmul filed under a sharded linear is charged half (each rank multiplies its slice of the weight)."""
+    from static_dist.parallel.time import _op_factor
+    from static_dist.cost.profile import main_stack
+    styles = tuple(megatron_styles(block_spec(g3)).items())
+    plan = ParallelPlan(ParallelDims(tp=2), styles)
+    f, linears = _op_factor(g3, plan, main_stack(g3)[1]), {f"layers.1.{n}" for n, s in styles if s != "replicate"}
+    hidden = 2 * 64 * PRESETS["small"].dim
+    mine = [(i, o) for i, o in enumerate(g3.ops) if o.phase == "backward" and o.module in linears]
+    made = {t: o for o in g3.ops for t in o.outputs}
+    def of_matmuls(t) -> bool:                      # a matmul's output, a view of one, or a sum of such
+        o = made[t]
+        joins = o.op in ("aten.view.default", "aten.add.Tensor") and all(map(of_matmuls, o.inputs))
+        return o.op == "aten.mm.default" or joins
+    sums = [i for i, o in mine if o.op == "aten.add.Tensor" and all(map(of_matmuls, o.inputs))
+            and math.prod(g3.tensors[o.outputs[0]].shape) == hidden]
+    mms = [i for i, o in mine if o.op == "aten.mm.default"]
+    assert len(sums) == 3 and len(mms) == 14, (sums, len(mms))     # k+v, q+(k+v), w1+w3; 7 linears x 2 matmuls
+    assert all(f[i] == 1.0 for i in sums) and all(f[i] == 0.5 for i in mms)

@@ -17,8 +17,8 @@ from ..cost.profile import main_stack, param_infos, tokens_of
 from ..placement import STYLES
 from ..topology import MeshSpec, Topology, TwoStreams, collective_time, device_spec, op_seconds
 from ..graph.policies import FullCheckpoint, NoCheckpoint, SelectiveOps, recomputed_ops
-from .memory import (_block_forward, _block_spans, _regions, _under_any, boundary_bytes, op_blocks,
-                                         tp_param_shape)
+from .memory import (_MATMUL, _block_forward, _block_spans, _regions, boundary_bytes, op_blocks,
+                                         tp_op_factor, tp_param_shape)
 from .plan import ParallelPlan, ParallelPlanError, block_policies, stage_ranges
 from ..graph.records import BACKWARD, FORWARD, OPTIMIZER
 
@@ -69,13 +69,14 @@ class RankWork:
 
 # %% ../../nbs/45c_parallel_time.ipynb
 def _op_factor(g: StaticGraph, plan: ParallelPlan, blocks) -> np.ndarray:
-    "Share of each op's work on one rank: 1/tp in the sharded linears and their sub-layers, 1/cp along the sequence."
+    """Share of each op's work on one rank: 1/tp for a sharded linear's matmuls, else the share of its outputs the rank
+    holds (`tp_op_factor`); 1/cp along the sequence. The optimizer's ops: whole (scaled to the shard later)."""
     tp, cp = plan.dims.tp, plan.dims.cp
-    f = np.ones(len(g.ops))
-    regions, styles = _regions(plan, blocks)
+    f = tp_op_factor(g, plan, blocks).astype(np.float64)
+    _, styles = _regions(plan, blocks)
     for i, o in enumerate(g.ops):
-        if o.phase == "optimizer": continue
-        if tp > 1 and ((styles.get(o.module, "replicate") != "replicate") or _under_any(o.module, regions)): f[i] /= tp
+        if o.phase == "optimizer": f[i] = 1.0; continue
+        if tp > 1 and styles.get(o.module, "replicate") != "replicate" and o.op.startswith(_MATMUL): f[i] = 1 / tp
         f[i] /= cp
     return f
 
