@@ -87,10 +87,19 @@ def tp_op_factor(g: StaticGraph, plan: ParallelPlan, blocks) -> np.ndarray:
     makes of a boolean attention mask, shared by every head; a scalar) is whole on every rank. A linear's own output
     (colwise forward) or input gradient (rowwise backward) is a shard; its product over the sharded features (rowwise
     forward, colwise backward) is whole, but the other ops backward runs under it (reshaping the incoming gradient
-    of sharded heads, e.g. the `clone` of q's transposed gradient) hold shards."""
+    of sharded heads, e.g. the `clone` of q's transposed gradient) hold shards. Remembered per graph object."""
+    if plan.dims.tp == 1 or not plan.tp_styles: return np.ones(len(g.ops))
+    key = (id(g), plan.dims.tp, plan.tp_styles, tuple(blocks))
+    if (hit := _FACTORS.get(key)) is None or hit[0] is not g:
+        if len(_FACTORS) > 16: _FACTORS.clear()
+        hit = _FACTORS[key] = (g, _tp_op_factor(g, plan, blocks))
+    return hit[1].copy()
+
+_FACTORS: dict = {}     # (id(graph), tp, styles, blocks) -> (graph, factors): asked per cp, policy and rank's work
+
+def _tp_op_factor(g: StaticGraph, plan: ParallelPlan, blocks) -> np.ndarray:
     tp = plan.dims.tp
     f = np.ones(len(g.ops))
-    if tp == 1 or not plan.tp_styles: return f
     regions, styles = _regions(plan, blocks)
     sharded = np.zeros(len(g.tensors), dtype=bool)  # tensors a rank holds 1/tp of
     for i, o in enumerate(g.ops):
