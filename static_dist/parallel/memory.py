@@ -81,6 +81,15 @@ def _under_any(m: str, mods: set) -> bool:
     return False
 
 # %% ../../nbs/45b_parallel_memory.ipynb
+_REMEMBERED: dict = {}  # (what, id(graph), key) -> (graph, value): what a search asks of one graph per cp and policy
+
+def _remember(what: str, g: StaticGraph, key, make):
+    "`make()`, once per (what, graph object, key); the graph kept with it, so that its id is not reused."
+    if (hit := _REMEMBERED.get((what, id(g), key))) is None or hit[0] is not g:
+        if len(_REMEMBERED) > 64: _REMEMBERED.clear()
+        hit = _REMEMBERED[what, id(g), key] = (g, make())
+    return hit[1]
+
 def tp_op_factor(g: StaticGraph, plan: ParallelPlan, blocks) -> np.ndarray:
     """Fraction of each op's outputs a tensor-parallel rank holds (1 without tensor parallelism). Only what is computed
     from a shard is a shard: inside a sharded sub-layer, a tensor made from replicated ones alone (the float mask SDPA
@@ -89,13 +98,8 @@ def tp_op_factor(g: StaticGraph, plan: ParallelPlan, blocks) -> np.ndarray:
     forward, colwise backward) is whole, but the other ops backward runs under it (reshaping the incoming gradient
     of sharded heads, e.g. the `clone` of q's transposed gradient) hold shards. Remembered per graph object."""
     if plan.dims.tp == 1 or not plan.tp_styles: return np.ones(len(g.ops))
-    key = (id(g), plan.dims.tp, plan.tp_styles, tuple(blocks))
-    if (hit := _FACTORS.get(key)) is None or hit[0] is not g:
-        if len(_FACTORS) > 16: _FACTORS.clear()
-        hit = _FACTORS[key] = (g, _tp_op_factor(g, plan, blocks))
-    return hit[1].copy()
-
-_FACTORS: dict = {}     # (id(graph), tp, styles, blocks) -> (graph, factors): asked per cp, policy and rank's work
+    key = (plan.dims.tp, plan.tp_styles, tuple(blocks))
+    return _remember("tp_op_factor", g, key, lambda: _tp_op_factor(g, plan, blocks)).copy()
 
 def _tp_op_factor(g: StaticGraph, plan: ParallelPlan, blocks) -> np.ndarray:
     tp = plan.dims.tp
@@ -133,17 +137,12 @@ def tp_views(g: StaticGraph, f: np.ndarray, tp: int) -> dict[int, int]:
             out[g.tensors[o.outputs[0]].storage] = g.tensors[g.ops[e].inputs[0]].storage
     return out
 
-_LOCAL: dict = {}      # (id(graph), tp, styles, blocks) -> (graph, its tp-local graph): asked per cp and policy
-
 def tp_local_graph(g: StaticGraph, plan: ParallelPlan, blocks) -> StaticGraph:
     """The captured step with what a tensor-parallel rank copies differently (`tp_views`): a copy that is a view there
     holds no bytes, and keeps the storage it views alive (and saved for backward) as long as the copy was. The same
     graph object for the same (graph, tp, styles, blocks), so that what is computed from it can be remembered."""
-    key = (id(g), plan.dims.tp, plan.tp_styles, tuple(blocks))
-    if (hit := _LOCAL.get(key)) is not None and hit[0] is g: return hit[1]
-    if len(_LOCAL) > 8: _LOCAL.clear()                       # a few graphs alive at most
-    _LOCAL[key] = (g, _tp_local(g, plan, blocks))            # the graph kept alive: its id is not reused
-    return _LOCAL[key][1]
+    key = (plan.dims.tp, plan.tp_styles, tuple(blocks))
+    return _remember("tp_local_graph", g, key, lambda: _tp_local(g, plan, blocks))
 
 def _tp_local(g: StaticGraph, plan: ParallelPlan, blocks) -> StaticGraph:
     views = tp_views(g, tp_op_factor(g, plan, blocks), plan.dims.tp) if plan.tp_styles else {}
@@ -182,20 +181,16 @@ def _block_forward(ob: np.ndarray, b: int, lo: int, hi: int) -> list[int]:
     return [i for i in range(lo, hi + 1) if ob[i] == b]
 
 # %% ../../nbs/45b_parallel_memory.ipynb
-_EFFECTS: dict = {}
-
 def ac_effects(g: StaticGraph, plan: ParallelPlan, ob: np.ndarray, blocks) -> CheckpointLifetimes:
     """What the plan's checkpointed blocks change in what the step holds (`static_dist.graph.checkpoint`): each block
     keeps the outputs of the forward ops its policy keeps (`graph.policies.kept_ops`)."""
     pols = block_policies(plan, len(blocks))
     if not any(p.checkpoints for p in pols): return CheckpointLifetimes({}, {}, ())
-    key = (id(g), pols, tuple(blocks), ob.tobytes())         # remembered per graph object (`tp_local_graph`'s)
-    if (hit := _EFFECTS.get(key)) is not None and hit[0] is g: return hit[1]
-    ff, lf, _ = _block_spans(ob, g.op_phases(), len(blocks))
-    kept = {blocks[b]: kept_ops(g, p, _block_forward(ob, b, ff[b], lf[b])) for b, p in enumerate(pols) if ff[b] >= 0}
-    if len(_EFFECTS) > 16: _EFFECTS.clear()
-    _EFFECTS[key] = (g, checkpoint_lifetimes(g, {m: k for m, k in kept.items() if k is not None}))
-    return _EFFECTS[key][1]
+    def make():
+        ff, lf, _ = _block_spans(ob, g.op_phases(), len(blocks))
+        kept = {blocks[b]: kept_ops(g, p, _block_forward(ob, b, ff[b], lf[b])) for b, p in enumerate(pols) if ff[b] >= 0}
+        return checkpoint_lifetimes(g, {m: k for m, k in kept.items() if k is not None})
+    return _remember("ac_effects", g, (pols, tuple(blocks), ob.tobytes()), make)   # per `tp_local_graph`'s graph
 
 # %% ../../nbs/45b_parallel_memory.ipynb
 @dataclass(frozen=True)
@@ -373,15 +368,6 @@ def _root_marks(g: StaticGraph, K: np.ndarray) -> dict:
     return dict(model_forward_end=at.get(fwd[1], -1) if fwd else -1, model_backward_start=-1 if bwd is None else at.get(bwd, -1))
 
 # %% ../../nbs/45b_parallel_memory.ipynb
-_PER_OP: dict = {}      # id(graph) -> (graph, op_bytes, op_dtypes): a search profiles one graph per cp and policy
-
-def _per_op(g: StaticGraph) -> tuple[np.ndarray, tuple]:
-    "(`graph.op_bytes`, `topology.op_dtypes`) of `g`, once per graph object."
-    if (hit := _PER_OP.get(id(g))) is None or hit[0] is not g:
-        if len(_PER_OP) > 8: _PER_OP.clear()
-        hit = _PER_OP[id(g)] = (g, op_bytes(g), op_dtypes(g))
-    return hit[1], hit[2]
-
 def rank_profile(g: StaticGraph, plan: ParallelPlan, pp_rank: int = 0, master_dtype: str | None = None,
                  prior_grads: bool = True) -> GraphProfile:
     """The FSDP planner's profile of the captured step as one rank of pipeline rank `pp_rank` holds it under `plan`: at
@@ -404,7 +390,7 @@ def rank_profile(g: StaticGraph, plan: ParallelPlan, pp_rank: int = 0, master_dt
     seen, weight = {}, lambda s: s.nbytes * _storage_fraction(s, v, g, plan.dims.cp)   # a recompute's, as the rank holds it
     for j, i in enumerate(K):
         if g.ops[i].phase == "forward": seen.setdefault(g.ops[i].module, j)
-    nbytes, _dts = _per_op(g)
+    nbytes, _dts = _remember("per_op", g, (), lambda: (op_bytes(g), op_dtypes(g)))
     return GraphProfile(params=tuple(ps), modules=module_order(seen, [p.module for p in ps], len(K)),
                         op_module=tuple(g.ops[i].module for i in K), op_phase=phase, op_flops=_flops(g, plan, v)[K],
                         native=native, temporary=temp, saved=_saved(g, v, plan.dims.cp, newix),
