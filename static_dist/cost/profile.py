@@ -8,10 +8,11 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -26,8 +27,9 @@ from ..graph.records import FORWARD, OPTIMIZER
 
 # %% auto 0
 __all__ = ['PlanError', 'BlockMismatchError', 'ParamInfo', 'GraphProfile', 'within', 'module_order', 'main_stack',
-           'shared_params', 'tokens_of', 'param_infos', 'to_master', 'block_flows', 'captured_param_dtype',
-           'profile_graph', 'block_mismatch', 'expand_blocks', 'expand_profile', 'profile_expanded']
+           'shared_params', 'tokens_of', 'param_infos', 'MasterParams', 'to_master', 'block_flows',
+           'captured_param_dtype', 'profile_graph', 'block_mismatch', 'expand_blocks', 'expand_profile',
+           'profile_expanded']
 
 # %% ../../nbs/06a_cost_profile.ipynb
 class PlanError(StaticDistError, ValueError):
@@ -128,6 +130,7 @@ def module_order(first_op: dict[str, int], extra, n: int) -> tuple[str, ...]:
     for m, i in [*first_op.items(), *((m, n) for m in extra)]:
         a = m
         while True:
+            if a in first and first[a] <= i: break        # so are its ancestors': each one's is its subtree's least
             first[a] = min(first.get(a, n), i)
             if not a: break
             a = a.rpartition(".")[0]
@@ -156,17 +159,23 @@ def _stack_from_names(params: Sequence[str]) -> tuple[str, tuple[str, ...]]:
     return c, tuple(f"{c}.{i}" if c else str(i) for i in range(len(kids[c])))
 
 # %% ../../nbs/06a_cost_profile.ipynb
+@functools.lru_cache(maxsize=64)
+def _block_patterns(container: str) -> tuple[re.Pattern, re.Pattern]:
+    "(a block's number, a block's prefix) patterns of `container`, compiled once: an expansion renames thousands."
+    pre = re.escape(container) + r"\." if container else ""
+    return re.compile(rf"^{pre}(\d+)(\.|$)"), re.compile(rf"^({pre})\d+")
+
 def _block_of(module: str, container: str) -> int | None:
     "Number of the block of `container` that holds `module`, else None."
-    pre = re.escape(container) + r"\." if container else ""
-    m = re.match(rf"^{pre}(\d+)(\.|$)", module)
+    m = _block_patterns(container)[0].match(module)
     return int(m.group(1)) if m else None
 
+@functools.lru_cache(maxsize=1 << 17)               # the search expands to many depths: the same names recur
 def _rename_block(name: str, container: str, k: int) -> str:
-    pre = re.escape(container) + r"\." if container else ""
-    return re.sub(rf"^({pre})\d+", lambda m: f"{m.group(1)}{k}", name)
+    return _block_patterns(container)[1].sub(lambda m: f"{m.group(1)}{k}", name)
 
-def _natural_key(s: str): return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", s)]
+@functools.lru_cache(maxsize=1 << 17)
+def _natural_key(s: str) -> tuple: return tuple(int(t) if t.isdigit() else t for t in re.split(r"(\d+)", s))
 
 # %% ../../nbs/06a_cost_profile.ipynb
 def shared_params(g: StaticGraph, by_storage: dict) -> tuple[tuple[str, ...], ...]:
@@ -207,15 +216,26 @@ def param_infos(g: StaticGraph) -> tuple[list[ParamInfo], dict[int, list[str]]]:
     for s in pnames:
         t = shapes[s.id]
         itemsize = torch.empty((), dtype=getattr(torch, t.dtype)).element_size()
-        params.append(ParamInfo(s.name, tuple(t.shape), itemsize, states.get(s.name, 0), grads.get(s.name, -1)))
+        params.append(ParamInfo(name=s.name, shape=tuple(t.shape), itemsize=itemsize, state_bytes=states.get(s.name, 0),
+                                grad_created=grads.get(s.name, -1)))
         by_storage.setdefault(s.id, []).append(s.name)
     return params, by_storage
 
 # %% ../../nbs/06a_cost_profile.ipynb
-def to_master(params: list, native: np.ndarray, temporary: np.ndarray, phase: np.ndarray, master_dtype: str | None):
-    "(params, native, temporary, compute itemsize) with parameters kept in `master_dtype` (itemsize 0: no change)."
+class MasterParams(NamedTuple):
+    "A step's parameters and bytes with the parameters kept in a master dtype (`to_master`)."
+    params: list
+    native: np.ndarray
+    temporary: np.ndarray
+    compute_itemsize: int
+    "Bytes per element of the captured (compute) dtype; 0: the master dtype is the captured one."
+
+def to_master(params: list, native: np.ndarray, temporary: np.ndarray, phase: np.ndarray,
+              master_dtype: str | None) -> MasterParams:
+    "The parameters and bytes with parameters kept in `master_dtype` (None: as captured)."
     cap = params[0].itemsize if params else 4
-    if master_dtype is None or DTYPE_BYTES[master_dtype] == cap: return params, native, temporary, 0
+    if master_dtype is None or DTYPE_BYTES[master_dtype] == cap:
+        return MasterParams(params=params, native=native, temporary=temporary, compute_itemsize=0)
     r = DTYPE_BYTES[master_dtype] / cap
     params = [dataclasses.replace(p, itemsize=DTYPE_BYTES[master_dtype], state_bytes=int(p.state_bytes * r)) for p in params]
     opt = phase == OPTIMIZER
@@ -223,7 +243,7 @@ def to_master(params: list, native: np.ndarray, temporary: np.ndarray, phase: np
     native[opt] += extra
     temporary = temporary.copy()
     temporary[opt] += extra
-    return params, native, temporary, cap
+    return MasterParams(params=params, native=native, temporary=temporary, compute_itemsize=cap)
 
 # %% ../../nbs/06a_cost_profile.ipynb
 _NATIVE = ("activation", "temporary", "input", "buffer", "other")
@@ -283,23 +303,30 @@ def profile_graph(g: StaticGraph, master_dtype: str | None = None) -> GraphProfi
     saved = tuple((s.nbytes, s.saved_in or "", s.created, n if s.freed is None else s.freed)
                   for s in g.storages if s.role == "activation")
     opt_temp = live["temporary"][phase == OPTIMIZER].max() if (phase == OPTIMIZER).any() else 0
-    params, native, temp, cap = to_master(params, native, live["temporary"], phase, master_dtype)
+    m = to_master(params, native, live["temporary"], phase, master_dtype)
+    params, native, temp, cap = m.params, m.native, m.temporary, m.compute_itemsize
     stack, blocks = main_stack(g)
     fwd, bwd = g.meta.get("model_forward"), g.meta.get("model_backward_start")   # recorded by the capture
-    return GraphProfile(tuple(params), tuple(order), tuple(o.module for o in g.ops), phase,
-                        np.array([o.flops for o in g.ops], dtype=np.float64), native, temp.astype(np.int64), saved,
-                        int(opt_temp), shared_params(g, by_storage), g.meta.get("model", ""), cap, tokens_of(g),
-                        blocks, stack, tuple(o.op for o in g.ops), master_dtype=master_dtype or captured_param_dtype(g),
+    return GraphProfile(params=tuple(params), modules=tuple(order), op_module=tuple(o.module for o in g.ops),
+                        op_phase=phase, op_flops=np.array([o.flops for o in g.ops], dtype=np.float64), native=native,
+                        temporary=temp.astype(np.int64), saved=saved, opt_temp_peak=int(opt_temp),
+                        tied=shared_params(g, by_storage), model=g.meta.get("model", ""), compute_itemsize=cap,
+                        tokens=tokens_of(g), blocks=blocks, stack=stack, op_names=tuple(o.op for o in g.ops),
+                        master_dtype=master_dtype or captured_param_dtype(g),
                         model_forward_end=fwd[1] if fwd else -1, model_backward_start=-1 if bwd is None else bwd,
                         block_flows=block_flows(g, stack, len(blocks)),
                         checkpoint=checkpoint_deltas(g, checkpointable(g, stack)),
                         op_bytes=op_bytes(g), op_dtypes=op_dtypes(g), optimizer_numel=sum(p.numel for p in params))
 
 # %% ../../nbs/06a_cost_profile.ipynb
+_LAST_OB: list = [None, None, None]      # (op modules, stack, block of each op) of the last call: an expansion asks thrice
+
 def _op_blocks(P: GraphProfile) -> np.ndarray:
     "Block number of each op (-1 outside the main stack)."
+    if _LAST_OB[0] is P.op_module and _LAST_OB[1] == P.stack: return _LAST_OB[2].copy()
     of = {m: -1 if (b := _block_of(m, P.stack)) is None else b for m in set(P.op_module)}   # a few dozen modules
-    return np.array([of[m] for m in P.op_module], dtype=np.int64)
+    _LAST_OB[:] = P.op_module, P.stack, np.array([of[m] for m in P.op_module], dtype=np.int64)
+    return _LAST_OB[2].copy()
 
 # %% ../../nbs/06a_cost_profile.ipynb
 def _op_mismatch(P: GraphProfile, ix: dict, k: int) -> list[str]:
@@ -372,15 +399,21 @@ def expand_blocks(profile: GraphProfile, n_blocks: int) -> GraphProfile:
 
 # %% ../../nbs/06a_cost_profile.ipynb
 def _pieces(P: GraphProfile, extra: int) -> list[tuple[np.ndarray, int, int | str | None]]:
-    "The new op order as pieces: (captured op indices, native offset, block number of a copy / 'shift' / None)."
+    """The new op order as pieces: (captured op indices, how many blocks' activations its bytes alive are offset by,
+    block number of a copy / 'shift' / None)."""
     ob, n = _op_blocks(P), len(P.op_module)
     idx = lambda b, ph: np.flatnonzero((ob == b) & (P.op_phase == ph))
     f1, b1 = idx(1, 0), idx(1, 1)
-    delta = int(P.native[idx(2, 0)[0]] - P.native[f1[0]])          # activations one block leaves behind
     cut_f, cut_b = f1[-1] + 1, b1[0]
-    return [(np.arange(0, cut_f), 0, None), *((f1, (j + 1) * delta, j + 2) for j in range(extra)),
-            (np.arange(cut_f, cut_b), extra * delta, "shift"),
-            *((b1, (j + 1) * delta, j + 2) for j in reversed(range(extra))), (np.arange(cut_b, n), 0, "shift")]
+    return [(np.arange(0, cut_f), 0, None), *((f1, j + 1, j + 2) for j in range(extra)),
+            (np.arange(cut_f, cut_b), extra, "shift"),
+            *((b1, j + 1, j + 2) for j in reversed(range(extra))), (np.arange(cut_b, n), 0, "shift")]
+
+def _block_delta(P: GraphProfile) -> int:
+    "Activations one block leaves behind: what the bytes alive grow by with each copy of block 1."
+    ob = _op_blocks(P)
+    first = lambda b: np.flatnonzero((ob == b) & (P.op_phase == FORWARD))[0]
+    return int(P.native[first(2)] - P.native[first(1)])
 
 # %% ../../nbs/06a_cost_profile.ipynb
 def _renamer(container: str, extra: int):
@@ -390,56 +423,67 @@ def _renamer(container: str, extra: int):
         return _rename_block(m, container, b + extra) if b is not None and b >= 2 else m
     return ren
 
-def _newpos(where: dict, i: int, pieces) -> int | None:
+def _newpos(where: _Where, i: int, pieces) -> int | None:
     "New index of captured op `i` in the first of `pieces` that holds it (None: in none of them)."
-    return next((where[(kk, int(i))] for kk in pieces if (kk, int(i)) in where), None)
+    i = int(i)
+    for kk in pieces:                             # a loop, not a generator: an expansion asks thousands of times
+        if (t := where.pos[kk].get(i)) is not None: return where.start[kk] + t
+    return None
 
 # %% ../../nbs/06a_cost_profile.ipynb
-def _lay_out_ops(P: GraphProfile, pieces: list, ren) -> tuple[dict, dict]:
-    "The expanded per-op fields of the profile, and `where[(piece, captured op)]` = new op index."
-    mods, names, phase, flops, native, temp, where, new = [], [], [], [], [], [], {}, {}
-    nbytes, dts = [], []
-    for kk, (ix, off, blk) in enumerate(pieces):
-        start, copy = len(mods), None if blk in (None, "shift") else blk
-        for t, i in enumerate(ix.tolist()):
-            m = P.op_module[i]
-            if (m, copy) not in new:   # a few dozen modules among tens of thousands of ops: rename each once
-                new[m, copy] = ren(m) if copy is None else _rename_block(m, P.stack, copy)
-            mods.append(new[m, copy])
-            where.setdefault((kk, i), start + t)
-        if P.op_names: names += [P.op_names[i] for i in ix]
-        if P.op_dtypes: dts += [P.op_dtypes[i] for i in ix]
-        if P.op_bytes is not None: nbytes.append(P.op_bytes[ix])
-        phase.append(P.op_phase[ix]); flops.append(P.op_flops[ix])
-        native.append(P.native[ix] + off); temp.append(P.temporary[ix])
-    return dict(op_module=tuple(mods), op_names=tuple(names), op_phase=np.concatenate(phase),
-                op_flops=np.concatenate(flops), native=np.concatenate(native), temporary=np.concatenate(temp),
-                op_bytes=np.concatenate(nbytes) if P.op_bytes is not None else None, op_dtypes=tuple(dts)), where
+class _Where:
+    """Where each piece of the expansion starts (`start[piece]`) and the position of each captured op in it
+    (`pos[piece][op]`, `_newpos` reads them). One table of positions per distinct piece, not one entry per new op: the
+    copies of block 1 share theirs, so a 126-block expansion builds a few hundred entries, not tens of thousands."""
+    def __init__(self, pieces: list):
+        self.pos, self.start, seen, n = [], [], {}, 0
+        for ix, _, _ in pieces:
+            if id(ix) not in seen: seen[id(ix)] = {i: t for t, i in reversed(list(enumerate(ix.tolist())))}
+            self.pos.append(seen[id(ix)]); self.start.append(n); n += len(ix)
+
+def _lay_out_ops(P: GraphProfile, pieces: list, ren) -> tuple[dict, np.ndarray, np.ndarray, _Where]:
+    """The expanded per-op fields of the profile but the bytes alive; the captured op of each new op and how many
+    blocks' activations its bytes alive are offset by; and where each captured op went (`_Where`)."""
+    mods, names, dts, memo = [], [], [], {}
+    for ix, _, blk in pieces:
+        if id(ix) not in memo:     # the copies share block 1's ops: read their fields once
+            memo[id(ix)] = [tuple(f[i] for i in ix.tolist()) for f in (P.op_module, P.op_names, P.op_dtypes) if f]
+        src, *rest = memo[id(ix)]
+        copy = None if blk in (None, "shift") else blk
+        new = {m: ren(m) if copy is None else _rename_block(m, P.stack, copy) for m in set(src)}   # a few dozen
+        mods += [new[m] for m in src]
+        if P.op_names: names += rest.pop(0)
+        if P.op_dtypes: dts += rest.pop(0)
+    ix = np.concatenate([ix for ix, _, _ in pieces])
+    copies = np.concatenate([np.full(len(ix), c, dtype=np.int64) for ix, c, _ in pieces])
+    ops = dict(op_module=tuple(mods), op_names=tuple(names), op_phase=P.op_phase[ix], op_flops=P.op_flops[ix],
+               op_bytes=P.op_bytes[ix] if P.op_bytes is not None else None, op_dtypes=tuple(dts))
+    return ops, ix, copies, _Where(pieces)
 
 # %% ../../nbs/06a_cost_profile.ipynb
-def _expand_params(P: GraphProfile, where: dict, ren, extra: int) -> list[ParamInfo]:
+def _expand_params(P: GraphProfile, where: _Where, ren, extra: int) -> list[ParamInfo]:
     "Every parameter renamed, block 1's copied `extra` times, each with the new op of its gradient."
     keep, c = [0, extra + 1, 2 * extra + 2], P.stack
     def grad(p, pieces) -> int:
         g = _newpos(where, p.grad_created, pieces) if p.grad_created >= 0 else None
         return -1 if g is None else g
-    params = []
+    params, moved = [], lambda p, name, g: ParamInfo(name=name, shape=p.shape, itemsize=p.itemsize,
+                                                     state_bytes=p.state_bytes, grad_created=g)   # replace(), faster
     for p in P.params:
-        params.append(dataclasses.replace(p, name=ren(p.name), grad_created=grad(p, keep)))
+        params.append(moved(p, ren(p.name), grad(p, keep)))
         if _block_of(p.module, c) == 1:
-            params += [dataclasses.replace(p, name=_rename_block(p.name, c, j + 2), grad_created=grad(p, [2 * extra + 1 - j]))
-                       for j in range(extra)]
+            params += [moved(p, _rename_block(p.name, c, j + 2), grad(p, [2 * extra + 1 - j])) for j in range(extra)]
     return sorted(params, key=lambda p: _natural_key(p.name))
 
 # %% ../../nbs/06a_cost_profile.ipynb
-def _copy_created(where: dict, cr: int, j: int, ob: np.ndarray, stride: int, keep: list) -> int | None:
+def _copy_created(where: _Where, cr: int, j: int, ob: np.ndarray, stride: int, keep: list) -> int | None:
     """New op that creates copy `j`'s version of a tensor block 1 saves, made at captured op `cr`: in the copy itself,
     in the block before it (a block's input, made by block 0 for block 1), else where it stays (before the stack)."""
     if ob[cr] == 1: return _newpos(where, cr, [1 + j])
     if ob[cr] == 0: return _newpos(where, cr + stride, [j])      # piece j: copy j - 1, or for j = 0 block 1 itself
     return _newpos(where, cr, keep)
 
-def _expand_saved(P: GraphProfile, where: dict, ren, extra: int) -> list[tuple[int, str, int, int]]:
+def _expand_saved(P: GraphProfile, where: _Where, ren, extra: int) -> list[tuple[int, str, int, int]]:
     "Saved activations at their new ops; block 1's copied with each copy of the block."
     keep, c, n, ob = [0, extra + 1, 2 * extra + 2], P.stack, len(P.op_module), _op_blocks(P)
     first = lambda b: int(np.flatnonzero((ob == b) & (P.op_phase == FORWARD))[0])
@@ -455,7 +499,7 @@ def _expand_saved(P: GraphProfile, where: dict, ren, extra: int) -> list[tuple[i
             if c3 is not None and f3 is not None: saved.append((nb, _rename_block(w, c, j + 2), c3, f3))
     return saved
 
-def _expand_checkpoint(P: GraphProfile, where: dict, ren, extra: int) -> tuple[dict, tuple]:
+def _expand_checkpoint(P: GraphProfile, where: _Where, ren, extra: int) -> tuple[dict, tuple]:
     "Checkpoint deltas and recomputes at their new ops; block 1's copied with each copy of the block (`_copy_created`)."
     keep, c, ob = [0, extra + 1, 2 * extra + 2], P.stack, _op_blocks(P)
     stride = int(np.flatnonzero(ob == 1)[0] - np.flatnonzero(ob == 0)[0])
@@ -478,31 +522,52 @@ def _foreach(P: GraphProfile) -> bool:
     "Does the optimizer step work on all parameters at once (`aten._foreach_*`)? Assumed for a profile without op names."
     return not P.op_names or any("_foreach_" in P.op_names[i] for i in np.flatnonzero(P.op_phase == OPTIMIZER))
 
-def expand_profile(P: GraphProfile, n_blocks: int) -> GraphProfile:
-    "Repeat block 1's ops, parameters and saved activations `n_blocks - k` more times (checked by `expand_blocks`)."
+@dataclass(frozen=True)
+class _Expansion:
+    "What an expansion to one depth reads from the captured ops and parameters alone (not from the bytes they hold)."
+    ops: dict
+    "The expanded op_module, op_names, op_phase, op_flops, op_bytes and op_dtypes."
+    ix: np.ndarray
+    "The captured op of each new op."
+    copies: np.ndarray
+    "How many blocks' activations each new op's bytes alive are offset by."
+    where: _Where
+    params: tuple
+    modules: tuple
+    blocks: tuple
+    scale: float
+    "What the optimizer's temporaries grow by: the expanded parameter bytes over the captured (1: not a foreach step)."
+
+def _expansion(P: GraphProfile, n_blocks: int) -> _Expansion:
+    "What expanding `P` to `n_blocks` reads from its ops and parameters: the new ops, parameters, modules and blocks."
     extra = n_blocks - len(P.blocks)
     ren = _renamer(P.stack, extra)
-    ops, where = _lay_out_ops(P, _pieces(P, extra), ren)
+    ops, ix, copies, where = _lay_out_ops(P, _pieces(P, extra), ren)
     params = _expand_params(P, where, ren, extra)
     scale = sum(p.numel * p.itemsize for p in params) / sum(p.numel * p.itemsize for p in P.params) if _foreach(P) else 1
-    native, temp, phase = ops["native"], ops["temporary"], ops["op_phase"]
-    opt = phase == OPTIMIZER
-    native[opt] += (temp[opt] * (scale - 1)).astype(np.int64)
-    temp[opt] = (temp[opt] * scale).astype(np.int64)
-    seen = {}
-    for i, m in enumerate(ops["op_module"]):
-        if phase[i] == FORWARD: seen.setdefault(m, i)
-    blocks = tuple(f"{P.stack}.{i}" if P.stack else str(i) for i in range(n_blocks))
+    seen, mods = {}, ops["op_module"]
+    for i in np.flatnonzero(ops["op_phase"] == FORWARD).tolist(): seen.setdefault(mods[i], i)
+    e = _Expansion(ops=ops, ix=ix, copies=copies, where=where, params=tuple(params), scale=scale,
+                   modules=module_order(seen, [p.module for p in params], len(ix)),
+                   blocks=tuple(f"{P.stack}.{i}" if P.stack else str(i) for i in range(n_blocks)))
+    return e
+
+def expand_profile(P: GraphProfile, n_blocks: int) -> GraphProfile:
+    "Repeat block 1's ops, parameters and saved activations `n_blocks - k` more times (checked by `expand_blocks`)."
+    extra, E = n_blocks - len(P.blocks), _expansion(P, n_blocks)
+    native, temp, opt = P.native[E.ix] + E.copies * _block_delta(P), P.temporary[E.ix], E.ops["op_phase"] == OPTIMIZER
+    native[opt] += (temp[opt] * (E.scale - 1)).astype(np.int64)
+    temp[opt] = (temp[opt] * E.scale).astype(np.int64)
     def moved(i: int) -> int:                              # a captured op outside the copies, at its new index
-        j = _newpos(where, i, [0, extra + 1, 2 * extra + 2]) if i >= 0 else None
+        j = _newpos(E.where, i, [0, extra + 1, 2 * extra + 2]) if i >= 0 else None
         return -1 if j is None else j
     flows = P.block_flows[:2] + P.block_flows[1:2] * extra + P.block_flows[2:] if P.block_flows else ()
-    ckpt, runs = _expand_checkpoint(P, where, ren, extra)
-    return dataclasses.replace(P, **ops, params=tuple(params), saved=tuple(_expand_saved(P, where, ren, extra)),
-                               checkpoint=ckpt, recomputes=runs,
-                               modules=module_order(seen, [p.module for p in params], len(phase)), blocks=blocks,
-                               path=f"expanded from {len(P.blocks)} of {n_blocks} blocks", block_flows=flows,
-                               model_forward_end=moved(P.model_forward_end),
+    ren = _renamer(P.stack, extra)
+    ckpt, runs = _expand_checkpoint(P, E.where, ren, extra)
+    return dataclasses.replace(P, **E.ops, native=native, temporary=temp, params=E.params, modules=E.modules,
+                               saved=tuple(_expand_saved(P, E.where, ren, extra)), checkpoint=ckpt, recomputes=runs,
+                               blocks=E.blocks, path=f"expanded from {len(P.blocks)} of {n_blocks} blocks",
+                               block_flows=flows, model_forward_end=moved(P.model_forward_end),
                                model_backward_start=moved(P.model_backward_start))
 
 # %% ../../nbs/06a_cost_profile.ipynb

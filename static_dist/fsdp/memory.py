@@ -62,14 +62,16 @@ def _dtype_size(name: str | None, default: int) -> int: return default if name i
 _CACHE: dict = {}
 
 def _cached(kind: str, profile: GraphProfile, plan: FSDPPlan, fn):
-    "Memoise per (profile, unit set, sharding, dtypes): the search varies other settings far more often."
-    key = (kind, id(profile), tuple(u.module for u in plan.units), plan.ignored, plan.shard_size, plan.param_dtype,
+    """Memoise per (the profile's ops and parameters, unit set, sharding, dtypes): the search varies other settings far
+    more often, and profiles that differ only in the bytes they hold share these fields (the very objects)."""
+    src = (profile.op_module, profile.op_phase, profile.op_flops, profile.params)
+    key = (kind, *map(id, src), tuple(u.module for u in plan.units), plan.ignored, plan.shard_size, plan.param_dtype,
            plan.reduce_dtype)
     hit = _CACHE.get(key)
-    if hit is not None and hit[0] is profile: return hit[1]
+    if hit is not None and all(a is b for a, b in zip(hit[0], src)): return hit[1]
     if len(_CACHE) > 256: _CACHE.clear()
     val = fn(profile, plan)
-    _CACHE[key] = (profile, val)
+    _CACHE[key] = (src, val)                      # the fields kept alive: their ids are not reused
     return val
 
 # %% ../../nbs/40c_fsdp_memory.ipynb
@@ -116,9 +118,12 @@ def _layout(profile: GraphProfile, plan: FSDPPlan) -> tuple[UnitLayout, ...]:
     inside = {u: [] for u in names}                   # modules (of ops) inside each unit
     owned = {u: [] for u in names}                    # ... whose innermost unit it is
     for i, m in enumerate(mods):
+        o = None                                      # the first unit on the way up is the innermost (`innermost`)
         for a in _prefixes(m):
-            if a in inside: inside[a].append(i)
-        if (o := innermost(m, names)) is not None: owned[o].append(i)
+            if a in inside:
+                inside[a].append(i)
+                if o is None: o = a
+        if o is not None: owned[o].append(i)
     ignored = set(plan.ignored)
     params = {u: [] for u in names}
     for p in profile.params:                          # as `unit_of`, with the sets built once

@@ -81,16 +81,29 @@ def _under_any(m: str, mods: set) -> bool:
     return False
 
 # %% ../../nbs/45b_parallel_memory.ipynb
+_REMEMBERED: dict = {}  # (what, id(graph), key) -> (graph, value): what a search asks of one graph per cp and policy
+
+def _remember(what: str, g: StaticGraph, key, make):
+    "`make()`, once per (what, graph object, key); the graph kept with it, so that its id is not reused."
+    if (hit := _REMEMBERED.get((what, id(g), key))) is None or hit[0] is not g:
+        if len(_REMEMBERED) > 64: _REMEMBERED.clear()
+        hit = _REMEMBERED[what, id(g), key] = (g, make())
+    return hit[1]
+
 def tp_op_factor(g: StaticGraph, plan: ParallelPlan, blocks) -> np.ndarray:
     """Fraction of each op's outputs a tensor-parallel rank holds (1 without tensor parallelism). Only what is computed
     from a shard is a shard: inside a sharded sub-layer, a tensor made from replicated ones alone (the float mask SDPA
     makes of a boolean attention mask, shared by every head; a scalar) is whole on every rank. A linear's own output
     (colwise forward) or input gradient (rowwise backward) is a shard; its product over the sharded features (rowwise
     forward, colwise backward) is whole, but the other ops backward runs under it (reshaping the incoming gradient
-    of sharded heads, e.g. the `clone` of q's transposed gradient) hold shards."""
+    of sharded heads, e.g. the `clone` of q's transposed gradient) hold shards. Remembered per graph object."""
+    if plan.dims.tp == 1 or not plan.tp_styles: return np.ones(len(g.ops))
+    key = (plan.dims.tp, plan.tp_styles, tuple(blocks))
+    return _remember("tp_op_factor", g, key, lambda: _tp_op_factor(g, plan, blocks)).copy()
+
+def _tp_op_factor(g: StaticGraph, plan: ParallelPlan, blocks) -> np.ndarray:
     tp = plan.dims.tp
     f = np.ones(len(g.ops))
-    if tp == 1 or not plan.tp_styles: return f
     regions, styles = _regions(plan, blocks)
     sharded = np.zeros(len(g.tensors), dtype=bool)  # tensors a rank holds 1/tp of
     for i, o in enumerate(g.ops):
@@ -126,7 +139,12 @@ def tp_views(g: StaticGraph, f: np.ndarray, tp: int) -> dict[int, int]:
 
 def tp_local_graph(g: StaticGraph, plan: ParallelPlan, blocks) -> StaticGraph:
     """The captured step with what a tensor-parallel rank copies differently (`tp_views`): a copy that is a view there
-    holds no bytes, and keeps the storage it views alive (and saved for backward) as long as the copy was."""
+    holds no bytes, and keeps the storage it views alive (and saved for backward) as long as the copy was. The same
+    graph object for the same (graph, tp, styles, blocks), so that what is computed from it can be remembered."""
+    key = (plan.dims.tp, plan.tp_styles, tuple(blocks))
+    return _remember("tp_local_graph", g, key, lambda: _tp_local(g, plan, blocks))
+
+def _tp_local(g: StaticGraph, plan: ParallelPlan, blocks) -> StaticGraph:
     views = tp_views(g, tp_op_factor(g, plan, blocks), plan.dims.tp) if plan.tp_styles else {}
     if not views: return g
     st = list(g.storages)
@@ -168,9 +186,11 @@ def ac_effects(g: StaticGraph, plan: ParallelPlan, ob: np.ndarray, blocks) -> Ch
     keeps the outputs of the forward ops its policy keeps (`graph.policies.kept_ops`)."""
     pols = block_policies(plan, len(blocks))
     if not any(p.checkpoints for p in pols): return CheckpointLifetimes({}, {}, ())
-    ff, lf, _ = _block_spans(ob, g.op_phases(), len(blocks))
-    kept = {blocks[b]: kept_ops(g, p, _block_forward(ob, b, ff[b], lf[b])) for b, p in enumerate(pols) if ff[b] >= 0}
-    return checkpoint_lifetimes(g, {m: k for m, k in kept.items() if k is not None})
+    def make():
+        ff, lf, _ = _block_spans(ob, g.op_phases(), len(blocks))
+        kept = {blocks[b]: kept_ops(g, p, _block_forward(ob, b, ff[b], lf[b])) for b, p in enumerate(pols) if ff[b] >= 0}
+        return checkpoint_lifetimes(g, {m: k for m, k in kept.items() if k is not None})
+    return _remember("ac_effects", g, (pols, tuple(blocks), ob.tobytes()), make)   # per `tp_local_graph`'s graph
 
 # %% ../../nbs/45b_parallel_memory.ipynb
 @dataclass(frozen=True)
@@ -320,7 +340,8 @@ def _local_params(mine, v: _View, plan: ParallelPlan, newix) -> list[ParamInfo]:
     for p in mine:
         shape = tp_param_shape(p.name, p.shape, plan, v.styles)
         r = math.prod(shape) / max(p.numel, 1)
-        out.append(ParamInfo(p.name, shape, p.itemsize, int(p.state_bytes * r), int(newix(p.grad_created)) if p.grad_created >= 0 else -1))
+        out.append(ParamInfo(name=p.name, shape=shape, itemsize=p.itemsize, state_bytes=int(p.state_bytes * r),
+                             grad_created=int(newix(p.grad_created)) if p.grad_created >= 0 else -1))
     return out
 
 # %% ../../nbs/45b_parallel_memory.ipynb
@@ -364,19 +385,23 @@ def rank_profile(g: StaticGraph, plan: ParallelPlan, pp_rank: int = 0, master_dt
     extra = extra + pipeline_held(plan, pp_rank, phase, boundary, output, _root_marks(g, K)["model_forward_end"], inputs)
     native = (sum(live[r] for r in live)[K] + extra).astype(np.int64)
     temp = live["temporary"][K].astype(np.int64)
-    ps, native, temp, cap = to_master(_local_params(mine, v, plan, newix), native, temp, phase, master_dtype)
+    m = to_master(_local_params(mine, v, plan, newix), native, temp, phase, master_dtype)
+    ps, native, temp, cap = m.params, m.native, m.temporary, m.compute_itemsize
     seen, weight = {}, lambda s: s.nbytes * _storage_fraction(s, v, g, plan.dims.cp)   # a recompute's, as the rank holds it
     for j, i in enumerate(K):
         if g.ops[i].phase == "forward": seen.setdefault(g.ops[i].module, j)
-    _dts = op_dtypes(g)
-    return GraphProfile(tuple(ps), module_order(seen, [p.module for p in ps], len(K)), tuple(g.ops[i].module for i in K),
-                        phase, _flops(g, plan, v)[K], native, temp, _saved(g, v, plan.dims.cp, newix),
-                        int(temp[phase == OPTIMIZER].max()) if (phase == OPTIMIZER).any() else 0, _tied(g, by_storage, ps), g.meta.get("model", ""),
-                        cap, tokens_of(g) // plan.dims.cp, _stage_blocks(plan, blocks, v), stack, tuple(g.ops[i].op for i in K),
-                        master_dtype=master_dtype or captured_param_dtype(g), **_root_marks(g, K),
+    nbytes, _dts = _remember("per_op", g, (), lambda: (op_bytes(g), op_dtypes(g)))
+    return GraphProfile(params=tuple(ps), modules=module_order(seen, [p.module for p in ps], len(K)),
+                        op_module=tuple(g.ops[i].module for i in K), op_phase=phase, op_flops=_flops(g, plan, v)[K],
+                        native=native, temporary=temp, saved=_saved(g, v, plan.dims.cp, newix),
+                        opt_temp_peak=int(temp[phase == OPTIMIZER].max()) if (phase == OPTIMIZER).any() else 0,
+                        tied=_tied(g, by_storage, ps), model=g.meta.get("model", ""), compute_itemsize=cap,
+                        tokens=tokens_of(g) // plan.dims.cp, blocks=_stage_blocks(plan, blocks, v), stack=stack,
+                        op_names=tuple(g.ops[i].op for i in K), master_dtype=master_dtype or captured_param_dtype(g),
+                        **_root_marks(g, K),
                         recomputes=tuple((int(newix(r.at)), *recompute_bytes(g, v.checkpoint, r, weight))
                                          for r in v.checkpoint.recomputes if v.keep[r.at]),
-                        op_bytes=(op_bytes(g) * _op_share(g, plan, v))[K], op_dtypes=tuple(_dts[i] for i in K),
+                        op_bytes=(nbytes * _op_share(g, plan, v))[K], op_dtypes=tuple(_dts[i] for i in K),
                         optimizer_numel=sum(p.numel for p in ps))
 
 # %% ../../nbs/45b_parallel_memory.ipynb

@@ -12,6 +12,7 @@ import heapq
 import math
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 from fastcore.basics import patch
@@ -78,7 +79,7 @@ class _Context:
         self.full_stack = self.stack if self.full else dataclasses.replace(self.stack, blocks=names)
         inputs = g.meta.get("inputs") or []
         self.seq = inputs[0][1] if inputs and isinstance(inputs[0], list) and len(inputs[0]) > 1 else None
-        self._work, self._prof, self._ext, self._mem = {}, {}, {}, {}
+        self._work, self._prof, self._ext, self._mem, self._time, self._flight = {}, {}, {}, {}, {}, {}
 
 # %% ../../nbs/45d_parallel_search.ipynb
 @patch
@@ -101,7 +102,18 @@ def work(self: _Context, d: ParallelDims):
 
 @patch
 def step_time(self: _Context, plan: ParallelPlan) -> StepTime:
-    return predict_step_time(self.work(plan.dims), plan, self.topo, n_blocks=self.n)
+    "`predict_step_time` of `plan`, once per plan object (the search asks again for the layouts it keeps)."
+    hit = self._time.get(id(plan))                 # by identity: hashing a plan of 126 units costs more than a look-up
+    if hit is None or hit[0] is not plan:          # (the plan is kept in the value, so its id is not reused)
+        hit = self._time[id(plan)] = (plan, predict_step_time(self.work(plan.dims), plan, self.topo, n_blocks=self.n))
+    return hit[1]
+
+@patch
+def first_in_flight(self: _Context, plan: ParallelPlan) -> int:
+    "`schedule.in_flight` of the first pipeline rank, once per schedule (what it reads of the plan is the key)."
+    key = (plan.dims.pp, plan.schedule, plan.microbatches, len(plan.stages))
+    if key not in self._flight: self._flight[key] = in_flight(plan, 0)
+    return self._flight[key]
 
 # %% ../../nbs/45d_parallel_search.ipynb
 def _uniform_profile(ctx: _Context, d: ParallelDims, mode: CheckpointPolicy, k: int):
@@ -115,8 +127,19 @@ def _uniform_profile(ctx: _Context, d: ParallelDims, mode: CheckpointPolicy, k: 
     return ctx._ext[(key, k)]
 
 # %% ../../nbs/45d_parallel_search.ipynb
-def _stage_layout(ctx: _Context, d: ParallelDims, P) -> tuple:
-    "(block of each op, first forward op, op where each forward ends, blocks held at each op) of a `k`-block stage profile."
+class _StageLayout(NamedTuple):
+    "Where the blocks of a `k`-block stage profile run (`_stage_layout`)."
+    blocks: np.ndarray
+    "The block of each op (-1: outside the stack)."
+    first: np.ndarray
+    "Each block's first forward op."
+    ends: np.ndarray
+    "The op at which each block's forward ends (the next block's first)."
+    held: np.ndarray
+    "Blocks whose activations are held at each op: in forward, those done; in backward, those not yet started."
+
+def _stage_layout(ctx: _Context, d: ParallelDims, P) -> _StageLayout:
+    "Where the blocks of a `k`-block stage profile run, once per (tp, cp, k)."
     key = ("layout", d.tp, d.cp, len(P.blocks))
     if key not in ctx._ext:
         k, ph, ob = len(P.blocks), P.op_phase, module_blocks(P.op_module, P.blocks)
@@ -124,8 +147,9 @@ def _stage_layout(ctx: _Context, d: ParallelDims, P) -> tuple:
         fb = np.sort([np.flatnonzero((ob == b) & (ph == BACKWARD))[0] for b in range(k)])
         ends = np.append(ff[1:], np.flatnonzero((ob == k - 1) & (ph == FORWARD))[-1] + 1)
         t = np.arange(len(ph))           # held: in forward, the blocks done; in backward, those not yet started
-        held = np.where(ph == FORWARD, np.searchsorted(ends, t, side="right"), np.where(ph == BACKWARD, k - np.searchsorted(fb, t, side="right"), 0))
-        ctx._ext[key] = (ob, ff, ends, held)
+        held = np.where(ph == FORWARD, np.searchsorted(ends, t, side="right"),
+                        np.where(ph == BACKWARD, k - np.searchsorted(fb, t, side="right"), 0))
+        ctx._ext[key] = _StageLayout(blocks=ob, first=ff, ends=ends, held=held)
     return ctx._ext[key]
 
 # %% ../../nbs/45d_parallel_search.ipynb
@@ -137,7 +161,8 @@ def _mixed_profile(ctx: _Context, d: ParallelDims, modes: tuple[CheckpointPolicy
     profs = {m: _uniform_profile(ctx, d, m, len(modes)) for m in dict.fromkeys(modes)}
     P0 = next(iter(profs.values()))
     if len(profs) == 1: return P0
-    ob, ff, ends, held = _stage_layout(ctx, d, P0)
+    S = _stage_layout(ctx, d, P0)
+    ob, ff, ends, held = S.blocks, S.first, S.ends, S.held
     cum = lambda left: np.concatenate(([0], np.cumsum(left)))
     left = {m: P.native[ends] - P.native[ff] for m, P in profs.items()}             # bytes each block leaves held
     mixed = cum([left[m][i] for i, m in enumerate(modes)])
@@ -166,7 +191,7 @@ def _pipelined(ctx: _Context, plan: ParallelPlan, P):
         ctx._ext[("boundary", d.cp)] = (boundary_bytes(ctx.g, op_blocks(ctx.g, ctx.stack.blocks), d.cp),
                                         sum(s.nbytes for s in ctx.g.storages if s.role == "input") / d.cp)
     boundary, inputs = ctx._ext[("boundary", d.cp)]
-    held = (in_flight(plan, 0) - 1) * _forward_activations(P) + pipeline_held(plan, 0, P.op_phase, boundary, inputs=inputs)
+    held = (ctx.first_in_flight(plan) - 1) * _forward_activations(P) + pipeline_held(plan, 0, P.op_phase, boundary, inputs=inputs)
     return dataclasses.replace(P, native=(P.native + held).astype(np.int64))
 
 # %% ../../nbs/45d_parallel_search.ipynb
@@ -188,7 +213,7 @@ def _memory(ctx: _Context, plan: ParallelPlan, mode: CheckpointPolicy | None = N
         raise ParallelPlanError(f"a stage of {k} blocks is shorter than the {ctx.captured} captured ones")
     modes = _stage_modes(ctx, plan, mode)
     key = (d.tp, d.cp, modes if len(set(modes)) > 1 else (k, modes[0]), d.fsdp_size, d.dp_replicate > 1, d.pp > 1,
-           in_flight(plan, 0), plan.microbatches)
+           ctx.first_in_flight(plan), plan.microbatches)
     if key not in ctx._mem:                    # the replicate degree aside, these set a rank's memory
         P = _pipelined(ctx, plan, _mixed_profile(ctx, d, modes))
         ctx._mem[key] = predict_rank_memory(P, plan).peak_bytes
@@ -367,6 +392,16 @@ def _hopeless(ctx: _Context, plan: ParallelPlan, ac, budget: int, bounds: dict) 
             f"{fmt_bytes(budget)}, and less sharding needs more")
 
 # %% ../../nbs/45d_parallel_search.ipynb
+class _Entry(NamedTuple):
+    "A layout in the search's heap, ordered by its cost, then by when it came (so plans are never compared)."
+    cost: float
+    tick: int
+    plan: ParallelPlan
+    mode: object
+    "The policy on every block, or 'mixed' once `_with_checkpointing` chose a mix."
+    memory: int | None
+    "Its memory when known (a mix's), else None."
+
 def search_layouts(g: StaticGraph, world: int, topo: Topology, budget_bytes: int, *, n_blocks: int | None = None,
                    pins: dict | None = None, ac="auto", microbatches: tuple[int, ...] = (2,), schedule: str = "1F1B",
                    styles: tuple | None = None, policies: tuple = CHECKPOINT_POLICIES, master_dtype: str | None = None,
@@ -401,11 +436,13 @@ def search_layouts(g: StaticGraph, world: int, topo: Topology, budget_bytes: int
                 plan = ctx.plan(d, ac=(mode,) * n, stages=stages, schedule=schedule, m=m)
                 check_layout(plan, ctx.full_stack, ctx.seq)
             except ParallelPlanError: continue
-            heapq.heappush(heap, (_cost(ctx.step_time(plan)), tick, plan, mode, None)); tick += 1
+            heapq.heappush(heap, _Entry(cost=_cost(ctx.step_time(plan)), tick=tick, plan=plan, mode=mode, memory=None))
+            tick += 1
     considered = tick
     found, lost, evaluated, bounds = [], [], 0, {}
     while heap and len(found) < 1 + runners_up:
-        t, _, plan, mode, mem = heapq.heappop(heap)
+        e = heapq.heappop(heap)
+        plan, mode, mem = e.plan, e.mode, e.memory
         if mem is None and (why := _hopeless(ctx, plan, ac, budget_bytes, bounds)):
             if not found: lost.append(Candidate(plan, 0, ctx.step_time(plan), why))
             continue
@@ -422,7 +459,8 @@ def search_layouts(g: StaticGraph, world: int, topo: Topology, budget_bytes: int
             nxt = _with_checkpointing(ctx, plan, mem, budget_bytes)
             if isinstance(nxt, tuple):
                 p2, m2 = nxt
-                heapq.heappush(heap, (_cost(ctx.step_time(p2)), tick, p2, "mixed", m2)); tick += 1
+                heapq.heappush(heap, _Entry(cost=_cost(ctx.step_time(p2)), tick=tick, plan=p2, mode="mixed", memory=m2))
+                tick += 1
                 continue
             why = nxt
         else: why = f"needs {fmt_bytes(mem)} > budget {fmt_bytes(budget_bytes)}"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 import numpy as np
 
@@ -16,8 +17,8 @@ from ..cost.profile import main_stack, param_infos, tokens_of
 from ..placement import STYLES
 from ..topology import MeshSpec, Topology, TwoStreams, collective_time, device_spec, op_seconds
 from ..graph.policies import FullCheckpoint, NoCheckpoint, SelectiveOps, recomputed_ops
-from .memory import (_block_forward, _block_spans, _regions, _under_any, boundary_bytes, op_blocks,
-                                         tp_param_shape)
+from .memory import (_MATMUL, _block_forward, _block_spans, _regions, boundary_bytes, op_blocks,
+                                         tp_op_factor, tp_param_shape)
 from .plan import ParallelPlan, ParallelPlanError, block_policies, stage_ranges
 from ..graph.records import BACKWARD, FORWARD, OPTIMIZER
 
@@ -68,13 +69,14 @@ class RankWork:
 
 # %% ../../nbs/45c_parallel_time.ipynb
 def _op_factor(g: StaticGraph, plan: ParallelPlan, blocks) -> np.ndarray:
-    "Share of each op's work on one rank: 1/tp in the sharded linears and their sub-layers, 1/cp along the sequence."
+    """Share of each op's work on one rank: 1/tp for a sharded linear's matmuls, else the share of its outputs the rank
+    holds (`tp_op_factor`); 1/cp along the sequence. The optimizer's ops: whole (scaled to the shard later)."""
     tp, cp = plan.dims.tp, plan.dims.cp
-    f = np.ones(len(g.ops))
-    regions, styles = _regions(plan, blocks)
+    f = tp_op_factor(g, plan, blocks).astype(np.float64)
+    _, styles = _regions(plan, blocks)
     for i, o in enumerate(g.ops):
-        if o.phase == "optimizer": continue
-        if tp > 1 and ((styles.get(o.module, "replicate") != "replicate") or _under_any(o.module, regions)): f[i] /= tp
+        if o.phase == "optimizer": f[i] = 1.0; continue
+        if tp > 1 and styles.get(o.module, "replicate") != "replicate" and o.op.startswith(_MATMUL): f[i] = 1 / tp
         f[i] /= cp
     return f
 
@@ -96,7 +98,14 @@ def _tp_collectives(g: StaticGraph, plan: ParallelPlan, blocks, tokens: int, ite
 
 # %% ../../nbs/45c_parallel_time.ipynb
 _BASE_POLICIES = (NoCheckpoint(), FullCheckpoint(), SelectiveOps())
+_LAST_SECONDS: list = [None, None, None]  # (graph, device, op seconds) of the last call: a search asks once per tp × cp
 
+def _op_seconds(g: StaticGraph, device) -> np.ndarray:
+    "`topology.op_seconds` of `g` on `device`, remembered for the last (graph, device) pair (the very objects)."
+    if _LAST_SECONDS[0] is not g or _LAST_SECONDS[1] is not device: _LAST_SECONDS[:] = g, device, op_seconds(g, device)
+    return _LAST_SECONDS[2]
+
+# %% ../../nbs/45c_parallel_time.ipynb
 def rank_work(g: StaticGraph, plan: ParallelPlan, topo: Topology, device=None, policies=()) -> RankWork:
     """One micro-batch of the captured step on one rank under `plan`'s tensor and context parallelism, per region;
     recompute seconds for the plan's checkpointing policies, `policies` and the base ones. `device`: a `DeviceSpec`
@@ -104,7 +113,8 @@ def rank_work(g: StaticGraph, plan: ParallelPlan, topo: Topology, device=None, p
     stack, blocks = main_stack(g)
     ob, k = op_blocks(g, blocks), len(blocks)
     phase = g.op_phases()
-    sec = op_seconds(g, topo if device is None else device) * _op_factor(g, plan, blocks)
+    fac = _op_factor(g, plan, blocks)
+    sec = _op_seconds(g, topo if device is None else device) * fac
     nb = [t.nbytes for t in g.tensors]
     inb = ob >= 0
     f_first = np.flatnonzero(inb & (phase == FORWARD)); b_first = np.flatnonzero(inb & (phase == BACKWARD))
@@ -118,9 +128,8 @@ def rank_work(g: StaticGraph, plan: ParallelPlan, topo: Topology, device=None, p
     leaves = {q for p in (*_BASE_POLICIES, *plan.ac, *policies) for q in p.leaves()}
     rc = {p: np.array([float(sec[list(recomputed_ops(g, p, fw[b]))].sum()) for b in range(k)]) for p in leaves}
     attn, kv = np.zeros(k), np.zeros(k)
-    fac = _op_factor(g, plan, blocks)
     for i, o in enumerate(g.ops):
-        if ob[i] >= 0 and phase[i] == FORWARD and o.op.startswith(_ATTENTION):
+        if o.op.startswith(_ATTENTION) and ob[i] >= 0 and phase[i] == FORWARD:      # the name first: it is the cheap test
             attn[ob[i]] += sec[i]
             kv[ob[i]] += sum(nb[t] for t in o.inputs[1:3]) * fac[i]
     params, _ = param_infos(g)
@@ -142,12 +151,14 @@ def rank_work(g: StaticGraph, plan: ParallelPlan, topo: Topology, device=None, p
     tokens = tokens_of(g)
     flops = np.array([o.flops for o in g.ops], dtype=np.float64)
     tb = min(1, len(blocks) - 1) if blocks else 0
-    return RankWork(float(sec[out_f & (idx < f0)].sum()), float(sec[out_f & (idx >= f0)].sum()),
-                    float(sec[out_b & (idx >= b0)].sum()), float(sec[out_b & (idx < b0)].sum()),
-                    fwd_blocks, bwd_blocks, rc, attn, kv, opt,
-                    boundary_bytes(g, ob, plan.dims.cp, nb), bp, pre, post, float(sum(p.numel * p.itemsize for p in params)),
-                    _tp_collectives(g, plan, blocks, tokens, itemsize, {p.name: p.shape for p in params}),
-                    float(flops[phase < OPTIMIZER].sum()), float(flops[(phase < OPTIMIZER) & (ob == tb)].sum()), tokens, itemsize)
+    return RankWork(fwd_pre=float(sec[out_f & (idx < f0)].sum()), fwd_post=float(sec[out_f & (idx >= f0)].sum()),
+                    bwd_pre=float(sec[out_b & (idx >= b0)].sum()), bwd_post=float(sec[out_b & (idx < b0)].sum()),
+                    fwd_blocks=fwd_blocks, bwd_blocks=bwd_blocks, recompute=rc, attn_fwd=attn, kv_bytes=kv,
+                    optimizer=opt, boundary_bytes=boundary_bytes(g, ob, plan.dims.cp, nb), block_params=bp,
+                    pre_params=pre, post_params=post, captured_params=float(sum(p.numel * p.itemsize for p in params)),
+                    tp_bytes=_tp_collectives(g, plan, blocks, tokens, itemsize, {p.name: p.shape for p in params}),
+                    flops=float(flops[phase < OPTIMIZER].sum()), block_flops=float(flops[(phase < OPTIMIZER) & (ob == tb)].sum()),
+                    tokens=tokens, act_itemsize=itemsize)
 
 # %% ../../nbs/45c_parallel_time.ipynb
 def _prefixes(name: str):
@@ -250,13 +261,14 @@ def _per_block(w: RankWork, plan: ParallelPlan, topo: Topology, mesh: MeshSpec, 
         raise ParallelPlanError(f"the rank's work has no recompute seconds for policy {missing[0]}: pass it to "
                                 "rank_work(..., policies=)")
     ext = {p: extend_blocks(w.recompute[p], n) for p in set(pols)}
-    rc = np.array([ext[p][i] for i, p in enumerate(pols)], dtype=np.float64)
+    rc = ext[pols[0]].copy() if len(ext) == 1 else np.array([ext[p][i] for i, p in enumerate(pols)], dtype=np.float64)
     checkpointed = np.array([p.checkpoints for p in pols], dtype=bool)
     fcoll = [_coll(topo, mesh, "tp", kind, b) for kind, b, f in w.tp_bytes if f]
     tp_f = sum(fcoll)
     tp_b = sum(_coll(topo, mesh, "tp", kind, b) for kind, b, f in w.tp_bytes if not f) + np.where(checkpointed, sum(fcoll[:-1]), 0.0)
     cp = plan.dims.cp
-    ring = (cp - 1) * np.array([_p2p(topo, 0, plan.dims.tp, x) for x in kv]) if cp > 1 else np.zeros(n)
+    link = topo.link(0, plan.dims.tp) if cp > 1 else None
+    ring = (cp - 1) * (link.latency + kv / link.bandwidth) if cp > 1 else np.zeros(n)       # `_p2p` of each block's bytes
     return _Layout(fwd, bwd, rc, tp_f, tp_b, np.maximum(ring - attn, 0), np.maximum(2 * ring - 2 * attn, 0), ring, bp)
 
 # %% ../../nbs/45c_parallel_time.ipynb
@@ -290,10 +302,24 @@ def _block_units(plan: ParallelPlan, blocks_known: bool = True) -> tuple[bool, o
     return (bool(blk), blk[0].reshard_after_forward if blk else True)
 
 # %% ../../nbs/45c_parallel_time.ipynb
+class _MicroBatch(NamedTuple):
+    "One micro-batch on one pipeline rank (`_rank_micro_batch`)."
+    end: float
+    "Seconds until both streams are done."
+    compute: float
+    "Seconds of compute in it (what of `end` the data-parallel collectives do not add)."
+    busy: float
+    "Seconds the data-parallel stream was busy, hidden or not."
+    terms: dict
+    "{term: seconds} of forward, backward, recompute, tp and cp, and cp_busy (the ring's busy seconds)."
+    params: float
+    "Local parameter bytes of the units the rank holds (what its optimizer step updates)."
+
+# %% ../../nbs/45c_parallel_time.ipynb
 def _rank_micro_batch(w: RankWork, L: _Layout, plan: ParallelPlan, stages: list, ranges, ag, sync_cost, do_sync: bool,
-                      gather: bool = True):
-    """(end, compute, dp busy, {term: seconds}) of one micro-batch on the pipeline rank running `stages`; `gather`: its
-    forward all-gathers the units (not when they stay gathered from the micro-batch before)."""
+                      gather: bool = True) -> _MicroBatch:
+    """One micro-batch on the pipeline rank running `stages`; `gather`: its forward all-gathers the units (not when they
+    stay gathered from the micro-batch before)."""
     has_pre, has_post = 0 in stages, len(ranges) - 1 in stages
     blocks = [b for s in stages for b in range(*ranges[s])]
     units, reshard = _block_units(plan)
@@ -301,20 +327,22 @@ def _rank_micro_batch(w: RankWork, L: _Layout, plan: ParallelPlan, stages: list,
     if not units: root += float(L.params[blocks].sum()) if blocks else 0.0
     f = plan.fsdp
     pf, pb = (f.forward_prefetch, max(f.backward_prefetch, 1)) if f is not None else (0, 1)
-    fag = lambda b: (("f", b), ag(L.params[b])) if gather else None
-    bag = lambda b: (("b", b), ag(L.params[b])) if units and reshard is not False else None
+    # per-block values as Python floats: the same doubles as the arrays' elements, read without numpy's scalar overhead
+    fwd, bwd, rc, tp_b, cp_f, cp_b, prm = (a.tolist() for a in (L.fwd, L.bwd, L.rc, L.tp_b, L.cp_f, L.cp_b, L.params))
+    fag = lambda b: (("f", b), ag(prm[b])) if gather else None
+    bag = lambda b: (("b", b), ag(prm[b])) if units and reshard is not False else None
     segs = [(w.fwd_pre if has_pre else 0.0, (("f", "root"), ag(root)) if root and gather else None,
              [fag(j) for j in blocks[:pf]] if units and gather else [], [])]
     for i, b in enumerate(blocks):
-        segs.append((L.fwd[b] + L.tp_f + L.cp_f[b], fag(b) if units else None,
+        segs.append((fwd[b] + L.tp_f + cp_f[b], fag(b) if units else None,
                      [fag(j) for j in blocks[i + 1:i + 1 + pf]] if units and gather else [], []))
     rev = blocks[::-1]
     segs.append((w.fwd_post if has_post else 0.0, None, [], []))
     segs.append((w.bwd_post if has_post else 0.0, None, [x for x in [bag(rev[0]) if rev else None] if x], []))
     for i, b in enumerate(rev):
         nxt = [x for x in (bag(j) for j in rev[i + 1:i + 1 + pb]) if x]
-        end = [(("s", b), sync_cost(L.params[b]))] if do_sync and units else []
-        segs.append((L.bwd[b] + L.rc[b] + L.tp_b[b] + L.cp_b[b], bag(b), nxt, end))
+        end = [(("s", b), sync_cost(prm[b]))] if do_sync and units else []
+        segs.append((bwd[b] + rc[b] + tp_b[b] + cp_b[b], bag(b), nxt, end))
     segs.append((w.bwd_pre if has_pre else 0.0, None, [], [(("s", "root"), sync_cost(root))] if do_sync and root else []))
     end, busy = _two_streams(segs)
     B = np.array(blocks, dtype=np.int64)
@@ -323,7 +351,17 @@ def _rank_micro_batch(w: RankWork, L: _Layout, plan: ParallelPlan, stages: list,
                  recompute=float(L.rc[B].sum()), tp=L.tp_f * len(B) + float(L.tp_b[B].sum()),
                  cp=float(L.cp_f[B].sum() + L.cp_b[B].sum()))
     terms["cp_busy"] = 3 * float(L.ring[B].sum())          # forward: key/value chunks; backward: them and their grads
-    return end, sum(s[0] for s in segs), busy, terms, root + (float(L.params[B].sum()) if units else 0.0)
+    return _MicroBatch(end=end, compute=sum(s[0] for s in segs), busy=busy, terms=terms,
+                       params=root + (float(L.params[B].sum()) if units else 0.0))
+
+# %% ../../nbs/45c_parallel_time.ipynb
+class _SlowestRank(NamedTuple):
+    "The pipeline rank whose step takes longest: its seconds, number, first micro-batch and each later one."
+    seconds: float
+    rank: int
+    first: _MicroBatch
+    "The first micro-batch (it syncs gradients; FSDP's accumulation may skip the sync in the others)."
+    later: _MicroBatch
 
 # %% ../../nbs/45c_parallel_time.ipynb
 def predict_step_time(work: RankWork, plan: ParallelPlan, topo: Topology, *, n_blocks: int | None = None) -> StepTime:
@@ -342,21 +380,21 @@ def predict_step_time(work: RankWork, plan: ParallelPlan, topo: Topology, *, n_b
     every = plan.fsdp.sync_every_microbatch if plan.fsdp is not None else False
     m = plan.microbatches if d.pp > 1 else 1
     mbs = m * k
-    best, seen = None, set()
+    best, seen = None, set()              # the slowest rank: its step seconds, number, first and later micro-batches
     for r in range(d.pp):
         stages = sorted(rank_stages(plan, r)) if d.pp > 1 else [0]
         # ranks in the middle with as many blocks cost the same (identical blocks): time one of them
         shape = (0 in stages, len(ranges) - 1 in stages, tuple(ranges[s][1] - ranges[s][0] for s in stages))
         if shape in seen and n > len(work.fwd_blocks): continue
         seen.add(shape)
-        t1, c1, b1, terms, pbytes = _rank_micro_batch(work, L, plan, stages, ranges, ag, sync_cost, True)
+        first = _rank_micro_batch(work, L, plan, stages, ranges, ag, sync_cost, True)
         # a pipeline's units that do not reshard after forward stay gathered from the first micro-batch to the step's end
         again = not (d.pp > 1 and _block_units(plan)[1] is False)
-        t0, c0, b0, _, _ = (_rank_micro_batch(work, L, plan, stages, ranges, ag, sync_cost, every, again) if mbs > 1
-                            else (t1, c1, b1, None, None))
-        total = t1 + (mbs - 1) * t0
-        if best is None or total > best[0]: best = (total, r, t1, c1, b1, t0, c0, b0, terms, pbytes)
-    total, r, t1, c1, b1, t0, c0, b0, terms, pbytes = best
+        later = _rank_micro_batch(work, L, plan, stages, ranges, ag, sync_cost, every, again) if mbs > 1 else first
+        total = first.end + (mbs - 1) * later.end
+        if best is None or total > best.seconds: best = _SlowestRank(seconds=total, rank=r, first=first, later=later)
+    r, first, later, terms = best.rank, best.first, best.later, best.first.terms
+    t1, c1, b1, t0, c0, b0 = first.end, first.compute, first.busy, later.end, later.compute, later.busy
     out = {t: 0.0 for t in TIME_TERMS}
     for key in ("forward", "backward", "recompute", "tp", "cp"): out[key] = float(terms[key] * mbs)
     out["dp"] = float((t1 - c1) + (mbs - 1) * (t0 - c0))
@@ -367,9 +405,10 @@ def predict_step_time(work: RankWork, plan: ParallelPlan, topo: Topology, *, n_b
         hop = _p2p(topo, 0, d.world // d.pp, work.boundary_bytes)
         out["pp_p2p"] = 2 * (d.pp - 1) * hop
         comm["pp"] = 2 * m * v * hop
-    out["optimizer"] = float(work.optimizer * pbytes / d.fsdp_size / max(work.captured_params, 1))
+    out["optimizer"] = float(work.optimizer * first.params / d.fsdp_size / max(work.captured_params, 1))
     step = sum(out.values())
     flops = work.flops + (n - len(work.fwd_blocks)) * work.block_flops
     share = d.tp * d.cp * d.pp
-    return StepTime(step, out, comm, work.tokens * mbs / share / step if step else 0.0,
-                    flops * mbs / share / step / topo.device_flops if step else 0.0, mbs, r)
+    return StepTime(step_seconds=step, terms=out, comm=comm,
+                    tokens_per_device=work.tokens * mbs / share / step if step else 0.0,
+                    mfu=flops * mbs / share / step / topo.device_flops if step else 0.0, microbatches=mbs, pp_rank=r)
