@@ -37,7 +37,7 @@ def gpt_profile(n_layer, dtype=torch.float32, master=None):
 def ac_plans(prefix, n, world):
     "Per-block units; activation checkpointing on none, the first 3 and the first 5 of `n` blocks."
     for ac in (0, 3, 5):
-        units = (FSDPUnit(""), *(FSDPUnit(f"{prefix}.{i}", True, i < ac) for i in range(n)))
+        units = (FSDPUnit(""), *(FSDPUnit(f"{prefix}.{i}", True, "full" if i < ac else "none") for i in range(n)))
         yield ac, FSDPPlan(world, (world,), units, param_dtype="bfloat16", reduce_dtype="float32")
 
 
@@ -128,7 +128,7 @@ def test_apply_plan_refuses_before_sharding():
 
 
 # ---- plan files: every mutation of a valid file is a typed error, or loads exactly what the file says
-VALID = FSDPPlan(8, (2, 4), (FSDPUnit(""), FSDPUnit("transformer.h.0", 2, True, "r"), FSDPUnit("transformer.h.1", False),
+VALID = FSDPPlan(8, (2, 4), (FSDPUnit(""), FSDPUnit("transformer.h.0", 2, "full", "r"), FSDPUnit("transformer.h.1", False),
                              FSDPUnit("transformer.h.2")), ignored=("transformer.wpe",), param_dtype="bfloat16",
                  reduce_dtype="float32", forward_prefetch=2, accumulation_steps=2, reasons=(("units", "x"),)).to_dict()
 VALUES = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.sampled_from([0, 1, 2, 3, 4, 8, -1, 2**24 + 1]),
@@ -209,7 +209,7 @@ from static_dist.fsdp import FSDPPlan, FSDPUnit, verify_plan
 from static_dist.graph import capture
 x = torch.randint(0, 512, (2, 64)); y = torch.randint(0, 512, (2, 64))
 prof = profile_graph(capture(build_gpt(4), x, loss_fn=gpt_loss, targets=y, optimizer="adamw"))
-units = (FSDPUnit(""), *(FSDPUnit(b, True, i < 2) for i, b in enumerate(prof.blocks)))
+units = (FSDPUnit(""), *(FSDPUnit(b, True, "full" if i < 2 else "none") for i, b in enumerate(prof.blocks)))
 v = verify_plan(lambda: build_gpt(4), FSDPPlan(8, (8,), units, forward_prefetch=0), prof, (x,), targets=y, loss_fn=gpt_loss)
 print(json.dumps(v.to_dict()))""")
     print(f"gpt (4 blocks, tied, AC on 2) world 8: predicted {r['predicted_bytes']:,} / measured "
@@ -297,7 +297,7 @@ def _same_plans(fast, full, worlds, budgets):
             a = plan_fsdp(fast, world_size=W, budget=budget)
             b = plan_fsdp(full, world_size=W, budget=budget)
             print(f"world {W} budget {budget:,}: {a.plan.name}, peak {a.memory.peak_bytes:,} / {b.memory.peak_bytes:,}, "
-                  f"checkpointed {sum(u.activation_checkpointing for u in a.plan.units)}")
+                  f"checkpointed {sum(u.checkpoint.checkpoints for u in a.plan.units)}")
             assert a.plan == b.plan, (W, budget)
             assert a.memory.peak_bytes == b.memory.peak_bytes
             # step time is a sum of per-op seconds: equal to float rounding
@@ -319,7 +319,7 @@ def test_profile_workload_16_blocks_plans_as_the_full_capture():
     roomy = plan_fsdp(full, world_size=8, budget=2**34).memory.peak_bytes
     _same_plans(fast, full, (8, 64, 1024), (2**34, roomy // 2))
     tight = plan_fsdp(full, world_size=8, budget=roomy // 2).plan
-    assert any(u.activation_checkpointing for u in tight.units)         # the tight budget did exercise checkpointing
+    assert any(u.checkpoint.checkpoints for u in tight.units)         # the tight budget did exercise checkpointing
 
 
 @pytest.mark.slow

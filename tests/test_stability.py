@@ -17,8 +17,8 @@ NAN_SITES = [("nan_grad", "tok_embeddings"), ("nan_activation", "tok_embeddings"
              ("nan_activation", "layers.1.feed_forward.w2"), ("nan_activation", "layers.1.ffn_norm"),
              ("nan_activation", "norm"), ("nan_activation", "output"), ("nan_grad", "layers.1.feed_forward.w1"),
              ("nan_grad", "layers.0.attention.wo")]
-CONFIGS = {"fp32": {}, "bf16": dict(amp=True), "checkpoint": dict(checkpoint=True),
-           "bf16+checkpoint": dict(amp=True, checkpoint=True), "accum2": dict(accum=2, batch_size=4)}
+CONFIGS = {"fp32": {}, "bf16": dict(amp=True), "checkpoint": dict(checkpoint="full"),
+           "bf16+checkpoint": dict(amp=True, checkpoint="full"), "accum2": dict(accum=2, batch_size=4)}
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
