@@ -81,7 +81,9 @@ def main() -> dict:
         "planned": planned,
         "per-block": base,
         "no-reshard+prefetch2": dataclasses.replace(base, units=(FSDPUnit(""), *(dataclasses.replace(u, reshard_after_forward=False) for u in blocks)), forward_prefetch=2),
-        "checkpointed+ends": dataclasses.replace(base, units=(FSDPUnit(""), FSDPUnit("tok_embeddings"), *(dataclasses.replace(u, checkpoint=FullCheckpoint()) for u in blocks), FSDPUnit("output")), forward_prefetch=1),
+        "checkpointed+ends": dataclasses.replace(base, units=(
+            FSDPUnit(""), FSDPUnit("tok_embeddings"), *(dataclasses.replace(u, checkpoint=FullCheckpoint()) for u in blocks),
+            FSDPUnit("output")), forward_prefetch=1),
         "accumulate-4-nosync": dataclasses.replace(base, accumulation_steps=4),
         "accumulate-3-sync-every": dataclasses.replace(base, accumulation_steps=3, sync_every_microbatch=True),
     }

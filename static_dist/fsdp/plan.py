@@ -19,7 +19,8 @@ from fastcore.basics import patch
 
 from ..cost.profile import GraphProfile, PlanError
 from ..graph.policies import CheckpointPolicy, FullCheckpoint, NoCheckpoint, PolicyError, parse_policy
-from ..validation import Fields, boolean, dtype_name, either, integer, list_of, mapping, optional, shown, string
+from ..validation import (Fields, boolean, dtype_name, either, integer, list_of, mapping, optional, shown,
+                                   string)
 from ..errors import errors_as
 from ..files import loads_json, read_json
 

@@ -41,8 +41,9 @@ class Overrides:
     def to_dict(self) -> dict:
         "JSON-ready: pinned policies and the plan in their JSON forms."
         js = lambda v: v.to_json() if isinstance(v, CheckpointPolicy) else v
-        return dict(ignored=list(self.ignored), units=list(self.units), plan=None if self.plan is None else self.plan.to_dict(),
-                    pinned={m: {k: js(v) for k, v in s.items()} for m, s in self.pinned.items()})
+        return dict(ignored=list(self.ignored), units=list(self.units),
+                    pinned={m: {k: js(v) for k, v in s.items()} for m, s in self.pinned.items()},
+                    plan=None if self.plan is None else self.plan.to_dict())
 
 _PIN_KEYS = {"reshard_after_forward", "checkpoint"}
 
@@ -59,7 +60,7 @@ def _check_overrides(ov: Overrides, profile: GraphProfile):
     for n, s in ov.pinned.items():
         bad = set(s) - _PIN_KEYS
         if bad: raise PlanError(f"pinned settings for {n!r} have unknown keys {sorted(bad)}; use {sorted(_PIN_KEYS)}.")
-        if "checkpoint" in s: FSDPUnit(n, checkpoint=s["checkpoint"])     # a policy a unit can take, or its one-line error
+        if "checkpoint" in s: FSDPUnit(n, checkpoint=s["checkpoint"])   # a policy a unit takes, or its one-line error
 
 # %% ../../nbs/40e_fsdp_search.ipynb
 def _blocks(profile: GraphProfile) -> list[str]:
@@ -193,7 +194,7 @@ def _units(mods, blocks, *, reshard, ac_first: int, ov: Overrides, why: dict) ->
         if m and reshard == "last-kept" and m == inner[-1]: r = False
         if m and reshard == "none": r = False
         if m and isinstance(reshard, int) and not isinstance(reshard, bool): r = False if m == inner[-1] else reshard
-        if any(a in ac_blocks for a in _prefixes(m)): ac = FullCheckpoint()   # inside one of the first `ac_first` blocks
+        if any(a in ac_blocks for a in _prefixes(m)): ac = FullCheckpoint()   # in one of the first `ac_first` blocks
         pin = ov.pinned.get(m, {})
         r, ac = pin.get("reshard_after_forward", r), pin.get("checkpoint", ac)
         out.append(FSDPUnit(m, r, ac if m else NoCheckpoint(), "pinned by user" if pin else why.get(m, "")))
@@ -394,7 +395,8 @@ def given_reasons(prof: GraphProfile, plan: FSDPPlan, budget: int | None = None)
     ac = [u.module for u in plan.units if u.checkpoint.checkpoints]
     if not ac: reasons.append(("checkpoint", "none"))
     else:
-        off = dataclasses.replace(plan, units=tuple(dataclasses.replace(u, checkpoint=NoCheckpoint()) for u in plan.units))
+        off = dataclasses.replace(plan, units=tuple(dataclasses.replace(u, checkpoint=NoCheckpoint())
+                                                    for u in plan.units))
         p0 = predict_memory(prof, off).peak_bytes
         vs = "" if budget is None else (f" > budget {_gib(budget)}" if p0 > budget else f" <= budget {_gib(budget)}: it fits without")
         reasons.append(("checkpoint", f"{len(ac)} units recompute activations ({', '.join(ac[:3])}"
