@@ -15,6 +15,7 @@ from static_dist.cost import comm_counts, profile_graph
 from static_dist.fsdp import FSDPPlan, FSDPUnit, apply_plan, plan_fsdp, predict_comms, predict_memory
 from static_dist.step import make_optimizer, train_step
 from static_dist.graph import capture
+from static_dist.graph.policies import FullCheckpoint
 from static_dist.zoo import get_model
 
 STEPS, B, S, LR = 3, 2, 32, 0.5
@@ -80,7 +81,9 @@ def main() -> dict:
         "planned": planned,
         "per-block": base,
         "no-reshard+prefetch2": dataclasses.replace(base, units=(FSDPUnit(""), *(dataclasses.replace(u, reshard_after_forward=False) for u in blocks)), forward_prefetch=2),
-        "checkpointed+ends": dataclasses.replace(base, units=(FSDPUnit(""), FSDPUnit("tok_embeddings"), *(dataclasses.replace(u, activation_checkpointing=True) for u in blocks), FSDPUnit("output")), forward_prefetch=1),
+        "checkpointed+ends": dataclasses.replace(base, units=(
+            FSDPUnit(""), FSDPUnit("tok_embeddings"), *(dataclasses.replace(u, checkpoint=FullCheckpoint()) for u in blocks),
+            FSDPUnit("output")), forward_prefetch=1),
         "accumulate-4-nosync": dataclasses.replace(base, accumulation_steps=4),
         "accumulate-3-sync-every": dataclasses.replace(base, accumulation_steps=3, sync_every_microbatch=True),
     }

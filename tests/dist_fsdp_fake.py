@@ -40,7 +40,7 @@ def cases(quick: bool):
         out.append((f"reshard-int-8 W={W}", dataclasses.replace(
             per_block(W), units=(root, *rep(blocks, reshard_after_forward=8))), 1, 16, "sgd"))
         out.append((f"checkpointed W={W}", dataclasses.replace(
-            per_block(W), units=(root, *rep(blocks, activation_checkpointing=True))), 4, 256, "adamw"))
+            per_block(W), units=(root, *rep(blocks, checkpoint="full"))), 4, 256, "adamw"))
         out.append((f"ends+prefetch2 W={W}", dataclasses.replace(
             per_block(W), units=(root, FSDPUnit("tok_embeddings"), *blocks, FSDPUnit("output")),
             forward_prefetch=2, backward_prefetch=2), 2, 64, "adamw"))

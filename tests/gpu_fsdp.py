@@ -24,6 +24,7 @@ from static_dist.step import train_step
 from static_dist.cost import profile_graph
 from static_dist.fsdp import FSDPPlan, FSDPUnit, apply_plan, predict_memory
 from static_dist.graph import capture
+from static_dist.graph.policies import FullCheckpoint
 from static_dist.zoo import Llama, LlamaConfig, get_model
 
 
@@ -67,7 +68,7 @@ def main(out_path) -> int:
     prof = profile_graph(capture(m0, (x.cpu(),), loss_fn=zm.loss, targets=y.cpu(), optimizer="adamw"))
     blocks = tuple(FSDPUnit(f"layers.{i}") for i in range(cfg.n_layers))
     plans = {"per-block": FSDPPlan(1, (1,), (FSDPUnit(""), *blocks), forward_prefetch=0),
-             "checkpointed": FSDPPlan(1, (1,), (FSDPUnit(""), *(dataclasses.replace(b, activation_checkpointing=True)
+             "checkpointed": FSDPPlan(1, (1,), (FSDPUnit(""), *(dataclasses.replace(b, checkpoint=FullCheckpoint())
                                                                for b in blocks)), forward_prefetch=1),
              "whole-model": FSDPPlan(1, (1,), (FSDPUnit(""),))}
     results = []

@@ -59,7 +59,8 @@ def test_fsdp_checkpointed_units_within_1_percent(tmp_path, captured, measured):
     prof = profile_graph(load_workload(_llama(tmp_path, captured), batch=1, seq=512).graph(dtype="bfloat16"), "float32")
     if measured > captured: prof = expand_blocks(prof, measured)
     units = block_units(prof.blocks)
-    units = (units[0], *(dataclasses.replace(u, activation_checkpointing=i % 2 == 0) for i, u in enumerate(units[1:])))
+    units = (units[0], *(dataclasses.replace(u, checkpoint="full" if i % 2 == 0 else "none")
+                         for i, u in enumerate(units[1:])))
     v = verify_workload(load_workload(_llama(tmp_path, measured), batch=1, seq=512), FSDPPlan(4, (4,), units, param_dtype="bfloat16"), prof)
     assert v.master_dtype == "float32", v
     assert abs(v.ratio - 1) < 0.01, v

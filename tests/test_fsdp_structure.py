@@ -18,6 +18,7 @@ from static_dist.cost import BlockMismatchError, PlanError, expand_profile, bloc
 from static_dist.fsdp import FSDPPlan, FSDPUnit, Overrides, apply_plan, candidate_unit_sets, plan_fsdp, predict_comms, predict_memory, predict_plan, validate, verify_plan
 from static_dist.graph import capture
 from static_dist.errors import StaticDistError
+from static_dist.graph.policies import FullCheckpoint, NoCheckpoint
 from static_dist.workload import load_workload
 from static_dist.zoo import PRESETS, Llama
 
@@ -37,7 +38,7 @@ def gpt_profile(n_layer, dtype=torch.float32, master=None):
 def ac_plans(prefix, n, world):
     "Per-block units; activation checkpointing on none, the first 3 and the first 5 of `n` blocks."
     for ac in (0, 3, 5):
-        units = (FSDPUnit(""), *(FSDPUnit(f"{prefix}.{i}", True, i < ac) for i in range(n)))
+        units = (FSDPUnit(""), *(FSDPUnit(f"{prefix}.{i}", True, "full" if i < ac else "none") for i in range(n)))
         yield ac, FSDPPlan(world, (world,), units, param_dtype="bfloat16", reduce_dtype="float32")
 
 
@@ -128,13 +129,14 @@ def test_apply_plan_refuses_before_sharding():
 
 
 # ---- plan files: every mutation of a valid file is a typed error, or loads exactly what the file says
-VALID = FSDPPlan(8, (2, 4), (FSDPUnit(""), FSDPUnit("transformer.h.0", 2, True, "r"), FSDPUnit("transformer.h.1", False),
+VALID = FSDPPlan(8, (2, 4), (FSDPUnit(""), FSDPUnit("transformer.h.0", 2, "full", "r"),
+                             FSDPUnit("transformer.h.1", False),
                              FSDPUnit("transformer.h.2")), ignored=("transformer.wpe",), param_dtype="bfloat16",
                  reduce_dtype="float32", forward_prefetch=2, accumulation_steps=2, reasons=(("units", "x"),)).to_dict()
 VALUES = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.sampled_from([0, 1, 2, 3, 4, 8, -1, 2**24 + 1]),
                    st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=12),
                    st.sampled_from(["", "transformer.h.0", "float64", "bfloat16", "static_dist.graph/2",
-                                    "static_dist.fsdp_plan/2"]),
+                                    "static_dist.fsdp_plan/2", "full", "none", "selective", "layers"]),
                    st.lists(st.integers(-2, 9), max_size=3), st.just({}), st.just([]),
                    st.just([{"module": ""}]), st.just(["x", "y"]))
 
@@ -193,6 +195,31 @@ def test_corrupted_plan_text(pos, ch):
     _check(text[:pos] + ch + text[pos + 1:], small_profile())
 
 
+# ---- plan files written before a unit's checkpointing was a policy object: "activation_checkpointing": true/false.
+# The text is what the version before the change wrote for this plan (`FSDPPlan.to_json`, indentation dropped).
+OLD_PLAN = """{"world_size": 8, "mesh_shape": [8], "units": [
+ {"module": "", "reshard_after_forward": true, "activation_checkpointing": false, "reason": ""},
+ {"module": "transformer.h.0", "reshard_after_forward": true, "activation_checkpointing": true,
+  "reason": "checkpointed"},
+ {"module": "transformer.h.1", "reshard_after_forward": 2, "activation_checkpointing": false, "reason": ""}],
+ "ignored": [], "param_dtype": null, "reduce_dtype": null, "forward_prefetch": 1, "backward_prefetch": 1,
+ "accumulation_steps": 1, "sync_every_microbatch": false, "name": "plan", "reasons": [],
+ "schema": "static_dist.fsdp_plan/1"}"""
+
+
+def test_plan_file_with_the_old_checkpointing_key_loads_to_the_same_units():
+    plan = FSDPPlan.from_json(OLD_PLAN)
+    assert plan.units == (FSDPUnit(""), FSDPUnit("transformer.h.0", True, FullCheckpoint(), "checkpointed"),
+                          FSDPUnit("transformer.h.1", 2, NoCheckpoint()))
+    validate(plan, small_profile())
+    new = json.loads(plan.to_json())
+    assert [u["checkpoint"] for u in new["units"]] == ["none", "full", "none"]     # written in the policy's JSON form
+    assert "activation_checkpointing" not in new["units"][1]
+    assert FSDPPlan.from_dict(new) == plan
+    with pytest.raises(PlanError, match=r"units\[1\].checkpoint: 'selective': an FSDP unit is checkpointed whole"):
+        FSDPPlan.from_dict({**new, "units": [new["units"][0], {**new["units"][1], "checkpoint": "selective"}]})
+
+
 # ---- FSDPMemTracker under a fake process group (a subprocess each: one process group per process)
 def _run(code: str, timeout=900) -> dict:
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=timeout)
@@ -209,7 +236,7 @@ from static_dist.fsdp import FSDPPlan, FSDPUnit, verify_plan
 from static_dist.graph import capture
 x = torch.randint(0, 512, (2, 64)); y = torch.randint(0, 512, (2, 64))
 prof = profile_graph(capture(build_gpt(4), x, loss_fn=gpt_loss, targets=y, optimizer="adamw"))
-units = (FSDPUnit(""), *(FSDPUnit(b, True, i < 2) for i, b in enumerate(prof.blocks)))
+units = (FSDPUnit(""), *(FSDPUnit(b, True, "full" if i < 2 else "none") for i, b in enumerate(prof.blocks)))
 v = verify_plan(lambda: build_gpt(4), FSDPPlan(8, (8,), units, forward_prefetch=0), prof, (x,), targets=y, loss_fn=gpt_loss)
 print(json.dumps(v.to_dict()))""")
     print(f"gpt (4 blocks, tied, AC on 2) world 8: predicted {r['predicted_bytes']:,} / measured "
@@ -297,7 +324,7 @@ def _same_plans(fast, full, worlds, budgets):
             a = plan_fsdp(fast, world_size=W, budget=budget)
             b = plan_fsdp(full, world_size=W, budget=budget)
             print(f"world {W} budget {budget:,}: {a.plan.name}, peak {a.memory.peak_bytes:,} / {b.memory.peak_bytes:,}, "
-                  f"checkpointed {sum(u.activation_checkpointing for u in a.plan.units)}")
+                  f"checkpointed {sum(u.checkpoint.checkpoints for u in a.plan.units)}")
             assert a.plan == b.plan, (W, budget)
             assert a.memory.peak_bytes == b.memory.peak_bytes
             # step time is a sum of per-op seconds: equal to float rounding
@@ -319,7 +346,7 @@ def test_profile_workload_16_blocks_plans_as_the_full_capture():
     roomy = plan_fsdp(full, world_size=8, budget=2**34).memory.peak_bytes
     _same_plans(fast, full, (8, 64, 1024), (2**34, roomy // 2))
     tight = plan_fsdp(full, world_size=8, budget=roomy // 2).plan
-    assert any(u.activation_checkpointing for u in tight.units)         # the tight budget did exercise checkpointing
+    assert any(u.checkpoint.checkpoints for u in tight.units)         # the tight budget did exercise checkpointing
 
 
 @pytest.mark.slow

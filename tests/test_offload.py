@@ -156,7 +156,7 @@ def _checkpointed(m, reentrant):
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
-def test_activation_checkpointing(offload_tiny, reentrant):
+def test_checkpointed_blocks(offload_tiny, reentrant):
     zm = offload_tiny.zm
     m = _checkpointed(zm.build("cpu"), reentrant)
     g = capture(m, (offload_tiny.x,), loss_fn=zm.loss, targets=offload_tiny.y, mode="real")

@@ -17,8 +17,8 @@ NAN_SITES = [("nan_grad", "tok_embeddings"), ("nan_activation", "tok_embeddings"
              ("nan_activation", "layers.1.feed_forward.w2"), ("nan_activation", "layers.1.ffn_norm"),
              ("nan_activation", "norm"), ("nan_activation", "output"), ("nan_grad", "layers.1.feed_forward.w1"),
              ("nan_grad", "layers.0.attention.wo")]
-CONFIGS = {"fp32": {}, "bf16": dict(amp=True), "checkpoint": dict(checkpoint=True),
-           "bf16+checkpoint": dict(amp=True, checkpoint=True), "accum2": dict(accum=2, batch_size=4)}
+CONFIGS = {"fp32": {}, "bf16": dict(amp=True), "checkpoint": dict(checkpoint="full"),
+           "bf16+checkpoint": dict(amp=True, checkpoint="full"), "accum2": dict(accum=2, batch_size=4)}
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
@@ -34,6 +34,27 @@ def test_every_nan_localized_within_its_step(config, localize):
         assert loc is not None and loc.module == module, (config, kind, module, loc)
         assert loc.kind == "nan" and loc.phase == ("forward" if kind == "nan_activation" else "backward")
         assert run.records[7].action == "skip" and math.isfinite(run.eval_loss)
+
+
+def test_checkpointing_recomputes_and_keeps_the_losses():
+    """Blocks checkpointed through graph.policies.apply_checkpointing: the same losses as an unwrapped run, bit for bit
+    (the recompute runs the same fp32 ops), and backward really runs the checkpointed blocks' forward again: with full
+    checkpointing, every module call inside the 2 blocks once more per step; with every-2-layers, those of block 1 only,
+    half as many (the tiny model's 2 blocks are alike)."""
+    from torch.nn.modules.module import register_module_forward_hook
+    calls, key = {}, [None]
+    h = register_module_forward_hook(lambda m, a, o: calls.__setitem__(key[0], calls.get(key[0], 0) + 1))
+    runs = {}
+    try:
+        for p in ("none", "full", {"name": "layers", "every": 2}):
+            key[0] = json.dumps(p)
+            runs[key[0]] = run_stability(RunConfig(steps=4, pool=64, eval_batches=1, checkpoint=p), "unmonitored")
+    finally: h.remove()
+    none, full, layers = runs.values()
+    assert full.losses == none.losses and layers.losses == none.losses and full.eval_loss == none.eval_loss
+    c0, cf, cl = calls.values()
+    assert cf > c0 and cf - c0 == 2 * (cl - c0), (c0, cf, cl)
+    assert full.to_dict()["config"]["checkpoint"] == "full"
 
 
 def test_no_false_alarm_over_1000_clean_steps():

@@ -271,7 +271,7 @@ def _add_reduce_scatters(C: _Curves, profile: GraphProfile, lays, reduce_at: int
 # %% ../../nbs/40c_fsdp_memory.ipynb
 def _checkpointed(profile: GraphProfile, plan: FSDPPlan) -> list[str]:
     "The plan's checkpointed units, each one the profile models checkpointing for (else a PlanError)."
-    ckpt = [u.module for u in plan.units if u.module and u.activation_checkpointing]
+    ckpt = [u.module for u in plan.units if u.module and u.checkpoint.checkpoints]
     missing = [m for m in ckpt if m not in profile.checkpoint]
     if missing: raise PlanError(f"unit {missing[0]!r} is checkpointed, but the profile models checkpointing only for the "
                                 f"modules below the main stack or beside it ({len(profile.checkpoint)}): checkpoint its "

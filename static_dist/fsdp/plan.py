@@ -18,14 +18,27 @@ import torch.nn as nn
 from fastcore.basics import patch
 
 from ..cost.profile import GraphProfile, PlanError
-from ..graph.policies import CheckpointPolicy, FullCheckpoint, NoCheckpoint
-from ..validation import Fields, boolean, dtype_name, either, integer, list_of, optional, shown, string
+from ..graph.policies import CheckpointPolicy, FullCheckpoint, NoCheckpoint, PolicyError, parse_policy
+from ..validation import (Fields, boolean, dtype_name, either, integer, list_of, mapping, optional, shown,
+                                   string)
 from ..errors import errors_as
 from ..files import loads_json, read_json
 
 # %% auto 0
 __all__ = ['PLAN_SCHEMA', 'MAX_WORLD', 'MAX_PLAN_BYTES', 'FSDPUnit', 'FSDPPlan', 'block_units', 'innermost', 'unit_finder',
            'unit_of', 'validate']
+
+# %% ../../nbs/40b_fsdp_plan.ipynb
+_PRICED = (NoCheckpoint, FullCheckpoint)   # the policies fsdp.memory and fsdp.steptime price
+
+def _unit_policy(x) -> CheckpointPolicy:
+    "A unit's policy from a policy, its name or its JSON form; PlanError unless it is one the FSDP models price."
+    try: p = parse_policy(x)
+    except PolicyError as e: raise PlanError(str(e)) from None
+    if not isinstance(p, _PRICED):
+        raise PlanError(f"{p.label!r}: an FSDP unit is checkpointed whole ('full') or not ('none'); give a selective "
+                        "policy per block in a ParallelPlan's `ac`, whose memory and time models price it")
+    return p
 
 # %% ../../nbs/40b_fsdp_plan.ipynb
 @dataclass(frozen=True)
@@ -35,15 +48,14 @@ class FSDPUnit:
     "FQN of the module to shard ('' = the root model)."
     reshard_after_forward: bool | int = True
     "True: free unsharded params after forward; False: keep them to backward; int: reshard to that group size."
-    activation_checkpointing: bool = False
-    "Recompute this unit's activations in backward (full checkpointing) instead of saving them."
+    checkpoint: CheckpointPolicy = NoCheckpoint()
+    "How `apply_plan` checkpoints the unit: `NoCheckpoint()` or `FullCheckpoint()` (or its name, 'none' or 'full')."
     reason: str = ""
     "Why the planner chose this (or 'pinned by user')."
 
-    @property
-    def policy(self) -> CheckpointPolicy:
-        "The unit's checkpointing as a `graph.policies` object, what `apply_plan` applies: full, or none."
-        return FullCheckpoint() if self.activation_checkpointing else NoCheckpoint()
+    def __post_init__(self):
+        try: object.__setattr__(self, "checkpoint", _unit_policy(self.checkpoint))
+        except PlanError as e: raise PlanError(f"unit {self.module!r}: checkpoint {e}") from None
 
 # %% ../../nbs/40b_fsdp_plan.ipynb
 @dataclass(frozen=True)
@@ -88,8 +100,9 @@ PLAN_SCHEMA = "static_dist.fsdp_plan/1"
 
 @patch
 def to_dict(self: FSDPPlan) -> dict:
-    "The plan as plain data, with its schema name."
+    "The plan as plain data, with its schema name; each unit's policy in its JSON form (`CheckpointPolicy.to_json`)."
     d = dataclasses.asdict(self)
+    for u, du in zip(self.units, d["units"]): du["checkpoint"] = u.checkpoint.to_json()
     d["schema"] = PLAN_SCHEMA
     return d
 
@@ -116,7 +129,7 @@ def from_json(cls: FSDPPlan, s) -> FSDPPlan:
 # %% ../../nbs/40b_fsdp_plan.ipynb
 MAX_WORLD = 2**24
 MAX_PLAN_BYTES = 64 * 2**20   # a plan of 100k units is about 10 MB of JSON
-_UNIT_KEYS = tuple(f.name for f in dataclasses.fields(FSDPUnit))
+_UNIT_KEYS = (*(f.name for f in dataclasses.fields(FSDPUnit)), "activation_checkpointing")   # the second: older files
 _PLAN_KEYS = (*(f.name for f in dataclasses.fields(FSDPPlan)), "schema")
 
 # %% ../../nbs/40b_fsdp_plan.ipynb
@@ -125,12 +138,22 @@ _IGNORED = string(nonempty=True).named("a module FQN, not '' (that would leave t
 _RESHARD = either(boolean(), integer(2, MAX_WORLD)).named("true, false or a group size >= 2 that divides the shard size")
 _MESH = list_of(integer(1, MAX_WORLD), 1, 2).named("[world] for FSDP or [replicate, shard] for HSDP")
 _REASONS = list_of(list_of(string(), 2, 2).named("a [decision, why] pair of strings"))
+_POLICY = either(string(nonempty=True), mapping()).named('a checkpointing policy: "none", "full" or {"name": ...}')
 
 # %% ../../nbs/40b_fsdp_plan.ipynb
+def _checkpoint_from(f: Fields) -> CheckpointPolicy:
+    """A unit's `checkpoint`, a policy's JSON form. Files written before policies were objects say
+    `"activation_checkpointing": true` (full) or `false` (none) instead, and still load."""
+    if "activation_checkpointing" in f:
+        if "checkpoint" in f: f.fail("give `checkpoint` alone: this is its older form", "activation_checkpointing")
+        return FullCheckpoint() if f("activation_checkpointing", boolean()) else NoCheckpoint()
+    try: return _unit_policy(f("checkpoint", _POLICY, NoCheckpoint()))
+    except PlanError as e: f.fail(str(e), "checkpoint")
+
 def _unit_from(f: Fields) -> FSDPUnit:
     "One `units[i]` entry of a plan file, checked."
-    return FSDPUnit(f("module", _MODULE), f("reshard_after_forward", _RESHARD, True),
-                    f("activation_checkpointing", boolean(), False), f("reason", string(), ""))
+    return FSDPUnit(f("module", _MODULE), f("reshard_after_forward", _RESHARD, True), _checkpoint_from(f),
+                    f("reason", string(), ""))
 
 def _mesh_from(f: Fields) -> tuple[int, tuple[int, ...]]:
     "(world_size, mesh_shape), the mesh multiplying to the world."

@@ -19,6 +19,7 @@ from .plan import FSDPPlan, FSDPUnit, _prefixes, unit_of, validate
 from ..cost.profile import GraphProfile, PlanError, profile_graph, within
 from .steptime import CostModel, StepPrediction, default_cost_model, predict_step
 from ..graph import StaticGraph, fmt_bytes
+from ..graph.policies import CheckpointPolicy, FullCheckpoint, NoCheckpoint
 
 # %% auto 0
 __all__ = ['Overrides', 'candidate_unit_sets', 'Evaluated', 'PlanReport', 'evaluate', 'predict_plan', 'plan_fsdp',
@@ -33,13 +34,18 @@ class Overrides:
     units: tuple[str, ...] = ()
     "Modules that must be FSDP units, whatever the search prefers."
     pinned: dict = field(default_factory=dict)
-    "{module: {'reshard_after_forward': ..., 'activation_checkpointing': ...}}; a pinned module is also a forced unit."
+    "{module: {'reshard_after_forward': ..., 'checkpoint': 'none' or 'full'}}; a pinned module is also a forced unit."
     plan: FSDPPlan | None = None
     "A whole plan, evaluated exactly as written: nothing is searched (the other fields must then be empty)."
 
-    def to_dict(self) -> dict: return dataclasses.asdict(self)
+    def to_dict(self) -> dict:
+        "JSON-ready: pinned policies and the plan in their JSON forms."
+        js = lambda v: v.to_json() if isinstance(v, CheckpointPolicy) else v
+        return dict(ignored=list(self.ignored), units=list(self.units),
+                    pinned={m: {k: js(v) for k, v in s.items()} for m, s in self.pinned.items()},
+                    plan=None if self.plan is None else self.plan.to_dict())
 
-_PIN_KEYS = {"reshard_after_forward", "activation_checkpointing"}
+_PIN_KEYS = {"reshard_after_forward", "checkpoint"}
 
 # %% ../../nbs/40e_fsdp_search.ipynb
 def _check_overrides(ov: Overrides, profile: GraphProfile):
@@ -54,6 +60,7 @@ def _check_overrides(ov: Overrides, profile: GraphProfile):
     for n, s in ov.pinned.items():
         bad = set(s) - _PIN_KEYS
         if bad: raise PlanError(f"pinned settings for {n!r} have unknown keys {sorted(bad)}; use {sorted(_PIN_KEYS)}.")
+        if "checkpoint" in s: FSDPUnit(n, checkpoint=s["checkpoint"])   # a policy a unit takes, or its one-line error
 
 # %% ../../nbs/40e_fsdp_search.ipynb
 def _blocks(profile: GraphProfile) -> list[str]:
@@ -183,14 +190,14 @@ def _units(mods, blocks, *, reshard, ac_first: int, ov: Overrides, why: dict) ->
     out, ac_blocks = [], set(blocks[:ac_first])
     inner = [m for m in mods if m]
     for m in mods:
-        r, ac = True, False
+        r, ac = True, NoCheckpoint()
         if m and reshard == "last-kept" and m == inner[-1]: r = False
         if m and reshard == "none": r = False
         if m and isinstance(reshard, int) and not isinstance(reshard, bool): r = False if m == inner[-1] else reshard
-        if any(a in ac_blocks for a in _prefixes(m)): ac = True        # inside one of the first `ac_first` blocks
+        if any(a in ac_blocks for a in _prefixes(m)): ac = FullCheckpoint()   # in one of the first `ac_first` blocks
         pin = ov.pinned.get(m, {})
-        r, ac = pin.get("reshard_after_forward", r), pin.get("activation_checkpointing", ac)
-        out.append(FSDPUnit(m, r, bool(ac) and bool(m), "pinned by user" if pin else why.get(m, "")))
+        r, ac = pin.get("reshard_after_forward", r), pin.get("checkpoint", ac)
+        out.append(FSDPUnit(m, r, ac if m else NoCheckpoint(), "pinned by user" if pin else why.get(m, "")))
     return tuple(out)
 
 # %% ../../nbs/40e_fsdp_search.ipynb
@@ -319,9 +326,9 @@ def _search_reasons(plan: FSDPPlan, budget: int, sets: dict, sname: str, r, ac: 
              "none": "no unit reshards: one all-gather per unit per micro-batch instead of two, paid in memory"}
     reasons.append(("reshard_after_forward", r_txt.get(r, f"units reshard to groups of {r} ranks (one node) after "
                     f"forward: the backward all-gather stays on the node's fast links")))
-    if not ac: return [*reasons, ("activation_checkpointing", "none: the plan fits without recomputation")]
+    if not ac: return [*reasons, ("checkpoint", "none: the plan fits without recomputation")]
     e0 = by.get((sname, r, 0))
-    return [*reasons, ("activation_checkpointing", f"first {ac} of {len(blocks)} blocks recompute activations: "
+    return [*reasons, ("checkpoint", f"first {ac} of {len(blocks)} blocks recompute activations: "
                        f"without it the predicted peak is {_gib(e0.peak_bytes) if e0 else '?'} > budget "
                        f"{_gib(budget)}; fewer checkpointed blocks did not fit")]
 
@@ -355,7 +362,7 @@ def _unit_reasons(plan: FSDPPlan, prof: GraphProfile, blocks: list, searched: bo
         if u.module == "": parts.append("root: owns parameters no other unit takes; never resharded after forward")
         elif u.module in blocks: parts.append("repeated block: one all-gather/reduce-scatter bucket per block")
         else: parts.append("large leaf module: own bucket so the root does not hold it all step")
-        if u.activation_checkpointing: parts.append("checkpointed to fit the budget" if searched else "checkpointed")
+        if u.checkpoint.checkpoints: parts.append("checkpointed to fit the budget" if searched else "checkpointed")
         units.append(dataclasses.replace(u, reason="; ".join(parts)))
     return tuple(units)
 
@@ -385,13 +392,14 @@ def given_reasons(prof: GraphProfile, plan: FSDPPlan, budget: int | None = None)
     reasons = [("units", f"{len(plan.units)} units as written: the root, {nb} of {len(blocks)} repeated blocks"
                          + (f" and {len(inner) - nb} other modules" if len(inner) > nb else ""))]
     reasons.append(("reshard_after_forward", _reshard_reason(plan)))
-    ac = [u.module for u in plan.units if u.activation_checkpointing]
-    if not ac: reasons.append(("activation_checkpointing", "none"))
+    ac = [u.module for u in plan.units if u.checkpoint.checkpoints]
+    if not ac: reasons.append(("checkpoint", "none"))
     else:
-        off = dataclasses.replace(plan, units=tuple(dataclasses.replace(u, activation_checkpointing=False) for u in plan.units))
+        off = dataclasses.replace(plan, units=tuple(dataclasses.replace(u, checkpoint=NoCheckpoint())
+                                                    for u in plan.units))
         p0 = predict_memory(prof, off).peak_bytes
         vs = "" if budget is None else (f" > budget {_gib(budget)}" if p0 > budget else f" <= budget {_gib(budget)}: it fits without")
-        reasons.append(("activation_checkpointing", f"{len(ac)} units recompute activations ({', '.join(ac[:3])}"
+        reasons.append(("checkpoint", f"{len(ac)} units recompute activations ({', '.join(ac[:3])}"
                         f"{' ...' if len(ac) > 3 else ''}); without it the predicted peak is {_gib(p0)}{vs}"))
     return tuple(reasons + _setting_reasons(plan, prof, searched=False))
 

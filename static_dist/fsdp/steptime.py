@@ -191,7 +191,7 @@ def _micro_batch(segs, lays: dict, plan: FSDPPlan, cost: CostModel, sync: bool, 
         seq, p = (fseq, plan.forward_prefetch) if ph == FORWARD else (bseq, max(plan.backward_prefetch, 1))
         _gather_ahead(S, ph, o, seq, p, plan, lays, cost, units)
         ready = S.done.get((ph, o), 0.0)
-        if ph == BACKWARD and units[o].activation_checkpointing and (1, o, "rc") not in S.done:
+        if ph == BACKWARD and units[o].checkpoint.checkpoints and (1, o, "rc") not in S.done:
             S.done[(1, o, "rc")] = 1
             ready = S.compute(fwd.get(o, 0.0), ready, "recompute", o)
         S.compute(run(a, b), ready, ("forward", "backward")[ph], o)

@@ -61,7 +61,7 @@ def _under(fqn: str | None, prefixes: Sequence[str]) -> bool:
 
 def checkpointed_modules(fsdp_plan) -> tuple[str, ...]:
     "Modules an FSDP plan (`static_dist.fsdp.FSDPPlan`) puts under activation checkpointing, for `recomputed=`."
-    return tuple(u.module for u in getattr(fsdp_plan, "units", ()) if getattr(u, "activation_checkpointing", False))
+    return tuple(u.module for u in getattr(fsdp_plan, "units", ()) if u.checkpoint.checkpoints)
 
 # %% ../../nbs/50a_offload_lifetimes.ipynb
 def _op_starts(graph: StaticGraph, device) -> np.ndarray:

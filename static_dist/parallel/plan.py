@@ -121,9 +121,9 @@ def _check_fsdp(p: ParallelPlan) -> None:
     if tuple(f.mesh_shape) != want:
         raise ParallelPlanError(f"fsdp.mesh_shape {tuple(f.mesh_shape)}: the data-parallel mesh of {d} is {want} "
                                 "(dp_replicate, dp_shard x cp); make the FSDP plan for it")
-    if any(u.activation_checkpointing for u in f.units):
+    if any(u.checkpoint.checkpoints for u in f.units):
         raise ParallelPlanError("fsdp units ask for activation checkpointing: in a parallel plan it is per block, "
-                                "in `ac`; set activation_checkpointing=False on the units")
+                                "in `ac`; leave the units' `checkpoint` at NoCheckpoint()")
 
 def _check_self(p: ParallelPlan) -> None:
     if not isinstance(p.dims, ParallelDims): raise ParallelPlanError(f"dims must be a ParallelDims, not {type(p.dims).__name__}")

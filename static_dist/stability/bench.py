@@ -88,7 +88,7 @@ def stability_bench(config: RunConfig = RunConfig(), strategies: Sequence[str] =
             rows.append(_fault_row(run_stability(config, s, [f]), ref_losses, ref))
     summary = {s: _strategy_summary([r for r in rows if r["strategy"] == s], clean[s], clean_steps, ref) for s in strategies}
     say("overhead")
-    res = dict(config=asdict(config), faults=[asdict(f) for f in faults], clean_reference_loss=ref,
+    res = dict(config=config.to_dict(), faults=[asdict(f) for f in faults], clean_reference_loss=ref,
                entropy_rate=clean["unmonitored"].entropy_rate, summary=summary, runs=rows,
                overhead=_bench_overhead(config, strategies, overhead_steps))
     if configs: res.update(_distributed_and_configs(config, say))
@@ -96,8 +96,8 @@ def stability_bench(config: RunConfig = RunConfig(), strategies: Sequence[str] =
     return dict(bench="stability", environment=environment(), results=res)
 
 # %% ../../nbs/60f_stability_bench.ipynb
-CONFIGS = {"fp32": {}, "bf16 autocast": dict(amp=True), "checkpointing": dict(checkpoint=True),
-           "bf16 + checkpointing": dict(amp=True, checkpoint=True), "accumulation ×2": dict(accum=2, batch_size=4)}
+CONFIGS = {"fp32": {}, "bf16 autocast": dict(amp=True), "checkpointing": dict(checkpoint="full"),
+           "bf16 + checkpointing": dict(amp=True, checkpoint="full"), "accumulation ×2": dict(accum=2, batch_size=4)}
 
 def _localization_check(cfg: RunConfig, steps: int) -> dict:
     "A NaN gradient and a NaN activation at mid-run under `skip`: where and when each was found."

@@ -17,6 +17,7 @@ from fastcore.basics import patch
 
 from .faults import Fault
 from .mitigate import STRATEGIES, StepRecord, Strategy, Trainer
+from ..graph.policies import CheckpointPolicy, NoCheckpoint, apply_checkpointing, parse_policy
 from ..step import batch_loss, make_optimizer
 from ..structure import find_structure
 
@@ -41,8 +42,8 @@ class RunConfig:
     "Micro-batches per step (gradient accumulation)."
     amp: bool = False
     "bf16 autocast for forward and loss."
-    checkpoint: bool = False
-    "Activation checkpointing of every transformer block."
+    checkpoint: CheckpointPolicy = NoCheckpoint()
+    "How the blocks of the main stack are checkpointed: a `graph.policies` policy, its name ('full') or its JSON form."
     seed: int = 0
     "Initialisation and data seed."
     pool: int = 4096
@@ -55,6 +56,7 @@ class RunConfig:
     "torch.set_num_threads during the run (None: leave it). One thread: tiny steps do not gain from more, and on a shared CPU they lose."
 
     def __post_init__(self):
+        object.__setattr__(self, "checkpoint", parse_policy(self.checkpoint))
         for f in ("steps", "batch_size", "seq_len", "accum", "pool", "eval_batches", "snapshot_every"):
             v = getattr(self, f)
             if not (isinstance(v, int) and v >= 1): raise ValueError(f"RunConfig.{f}={v!r}: use an int >= 1.")
@@ -95,6 +97,11 @@ def summary(self: RunReport) -> dict:
 
 # %% ../../nbs/60e_stability_run.ipynb
 @patch
+def to_dict(self: RunConfig) -> dict:
+    "The config as JSON-ready data, its checkpointing policy in its JSON form."
+    return {**asdict(self), "checkpoint": self.checkpoint.to_json()}
+
+@patch
 def to_dict(self: RunReport) -> dict:
     "The whole report as JSON-ready data (NaN kept as NaN)."
     return json.loads(self.to_json())
@@ -102,18 +109,14 @@ def to_dict(self: RunReport) -> dict:
 @patch
 def to_json(self: RunReport) -> str:
     "The whole report as JSON text (NaN kept as NaN; what JSON cannot hold, as its string)."
-    return json.dumps(asdict(self), default=str, allow_nan=True)
+    return json.dumps({**asdict(self), "config": self.config.to_dict()}, default=str, allow_nan=True)
 
 # %% ../../nbs/60e_stability_run.ipynb
-def _checkpoint_blocks(model: torch.nn.Module) -> None:
-    "Wrap every block of the model's main stack in `checkpoint_wrapper` (non-reentrant), in place."
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+def _checkpoint_blocks(model: torch.nn.Module, policy: CheckpointPolicy) -> None:
+    "Checkpoint each block of the model's main stack as `policy` says for it (`apply_checkpointing`), in place."
     st = find_structure(model).main
     if st is None: raise ValueError(f"{type(model).__name__} has no stack of repeated blocks to checkpoint; run without checkpoint.")
-    for fqn in st.blocks:
-        parent, _, name = fqn.rpartition(".")
-        owner = model.get_submodule(parent)
-        setattr(owner, name, checkpoint_wrapper(owner.get_submodule(name), checkpoint_impl=CheckpointImpl.NO_REENTRANT))
+    for i, fqn in enumerate(st.blocks): apply_checkpointing(model.get_submodule(fqn), policy, i)
 
 def _build_lm(config: RunConfig):
     "(workload, built model) for a language-model run; typed errors for a model the run cannot train."
@@ -123,7 +126,7 @@ def _build_lm(config: RunConfig):
         raise ValueError(f"model {config.model!r} does not take token ids; the stability runs train a language model "
                          "on Markov-chain tokens (e.g. 'tiny', examples/gpt.py:GPT or an hf: causal LM)")
     model = w.build_model(device="cpu", seed=config.seed)
-    if config.checkpoint: _checkpoint_blocks(model)
+    if config.checkpoint != NoCheckpoint(): _checkpoint_blocks(model, config.checkpoint)
     return w, model
 
 # %% ../../nbs/60e_stability_run.ipynb
