@@ -142,6 +142,7 @@ def titan_job(name_or_config, *, layers: int | None = None, seq_len: int | None 
     degrees = {"data_parallel_shard_degree": dp_shard, "tensor_parallel_degree": tp,
                "data_parallel_replicate_degree": dp_replicate, "enable_sequence_parallel": sequence_parallel}
     _cut(c, layers, seq_len, local_batch, degrees, ac, attention)
+    c.model_spec.model.update_from_config(config=c)   # what torchtitan's Trainer does: TP per module config
     return _record(name, c)
 
 # %% ../nbs/07_titan.ipynb
@@ -200,8 +201,10 @@ def _dims(job: TitanJob, world: int):
 # %% ../nbs/07_titan.ipynb
 def apply_titan(job: TitanJob, world: int) -> torch.nn.Module:
     "The job's model on meta with torchtitan's own parallelize function applied (inside a process group of `world`)."
+    from torchtitan.distributed.utils import set_spmd_backend
     c = job.config
     par = dataclasses.replace(c.parallelism, spmd_backend="partial_dtensor")
+    set_spmd_backend("partial_dtensor")      # torchtitan's Trainer sets it (trainer.py); its loss asserts it
     with tempfile.TemporaryDirectory() as d, quiet_torch_logs():
         return c.model_spec.parallelize_fn(titan_model(job), parallel_dims=_dims(job, world), training=c.training,
                                            parallelism=par, compile_config=c.compile,
