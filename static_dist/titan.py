@@ -194,7 +194,8 @@ def _dims(job: TitanJob, world: int):
     rest = job.dp_replicate * job.cp * job.tp
     shard = job.dp_shard if job.dp_shard > 0 else world // rest
     if rest * shard != world:
-        raise TitanError(f"world {world} != dp_replicate {job.dp_replicate} x dp_shard {shard} x cp {job.cp} x tp {job.tp}")
+        raise TitanError(f"world {world} != dp_replicate {job.dp_replicate} x dp_shard {shard} x cp {job.cp} "
+                         f"x tp {job.tp}")
     return ParallelDims(dp_replicate=job.dp_replicate, dp_shard=shard, cp=job.cp, tp=job.tp, pp=1, ep=1,
                         world_size=world, spmd_backend="partial_dtensor")
 
