@@ -220,6 +220,58 @@ def _step(m, opt, x, y):
     titan_loss(m(x), y).backward(); opt.step(); opt.zero_grad()
 
 # %% ../nbs/07_titan.ipynb
+def _forward_hooks(st, module, pre, post):
+    "Register FSDP state `st`'s forward hooks `pre`/`post` as FSDP does: on its one module, or as one group hook."
+    from torch.distributed.fsdp._fully_shard._fsdp_state import _register_group_forward_hooks
+    if len(st._modules) == 1:
+        st._pre_forward_hook_handle = module.register_forward_pre_hook(pre, prepend=True, with_kwargs=True)
+        st._post_forward_hook_handle = module.register_forward_hook(post, prepend=False, always_call=True)
+    else:
+        h = _register_group_forward_hooks(st._modules, pre, post, st._modules_to_run_forward, st._cast_output_dtype)
+        st._pre_forward_hook_handle = st._post_forward_hook_handle = h
+
+def _remove_forward_hooks(st):
+    st._pre_forward_hook_handle.remove()
+    if st._post_forward_hook_handle is not st._pre_forward_hook_handle: st._post_forward_hook_handle.remove()
+
+def _group_tracker(model, opt):
+    "An FSDPMemTracker of `model` that instruments each FSDP state once (multi-module groups kept; see above)."
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType, _SavedFSDPMethods
+    from torch.distributed.fsdp import FSDPModule
+
+    class _GroupTracker(FSDPMemTracker):
+        def _states(self):
+            out = {}
+            for m in self._root_mod.modules():
+                if isinstance(m, FSDPModule) and (st := m._get_fsdp_state())._fsdp_param_group is not None:
+                    out.setdefault(id(st), (m, st))
+            return out.values()
+
+        def _instrument_fsdp_module(self) -> None:
+            for m, st in self._states():
+                pg = st._fsdp_param_group
+                _remove_forward_hooks(st)
+                self._instrument_fsdp_sharded_params_grads(pg)
+                _forward_hooks(st, m, self._fsdp_state_pre_forward(m, st._pre_forward),
+                               self._fsdp_state_post_forward(m, st._post_forward))
+                self._fsdp_mod_to_saved_methods[m] = _SavedFSDPMethods(pg.pre_backward, pg.post_backward)
+                pg.pre_backward = self._fsdp_param_group_pre_backward(m, pg.pre_backward)
+                pg.post_backward = self._fsdp_param_group_post_backward(m, pg.post_backward)
+            for b in self._root_mod.buffers(): self._update_and_maybe_create_winfos(b, _FSDPRefType.BUFFER)
+
+        def _deregister_module_and_optimizer_hooks(self) -> None:
+            for m, saved in self._fsdp_mod_to_saved_methods.items():
+                st = m._get_fsdp_state()
+                _remove_forward_hooks(st)
+                _forward_hooks(st, m, st._pre_forward, st._post_forward)
+                st._fsdp_param_group.pre_backward, st._fsdp_param_group.post_backward = saved
+            self._fsdp_mod_to_saved_methods.clear()
+            for h in self._optimizer_hook_handles or (): h.remove()
+            self._optimizer_hook_handles = None
+
+    return _GroupTracker(model, opt)
+
+# %% ../nbs/07_titan.ipynb
 def _peak(fmt) -> tuple[int, dict]:
     "(total, {category: bytes}) of FSDPMemTracker's peak snapshot, summed over devices."
     kinds: dict = {}
@@ -230,7 +282,6 @@ def _peak(fmt) -> tuple[int, dict]:
 def measure_titan(job: TitanJob, world: int) -> TitanMeasurement:
     "Two steps of `job` laid out by torchtitan at `world` fake ranks; the second's rank-0 peak and collectives."
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     t0 = time.perf_counter()
     with process_group(fake_world=world):
         m, dims = apply_titan(job, world), _dims(job, world)
@@ -239,7 +290,7 @@ def measure_titan(job: TitanJob, world: int) -> TitanMeasurement:
             to_empty_tied(m, "cpu")
             opt = _adamw(job, m.parameters())
             (x,), _, y = _tokens(job.vocab)(job.local_batch, job.seq_len)
-            fmt = FSDPMemTracker(m, opt); fmt.track_inputs((x, y))
+            fmt = _group_tracker(m, opt); fmt.track_inputs((x, y))
             with fmt: _step(m, opt, x, y)
             fmt.reset_mod_stats()
             with fmt, comm_counter() as cdm: _step(m, opt, x, y)

@@ -54,7 +54,10 @@ def test_fsdp_only_memory(fsdp8):
     ratio = pred / m.peak_bytes
     print(f"FSDP 8, 8B width x {LAYERS} layers, seq {SEQ}: predicted {pred} / measured {m.peak_bytes} = {ratio:.4f}")
     if abs(ratio - 1) > 0.01:
-        pytest.xfail(f"predicted/measured = {ratio:.4f} (not yet explained; see the titan helper's report)")
+        pytest.xfail(f"predicted/measured = {ratio:.4f}: static_dist's peak is at tok_embeddings' backward, where it "
+                     "still counts that unit's all-gather output (1,050,673,152 B); FSDP2 frees it right after the "
+                     "copy-out in backward (FSDPParamGroup.wait_for_unshard). Its curve at lm_head's backward, where "
+                     "the measured peak is, is 6,203,046,937 B (1.0013)")
     assert abs(ratio - 1) <= 0.01
 
 
@@ -62,8 +65,37 @@ def test_fsdp_only_collectives(fsdp8):
     _, m, _, counts = fsdp8
     measured = {f"dp.{k}": v for k, v in m.collectives.items() if v}
     print("measured", measured, "predicted", counts)
-    if measured != counts: pytest.xfail(f"collectives differ: measured {measured}, predicted {counts}")
+    assert measured == {"dp.all_gather": 7, "dp.reduce_scatter": 4}  # by hand: forward tok, 2 blocks, [norm, lm_head];
+    # backward the 2 blocks and tok ([norm, lm_head] is not resharded after forward); one reduce-scatter per group
+    if measured != counts:
+        pytest.xfail(f"measured {measured}, predicted {counts}: torchtitan shards [norm, lm_head] as one group; "
+                     "static_dist's FSDPUnit is one module, so norm goes to the root unit (one more of each)")
     assert measured == counts
+
+
+def test_group_tracker_is_faithful(fsdp8):
+    "measure_titan's tracker keeps torchtitan's [norm, lm_head] group whole: its peak equals MemTracker's (which "
+    "does not touch FSDP's hooks) and its collectives those of an untracked step."
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from static_dist.cost.measure import comm_counter, comm_counts, to_empty_tied
+    from static_dist.launch import process_group
+    from static_dist.titan import apply_titan, titan_loss
+    job, m, _, _ = fsdp8
+    with process_group(fake_world=8):
+        model = apply_titan(job, 8)
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            to_empty_tied(model, "cpu")
+            opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+            x, y = torch.randint(0, job.vocab, (1, SEQ)), torch.randint(0, job.vocab, (1, SEQ))
+            def step(): titan_loss(model(x), y).backward(); opt.step(); opt.zero_grad()
+            mt = MemTracker(); mt.track_external(model, opt, x, y)
+            with mt: step()
+            mt.reset_mod_stats()
+            with mt, comm_counter() as cdm: step()
+    assert sum(d["Total"] for d in mt.get_tracker_snapshot("peak").values()) == m.peak_bytes
+    assert comm_counts(cdm) == m.collectives
 
 
 def test_fsdp_tp2_sp_loss_parallel():
