@@ -110,10 +110,12 @@ def test_fsdp_tp2_sp_loss_parallel():
     styles = (("attention.qkv_linear.wqkv", "colwise"), ("attention.wo", "rowwise"),
               ("feed_forward.w1", "colwise"), ("feed_forward.w3", "colwise"), ("feed_forward.w2", "rowwise"))
     plan = ParallelPlan(dims=ParallelDims(dp_shard=4, tp=2), tp_styles=styles, fsdp=_fsdp(4, job))
-    from static_dist.parallel import ParallelPlanError
-    print(f"FSDP 4 x TP 2 (SP, loss parallel): measured {m.peak_bytes}", m.ops)
-    try: pred, counts = _predict(job, plan)
-    except ParallelPlanError as e: pytest.xfail(f"no static_dist prediction for torchtitan's TP layout yet: {e}")
+    pred, counts = _predict(job, plan)
     ratio = pred / m.peak_bytes
-    print(f"predicted {pred} / measured {m.peak_bytes} = {ratio:.4f}; predicted {counts}")
-    pytest.xfail(f"static_dist models TP without sequence/loss parallelism: predicted/measured = {ratio:.4f}")
+    print(f"FSDP 4 x TP 2 (SP, loss parallel): predicted {pred} / measured {m.peak_bytes} = {ratio:.4f};",
+          "measured", m.ops, "predicted", counts)
+    # torchtitan's TP also shards tok_embeddings (rowwise) and lm_head (colwise, loss parallel): its sharded
+    # parameters are 1/8 of the model, as at FSDP 8; static_dist's closest plan shards only the blocks' linears
+    assert m.by_kind["SHARDED_PARAM"] < 1.001 * 743450624
+    pytest.xfail(f"static_dist models TP of the blocks only, without sequence/loss parallelism or the vocabulary "
+                 f"matrices: predicted/measured = {ratio:.4f}")
