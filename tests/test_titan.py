@@ -119,3 +119,10 @@ def test_fsdp_tp2_sp_loss_parallel():
     assert m.by_kind["SHARDED_PARAM"] < 1.001 * 743450624
     pytest.xfail(f"static_dist models TP of the blocks only, without sequence/loss parallelism or the vocabulary "
                  f"matrices: predicted/measured = {ratio:.4f}")
+
+
+def test_missing_torchtitan_says_how_to_install(monkeypatch):
+    import sys
+    from static_dist.titan import TitanError, titan_job
+    monkeypatch.setitem(sys.modules, "torchtitan.models.llama3", None)    # import of it fails as if not installed
+    with pytest.raises(TitanError, match=r'pip install "static_dist\[titan\]"'): titan_job("llama3_8b")
