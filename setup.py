@@ -21,6 +21,7 @@ setuptools.setup(
     extras_require={'plot': cfg['plot_requirements'].split(),
                     'export': cfg['export_requirements'].split(),
                     'hf': cfg['hf_requirements'].split(),
+                    'titan': cfg['titan_requirements'].split(),
                     'dev': cfg['dev_requirements'].split()},
     entry_points={'console_scripts': cfg['console_scripts'].split(),
                   'nbdev': [f"{cfg['lib_path']}={cfg['lib_path']}._modidx:d"]},

@@ -164,7 +164,7 @@ def find_structure(model: nn.Module) -> ModelStructure:
     "Every stack of identically structured blocks in `model` (any depth), most parameters first; works on meta."
     sig, stacks = _signatures(model), []
     for path, m in model.named_modules():
-        if isinstance(m, (nn.ModuleList, nn.Sequential)):
+        if isinstance(m, (nn.ModuleList, nn.Sequential, nn.ModuleDict)):
             stacks += [_stack(model, path, run) for run in _runs([(n, c) for n, c in m._modules.items() if c is not None], sig)]
     stacks.sort(key=lambda s: (-s.params_per_block * len(s.blocks), _natural(s.path), _natural(s.blocks[0])))
     return ModelStructure(tuple(stacks))
