@@ -15,8 +15,10 @@ from .apply import *
 from .verify import *
 from .pipeline import *
 from .run import *
+from .plots import *
 from . import apply as _apply, memory as _memory, plan as _plan, schedule as _schedule, search as _search
-from . import pipeline as _pipeline, run as _run, time as _time, verify as _verify
+from . import pipeline as _pipeline, plots as _plots, run as _run, time as _time
+from . import verify as _verify
 
 # %% ../../nbs/45_parallel.ipynb
 import math
@@ -102,5 +104,5 @@ def parallel_widget(g: StaticGraph, topo=None, world: int = 8, budget_mib: float
 
 # %% ../../nbs/45_parallel.ipynb
 __all__ = [*_plan.__all__, *_schedule.__all__, *_memory.__all__, *_time.__all__, *_search.__all__, *_apply.__all__, *_verify.__all__,
-           *_pipeline.__all__, *_run.__all__,
+           *_pipeline.__all__, *_run.__all__, *_plots.__all__,
            "layout_figure", "parallel_widget"]
