@@ -23,8 +23,9 @@ class MdTable(str):
 
 def md_table(header: list, rows: list) -> MdTable:
     "A markdown table of `rows` (lists of cells) under `header`; numeric columns right-aligned."
-    num = [all(isinstance(r[i], (int, float)) for r in rows) and bool(rows) for i in range(len(header))]
-    fmt = lambda v: f"{v:,}" if isinstance(v, int) else f"{v:.4g}" if isinstance(v, float) else str(v)
+    isnum = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+    num = [bool(rows) and all(isnum(r[i]) for r in rows) for i in range(len(header))]
+    fmt = lambda v: str(v) if not isnum(v) else f"{v:,}" if isinstance(v, int) else f"{v:.4g}"
     lines = ["| " + " | ".join(map(str, header)) + " |", "|" + "|".join("---:" if n else "---" for n in num) + "|"]
     return MdTable("\n".join(lines + ["| " + " | ".join(fmt(v) for v in r) + " |" for r in rows]))
 
@@ -78,8 +79,8 @@ def plot_rank_memory(mem: ParallelMemory, measured: dict | None = None, ax=None)
             bottom += b.get(c, 0) / scale
     ax.set_xticks(range(len(bars)), [n for n, _ in bars], fontsize=8)
     ax.set_ylabel(f"{unit} at the rank's peak")
-    ax.set_title(f"{mem.plan.name}: memory at each pipeline rank's peak, by category" + (" (hatched: FSDPMemTracker)"
-                 if measured else ""), fontsize=9)
+    ax.set_title(f"{mem.plan.name}: memory at each pipeline rank's peak, by category"
+                 + ("\n(hatched: measured by FSDPMemTracker)" if measured else ""), fontsize=9)
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     fig.tight_layout()
     return fig
