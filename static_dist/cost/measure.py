@@ -88,13 +88,14 @@ def to_empty_tied(m: nn.Module, device) -> nn.Module:
 
 # %% ../../nbs/06c_cost_measure.ipynb
 def peak_by_category(tracker) -> dict[str, int]:
-    "A MemTracker's (or FSDPMemTracker's) snapshot at its peak as {category name: bytes} over every device, with 'Total'."
+    "A MemTracker's (or FSDPMemTracker's) snapshot at its peak as {category: bytes} over every device, with 'Total'."
     out: dict[str, int] = {}
     for snap in tracker.get_tracker_snapshot("peak").values():
         for k, v in snap.items(): out[getattr(k, "value", k)] = out.get(getattr(k, "value", k), 0) + v
     return out
 
-def measure_step_by_category(m: nn.Module, plan, inputs, kwargs, targets, loss_fn, optimizer: str) -> tuple[dict, object]:
+def measure_step_by_category(m: nn.Module, plan, inputs, kwargs, targets, loss_fn,
+                             optimizer: str) -> tuple[dict, object]:
     """`measure_step` with the peak by the tracker's categories (`peak_by_category`: FSDPMemTracker's 'Sharded Param',
     'All Gather', ..., or MemTracker's 'Parameter', ..., and 'Total'), and the second step's CommDebugMode."""
     from torch._subclasses.fake_tensor import FakeTensorMode

@@ -74,8 +74,9 @@ def plot_rank_memory(mem: ParallelMemory, measured: dict | None = None, ax=None)
     for x, (_, b) in enumerate(bars):
         bottom = 0.0
         for c in CATEGORIES:
-            ax.bar(x, b.get(c, 0) / scale, bottom=bottom, width=0.6, color=CATEGORY_COLORS[c], label=c if x == 0 else None,
-                   hatch="//" if "measured" in bars[x][0] else None, edgecolor="white", linewidth=0.3)
+            ax.bar(x, b.get(c, 0) / scale, bottom=bottom, width=0.6, color=CATEGORY_COLORS[c],
+                   label=c if x == 0 else None, hatch="//" if "measured" in bars[x][0] else None,
+                   edgecolor="white", linewidth=0.3)
             bottom += b.get(c, 0) / scale
     ax.set_xticks(range(len(bars)), [n for n, _ in bars], fontsize=8)
     ax.set_ylabel(f"{unit} at the rank's peak")
@@ -101,7 +102,8 @@ def plot_step_terms(step: StepTime, measured_seconds: float | None = None, ax=No
         left += step.terms[t] * 1e3
     for a, s in step.comm.items():
         if s > 0:
-            rows.append(f"{a} comm (busy)"); ax.barh(len(rows) - 1, s * 1e3, color=_AXIS_COLORS[a], height=0.4, alpha=0.7)
+            rows.append(f"{a} comm (busy)")
+            ax.barh(len(rows) - 1, s * 1e3, color=_AXIS_COLORS[a], height=0.4, alpha=0.7)
     if measured_seconds is not None:
         rows.append("measured step"); ax.barh(len(rows) - 1, measured_seconds * 1e3, color="#333333", height=0.6)
     ax.set_yticks(range(len(rows)), rows, fontsize=8); ax.invert_yaxis()
@@ -113,9 +115,9 @@ def plot_step_terms(step: StepTime, measured_seconds: float | None = None, ax=No
     return fig
 
 # %% ../../nbs/45i_parallel_plots.ipynb
-def schedule_timeline(plan: ParallelPlan, f: float = 1.0, b: float = 2.0) -> list[tuple[int, str, int, int, float, float]]:
-    """(pp rank, "F" or "B", stage, micro-batch, start, end) of every action of every rank, each rank's in its schedule's
-    order, placed by the dependency walk above with forwards of `f` and backwards of `b` time units."""
+def schedule_timeline(plan: ParallelPlan, f: float = 1.0, b: float = 2.0) -> list[tuple]:
+    """(pp rank, "F" or "B", stage, micro-batch, start, end) of every action of every rank, each rank's in its
+    schedule's order, placed by the dependency walk above with forwards of `f` and backwards of `b` time units."""
     pp, n_st = plan.dims.pp, max(len(plan.stages), 1)
     todo = {r: list(schedule_actions(plan, r)) for r in range(pp)}
     done, free, out = {}, [0.0] * pp, []
@@ -130,7 +132,7 @@ def schedule_timeline(plan: ParallelPlan, f: float = 1.0, b: float = 2.0) -> lis
                 start = max([free[r], *(done[d] for d in deps)])
                 done[k, s, j] = free[r] = start + (f if k == "F" else b)
                 out.append((r, k, s, j, start, free[r])); todo[r].pop(0); moved = True
-        if not moved: raise ParallelPlanError(f"schedule {plan.schedule}: the ranks' orders wait on each other (deadlock)")
+        if not moved: raise ParallelPlanError(f"schedule {plan.schedule}: the ranks' orders wait on each other")
     return out
 
 def idle_fraction(timeline: list) -> float:
