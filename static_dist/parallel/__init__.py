@@ -27,9 +27,8 @@ from ..graph import StaticGraph, fmt_bytes
 from ..harness import View, harness, harness_figure, widgets
 
 # %% ../../nbs/45_parallel.ipynb
-_MEM_COLORS = {"sharded_params": "#4c72b0", "optimizer_state": "#8172b2", "unsharded_params": "#64b5cd",
-               "all_gather": "#ccb974", "gradients": "#dd8452", "reduce_scatter": "#c44e52", "activations": "#55a868"}
-_TIME_COLORS = dict(zip(TIME_TERMS, ("#4c72b0", "#dd8452", "#937860", "#c44e52", "#8172b2", "#ccb974", "#8c8c8c", "#64b5cd", "#55a868")))
+from ..fsdp.memory import CATEGORY_COLORS as _MEM_COLORS   # the FSDP chapter's colours, as plots draws them
+_TIME_COLORS = TERM_COLORS
 
 # %% ../../nbs/45_parallel.ipynb
 def layout_figure(mem: ParallelMemory, step: StepTime, budget: int):
@@ -45,7 +44,7 @@ def layout_figure(mem: ParallelMemory, step: StepTime, budget: int):
     ax_m.axhline(budget / scale, color="r", ls="--", lw=1, label="budget")
     ax_m.set_xticks(range(len(mem.ranks)), [f"pp rank {r}" for r in range(len(mem.ranks))])
     ax_m.set_ylabel(f"{unit} at the peak"); ax_m.set_ylim(0, 1.25 * max(mem.peak_bytes, budget) / scale)
-    ax_m.legend(fontsize=6, ncol=4, loc="upper left")
+    ax_m.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)   # beside, not on the bars
     left = 0.0
     for term in TIME_TERMS:
         v = step.terms[term] * 1e3
