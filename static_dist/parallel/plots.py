@@ -104,6 +104,7 @@ def plot_step_terms(step: StepTime, measured_seconds: float | None = None, ax=No
         if s > 0:
             rows.append(f"{a} comm (busy)")
             ax.barh(len(rows) - 1, s * 1e3, color=_AXIS_COLORS[a], height=0.4, alpha=0.7)
+            ax.text(s * 1e3, len(rows) - 1, f" {s * 1e3:.3g} ms", va="center", fontsize=7)   # readable when tiny
     if measured_seconds is not None:
         rows.append("measured step"); ax.barh(len(rows) - 1, measured_seconds * 1e3, color="#333333", height=0.6)
     ax.set_yticks(range(len(rows)), rows, fontsize=8); ax.invert_yaxis()
@@ -145,7 +146,7 @@ def plot_schedule(plan: ParallelPlan, ax=None):
     "The pipeline schedule's timeline (`schedule_timeline`, schematic: F = 1, B = 2): a row per pipeline rank."
     if plan.dims.pp == 1: raise ParallelPlanError("plot_schedule: the plan has no pipeline (pp=1)")
     tl = schedule_timeline(plan)
-    fig, ax = _figure(ax, 7, 0.5 + 0.45 * plan.dims.pp)
+    fig, ax = _figure(ax, 7, max(1.8, 0.6 + 0.45 * plan.dims.pp))
     for r, k, s, j, a, e in tl:
         ax.barh(r, e - a, left=a, height=0.8, color="#4c72b0" if k == "F" else "#dd8452", edgecolor="white",
                 label={"F": "forward (1)", "B": "backward (2)"}[k] if (r, j) == (0, 0) else None)
