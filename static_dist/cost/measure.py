@@ -15,7 +15,7 @@ from ..graph import explain_failure, quiet_torch_logs
 from ..step import MicroBatch, make_optimizer, train_step
 
 # %% auto 0
-__all__ = ['comm_counter', 'comm_counts', 'to_empty_tied', 'measure_step']
+__all__ = ['comm_counter', 'comm_counts', 'to_empty_tied', 'peak_by_category', 'measure_step_by_category', 'measure_step']
 
 # %% ../../nbs/06c_cost_measure.ipynb
 def _one_step(m, opt, inputs, kwargs, targets, loss_fn, plan):
@@ -87,9 +87,17 @@ def to_empty_tied(m: nn.Module, device) -> nn.Module:
 
 
 # %% ../../nbs/06c_cost_measure.ipynb
-def measure_step(m: nn.Module, plan, inputs, kwargs, targets, loss_fn, optimizer: str) -> tuple[int, object]:
-    """Materialise the (sharded, meta-device) `m` under FakeTensorMode and track two steps of `plan`'s micro-batches:
-    (the second's peak on rank 0 by FSDPMemTracker, or MemTracker for a model FSDP does not wrap; its CommDebugMode)."""
+def peak_by_category(tracker) -> dict[str, int]:
+    "A MemTracker's (or FSDPMemTracker's) snapshot at its peak as {category: bytes} over every device, with 'Total'."
+    out: dict[str, int] = {}
+    for snap in tracker.get_tracker_snapshot("peak").values():
+        for k, v in snap.items(): out[getattr(k, "value", k)] = out.get(getattr(k, "value", k), 0) + v
+    return out
+
+def measure_step_by_category(m: nn.Module, plan, inputs, kwargs, targets, loss_fn,
+                             optimizer: str) -> tuple[dict, object]:
+    """`measure_step` with the peak by the tracker's categories (`peak_by_category`: FSDPMemTracker's 'Sharded Param',
+    'All Gather', ..., or MemTracker's 'Parameter', ..., and 'Total'), and the second step's CommDebugMode."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
@@ -111,4 +119,10 @@ def measure_step(m: nn.Module, plan, inputs, kwargs, targets, loss_fn, optimizer
                 with fmt, comm_counter() as cdm, where: _one_step(m, opt, inputs, kwargs, targets, loss_fn, plan)
         except PlanError: raise
         except Exception as e: raise explain_failure(e, "the FSDP step under FSDPMemTracker", where.failed_in) from None
-    return int(sum(d["Total"] for d in fmt.get_tracker_snapshot("peak").values())), cdm
+    return peak_by_category(fmt), cdm
+
+def measure_step(m: nn.Module, plan, inputs, kwargs, targets, loss_fn, optimizer: str) -> tuple[int, object]:
+    """Materialise the (sharded, meta-device) `m` under FakeTensorMode and track two steps of `plan`'s micro-batches:
+    (the second's peak on rank 0 by FSDPMemTracker, or MemTracker for a model FSDP does not wrap; its CommDebugMode)."""
+    cats, cdm = measure_step_by_category(m, plan, inputs, kwargs, targets, loss_fn, optimizer)
+    return int(cats["Total"]), cdm

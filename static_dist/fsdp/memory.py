@@ -20,7 +20,8 @@ from ..graph.records import BACKWARD, OPTIMIZER
 
 
 # %% auto 0
-__all__ = ['CATEGORIES', 'shard_numel', 'UnitLayout', 'layout', 'MemoryPrediction', 'predict_memory', 'plot_fsdp_memory']
+__all__ = ['CATEGORIES', 'CATEGORY_COLORS', 'shard_numel', 'UnitLayout', 'layout', 'MemoryPrediction', 'predict_memory',
+           'plot_fsdp_memory']
 
 # %% ../../nbs/40c_fsdp_memory.ipynb
 CATEGORIES = ("sharded_params", "optimizer_state", "unsharded_params", "all_gather", "gradients", "reduce_scatter",
@@ -346,7 +347,7 @@ def predict_memory(profile: GraphProfile, plan: FSDPPlan, *, reduce_after_backwa
                             profile.op_module[i], {c: int(v[i]) for c, v in curves.items()}, curves)
 
 # %% ../../nbs/40c_fsdp_memory.ipynb
-_CAT_COLORS = {"sharded_params": "#4c72b0", "optimizer_state": "#8172b2", "unsharded_params": "#64b5cd",
+CATEGORY_COLORS = {"sharded_params": "#4c72b0", "optimizer_state": "#8172b2", "unsharded_params": "#64b5cd",
                "all_gather": "#ccb974", "gradients": "#dd8452", "reduce_scatter": "#c44e52", "activations": "#55a868"}
 
 def plot_fsdp_memory(mem: MemoryPrediction, ax=None, budget: int | None = None, title: str | None = None):
@@ -356,7 +357,7 @@ def plot_fsdp_memory(mem: MemoryPrediction, ax=None, budget: int | None = None, 
     ax = ax or fig.add_subplot()
     x = np.arange(len(mem.curves["activations"]))
     ax.stackplot(x, *[mem.curves[c] / 2**30 for c in CATEGORIES], labels=CATEGORIES,
-                 colors=[_CAT_COLORS[c] for c in CATEGORIES], linewidth=0)
+                 colors=[CATEGORY_COLORS[c] for c in CATEGORIES], linewidth=0)
     ax.axvline(mem.peak_op, color="k", lw=0.6, ls=":")
     if budget: ax.axhline(budget / 2**30, color="r", lw=1, label="budget")
     ax.set_xlabel("op index (forward → backward → optimizer)"); ax.set_ylabel("GiB on rank 0")

@@ -15,8 +15,10 @@ from .apply import *
 from .verify import *
 from .pipeline import *
 from .run import *
+from .plots import *
 from . import apply as _apply, memory as _memory, plan as _plan, schedule as _schedule, search as _search
-from . import pipeline as _pipeline, run as _run, time as _time, verify as _verify
+from . import pipeline as _pipeline, plots as _plots, run as _run, time as _time
+from . import verify as _verify
 
 # %% ../../nbs/45_parallel.ipynb
 import math
@@ -25,9 +27,8 @@ from ..graph import StaticGraph, fmt_bytes
 from ..harness import View, harness, harness_figure, widgets
 
 # %% ../../nbs/45_parallel.ipynb
-_MEM_COLORS = {"sharded_params": "#4c72b0", "optimizer_state": "#8172b2", "unsharded_params": "#64b5cd",
-               "all_gather": "#ccb974", "gradients": "#dd8452", "reduce_scatter": "#c44e52", "activations": "#55a868"}
-_TIME_COLORS = dict(zip(TIME_TERMS, ("#4c72b0", "#dd8452", "#937860", "#c44e52", "#8172b2", "#ccb974", "#8c8c8c", "#64b5cd", "#55a868")))
+from ..fsdp.memory import CATEGORY_COLORS as _MEM_COLORS   # the FSDP chapter's colours, as plots draws them
+_TIME_COLORS = TERM_COLORS
 
 # %% ../../nbs/45_parallel.ipynb
 def layout_figure(mem: ParallelMemory, step: StepTime, budget: int):
@@ -43,7 +44,7 @@ def layout_figure(mem: ParallelMemory, step: StepTime, budget: int):
     ax_m.axhline(budget / scale, color="r", ls="--", lw=1, label="budget")
     ax_m.set_xticks(range(len(mem.ranks)), [f"pp rank {r}" for r in range(len(mem.ranks))])
     ax_m.set_ylabel(f"{unit} at the peak"); ax_m.set_ylim(0, 1.25 * max(mem.peak_bytes, budget) / scale)
-    ax_m.legend(fontsize=6, ncol=4, loc="upper left")
+    ax_m.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)   # beside, not on the bars
     left = 0.0
     for term in TIME_TERMS:
         v = step.terms[term] * 1e3
@@ -102,5 +103,5 @@ def parallel_widget(g: StaticGraph, topo=None, world: int = 8, budget_mib: float
 
 # %% ../../nbs/45_parallel.ipynb
 __all__ = [*_plan.__all__, *_schedule.__all__, *_memory.__all__, *_time.__all__, *_search.__all__, *_apply.__all__, *_verify.__all__,
-           *_pipeline.__all__, *_run.__all__,
+           *_pipeline.__all__, *_run.__all__, *_plots.__all__,
            "layout_figure", "parallel_widget"]

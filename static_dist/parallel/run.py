@@ -168,7 +168,7 @@ def _run_one(source: str, plan: ParallelPlan, steps: int, lr: float, eps: float,
     ref, model, mb = w.build_model(dev, seed=0), w.build_model(dev, seed=0), w.micro_batch(dev)
     rank = prepare_rank(model, plan, device_mesh(plan.dims, dev), mb, w.loss, seq=seq)
     opt, ropt = (make_optimizer("adamw", m.parameters(), lr=lr, eps=eps) for m in (rank, ref))
-    rep = dict(losses=[], ref_losses=[], counts=[], predicted=None, cp_shards_ok=None, error=None)
+    rep = dict(losses=[], ref_losses=[], counts=[], step_seconds=[], predicted=None, cp_shards_ok=None, error=None)
     if plan.dims.pp > 1: rep["predicted"] = predict_pipeline_counts(plan, rank.pipeline.split, rank.pipeline.pp_rank)
     try:
         if plan.dims.cp > 1:
@@ -176,7 +176,9 @@ def _run_one(source: str, plan: ParallelPlan, steps: int, lr: float, eps: float,
             rep["cp_shards_ok"] = _cp_shards_ok(rank, ref, args, targets)
         for _ in range(steps):
             cdm = comm_counter(point_to_point=True)
+            t1 = time.perf_counter()
             loss = plan_step(rank, opt, mb, around=lambda: cdm)
+            rep["step_seconds"].append(time.perf_counter() - t1)
             rep["losses"].append(None if loss is None else loss.item())
             rep["counts"].append(pipeline_axis_counts(cdm))
             rep["ref_losses"].append(train_step(ref, ropt, [mb], w.loss).item())
@@ -190,7 +192,8 @@ def run_plans(runs: list, steps: int = 3, lr: float = 1e-3, eps: float = 1e-6, b
               rtol: float = 1e-4, atol: float = 1e-5) -> list[dict]:
     """Every rank's target for `launch`: each `(model source, plan JSON)` of `runs` run for `steps` AdamW steps next to a
     single-process reference. Rank 0 returns one report per run: the mean loss per step and the reference's, every
-    rank's report (max |parameter difference|, allclose, collectives per step, prediction, cp shards, error)."""
+    rank's report (max |parameter difference|, allclose, collectives and seconds per step, prediction, cp shards,
+    error)."""
     import torch.distributed as dist
     out = []
     for source, pj in runs:

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from ..cost import measure_step
+from ..cost import measure_step_by_category
 from ..fsdp import predict_comms
 from ..cost.profile import captured_param_dtype
 from ..graph import fmt_bytes
@@ -82,6 +82,8 @@ class ParallelVerification:
     seconds: float
     master_dtype: str = ""
     "The dtype of the parameters and optimizer state, the same in the prediction and the measured model."
+    measured_by_category: dict = field(default_factory=dict)
+    "The tracker's bytes at its peak by its own categories (`cost.peak_by_category`: 'Sharded Param', ..., 'Total')."
 
     @property
     def ratio(self) -> float: return self.predicted_bytes / self.measured_bytes if self.measured_bytes else math.inf
@@ -112,9 +114,9 @@ def verify_parallel(w, plan: ParallelPlan, graph=None, master_dtype: str | None 
     args, kwargs, targets = w.inputs(dtype=captured or master)        # floating inputs in the compute dtype
     with process_group(fake_world=plan.dims.world):
         m = apply_parallel_plan(w.build(device="meta", dtype=torch_dtype(master)), plan, device_mesh(plan.dims, "cpu"), seq=w.seq)
-        peak, cdm = measure_step(m, rank_fsdp_plan(plan, prof), args, kwargs, targets, w.loss, w.optimizer)
-    return ParallelVerification(plan.dims.world, pred, peak, predict_axis_counts(prof, plan), axis_counts(cdm),
-                                time.perf_counter() - t0, master)
+        cats, cdm = measure_step_by_category(m, rank_fsdp_plan(plan, prof), args, kwargs, targets, w.loss, w.optimizer)
+    return ParallelVerification(plan.dims.world, pred, int(cats["Total"]), predict_axis_counts(prof, plan),
+                                axis_counts(cdm), time.perf_counter() - t0, master, cats)
 
 # %% ../../nbs/45f_parallel_verify.ipynb
 def predicted_stack_bytes(g, plan: ParallelPlan) -> int:
