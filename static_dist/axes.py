@@ -78,7 +78,10 @@ def degrees(dims) -> dict[str, int]:
         if bad: raise MeshError(f"unknown axis {bad[0]!r}: the axes are {', '.join(AXIS)}")
         out = {a: dims.get(a, 1) for a in AXIS}
     elif all(hasattr(dims, a) for a in AXIS): out = {a: getattr(dims, a) for a in AXIS}
-    else: raise MeshError(f"{type(dims).__name__} has no degree per axis: give a ParallelDims, a plan or {{axis: degree}}")
+    else:
+        raise MeshError(
+            f"{type(dims).__name__} has no degree per axis: give a ParallelDims, a plan or {{axis: degree}}"
+        )
     for a, v in out.items():
         if isinstance(v, bool) or not isinstance(v, int) or v < 1: raise MeshError(f"{a}={v!r}: give a degree >= 1")
     return out
@@ -111,7 +114,9 @@ def device_mesh(dims, device: str | None = None):
 # %% ../nbs/04_axes.ipynb
 def optional_mesh(mesh, name: str):
     "The sub-mesh of a mesh dim or flattened dim of a `device_mesh`; None where the mesh lacks it (its degrees are 1)."
-    dims = {a.mesh_dim: (a.mesh_dim,) for a in AXES} | {f.name: tuple(AXIS[a].mesh_dim for a in f.axes) for f in FLAT_DIMS}
+    dims = {a.mesh_dim: (a.mesh_dim,) for a in AXES} | {
+        f.name: tuple(AXIS[a].mesh_dim for a in f.axes) for f in FLAT_DIMS
+    }
     if name not in dims: raise MeshError(f"unknown mesh dim {name!r}: use one of {', '.join(dims)}")
     return mesh[name] if any(n in (mesh.mesh_dim_names or ()) for n in dims[name]) else None
 
@@ -125,7 +130,8 @@ def fsdp_mesh(mesh):
     "The mesh FSDP shards over, from a `device_mesh`: `dp_shard_cp`, with `dp_replicate` in front for HSDP."
     dims = tuple(n for n in ("dp_replicate", "dp_shard_cp") if optional_mesh(mesh, n) is not None)
     if not dims: return None
-    with warnings.catch_warnings():        # torch 2.13 warns that slicing a flattened dim will be deprecated; it is still
+    # torch 2.13 warns that slicing a flattened dim will be deprecated; it is still
+    with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Slicing a flattened dim")   # how torchtitan builds the FSDP mesh
         return mesh[dims]
 

@@ -25,7 +25,8 @@ def first_line(e: BaseException) -> str:
 
 def interrupted(e: BaseException) -> bool:
     "Whether a KeyboardInterrupt caused `e` (one raised inside an import's `__set_name__` arrives as a RuntimeError)."
-    for _ in range(64): e = e if e is None or isinstance(e, KeyboardInterrupt) else e.__cause__ or e.__context__  # bounded
+    for _ in range(64):
+        e = e if e is None or isinstance(e, KeyboardInterrupt) else e.__cause__ or e.__context__  # bounded
     return isinstance(e, KeyboardInterrupt)
 
 # %% ../nbs/00aa_errors.ipynb

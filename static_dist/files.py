@@ -48,7 +48,8 @@ def _same_file(a: Path, b) -> bool:
 
 # %% ../nbs/00ab_files.ipynb
 def check_writable(path, *, force: bool = True, inputs: Sequence = ()) -> Path:
-    "Refuse, before any work starts: a folder or non-regular file, one of `inputs`, an existing file (unless `force`), an unwritable folder."
+    """Refuse, before any work starts: a folder or non-regular file, one of `inputs`, an existing file (unless `force`),
+    an unwritable folder."""
     p = Path(path)
     if not str(path).strip(): raise InputError("output path is empty; give a file name")
     check_name(p)
@@ -68,11 +69,15 @@ def check_writable(path, *, force: bool = True, inputs: Sequence = ()) -> Path:
 # %% ../nbs/00ab_files.ipynb
 def umask() -> int:
     "This process's umask, read from /proc where it can be (`os.umask` reads it only by setting it)."
-    try: return int(next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith("Umask:")).split()[1], 8)
+    try:
+        return int(
+            next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith("Umask:")).split()[1], 8
+        )
     except (OSError, ValueError, IndexError, StopIteration): m = os.umask(0o022); os.umask(m); return m
 
 def new_mode(p: Path, mode: int | None = None) -> int:
-    "The mode for a file written at `p`: `mode` if given, else that of the regular file it replaces, else 0666 less the umask."
+    """The mode for a file written at `p`: `mode` if given, else that of the regular file it replaces, else 0666 less
+    the umask."""
     if mode is not None: return mode
     st = stat_or_none(p)
     return st.st_mode & 0o7777 if st is not None and file_kind(st) == "a regular file" else 0o666 & ~umask()
@@ -82,7 +87,8 @@ def place(tmp, p: Path, force: bool) -> None:
     "Move finished file `tmp` to `p`: over a regular file with `force`, else only where nothing is (exclusive)."
     if force:
         st = stat_or_none(p)              # checked again at the last moment: a device swapped in is still not replaced
-        if st is not None and file_kind(st) != "a regular file": raise InputError(f"{p} is {file_kind(st)}; it is never replaced")
+        if st is not None and file_kind(st) != "a regular file":
+            raise InputError(f"{p} is {file_kind(st)}; it is never replaced")
         return os.replace(tmp, p)
     try:
         try: os.link(tmp, p); os.unlink(tmp)          # fails if anything is at p: two runs cannot both create it
@@ -92,8 +98,11 @@ def place(tmp, p: Path, force: bool) -> None:
     except FileExistsError: raise InputError(f"{p} appeared while writing; pass --force to replace it") from None
 
 # %% ../nbs/00ab_files.ipynb
-def atomic_write(path, data: bytes | str, *, force: bool = True, inputs: Sequence = (), mode: int | None = None) -> Path:
-    "Write `data` to `path` through a temporary file in the same folder, then `place` it; nothing is left behind on error."
+def atomic_write(
+    path, data: bytes | str, *, force: bool = True, inputs: Sequence = (), mode: int | None = None
+) -> Path:
+    """Write `data` to `path` through a temporary file in the same folder, then `place` it; nothing is left behind on
+    error."""
     p = check_writable(path, force=force, inputs=inputs)
     raw = data.encode() if isinstance(data, str) else bytes(data)
     fd, tmp = tempfile.mkstemp(prefix=f".{p.name[:200]}.", suffix=".tmp", dir=p.parent if str(p.parent) else ".")
@@ -125,8 +134,10 @@ MAX_JSON_DEPTH = 64
 MAX_SMALL_BYTES = 1 * 2**20    # a key, a device fingerprint, a topology, a config: a few KB each when written by hand
 
 def _open_bounded(path, what: str, stream: bool, error) -> int:
-    "A descriptor of `path` (a FIFO opened without blocking unless `stream`); `error` for a missing, folder or (unless `stream`) non-regular file."
-    if not isinstance(path, (str, bytes, os.PathLike)): raise error(f"{what}: expected a file path, got a {type(path).__name__}")
+    """A descriptor of `path` (a FIFO opened without blocking unless `stream`); `error` for a missing, folder or (unless
+    `stream`) non-regular file."""
+    if not isinstance(path, (str, bytes, os.PathLike)):
+        raise error(f"{what}: expected a file path, got a {type(path).__name__}")
     try: fd = os.open(path, os.O_RDONLY | (0 if stream else getattr(os, "O_NONBLOCK", 0)) | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError: raise error(f"{what} {path}: no such file") from None
     except IsADirectoryError: raise error(f"{what} {path}: is a folder, not a file") from None
@@ -134,12 +145,19 @@ def _open_bounded(path, what: str, stream: bool, error) -> int:
     kind = file_kind(os.fstat(fd))          # what was opened, not what a stat before the open saw
     if kind != "a regular file" and not (stream and kind in ("a FIFO", "a device", "a socket")):
         os.close(fd)
-        raise error(f"{what} {path}: is a folder, not a file" if kind == "a folder" else f"{what} {path}: not a regular file ({kind})")
+        raise error(
+            f"{what} {path}: is a folder, not a file"
+            if kind == "a folder"
+            else f"{what} {path}: not a regular file ({kind})"
+        )
     return fd
 
 # %% ../nbs/00ab_files.ipynb
-def read_bounded(path, limit: int, what: str = "file", *, stream: bool = False, error=InputError, too_big=None) -> bytes:
-    "At most `limit` bytes of regular file `path` (a FIFO or device too, if `stream`); `error` (`too_big`) when it cannot be read (is larger)."
+def read_bounded(
+    path, limit: int, what: str = "file", *, stream: bool = False, error=InputError, too_big=None
+) -> bytes:
+    """At most `limit` bytes of regular file `path` (a FIFO or device too, if `stream`); `error` (`too_big`) when it
+    cannot be read (is larger)."""
     too_big = too_big or error
     fd = _open_bounded(path, what, stream, error)
     try:
@@ -171,8 +189,10 @@ def loads_json(text: str | bytes, what: str = "JSON", max_depth: int = MAX_JSON_
     import json
     if isinstance(text, bytes):
         try: text = text.decode()
-        except UnicodeDecodeError as e: raise InputError(f"{what}: not UTF-8 text (byte {e.start}); give a JSON file") from None
-    if _json_depth(text) > max_depth: raise InputError(f"{what}: nested deeper than {max_depth} levels; not a file this package writes")
+        except UnicodeDecodeError as e:
+            raise InputError(f"{what}: not UTF-8 text (byte {e.start}); give a JSON file") from None
+    if _json_depth(text) > max_depth:
+        raise InputError(f"{what}: nested deeper than {max_depth} levels; not a file this package writes")
     try: return json.loads(text)
     except json.JSONDecodeError as e: raise InputError(f"{what}: not valid JSON ({e})") from None
 

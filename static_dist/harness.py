@@ -23,10 +23,13 @@ def harness_figure(width: float, height: float, rows: int = 1, heights: tuple | 
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
-    except ImportError: raise ImportError("the harness plots need matplotlib: pip install 'static_dist[plot]'") from None
+    except ImportError:
+        raise ImportError("the harness plots need matplotlib: pip install 'static_dist[plot]'") from None
     fig = Figure(figsize=(width, height), dpi=80)
     FigureCanvasAgg(fig)
-    axs = fig.subplots(rows, 1, squeeze=False, sharex=sharex, gridspec_kw={"height_ratios": heights} if heights else None)
+    axs = fig.subplots(
+        rows, 1, squeeze=False, sharex=sharex, gridspec_kw={"height_ratios": heights} if heights else None
+    )
     return fig, list(axs[:, 0])
 
 # %% ../nbs/29_harness.ipynb
@@ -53,7 +56,11 @@ def overlapping_labels(fig) -> list[str]:
     r, bad = fig.canvas.get_renderer(), []
     for k, ax in enumerate(fig.axes):
         for name, axis in (("x", ax.xaxis), ("y", ax.yaxis)):
-            labs = [(t.get_window_extent(r), t.get_text()) for t in axis.get_ticklabels() if t.get_visible() and t.get_text()]
+            labs = [
+                (t.get_window_extent(r), t.get_text())
+                for t in axis.get_ticklabels()
+                if t.get_visible() and t.get_text()
+            ]
             labs.sort(key=lambda b: b[0].x0 if name == "x" else b[0].y0)
             bad += [f"axes {k} {name}: {a[1]!r} / {b[1]!r}" for a, b in zip(labs, labs[1:]) if _clash(a[0], b[0])]
     return bad
@@ -112,7 +119,9 @@ def _run(w, values: dict):
         return v.result
     finally:
         w.runs += 1
-        w._dom_classes = tuple(c for c in w._dom_classes if not c.startswith("harness-runs-")) + (f"harness-runs-{w.runs}",)
+        w._dom_classes = tuple(c for c in w._dom_classes if not c.startswith("harness-runs-")) + (
+            f"harness-runs-{w.runs}",
+        )
 
 # %% ../nbs/29_harness.ipynb
 def widgets():

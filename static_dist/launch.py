@@ -46,7 +46,8 @@ def default_backend() -> str:
 
 # %% ../nbs/00h_launch.ipynb
 def init_process_group(backend: str | None = None) -> bool:
-    "Make the process group when none is initialised: torchrun's (env://) under torchrun, else one rank over a TCP store. True if it made one."
+    """Make the process group when none is initialised: torchrun's (env://) under torchrun, else one rank over a TCP
+    store. True if it made one."""
     import torch.distributed as dist
     if dist.is_initialized(): return False
     backend = backend or default_backend()
@@ -70,9 +71,12 @@ def _init_fake(world: int) -> None:
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
     if dist.is_initialized():
-        raise LaunchError(f"a process group is already initialised: a fake group of {world} ranks needs a fresh process "
-                          "(run it in a subprocess, or close the group first)")
-    if not (isinstance(world, int) and world >= 1): raise LaunchError(f"fake_world={world!r}: give a number of ranks >= 1")
+        raise LaunchError(
+            f"a process group is already initialised: a fake group of {world} ranks needs a fresh process "
+            "(run it in a subprocess, or close the group first)"
+        )
+    if not (isinstance(world, int) and world >= 1):
+        raise LaunchError(f"fake_world={world!r}: give a number of ranks >= 1")
     dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
 
 # %% ../nbs/00h_launch.ipynb
@@ -105,8 +109,10 @@ def _ref(target) -> str:
     if isinstance(target, str): return target
     mod, name = getattr(target, "__module__", None), getattr(target, "__qualname__", "")
     if not mod or mod == "__main__" or "." in name or "<" in name:
-        raise LaunchError(f"{target!r} cannot be imported by a new process (defined in __main__, a notebook, or inside a "
-                          "function): define it in a module or a .py file and pass 'package.module:NAME' or 'path/file.py:NAME'")
+        raise LaunchError(
+            f"{target!r} cannot be imported by a new process (defined in __main__, a notebook, or inside a "
+            "function): define it in a module or a .py file and pass 'package.module:NAME' or 'path/file.py:NAME'"
+        )
     return f"{mod}:{name}"
 
 # %% ../nbs/00h_launch.ipynb
@@ -131,13 +137,18 @@ def _rank_main(call: str, out: str) -> None:
 # %% ../nbs/00h_launch.ipynb
 def _errors(out: Path) -> str:
     "The failing ranks' tracebacks (last lines), lowest rank first."
-    errs = sorted(out.parent.glob(out.name + ".rank*.err"), key=lambda p: int(p.name.rsplit("rank", 1)[1].split(".")[0]))
-    return "\n".join(f"rank {p.name.rsplit('rank', 1)[1].split('.')[0]}: " + "".join(p.read_text().splitlines(True)[-12:])
-                     for p in errs[:2])
+    errs = sorted(
+        out.parent.glob(out.name + ".rank*.err"), key=lambda p: int(p.name.rsplit("rank", 1)[1].split(".")[0])
+    )
+    return "\n".join(
+        f"rank {p.name.rsplit('rank', 1)[1].split('.')[0]}: " + "".join(p.read_text().splitlines(True)[-12:])
+        for p in errs[:2]
+    )
 
 # %% ../nbs/00h_launch.ipynb
 def _descendants(pid: int) -> list[int]:
-    "Every process below `pid` (torchrun starts its ranks in sessions of their own, out of reach of a process-group kill)."
+    """Every process below `pid` (torchrun starts its ranks in sessions of their own, out of reach of a process-group
+    kill)."""
     kids: dict[int, list[int]] = {}
     for d in Path("/proc").iterdir():
         if not d.name.isdigit(): continue
@@ -150,7 +161,9 @@ def _descendants(pid: int) -> list[int]:
 
 def _run(cmd: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
     "Run torchrun; on timeout kill it and every rank it started, then report."
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    p = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
+    )
     try: out, err = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         for pid in [*_descendants(p.pid), p.pid]:
@@ -161,13 +174,22 @@ def _run(cmd: list[str], env: dict, timeout: float) -> subprocess.CompletedProce
     return subprocess.CompletedProcess(cmd, p.returncode, out, err)
 
 # %% ../nbs/00h_launch.ipynb
-def launch(target: str | Callable, nprocs: int, *args, timeout: float = 600, threads: int = 1, backend: str | None = None,
-           **kwargs):
+def launch(
+    target: str | Callable,
+    nprocs: int,
+    *args,
+    timeout: float = 600,
+    threads: int = 1,
+    backend: str | None = None,
+    **kwargs,
+):
     """Run `target(*args, **kwargs)` on `nprocs` local ranks (torchrun, gloo on CPU), each in `process_group`; rank 0's
-    result. Arguments and result are JSON. Inside a torchrun job of `nprocs` ranks the target runs here, in its group."""
+    result. Arguments and result are JSON. Inside a torchrun job of `nprocs` ranks the target runs here, in its
+    group."""
     import torch.distributed as dist
     ref = _ref(target)
-    if not (isinstance(nprocs, int) and nprocs >= 1): raise LaunchError(f"nprocs={nprocs!r}: give a number of ranks >= 1")
+    if not (isinstance(nprocs, int) and nprocs >= 1):
+        raise LaunchError(f"nprocs={nprocs!r}: give a number of ranks >= 1")
     if under_torchrun() and int(os.environ["WORLD_SIZE"]) == nprocs:
         with process_group(backend): return resolve(ref)(*args, **kwargs)
     try: call = json.dumps(dict(target=ref, args=list(args), kwargs=kwargs, backend=backend, threads=threads))
@@ -192,4 +214,4 @@ def rank_probe(tag: str = "") -> dict:
 
 # %% ../nbs/00h_launch.ipynb
 if __name__ == "__main__" and __spec__ is not None and __spec__.name == "static_dist.launch":
-    _rank_main(*sys.argv[1:3])      # a rank launch() started (the test on __spec__ keeps this inert in a Jupyter kernel)
+    _rank_main(*sys.argv[1:3])  # a rank launch() started (the test on __spec__ keeps this inert in a Jupyter kernel)

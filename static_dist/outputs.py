@@ -25,7 +25,8 @@ __all__ = ['held_signals', 'OutputFolder']
 # %% ../nbs/00j_outputs.ipynb
 @contextlib.contextmanager
 def held_signals(signals=(signal.SIGINT, signal.SIGTERM, signal.SIGHUP)):
-    "Hold `signals` off inside (main thread only); each that came is delivered, to the handler before, when the block ends."
+    """Hold `signals` off inside (main thread only); each that came is delivered, to the handler before, when the block
+    ends."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -38,7 +39,8 @@ def held_signals(signals=(signal.SIGINT, signal.SIGTERM, signal.SIGHUP)):
 
 # %% ../nbs/00j_outputs.ipynb
 class OutputFolder:
-    "A report folder written whole or not at all: `check()` first, write into the path `with` gives, `commit()` when it ends."
+    """A report folder written whole or not at all: `check()` first, write into the path `with` gives, `commit()` when
+    it ends."""
     def __init__(self, path, names: Iterable[str], *, force: bool = False, what: str = "report"):
         self.path, self.names, self.force, self.what = Path(path), tuple(names), force, what
         self.stage: Path | None = None
@@ -47,10 +49,12 @@ class OutputFolder:
 # %% ../nbs/00j_outputs.ipynb
 @patch
 def _base(self: OutputFolder) -> Path:
-    "The folder to stage in: the nearest existing folder above the target (else the target itself), writable and on the target's file system."
+    """The folder to stage in: the nearest existing folder above the target (else the target itself), writable and on
+    the target's file system."""
     p = self.path.absolute()
     up = next(a for a in p.parents if stat_or_none(a) is not None)
-    if file_kind(os.stat(up)) != "a folder": raise InputError(f"{self.path}: {up} is {file_kind(os.stat(up))}, not a folder")
+    if file_kind(os.stat(up)) != "a folder":
+        raise InputError(f"{self.path}: {up} is {file_kind(os.stat(up))}, not a folder")
     st = stat_or_none(p)
     if st is not None and not os.access(p, os.W_OK | os.X_OK):     # the files are renamed into it at the end
         raise InputError(f"{self.path}: folder is not writable; choose another folder for the {self.what}")
@@ -61,7 +65,8 @@ def _base(self: OutputFolder) -> Path:
 # %% ../nbs/00j_outputs.ipynb
 @patch
 def check(self: OutputFolder) -> OutputFolder:
-    "Refuse, before any work: a non-folder target, a non-regular file under one of `names`, an earlier report (unless `force`), nowhere to write."
+    """Refuse, before any work: a non-folder target, a non-regular file under one of `names`, an earlier report (unless
+    `force`), nowhere to write."""
     if not str(self.path).strip(): raise InputError(f"the folder for the {self.what} is empty; give a folder name")
     check_name(self.path)
     st = stat_or_none(self.path)
@@ -70,9 +75,14 @@ def check(self: OutputFolder) -> OutputFolder:
     for n in self.names if st is not None else ():
         s = stat_or_none(self.path / n)
         if s is not None and file_kind(s) != "a regular file":
-            raise InputError(f"{self.path / n} is {file_kind(s)}, not a regular file, and is never replaced; remove it or choose another folder")
+            raise InputError(
+                f"{self.path / n} is {file_kind(s)}, not a regular file, and is never replaced; remove it or choose "
+                "another folder"
+            )
         if s is not None and not self.force:
-            raise InputError(f"{self.path} holds an earlier {self.what} ({n}); pass --force to replace it, or choose another folder")
+            raise InputError(
+                f"{self.path} holds an earlier {self.what} ({n}); pass --force to replace it, or choose another folder"
+            )
     self._base()
     return self
 
@@ -92,7 +102,8 @@ def __exit__(self: OutputFolder, typ, exc, tb):
 # %% ../nbs/00j_outputs.ipynb
 @patch
 def commit(self: OutputFolder) -> Path:
-    "Move the staged files into the target, with SIGINT/SIGTERM/SIGHUP held: the whole folder if new, else file by file."
+    """Move the staged files into the target, with SIGINT/SIGTERM/SIGHUP held: the whole folder if new, else file by
+    file."""
     with held_signals():
         if stat_or_none(self.path) is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -107,18 +118,23 @@ def commit(self: OutputFolder) -> Path:
 # %% ../nbs/00j_outputs.ipynb
 @patch
 def _merge(self: OutputFolder):
-    "Each staged file renamed into the existing target; with `force` the earlier report's other files removed, else exclusive."
+    """Each staged file renamed into the existing target; with `force` the earlier report's other files removed, else
+    exclusive."""
     files = sorted(os.listdir(self.stage))
     taken = [n for n in (*self.names, *files) if stat_or_none(self.path / n) is not None]
     if taken and not self.force:
-        raise InputError(f"{self.path} got {'an' if self.what[:1] in 'aeiou' else 'a'} {self.what} ({taken[0]}) while this one was written; pass --force to replace it")
+        raise InputError(
+            f"{self.path} got {'an' if self.what[:1] in 'aeiou' else 'a'} {self.what} ({taken[0]}) while this one was "
+            "written; pass --force to replace it"
+        )
     done = []
     try:
         for n in files:
             if self.force: os.chmod(self.stage / n, new_mode(self.path / n))     # a replaced file keeps its mode
             place(self.stage / n, self.path / n, self.force); done.append(n)
     except BaseException:
-        for n in done if not self.force else (): os.unlink(self.path / n)        # an exclusive run takes back what it made
+        for n in done if not self.force else ():
+            os.unlink(self.path / n)  # an exclusive run takes back what it made
         raise
     for n in set(self.names) - set(files):
         s = stat_or_none(self.path / n)

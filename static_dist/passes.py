@@ -48,7 +48,8 @@ def _match_add_relu(relu: fx.Node):
 # %% ../nbs/21_passes.ipynb
 def _match_softmax(sm: fx.Node):
     "softmax(x, dim) without a dtype (aten.softmax.int or aten._softmax with half_to_float False)."
-    if sm.target == _A.softmax.int and len(sm.args) == 2 and not sm.kwargs.get("dtype"): return (sm.args[0], sm.args[1]), [sm]
+    if sm.target == _A.softmax.int and len(sm.args) == 2 and not sm.kwargs.get("dtype"):
+        return (sm.args[0], sm.args[1]), [sm]
     if sm.target == _A._softmax.default and sm.args[2] is False: return (sm.args[0], sm.args[1]), [sm]
     return None
 
@@ -72,12 +73,14 @@ def _square_of(n) -> fx.Node | None:
     "`x` if `n` computes x² (`pow(x, 2)` or `mul(x, x)`)."
     t = getattr(n, "target", None)
     if t == _A.pow.Tensor_Scalar and n.args[1] == 2 and isinstance(n.args[0], fx.Node): return n.args[0]
-    if t == _A.mul.Tensor and len(n.args) == 2 and n.args[0] is n.args[1] and isinstance(n.args[0], fx.Node): return n.args[0]
+    if t == _A.mul.Tensor and len(n.args) == 2 and n.args[0] is n.args[1] and isinstance(n.args[0], fx.Node):
+        return n.args[0]
     return None
 
 # %% ../nbs/21_passes.ipynb
 def _match_aten_rms_norm(n: fx.Node):
-    "`aten.rms_norm(x, [D], weight, eps)` (nn.RMSNorm, F.rms_norm): bitwise the bridged op's function in float32/float64."
+    """`aten.rms_norm(x, [D], weight, eps)` (nn.RMSNorm, F.rms_norm): bitwise the bridged op's function in
+    float32/float64."""
     x, shape, w, eps = (list(n.args) + [None, None])[:4]
     eps = n.kwargs.get("eps", eps)
     vx, vw = _val(x), _val(w)
@@ -129,10 +132,13 @@ def _rms_weight(cur: fx.Node, covered: list, vx, vxf):
 
 # %% ../nbs/21_passes.ipynb
 def _match_rms_norm(anchor: fx.Node):
-    """RMSNorm over the last dim, as one aten op or spelled out: xf · rsqrt(v) or xf / sqrt(v), v = mean(xf², [-1], True)
-    + eps, [→ cast back to x's dtype], · weight (either side); xf = x, or x cast to float32 or wider; xf² = pow or mul."""
+    """RMSNorm over the last dim, as one aten op or spelled out: xf · rsqrt(v) or xf / sqrt(v), v = mean(xf², [-1],
+    True)
+    + eps, [→ cast back to x's dtype], · weight (either side); xf = x, or x cast to float32 or wider; xf² = pow or
+    mul."""
     if anchor.target == _A.rms_norm.default: return _match_aten_rms_norm(anchor)
-    if anchor.target not in (_A.rsqrt.default, _A.sqrt.default) or (den := _rms_denominator(anchor)) is None: return None
+    if anchor.target not in (_A.rsqrt.default, _A.sqrt.default) or (den := _rms_denominator(anchor)) is None:
+        return None
     if (normed := _rms_normalised(anchor)) is None: return None
     (add, mean, sq, xf), (norm, other) = den, normed
     vxf = _val(xf)
@@ -176,7 +182,8 @@ def _flat_outputs(out) -> list: return [t for t in torch.utils._pytree.tree_leav
 
 # %% ../nbs/21_passes.ipynb
 def compare_programs(a, b, example_inputs: tuple) -> float:
-    "Run two programs (ExportedProgram or callables) on the same inputs; largest |difference|; raises RewriteError on mismatch."
+    """Run two programs (ExportedProgram or callables) on the same inputs; largest |difference|; raises RewriteError on
+    mismatch."""
     fa = a.module() if isinstance(a, torch.export.ExportedProgram) else a
     fb = b.module() if isinstance(b, torch.export.ExportedProgram) else b
     with torch.no_grad(): oa, ob = _flat_outputs(fa(*example_inputs)), _flat_outputs(fb(*example_inputs))
@@ -193,7 +200,9 @@ def _deepcopy(obj):
     "copy.deepcopy of an ExportedProgram or GraphModule, without torch's internal LeafSpec FutureWarning."
     with warnings.catch_warnings():
         # torch 2.11: deepcopy rebuilds each TreeSpec's LeafSpec through copyreg, a class torch marks deprecated
-        warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning)
+        warnings.filterwarnings(
+            "ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning
+        )
         return copy.deepcopy(obj)
 
 # %% ../nbs/21_passes.ipynb
@@ -207,7 +216,8 @@ def _rename_output(ep, old: str, new: str):
 
 # %% ../nbs/21_passes.ipynb
 def _replace(ep, target, args, covered) -> fx.Node:
-    "Insert `target(*args)` for the matched nodes `covered` (output first) of `ep`, erase those left unused; the new node."
+    """Insert `target(*args)` for the matched nodes `covered` (output first) of `ep`, erase those left unused; the new
+    node."""
     g, out = ep.graph_module.graph, covered[0]
     with g.inserting_before(out): new_node = g.call_function(target, tuple(args))
     new_node.meta = {k: v for k, v in out.meta.items() if k in ("val", "tensor_meta", "stack_trace", "nn_module_stack")}
@@ -234,7 +244,8 @@ def _rewrite_pattern(ep, name: str) -> list[tuple]:
 # %% ../nbs/21_passes.ipynb
 def rewrite_ops(ep: torch.export.ExportedProgram, example_inputs: tuple | None = None,
                 patterns=tuple(PATTERNS)) -> tuple[torch.export.ExportedProgram, RewriteReport]:
-    "A copy of `ep` with add→relu, softmax and RMSNorm subgraphs replaced by the bridged ops; checked on `example_inputs`."
+    """A copy of `ep` with add→relu, softmax and RMSNorm subgraphs replaced by the bridged ops; checked on
+    `example_inputs`."""
     unknown = [p for p in patterns if p not in PATTERNS]
     if unknown: raise ValueError(f"unknown pattern(s) {unknown}; choose from {list(PATTERNS)}")
     new = _deepcopy(ep)
@@ -292,14 +303,23 @@ def to_json(self: NodeProfile, indent: int | None = 2) -> str: return json.dumps
 @patch
 def to_chrome_trace(self: NodeProfile, path) -> Path:
     "Write the events as a Chrome trace (open in chrome://tracing or ui.perfetto.dev)."
-    evs = [dict(name=n, cat=t, ph="X", ts=round(s * 1e6, 3), dur=round(d * 1e6, 3), pid=0, tid=depth, args=dict(target=t))
-           for n, t, s, d, depth in self.events]
+    evs = [
+        dict(name=n, cat=t, ph="X", ts=round(s * 1e6, 3), dur=round(d * 1e6, 3), pid=0, tid=depth, args=dict(target=t))
+        for n, t, s, d, depth in self.events
+    ]
     path = Path(path)
     path.write_text(json.dumps(dict(traceEvents=evs, displayTimeUnit="ms")))
     return path
 
 # %% ../nbs/21_passes.ipynb
-def _target_name(n: fx.Node) -> str: return n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target)) if not isinstance(n.target, torch._ops.OpOverload) else str(n.target)
+def _target_name(n: fx.Node) -> str:
+    return (
+        n.target
+        if isinstance(n.target, str)
+        else getattr(n.target, "__name__", str(n.target))
+        if not isinstance(n.target, torch._ops.OpOverload)
+        else str(n.target)
+    )
 
 class _Profiler(fx.Interpreter):
     def __init__(self, gm, rec, prefix="", depth=0):
@@ -328,7 +348,9 @@ def call_function(self: _Profiler, target, args, kwargs):
         taken = bool(pred)
         name = self.prefix + self._node_name
         self.rec["branches"][name]["true" if taken else "false"] += 1
-        sub = _Profiler(true_gm if taken else false_gm, self.rec, f"{name}.{'true' if taken else 'false'}.", self.depth + 1)
+        sub = _Profiler(
+            true_gm if taken else false_gm, self.rec, f"{name}.{'true' if taken else 'false'}.", self.depth + 1
+        )
         return sub.run(*operands)
     return fx.Interpreter.call_function(self, target, args, kwargs)
 
@@ -336,15 +358,24 @@ def call_function(self: _Profiler, target, args, kwargs):
 def _as_module(program):
     if isinstance(program, torch.export.ExportedProgram): return program.module()
     if isinstance(program, fx.GraphModule): return program
-    raise TypeError(f"expected an ExportedProgram or fx.GraphModule, got {type(program).__name__}; export it first with torch.export.export")
+    raise TypeError(
+        f"expected an ExportedProgram or fx.GraphModule, got {type(program).__name__}; export it first with "
+        "torch.export.export"
+    )
 
 # %% ../nbs/21_passes.ipynb
 def profile_nodes(program, *inputs, runs: int = 1, inputs_list: list | None = None) -> NodeProfile:
-    "Run `program` (ExportedProgram or GraphModule) node by node `runs` times on `inputs` (or once per tuple in `inputs_list`)."
+    """Run `program` (ExportedProgram or GraphModule) node by node `runs` times on `inputs` (or once per tuple in
+    `inputs_list`)."""
     gm = _as_module(program)
     batches = inputs_list if inputs_list is not None else [inputs] * runs
-    rec = dict(stats=defaultdict(lambda: [0, 0.0]), targets={}, events=[], branches=defaultdict(lambda: {"true": 0, "false": 0}),
-               t0=time.perf_counter())
+    rec = dict(
+        stats=defaultdict(lambda: [0, 0.0]),
+        targets={},
+        events=[],
+        branches=defaultdict(lambda: {"true": 0, "false": 0}),
+        t0=time.perf_counter(),
+    )
     with torch.no_grad():
         for b in batches: _Profiler(gm, rec).run(*torch.utils._pytree.tree_leaves(tuple(b)))
     stats = tuple(NodeStat(n, rec["targets"][n], c, t) for n, (c, t) in rec["stats"].items())
@@ -373,7 +404,8 @@ def prune_dead(program) -> tuple[fx.GraphModule, PruneReport]:
 # %% ../nbs/21_passes.ipynb
 def _expect(pred, expected: bool, where: str):
     "Guard inserted by specialise_branches: a call that symbolic tracing keeps as one node (torch.fx.wrap)."
-    if bool(pred) != expected: raise GuardFailed(f"{where}: predicate is {not expected}, the specialisation assumed {expected}")
+    if bool(pred) != expected:
+        raise GuardFailed(f"{where}: predicate is {not expected}, the specialisation assumed {expected}")
 torch.fx.wrap("_expect")
 
 class GuardFailed(StaticDistError, RuntimeError):
@@ -400,8 +432,10 @@ def _refuse_mutating(ep: torch.export.ExportedProgram):
     mutating = [n.name for m in ep.graph_module.modules() if isinstance(m, fx.GraphModule) for n in m.graph.nodes
                 if isinstance(n.target, torch._ops.OpOverload) and n.target._schema.is_mutable]
     if sig.buffers_to_mutate or getattr(sig, "user_inputs_to_mutate", None) or mutating:
-        raise ValueError(f"this program mutates buffers or inputs {mutating or ''}: a failed guard would apply the mutation "
-                         f"twice, so it cannot be specialised safely (export it in eval mode / without in-place updates)")
+        raise ValueError(
+            f"this program mutates buffers or inputs {mutating or ''}: a failed guard would apply the mutation "
+            f"twice, so it cannot be specialised safely (export it in eval mode / without in-place updates)"
+        )
 
 # %% ../nbs/21_passes.ipynb
 def _one_way(node: fx.Node, profile: NodeProfile, min_calls: int) -> bool | None:
@@ -423,17 +457,23 @@ def _specialise(g: fx.Graph, node: fx.Node, keep: bool):
 
 # %% ../nbs/21_passes.ipynb
 def specialise_branches(ep: torch.export.ExportedProgram, profile: NodeProfile, min_calls: int = 1) -> GuardedProgram:
-    "A GuardedProgram where every top-level cond the profile saw take one branch (≥ `min_calls` times) is replaced by it."
+    """A GuardedProgram where every top-level cond the profile saw take one branch (≥ `min_calls` times) is replaced by
+    it."""
     _refuse_mutating(ep)
     full = ep.module()
     gm = _deepcopy(full)
     done = []
     for node in list(gm.graph.nodes):
-        if node.target is not torch.ops.higher_order.cond or (keep := _one_way(node, profile, min_calls)) is None: continue
+        if node.target is not torch.ops.higher_order.cond or (keep := _one_way(node, profile, min_calls)) is None:
+            continue
         seen = profile.branches[node.name]
         _specialise(gm.graph, node, keep)
         done.append((node.name, "true" if keep else "false", seen["true"] + seen["false"]))
-    if not done: raise ValueError(f"no cond took a single branch in the profile ({profile.branches or 'no conds profiled'}); nothing to specialise")
+    if not done:
+        raise ValueError(
+            f"no cond took a single branch in the profile ({profile.branches or 'no conds profiled'}); nothing to "
+            "specialise"
+        )
     gm.delete_all_unused_submodules()
     gm.graph.lint(); gm.recompile()
     return GuardedProgram(gm, full, PruneReport(specialised=tuple(done)))

@@ -35,7 +35,8 @@ def make_optimizer(name: str, params, lr: float | None = None, **kwargs) -> torc
     if not isinstance(name, str) or name.lower() not in OPTIMIZERS:
         raise StepError(f"unknown optimizer {name!r}; use one of {', '.join(OPTIMIZERS)}")
     params = [p for p in params if p.requires_grad]
-    if not params: raise StepError("the model has no trainable parameters (all have requires_grad=False): nothing to optimize")
+    if not params:
+        raise StepError("the model has no trainable parameters (all have requires_grad=False): nothing to optimize")
     return OPTIMIZERS[name.lower()](params, **({} if lr is None else {"lr": lr}), **kwargs)
 
 # %% ../nbs/00g_step.ipynb
@@ -48,7 +49,8 @@ class MicroBatch:
     "Passed to the loss function; None: `loss_fn(out)`, or the output is the loss."
 
 def micro_batch(x) -> MicroBatch:
-    "`x` as a MicroBatch: a MicroBatch, `(args, kwargs, targets)`, `(inputs, targets)` (inputs a tensor, tuple or dict), a tensor or a dict."
+    """`x` as a MicroBatch: a MicroBatch, `(args, kwargs, targets)`, `(inputs, targets)` (inputs a tensor, tuple or
+    dict), a tensor or a dict."""
     if isinstance(x, MicroBatch): return x
     if isinstance(x, torch.Tensor): return MicroBatch((x,))
     if isinstance(x, dict): return MicroBatch((), dict(x))
@@ -78,7 +80,8 @@ def _sync_rule(model: nn.Module, k: int, every: bool):
 def forward_backward(model: nn.Module, micro_batches: Sequence, loss_fn: Callable | None = None, *,
                      sync_every_microbatch: bool = True, around: Callable[[], ContextManager] | None = None,
                      autocast: Callable[[], ContextManager] | None = None) -> torch.Tensor:
-    """Accumulate the gradients of `micro_batches` (each loss divided by their number) and return the mean loss (float32,
+    """Accumulate the gradients of `micro_batches` (each loss divided by their number) and return the mean loss
+    (float32,
     detached). `around()` is entered around each micro-batch's forward and backward (e.g. a `CommDebugMode`),
     `autocast()` around its forward and loss only."""
     mbs = [micro_batch(m) for m in micro_batches]
@@ -90,19 +93,32 @@ def forward_backward(model: nn.Module, micro_batches: Sequence, loss_fn: Callabl
         with (around or nullcontext)():
             with (autocast or nullcontext)(): loss = batch_loss(model, mb, loss_fn)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                raise StepError(f"the loss is a {type(loss).__name__}{'' if not isinstance(loss, torch.Tensor) else f' of shape {tuple(loss.shape)}'}, "
-                                "not a scalar tensor: give a loss_fn that returns one number")
+                raise StepError(
+                    f"the loss is a {type(loss).__name__}"
+                    f"{'' if not isinstance(loss, torch.Tensor) else f' of shape {tuple(loss.shape)}'}, "
+                    "not a scalar tensor: give a loss_fn that returns one number"
+                )
             (loss / k if k > 1 else loss).backward()   # one micro-batch: no extra op in the step
         part = loss.detach().float() / k
         total = part if total is None else total + part
     return total
 
 # %% ../nbs/00g_step.ipynb
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches: Sequence, loss_fn: Callable | None = None, *,
-               plan=None, sync_every_microbatch: bool | None = None, around=None, autocast=None,
-               before_update: Callable[[torch.Tensor], bool | None] | None = None,
-               accumulate: Callable | None = None) -> torch.Tensor:
-    """One optimizer step: `forward_backward`, then `optimizer.step()` and `zero_grad`; the mean loss. `plan` (an FSDP or
+def train_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: Sequence,
+    loss_fn: Callable | None = None,
+    *,
+    plan=None,
+    sync_every_microbatch: bool | None = None,
+    around=None,
+    autocast=None,
+    before_update: Callable[[torch.Tensor], bool | None] | None = None,
+    accumulate: Callable | None = None,
+) -> torch.Tensor:
+    """One optimizer step: `forward_backward`, then `optimizer.step()` and `zero_grad`; the mean loss. `plan` (an FSDP
+    or
     parallel plan) fixes the number of micro-batches and the sync rule; `before_update(loss)` runs before the update
     and skips it by returning False. `accumulate` takes `forward_backward`'s place (same arguments, returns the loss):
     a pipeline schedule, which runs the forward and backward of its micro-batches itself, plugs in here."""
@@ -111,8 +127,14 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, micro_batches
         if len(mbs) != plan.accumulation_steps:
             raise StepError(f"got {len(mbs)} micro-batches but the plan accumulates {plan.accumulation_steps}")
         if sync_every_microbatch is None: sync_every_microbatch = plan.sync_every_microbatch
-    loss = (accumulate or forward_backward)(model, mbs, loss_fn, around=around, autocast=autocast,
-                                            sync_every_microbatch=True if sync_every_microbatch is None else sync_every_microbatch)
+    loss = (accumulate or forward_backward)(
+        model,
+        mbs,
+        loss_fn,
+        around=around,
+        autocast=autocast,
+        sync_every_microbatch=True if sync_every_microbatch is None else sync_every_microbatch,
+    )
     if before_update is None or before_update(loss) is not False: optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return loss

@@ -36,7 +36,8 @@ class BlockStack:
     path: str
     "FQN of the container: `layers`, `model.layers`, `transformer.h`; '' when the model itself is the container."
     blocks: tuple[str, ...]
-    "FQNs of the blocks in order, e.g. `('model.layers.0', 'model.layers.1')`; a part of `path`'s children when it holds others too."
+    """FQNs of the blocks in order, e.g. `('model.layers.0', 'model.layers.1')`; a part of `path`'s children when it
+    holds others too."""
     block_type: str
     "Class name of a block."
     params_per_block: int
@@ -165,7 +166,9 @@ def find_structure(model: nn.Module) -> ModelStructure:
     sig, stacks = _signatures(model), []
     for path, m in model.named_modules():
         if isinstance(m, (nn.ModuleList, nn.Sequential, nn.ModuleDict)):
-            stacks += [_stack(model, path, run) for run in _runs([(n, c) for n, c in m._modules.items() if c is not None], sig)]
+            stacks += [
+                _stack(model, path, run) for run in _runs([(n, c) for n, c in m._modules.items() if c is not None], sig)
+            ]
     stacks.sort(key=lambda s: (-s.params_per_block * len(s.blocks), _natural(s.path), _natural(s.blocks[0])))
     return ModelStructure(tuple(stacks))
 
@@ -175,8 +178,13 @@ class StructureError(StaticDistError, ValueError):
 
 # %% ../nbs/01a_structure.ipynb
 def _linear_from(f: Fields) -> LinearInfo:
-    return LinearInfo(f("name", string()), f("in_features", integer(0)), f("out_features", integer(0)), f("bias", boolean()),
-                      f("shardable", boolean(), True))
+    return LinearInfo(
+        f("name", string()),
+        f("in_features", integer(0)),
+        f("out_features", integer(0)),
+        f("bias", boolean()),
+        f("shardable", boolean(), True),
+    )
 
 def _stack_from(f: Fields) -> BlockStack:
     "One stack of a stored structure (read with util's checked reader: StructureError naming the field)."

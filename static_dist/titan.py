@@ -41,6 +41,7 @@ def _titan():
     tutils.device_type = pdims.device_type = "cpu"
     return config_registry
 
+# %% ../nbs/07_titan.ipynb
 @contextmanager
 def _float8_on_cpu():
     "torchtitan's Float8 converter config builds without an SM89 GPU while the block runs (see the prose above)."
@@ -90,6 +91,7 @@ _ATTN = {"FlexAttention": "flex", "ScaledDotProductAttention": "sdpa", "VarlenAt
 
 def _outer(cfg) -> str: return type(cfg).__qualname__.split(".")[0]
 
+# %% ../nbs/07_titan.ipynb
 def _record(name: str, c) -> TitanJob:
     "The plain record of a torchtitan `Trainer.Config`."
     mc, p, t = c.model_spec.model, c.parallelism, c.training
@@ -112,6 +114,7 @@ def _ac_config(ac: str):
     if ac not in ("none", "full", "selective"): raise TitanError(f"ac={ac!r}: give 'none', 'full' or 'selective'")
     return {"none": None, "full": FullAC.Config(), "selective": SelectiveAC.Config()}[ac]
 
+# %% ../nbs/07_titan.ipynb
 def _cut(c, layers, seq_len, local_batch, degrees: dict, ac, attention) -> None:
     "Apply titan_job's overrides to the config `c` in place (it is the registry's fresh copy)."
     from torchtitan.models.common.attention import ScaledDotProductAttention
@@ -151,11 +154,13 @@ def titan_model(job: TitanJob, device="meta", dtype: torch.dtype | None = None) 
     with torch.device(device), quiet_torch_logs(): m = job.config.model_spec.model.build()
     return m.to(dtype or getattr(torch, job.master_dtype))
 
+# %% ../nbs/07_titan.ipynb
 def titan_loss(pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     "torchtitan's cross-entropy (sum reduction; loss-parallel when `pred` is vocabulary-sharded)."
     from torchtitan.components.loss import cross_entropy_loss
     return cross_entropy_loss(pred, labels)
 
+# %% ../nbs/07_titan.ipynb
 def _tokens(vocab: int):
     def make_inputs(batch: int, seq: int, device="cpu"):
         g = torch.Generator().manual_seed(0)
@@ -163,6 +168,7 @@ def _tokens(vocab: int):
         return (x,), {}, y
     return make_inputs
 
+# %% ../nbs/07_titan.ipynb
 def titan_workload(job: TitanJob, optimizer: str = "adamw") -> Workload:
     "The job's model, batch and loss as a static_dist `Workload` (its own capture predicts what torchtitan runs)."
     def build(device="meta", dtype=torch.float32, seed: int = 0): return titan_model(job, device, dtype)
@@ -187,6 +193,7 @@ class TitanMeasurement:
     "{collective op name: count} as CommDebugMode names them (FSDP's c10d ops, DTensor's functional ones)."
     seconds: float
 
+# %% ../nbs/07_titan.ipynb
 def _dims(job: TitanJob, world: int):
     "torchtitan's ParallelDims of `job` at `world` ranks; dp_shard -1 takes the ranks the other degrees leave."
     from torchtitan.distributed import ParallelDims
@@ -211,11 +218,13 @@ def apply_titan(job: TitanJob, world: int) -> torch.nn.Module:
                                            parallelism=par, compile_config=c.compile,
                                            ac_config=c.activation_checkpoint, dump_folder=d)
 
+# %% ../nbs/07_titan.ipynb
 def _adamw(job: TitanJob, params):
     "torch's AdamW with the job's first parameter group's settings (its 'fused' implementation is CUDA's)."
     kw = job.config.optimizer.param_groups[0].optimizer_kwargs
     return torch.optim.AdamW(params, **{k: v for k, v in kw.items() if k in ("lr", "betas", "eps", "weight_decay")})
 
+# %% ../nbs/07_titan.ipynb
 def _step(m, opt, x, y):
     titan_loss(m(x), y).backward(); opt.step(); opt.zero_grad()
 
@@ -230,10 +239,12 @@ def _forward_hooks(st, module, pre, post):
         h = _register_group_forward_hooks(st._modules, pre, post, st._modules_to_run_forward, st._cast_output_dtype)
         st._pre_forward_hook_handle = st._post_forward_hook_handle = h
 
+# %% ../nbs/07_titan.ipynb
 def _remove_forward_hooks(st):
     st._pre_forward_hook_handle.remove()
     if st._post_forward_hook_handle is not st._pre_forward_hook_handle: st._post_forward_hook_handle.remove()
 
+# %% ../nbs/07_titan.ipynb
 def _group_tracker(model, opt):
     "An FSDPMemTracker of `model` that instruments each FSDP state once (multi-module groups kept; see above)."
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType, _SavedFSDPMethods
@@ -279,6 +290,7 @@ def _peak(fmt) -> tuple[int, dict]:
         for k, v in per.items(): kinds[str(k).rsplit(".", 1)[-1]] = kinds.get(str(k).rsplit(".", 1)[-1], 0) + v
     return int(kinds.pop("Total")), kinds
 
+# %% ../nbs/07_titan.ipynb
 def measure_titan(job: TitanJob, world: int) -> TitanMeasurement:
     "Two steps of `job` laid out by torchtitan at `world` fake ranks; the second's rank-0 peak and collectives."
     from torch._subclasses.fake_tensor import FakeTensorMode

@@ -20,14 +20,16 @@ __all__ = ['interpreting', 'launch_config', 'acc_type', 'softmax_fwd_kernel', 's
 
 # %% ../nbs/20a_triton_kernels.ipynb
 def interpreting() -> bool:
-    "True when this module's kernels were defined for the (CPU) interpreter: TRITON_INTERPRET=1 was set before triton was imported."
+    """True when this module's kernels were defined for the (CPU) interpreter: TRITON_INTERPRET=1 was set before triton
+    was imported."""
     k = globals().get("softmax_fwd_kernel")
     if k is not None: return type(k).__name__ == "InterpretedFunction"
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 # %% ../nbs/20a_triton_kernels.ipynb
 def launch_config(n_cols: int, max_block: int = 32768) -> tuple[int, int, bool]:
-    "(BLOCK, num_warps, one_pass): the whole row in one block up to `max_block` columns, else a loop over 4096-wide blocks."
+    """(BLOCK, num_warps, one_pass): the whole row in one block up to `max_block` columns, else a loop over 4096-wide
+    blocks."""
     if n_cols <= max_block: block, one_pass = triton.next_power_of_2(max(n_cols, 16)), True
     else: block, one_pass = 4096, False
     warps = 4 if block <= 1024 else 8 if block <= 4096 else 16 if block <= 16384 else 32
@@ -53,7 +55,8 @@ def softmax_fwd_kernel(X, Y, n_cols, stride_x, stride_y, BLOCK: tl.constexpr, ON
     else:
         m = tl.full((), -float("inf"), ACC)
         s = tl.zeros((), ACC)
-        for i in range(0, N_BLOCKS if N_BLOCKS > 0 else tl.cdiv(n_cols, BLOCK)):                        # online max and rescaled sum
+        # online max and rescaled sum
+        for i in range(0, N_BLOCKS if N_BLOCKS > 0 else tl.cdiv(n_cols, BLOCK)):
             cols = i * BLOCK + tl.arange(0, BLOCK)
             x = tl.load(x_ptr + cols, mask=cols < n_cols, other=-float("inf")).to(ACC)
             m_new = tl.maximum(m, tl.max(x, 0))
@@ -67,8 +70,19 @@ def softmax_fwd_kernel(X, Y, n_cols, stride_x, stride_y, BLOCK: tl.constexpr, ON
 
 # %% ../nbs/20a_triton_kernels.ipynb
 @triton.jit
-def softmax_bwd_kernel(Y, G, DX, n_cols, stride_y, stride_g, stride_dx, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr, ACC: tl.constexpr,
-                       N_BLOCKS: tl.constexpr):
+def softmax_bwd_kernel(
+    Y,
+    G,
+    DX,
+    n_cols,
+    stride_y,
+    stride_g,
+    stride_dx,
+    BLOCK: tl.constexpr,
+    ONE_PASS: tl.constexpr,
+    ACC: tl.constexpr,
+    N_BLOCKS: tl.constexpr,
+):
     "dx = y * (g - sum(g * y)) per row."
     row = tl.program_id(0).to(tl.int64)
     y_ptr, g_ptr, dx_ptr = Y + row * stride_y, G + row * stride_g, DX + row * stride_dx
@@ -196,7 +210,9 @@ def rms_norm_fwd(x: torch.Tensor, w: torch.Tensor, eps: float, out_dtype: torch.
     rows, n = x.shape
     block, warps = _row_block(n)
     y = torch.empty((rows, n), dtype=out_dtype, device=x.device)
-    rmsnorm_fwd_kernel[(rows,)](x, w, y, n, x.stride(0), y.stride(0), eps, BLOCK=block, ACC=acc_type(x.dtype), num_warps=warps)
+    rmsnorm_fwd_kernel[(rows,)](
+        x, w, y, n, x.stride(0), y.stride(0), eps, BLOCK=block, ACC=acc_type(x.dtype), num_warps=warps
+    )
     return y
 
 # %% ../nbs/20a_triton_kernels.ipynb

@@ -20,7 +20,8 @@ __all__ = ['ModelCodeError', 'watch_interrupts', 'last_signal', 'user_frame', 'm
 
 # %% ../nbs/00i_usercode.ipynb
 class ModelCodeError(StaticDistError):
-    "The model's own code exited (sys.exit, os._exit) or raised a BaseException that is not an Exception; the message names the file and line."
+    """The model's own code exited (sys.exit, os._exit) or raised a BaseException that is not an Exception; the message
+    names the file and line."""
 
 class _ExitCalled(BaseException):
     "What `os._exit` raises inside `model_code`, instead of ending the process."
@@ -31,7 +32,8 @@ _SIGNALS = dict(seen=0, last=None, watching=False)
 
 @contextlib.contextmanager
 def watch_interrupts():
-    "Inside (main thread only), SIGINT and SIGTERM raise KeyboardInterrupt and are counted: `last_signal()` says which came."
+    """Inside (main thread only), SIGINT and SIGTERM raise KeyboardInterrupt and are counted: `last_signal()` says which
+    came."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -61,7 +63,8 @@ def _library_dirs() -> tuple[str, ...]:
     return tuple({_package_dir(), *(paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib"))})
 
 def user_frame(tb) -> str:
-    "'file:line (in function)' of the innermost frame of `tb` in the user's code (else the innermost frame outside this package)."
+    """'file:line (in function)' of the innermost frame of `tb` in the user's code (else the innermost frame outside
+    this package)."""
     frames = [f for f in traceback.extract_tb(tb) if not f.filename.startswith("<") and f.name != "guarded_exit"]
     lib = _library_dirs()
     mine = [f for f in frames if not str(Path(f.filename).resolve()).startswith(lib)]
@@ -78,7 +81,8 @@ def _did(e: BaseException) -> str:
 # %% ../nbs/00i_usercode.ipynb
 @contextlib.contextmanager
 def model_code(what: str = "the model's code"):
-    "Run the user's code inside: os._exit raises; SystemExit, a KeyboardInterrupt no signal sent and any other non-Exception become ModelCodeError."
+    """Run the user's code inside: os._exit raises; SystemExit, a KeyboardInterrupt no signal sent and any other
+    non-Exception become ModelCodeError."""
     pid, real_exit, seen = os.getpid(), os._exit, _SIGNALS["seen"]
     def guarded_exit(code=0):
         if os.getpid() != pid: real_exit(code)          # a forked child (a data loader worker) ends as it asked

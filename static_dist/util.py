@@ -65,10 +65,13 @@ def import_file(path) -> types.ModuleType:
     "Import the Python file at `path` (once per process); InputError when it is missing, not .py, or fails to import."
     import hashlib, importlib.util
     p = Path(path).expanduser()
-    if (st := stat_or_none(p)) is None: raise InputError(f"file {str(path)!r} does not exist; give path/to/file.py relative to {os.getcwd()}")
-    if file_kind(st) != "a regular file": raise InputError(f"{path} is {file_kind(st)}, not a Python file; give path/to/file.py")
+    if (st := stat_or_none(p)) is None:
+        raise InputError(f"file {str(path)!r} does not exist; give path/to/file.py relative to {os.getcwd()}")
+    if file_kind(st) != "a regular file":
+        raise InputError(f"{path} is {file_kind(st)}, not a Python file; give path/to/file.py")
     if p.suffix != ".py": raise InputError(f"{path}: not a Python file; give a path ending in .py")
-    if p.stat().st_size > 64 * 2**20: raise InputError(f"{path}: {p.stat().st_size:,} bytes, too large for a model's source")
+    if p.stat().st_size > 64 * 2**20:
+        raise InputError(f"{path}: {p.stat().st_size:,} bytes, too large for a model's source")
     p = p.resolve()
     name = f"_static_dist_user_{p.stem}_{hashlib.sha1(str(p).encode()).hexdigest()[:10]}"
     if name in sys.modules: return sys.modules[name]
@@ -91,9 +94,12 @@ def import_ref(ref: str) -> types.ModuleType:
     try:
         with _on_path(os.getcwd()): return importlib.import_module(ref)
     except ModuleNotFoundError as e:
-        raise InputError(f"cannot import module {ref!r} ({e}); give an importable package.module or path/to/file.py") from None
+        raise InputError(
+            f"cannot import module {ref!r} ({e}); give an importable package.module or path/to/file.py"
+        ) from None
     except Exception as e:
-        if interrupted(e): raise KeyboardInterrupt from e        # Ctrl-C while a module imports: an interrupt, not a bad module
+        if interrupted(e):
+            raise KeyboardInterrupt from e  # Ctrl-C while a module imports: an interrupt, not a bad module
         raise InputError(f"importing {ref} failed: {type(e).__name__}: {first_line(e)}") from None
 
 # %% ../nbs/00a_util.ipynb
@@ -162,11 +168,14 @@ def check_memory(need: int, what: str, available: int | None = None, why: str = 
         import psutil
         available = psutil.virtual_memory().available
     if need > available // 2:
-        raise TooBigError(f"{what} needs about {need / 2**30:,.1f} GiB{f' ({why})' if why else ''}, more than half of the "
-                          f"{available / 2**30:.1f} GiB free: use a smaller batch, shape or config")
+        raise TooBigError(
+            f"{what} needs about {need / 2**30:,.1f} GiB{f' ({why})' if why else ''}, more than half of the "
+            f"{available / 2**30:.1f} GiB free: use a smaller batch, shape or config"
+        )
 
 def check_real_size(n_params: int, what: str, bytes_per_param: int = 16, available: int | None = None) -> None:
-    "Refuse (TooBigError) to run `what` on real weights when its parameters exceed `MAX_REAL_PARAMS` or half the free memory."
+    """Refuse (TooBigError) to run `what` on real weights when its parameters exceed `MAX_REAL_PARAMS` or half the free
+    memory."""
     if n_params > MAX_REAL_PARAMS:
         raise TooBigError(f"{what} has {n_params / 1e6:,.0f}M parameters; steps on real weights are limited to "
                           f"{MAX_REAL_PARAMS / 1e6:.0f}M here: use a smaller config of the same architecture")

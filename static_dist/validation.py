@@ -40,7 +40,13 @@ def shown(v) -> str:
 def _num(n) -> str:
     "A bound as a reader writes it: 2**24 and 2**63-1 rather than their digits."
     a = abs(n) if isinstance(n, int) and abs(n) >= 2**20 else 0
-    p = f"2**{a.bit_length() - 1}" if a and a & (a - 1) == 0 else f"2**{a.bit_length()}-1" if a and a & (a + 1) == 0 else None
+    p = (
+        f"2**{a.bit_length() - 1}"
+        if a and a & (a - 1) == 0
+        else f"2**{a.bit_length()}-1"
+        if a and a & (a + 1) == 0
+        else None
+    )
     return str(n) if p is None else p if n > 0 else f"-{p}"
 
 # %% ../nbs/00ac_validation.ipynb
@@ -63,7 +69,9 @@ def _is_num(v) -> bool: return isinstance(v, (int, float)) and not isinstance(v,
 def integer(lo: int = INT64_MIN, hi: int = INT64_MAX, of: str = "") -> Check:
     "An integer in [lo, hi], int64 at most (a bool is not one); `of` says what it counts or indexes."
     lo, hi = max(lo, INT64_MIN), min(hi, INT64_MAX)
-    return Check(f"an integer from {_num(lo)} to {_num(hi)}" + (f" ({of})" if of else ""), lambda v: _is_int(v) and lo <= v <= hi)
+    return Check(
+        f"an integer from {_num(lo)} to {_num(hi)}" + (f" ({of})" if of else ""), lambda v: _is_int(v) and lo <= v <= hi
+    )
 
 # %% ../nbs/00ac_validation.ipynb
 def number(lo: float | None = None, above: float | None = None, hi: float | None = None) -> Check:
@@ -74,7 +82,9 @@ def number(lo: float | None = None, above: float | None = None, hi: float | None
 
 # %% ../nbs/00ac_validation.ipynb
 def string(nonempty: bool = False) -> Check:
-    return Check("a non-empty string" if nonempty else "a string", lambda v: isinstance(v, str) and (v != "" or not nonempty))
+    return Check(
+        "a non-empty string" if nonempty else "a string", lambda v: isinstance(v, str) and (v != "" or not nonempty)
+    )
 
 # %% ../nbs/00ac_validation.ipynb
 def boolean() -> Check: return Check("true or false", lambda v: isinstance(v, bool))
@@ -89,25 +99,43 @@ def either(*checks: Check) -> Check:
 # %% ../nbs/00ac_validation.ipynb
 def one_of(*choices) -> Check:
     "Exactly one of `choices` (of the same type: 1 is not true)."
-    return Check(f"one of {', '.join(map(shown, choices))}", lambda v: any(type(v) is type(c) and v == c for c in choices))
+    return Check(
+        f"one of {', '.join(map(shown, choices))}", lambda v: any(type(v) is type(c) and v == c for c in choices)
+    )
 
 # %% ../nbs/00ac_validation.ipynb
 def dtype_name(names=DTYPES) -> Check:
     "A dtype name: one of `names` (`DTYPES` by default), or any torch dtype's name when `names` is None."
     if names is not None: return Check(f"a dtype name, one of {', '.join(map(shown, names))}", lambda v: v in names)
     import torch
-    return Check('a torch dtype name such as "float32"', lambda v: isinstance(v, str) and isinstance(getattr(torch, v, None), torch.dtype))
+    return Check(
+        'a torch dtype name such as "float32"',
+        lambda v: isinstance(v, str) and isinstance(getattr(torch, v, None), torch.dtype),
+    )
 
 # %% ../nbs/00ac_validation.ipynb
 class list_of(Check):
-    "A list (or tuple) of `min_len` to `max_len` items, each passing `item` (None: any items); a bad item is named by its index."
+    """A list (or tuple) of `min_len` to `max_len` items, each passing `item` (None: any items); a bad item is named by
+    its index."""
     def __init__(self, item: Check | None = None, min_len: int = 0, max_len: int | None = None):
-        size = (("a list of {0} items" if min_len == max_len else "a list of {0} to {1} items") if max_len is not None else
-                "a non-empty list" if min_len == 1 else "a list of at least {0} items" if min_len else "a list").format(min_len, max_len)
+        size = (
+            ("a list of {0} items" if min_len == max_len else "a list of {0} to {1} items")
+            if max_len is not None
+            else "a non-empty list"
+            if min_len == 1
+            else "a list of at least {0} items"
+            if min_len
+            else "a list"
+        ).format(min_len, max_len)
         super().__init__(f"{size}, each item {item.what}" if item else size, None)
         self.item, self.min_len, self.max_len = item, min_len, max_len
     def __call__(self, v):
-        if not isinstance(v, (list, tuple)) or len(v) < self.min_len or self.max_len is not None and len(v) > self.max_len:
+        if (
+            not isinstance(v, (list, tuple))
+            or len(v) < self.min_len
+            or self.max_len is not None
+            and len(v) > self.max_len
+        ):
             raise Bad(self.what, v)
         if self.item is None: return v
         j = 0
@@ -132,10 +160,12 @@ _MISSING = object()
 
 # %% ../nbs/00ac_validation.ipynb
 class Fields:
-    "Checked reads of the JSON object `d` at `path`; a refusal is `error(message)` naming the field, the value found and what to give."
+    """Checked reads of the JSON object `d` at `path`; a refusal is `error(message)` naming the field, the value found
+    and what to give."""
     def __init__(self, d, path: str = "", error: Callable[[str], Exception] = InputError, keys=None):
         self.d, self.path, self.error = d, path, error
-        if not isinstance(d, dict): raise error(f"{path + ': ' if path else ''}expected a JSON object, found {shown(d)}")
+        if not isinstance(d, dict):
+            raise error(f"{path + ': ' if path else ''}expected a JSON object, found {shown(d)}")
         extra = [k for k in d if keys is not None and k not in keys]
         if extra: raise error(f"{self.at(extra[0])}: unknown field; the fields here are {', '.join(keys)}")
 
@@ -151,7 +181,8 @@ class Fields:
             if default is _MISSING: self.fail(f"missing; give {check.what}", key)
             return default
         try: return check(self.d[key])
-        except Bad as e: raise self.error(f"{self.at(key)}{e.inside}: expected {e.what}, found {shown(e.found)}") from None
+        except Bad as e:
+            raise self.error(f"{self.at(key)}{e.inside}: expected {e.what}, found {shown(e.found)}") from None
 
 # %% ../nbs/00ac_validation.ipynb
 @patch
@@ -163,4 +194,7 @@ def nested(self: Fields, key, keys=None) -> Fields:
 def each(self: Fields, key, keys=None, min_len: int = 0, what: str | None = None) -> list[Fields]:
     "The list of objects at `key` (at least `min_len`; `what` describes it), each as Fields at `key[i]`."
     check = list_of(min_len=min_len)
-    return [Fields(x, f"{self.at(key)}[{i}]", self.error, keys) for i, x in enumerate(self(key, check.named(what or check.what)))]
+    return [
+        Fields(x, f"{self.at(key)}[{i}]", self.error, keys)
+        for i, x in enumerate(self(key, check.named(what or check.what)))
+    ]

@@ -4,6 +4,8 @@
 
 # %% ../nbs/03_workload.ipynb 3
 from __future__ import annotations
+# One idea over 500 lines: a workload, what is trained and where it comes from (zoo, file, module, hf:); every
+# source ends in the same record and the same checks, which a split would separate from the sources they guard.
 
 import inspect
 import math
@@ -36,7 +38,10 @@ class WorkloadError(StaticDistError, ValueError):
 # %% ../nbs/03_workload.ipynb
 MAX_DIM = 2**31 - 1   # a size in an input shape: the command line's limit for --batch
 DTYPES: dict[str, torch.dtype] = {n: torch_dtype(n) for n in _DTYPE_NAMES}   # util's table, as torch dtypes
-OPTIMIZERS = (*sorted(_STEP_OPTIMIZERS), "none")   # the step's table; 'none': forward and backward only, no optimizer step
+OPTIMIZERS = (
+    *sorted(_STEP_OPTIMIZERS),
+    "none",
+)  # the step's table; 'none': forward and backward only, no optimizer step
 
 def _cast(x, dtype: torch.dtype):
     "Floating tensors in `x` (a tensor, tuple, list or dict) cast to `dtype`; everything else unchanged."
@@ -60,7 +65,8 @@ class Workload:
     source: str
     "Where the model came from, as given to `load_workload` (or a name of your choosing)."
     build: Callable[..., nn.Module]
-    "`build(device='meta'|'cpu', dtype=torch.float32[, seed=0]) -> nn.Module`; meta allocates nothing, cpu gets a seeded init."
+    """`build(device='meta'|'cpu', dtype=torch.float32[, seed=0]) -> nn.Module`; meta allocates nothing, cpu gets a
+    seeded init."""
     batch: int
     "Batch size."
     seq: int | None
@@ -78,7 +84,8 @@ class Workload:
     vocab: int | None = None
     "Token ids the model takes (ids below `vocab`); None: not a token model."
     from_tokens: Callable[[torch.Tensor], tuple] | None = None
-    "For a token model: `(args, kwargs, targets)` from a (batch, seq + 1) tensor of token ids (its next tokens are the targets)."
+    """For a token model: `(args, kwargs, targets)` from a (batch, seq + 1) tensor of token ids (its next tokens are the
+    targets)."""
     _graphs: dict = field(default_factory=dict, init=False, repr=False)
     _key: tuple = field(default=(), init=False, repr=False)
 
@@ -87,18 +94,23 @@ class Workload:
 # %% ../nbs/03_workload.ipynb
 @patch
 def inputs(self: Workload, device="cpu", dtype: str | None = None) -> tuple[tuple, dict, torch.Tensor | None]:
-    "`(args, kwargs, targets)` for this batch and seq on `device` (real tensors only once their bytes fit), floating tensors in `dtype`."
+    """`(args, kwargs, targets)` for this batch and seq on `device` (real tensors only once their bytes fit), floating
+    tensors in `dtype`."""
     if torch.device(device).type != "meta": _check_input_bytes(self, dtype)
     with model_code(f"make_inputs of {self.source}"): out = self.make_inputs(self.batch, self.seq, device=device)
-    if not (isinstance(out, tuple) and len(out) == 3 and isinstance(out[0], (tuple, list)) and isinstance(out[1], dict)):
+    if not (
+        isinstance(out, tuple) and len(out) == 3 and isinstance(out[0], (tuple, list)) and isinstance(out[1], dict)
+    ):
         raise WorkloadError(f"make_inputs of {self.source!r} returned {type(out).__name__}; it must return "
                             "(args: tuple, kwargs: dict, targets: Tensor or None)")
     dt = DTYPES[dtype or self.dtype]
     return _cast(tuple(out[0]), dt), _cast(out[1], dt), _cast(out[2], dt)
 
+# %% ../nbs/03_workload.ipynb
 @patch
 def build_model(self: Workload, device="cpu", seed: int = 0, dtype: str | None = None) -> nn.Module:
-    "The model on `device` in `dtype` (default: the workload's), initialised from `seed` (passed to `build` when it takes one)."
+    """The model on `device` in `dtype` (default: the workload's), initialised from `seed` (passed to `build` when it
+    takes one)."""
     dt = DTYPES[dtype or self.dtype]
     try: takes_seed = "seed" in inspect.signature(self.build).parameters
     except (TypeError, ValueError): takes_seed = False
@@ -108,16 +120,21 @@ def build_model(self: Workload, device="cpu", seed: int = 0, dtype: str | None =
             torch.manual_seed(seed)
             return self.build(device=device, dtype=dt)
 
+# %% ../nbs/03_workload.ipynb
 @patch
 def micro_batch(self: Workload, device="cpu", dtype: str | None = None) -> MicroBatch:
     "This workload's example batch as the step's `MicroBatch`."
     return MicroBatch(*self.inputs(device, dtype))
 
+# %% ../nbs/03_workload.ipynb
 @patch
 def token_batch(self: Workload, tokens: torch.Tensor) -> MicroBatch:
-    "The micro-batch of a (batch, seq + 1) tensor of token ids (its last column only a target); WorkloadError if not a token model."
+    """The micro-batch of a (batch, seq + 1) tensor of token ids (its last column only a target); WorkloadError if not a
+    token model."""
     if self.from_tokens is None:
-        raise WorkloadError(f"{self.source} does not take token ids (its inputs come from input_shape or its own make_inputs)")
+        raise WorkloadError(
+            f"{self.source} does not take token ids (its inputs come from input_shape or its own make_inputs)"
+        )
     return MicroBatch(*self.from_tokens(tokens))
 
 # %% ../nbs/03_workload.ipynb
@@ -126,6 +143,7 @@ def _positive(name: str, v, allow_none: bool = False):
     if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
         raise WorkloadError(f"{name} must be a positive integer, got {v!r}")
 
+# %% ../nbs/03_workload.ipynb
 def _validate(w: Workload) -> None:
     "Raise WorkloadError for a bad batch, seq, optimizer or dtype."
     _positive("batch", w.batch)
@@ -150,19 +168,26 @@ def _nbytes(x) -> int:
     if isinstance(x, (tuple, list)): return sum(map(_nbytes, x))
     return sum(map(_nbytes, x.values())) if isinstance(x, dict) else 0
 
+# %% ../nbs/03_workload.ipynb
 def _check_input_bytes(w: Workload, dtype) -> None:
     "TooBigError before real inputs whose bytes, read from their meta shapes, exceed half the free memory."
-    check_memory(_nbytes(w.inputs("meta", dtype)), f"the inputs of {w.source} (batch {w.batch}, seq {w.seq})", why="real tensors")
+    check_memory(
+        _nbytes(w.inputs("meta", dtype)), f"the inputs of {w.source} (batch {w.batch}, seq {w.seq})", why="real tensors"
+    )
 
 # %% ../nbs/03_workload.ipynb
 def _check_real_step(w: Workload, dtype: str, progress) -> None:
     "TooBigError before a real-mode capture that does not fit: its parameters, then the fake capture's peak."
-    check_real_size(sum(p.numel() for p in w.build_model("meta", dtype=dtype).parameters()), f"{w.source} (a real-mode capture)")
+    check_real_size(
+        sum(p.numel() for p in w.build_model("meta", dtype=dtype).parameters()), f"{w.source} (a real-mode capture)"
+    )
     try: peak = int(w.graph(dtype, "fake", progress).peak().bytes)
     except StaticDistError: return                     # no fake capture (a data-dependent branch): real mode is the way
     check_memory(peak, f"the real step of {w.source}", why="its fake capture's peak")
 
-_CAPTURE_S_PER_MODULE = 0.05   # measured here: 0.03-0.07 s per module (tiny, small, llama3-8b, HF Llamas of 8 and 64 layers)
+_CAPTURE_S_PER_MODULE = (
+    0.05  # measured here: 0.03-0.07 s per module (tiny, small, llama3-8b, HF Llamas of 8 and 64 layers)
+)
 
 def _about(model: nn.Module) -> str:
     "'; about N min for M modules' when the capture of `model` should take a minute or more, else ''."
@@ -172,7 +197,9 @@ def _about(model: nn.Module) -> str:
 
 # %% ../nbs/03_workload.ipynb
 @patch
-def graph(self: Workload, dtype: str | None = None, mode: str = "fake", progress: Callable[[str], None] | None = None) -> StaticGraph:
+def graph(
+    self: Workload, dtype: str | None = None, mode: str = "fake", progress: Callable[[str], None] | None = None
+) -> StaticGraph:
     "The `StaticGraph` of this workload's step in `dtype` (default: the workload's) and `mode`; captured once."
     _validate(self)
     dtype = dtype or self.dtype
@@ -187,7 +214,8 @@ def graph(self: Workload, dtype: str | None = None, mode: str = "fake", progress
         model = self.build(device="meta" if mode == "fake" else "cpu", dtype=DTYPES[dtype])
         args, kwargs, targets = self.inputs(device="meta" if mode == "fake" else "cpu", dtype=dtype)
         about = _about(model)
-        if progress and about: progress(f"capturing: copying the parameters{about}")   # the estimate before the copy, not after
+        if progress and about:
+            progress(f"capturing: copying the parameters{about}")  # the estimate before the copy, not after
         g = capture(model, args, example_kwargs=kwargs or None, loss_fn=self.loss, targets=targets,
                     optimizer=None if self.optimizer == "none" else self.optimizer, mode=mode,
                     progress=_progress_adapter(progress, about))
@@ -200,9 +228,18 @@ def describe(self: Workload) -> dict:
     "JSON-ready description: source, batch, seq, dtype, optimizer, input shapes, parameter count, notes."
     args, kwargs, targets = self.inputs(device="meta")
     model = self.build(device="meta", dtype=DTYPES[self.dtype])
-    return dict(source=self.source, batch=self.batch, seq=self.seq, dtype=self.dtype, optimizer=self.optimizer,
-                inputs=dict(args=_shapes(args), kwargs=_shapes(kwargs), targets=_shapes(targets) if targets is not None else None),
-                params=sum(p.numel() for p in model.parameters()), notes=list(self.notes))
+    return dict(
+        source=self.source,
+        batch=self.batch,
+        seq=self.seq,
+        dtype=self.dtype,
+        optimizer=self.optimizer,
+        inputs=dict(
+            args=_shapes(args), kwargs=_shapes(kwargs), targets=_shapes(targets) if targets is not None else None
+        ),
+        params=sum(p.numel() for p in model.parameters()),
+        notes=list(self.notes),
+    )
 
 # %% ../nbs/03_workload.ipynb
 def _call_on(factory: Callable, what: str, device: torch.device, seed: int):
@@ -248,7 +285,8 @@ def _first_embedding(model: nn.Module) -> nn.Embedding | None:
 _MAX_POS_ATTRS = ("n_positions", "max_position_embeddings", "max_seq_len", "block_size")
 
 def max_positions(model: nn.Module) -> int | None:
-    "The longest sequence the model declares (n_positions / max_position_embeddings / max_seq_len / block_size), or None."
+    """The longest sequence the model declares (n_positions / max_position_embeddings / max_seq_len / block_size), or
+    None."""
     for obj in (model, *(getattr(model, a, None) for a in ("config", "cfg", "args", "params"))):
         if obj is None: continue
         for a in _MAX_POS_ATTRS:
@@ -271,13 +309,18 @@ def token_loss(vocab: int) -> Callable:
     "loss(output, targets): float32 cross-entropy of the output's logits (..., >= vocab) against targets (...)."
     def loss(out, targets):
         logits = _logits(out)
-        if not isinstance(logits, torch.Tensor) or tuple(logits.shape[:-1]) != tuple(targets.shape) or logits.shape[-1] < vocab:
+        if (
+            not isinstance(logits, torch.Tensor)
+            or tuple(logits.shape[:-1]) != tuple(targets.shape)
+            or logits.shape[-1] < vocab
+        ):
             got = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
             raise WorkloadError(f"the model's logits have shape {got}, expected {(*targets.shape, vocab)} for token "
                                 "inputs; give --input-shape or a function returning a Workload with its own loss")
         return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
     return loss
 
+# %% ../nbs/03_workload.ipynb
 def token_inputs(vocab: int, seed: int = 0) -> Callable:
     "make_inputs for a token model: (tokens (batch, seq) int64 < vocab,), {}, next tokens."
     def make_inputs(batch: int, seq: int, device="cpu"):
@@ -291,6 +334,7 @@ def square_loss(out) -> torch.Tensor:
     "Mean of the squared output (float32): a stand-in scalar loss for models given by --input-shape."
     return _logits(out).float().pow(2).mean()
 
+# %% ../nbs/03_workload.ipynb
 def shape_inputs(shape: tuple[int, ...], seed: int = 0) -> Callable:
     "make_inputs for `--input-shape`: (float32 randn (batch, *shape),), {}, None; `seq` is not used."
     def make_inputs(batch: int, seq=None, device="cpu"):
@@ -303,8 +347,11 @@ DEFAULT_BATCH, DEFAULT_SEQ = 2, 64
 
 def _check_seq(seq: int, limit: int | None, source: str) -> None:
     if limit is not None and seq > limit:
-        raise WorkloadError(f"seq {seq} is longer than {source}'s maximum of {limit} positions; use seq {limit} or less")
+        raise WorkloadError(
+            f"seq {seq} is longer than {source}'s maximum of {limit} positions; use seq {limit} or less"
+        )
 
+# %% ../nbs/03_workload.ipynb
 def _zoo_seq(name: str, seq: int | None, notes: list[str]) -> int | None:
     "The sequence length of zoo model `name`: a Llama preset's (bounded by its max_seq_len), None for the others."
     from static_dist.zoo import PRESETS
@@ -322,15 +369,19 @@ def _next_token_batch(t: torch.Tensor) -> tuple:
     "(tokens[:, :-1],), {}, tokens[:, 1:]: a language model's inputs and its next-token targets."
     return (t[:, :-1].contiguous(),), {}, t[:, 1:].contiguous()
 
+# %% ../nbs/03_workload.ipynb
 def _grown(t: torch.Tensor, b: int) -> torch.Tensor:
     "An empty meta tensor like one-sample batch `t`, with `b` samples."
     return torch.empty(b, *t.shape[1:], dtype=t.dtype, device="meta")
 
+# %% ../nbs/03_workload.ipynb
 def _zoo_workload(name: str, batch, seq, input_shape) -> Workload:
     from static_dist.zoo import PRESETS, get_model
     try: zm = get_model(name)
     except ValueError as e:
-        raise WorkloadError(f"{e} Or give a file (path/file.py:NAME), a module (package.module:NAME) or hf:CONFIG.") from None
+        raise WorkloadError(
+            f"{e} Or give a file (path/file.py:NAME), a module (package.module:NAME) or hf:CONFIG."
+        ) from None
     if input_shape is not None:
         raise WorkloadError(f"zoo model {name!r} knows its inputs: drop input_shape (--input-shape)")
     notes = [f"zoo: {zm.description}"]
@@ -358,6 +409,7 @@ def _candidates(mod) -> list[str]:
         if all(p.default is not p.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params): out.append(k)
     return out
 
+# %% ../nbs/03_workload.ipynb
 def _resolve(mod, name: str, where: str):
     obj = getattr(mod, name, None)
     if obj is None:
@@ -379,7 +431,9 @@ def _from_callable(obj: Callable, what: str):
     except ModelCodeError: raise
     except Exception as e:
         first = e
-    if isinstance(first, Workload) or (isinstance(first, BaseException) and "Workload" in str(inspect.signature(obj).return_annotation)):
+    if isinstance(first, Workload) or (
+        isinstance(first, BaseException) and "Workload" in str(inspect.signature(obj).return_annotation)
+    ):
         try:
             with model_code(f"calling {what}()"): w = obj()
         except ModelCodeError: raise
@@ -397,10 +451,14 @@ def parse_input_shape(text) -> tuple[int, ...]:
     try: shape = tuple(int(p) for p in parts)
     except (TypeError, ValueError): shape = ()
     if not shape or any(d <= 0 for d in shape):
-        raise WorkloadError(f"input shape {text!r} is not a list of positive integers like 3x32x32 (one sample, no batch)")
+        raise WorkloadError(
+            f"input shape {text!r} is not a list of positive integers like 3x32x32 (one sample, no batch)"
+        )
     if max(shape) > MAX_DIM or math.prod(shape) > 2**48:
-        raise WorkloadError(f"input shape {str(text)[:40]!r}: each size must be at most {MAX_DIM:,} (like --batch) and a "
-                            f"sample at most 2**48 elements; this one has {math.prod(shape):.3g}")
+        raise WorkloadError(
+            f"input shape {str(text)[:40]!r}: each size must be at most {MAX_DIM:,} (like --batch) and a "
+            f"sample at most 2**48 elements; this one has {math.prod(shape):.3g}"
+        )
     return shape
 
 # %% ../nbs/03_workload.ipynb
@@ -412,6 +470,7 @@ def _shape_workload(source: str, build: Callable, batch, seq, input_shape) -> Wo
     return Workload(source=source, build=build, batch=batch, seq=None, make_inputs=shape_inputs(shape),
                     loss=square_loss, notes=notes)
 
+# %% ../nbs/03_workload.ipynb
 def _model_workload(source: str, factory: Callable, what: str, batch, seq, input_shape) -> Workload:
     build = module_builder(factory, what)
     model = build()
@@ -461,12 +520,15 @@ def _named_workload(source: str, batch, seq, input_shape) -> Workload:
     if not name.isidentifier():
         raise WorkloadError(f"{source!r}: {name!r} is not a Python name; give path/file.py:NAME or package.module:NAME")
     try:
-        with model_code(f"importing {ref}"): mod = import_ref(ref)      # util's one resolver of `module:NAME` references
+        with model_code(f"importing {ref}"):
+            mod = import_ref(ref)  # util's one resolver of `module:NAME` references
     except InputError as e: raise WorkloadError(f"model {e}") from None
     w, factory = _from_callable(_resolve(mod, name, ref), source)
     if w is None: return _model_workload(source, factory, source, batch or DEFAULT_BATCH, seq, input_shape)
     if input_shape is not None:
-        raise WorkloadError(f"{source} returns a Workload, which makes its own inputs: drop input_shape (--input-shape)")
+        raise WorkloadError(
+            f"{source} returns a Workload, which makes its own inputs: drop input_shape (--input-shape)"
+        )
     w.source = source
     if batch is not None: w.batch = batch
     if seq is not None: w.seq = seq

@@ -34,13 +34,16 @@ def import_transformers():
     try:
         import transformers
     except ImportError:
-        raise HFSourceError('hf: sources need transformers, which is not installed: pip install "static_dist[hf]"') from None
+        raise HFSourceError(
+            'hf: sources need transformers, which is not installed: pip install "static_dist[hf]"'
+        ) from None
     return transformers
 
 # %% ../nbs/03a_workload_hf.ipynb
 @contextlib.contextmanager
 def quiet_transformers(heard: list):
-    "Inside, transformers' log records (WARNING and up) and Python warnings are not printed; their first lines go to `heard`."
+    """Inside, transformers' log records (WARNING and up) and Python warnings are not printed; their first lines go to
+    `heard`."""
     log = logging.getLogger("transformers")
     class Heard(logging.Handler):
         def emit(self, record): heard.append(first_line(record.getMessage()))
@@ -56,7 +59,8 @@ def quiet_transformers(heard: list):
 
 # %% ../nbs/03a_workload_hf.ipynb
 def hf_config(path: str):
-    "(transformers, config, warnings heard) of `hf:path`: a config.json or a folder holding one, read bounded and quietly."
+    """(transformers, config, warnings heard) of `hf:path`: a config.json or a folder holding one, read bounded and
+    quietly."""
     p = Path(path).expanduser()
     if p.is_dir(): p = p / "config.json"
     if (st := stat_or_none(p)) is not None and file_kind(st) != "a regular file":
@@ -69,7 +73,9 @@ def hf_config(path: str):
     transformers, heard = import_transformers(), []
     try:
         with quiet_transformers(heard):
-            cfg = transformers.AutoConfig.from_pretrained(str(p.parent if p.name == "config.json" else p), local_files_only=True)
+            cfg = transformers.AutoConfig.from_pretrained(
+                str(p.parent if p.name == "config.json" else p), local_files_only=True
+            )
     except Exception as e:
         raise HFSourceError(f"hf:{path}: cannot read the config: {type(e).__name__}: {first_line(e)}") from None
     cfg.use_cache = False        # a training step keeps no KV cache
@@ -86,9 +92,15 @@ def _refuse_other_heads(cfg, source: str) -> None:
         raise HFSourceError(f"{source}: {name} is an encoder-decoder model, whose step needs decoder inputs that hf: "
                             f"sources do not make; supported: {SUPPORTED}")
     heads = [a for a in getattr(cfg, "architectures", None) or () if isinstance(a, str)]
-    if heads and not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in heads) and any(a.endswith(_NOT_CAUSAL) for a in heads):
-        raise HFSourceError(f"{source}: the config is for {heads[0]}, an encoder head; built as a causal LM it would be "
-                            f"another model; supported: {SUPPORTED}")
+    if (
+        heads
+        and not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in heads)
+        and any(a.endswith(_NOT_CAUSAL) for a in heads)
+    ):
+        raise HFSourceError(
+            f"{source}: the config is for {heads[0]}, an encoder head; built as a causal LM it would be "
+            f"another model; supported: {SUPPORTED}"
+        )
 
 # %% ../nbs/03a_workload_hf.ipynb
 def hf_head(transformers, cfg, source: str) -> tuple[bool, type]:
@@ -132,7 +144,8 @@ def hf_inputs(vocab: int, causal: bool) -> Callable:
 
 # %% ../nbs/03a_workload_hf.ipynb
 def hf_token_batch(causal: bool) -> Callable:
-    "from_tokens of a Hugging Face model: input_ids (and labels = input_ids, which the model shifts itself) as keywords."
+    """from_tokens of a Hugging Face model: input_ids (and labels = input_ids, which the model shifts itself) as
+    keywords."""
     def from_tokens(t):
         ids = t[:, :-1].contiguous()
         return (), ({"input_ids": ids, "labels": ids.clone()} if causal else {"input_ids": ids}), None
@@ -147,8 +160,13 @@ def hidden_loss(out):
 
 # %% ../nbs/03a_workload_hf.ipynb
 def hf_parts(cfg, vocab: int, causal: bool, heard=()) -> dict:
-    "The Workload fields of an hf: model: make_inputs, loss, vocab, from_tokens and notes (with the count of warnings `heard`)."
-    said = (f"transformers warned {len(heard)} time(s) reading the config (silenced); the first: {heard[0][:100]}",) if heard else ()
+    """The Workload fields of an hf: model: make_inputs, loss, vocab, from_tokens and notes (with the count of warnings
+    `heard`)."""
+    said = (
+        (f"transformers warned {len(heard)} time(s) reading the config (silenced); the first: {heard[0][:100]}",)
+        if heard
+        else ()
+    )
     what = (f"{type(cfg).__name__} as a causal LM: input_ids and labels, the model's own loss" if causal else
             f"{type(cfg).__name__} has no causal-LM head in transformers: built with AutoModel, the loss is a stand-in "
             "(mean of the squared last hidden state)")

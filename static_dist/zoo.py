@@ -67,18 +67,25 @@ class LlamaConfig:
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"LlamaConfig.{f}={v!r}: must be a positive int.")
         if self.dim % self.n_heads:
-            raise ValueError(f"dim={self.dim} is not divisible by n_heads={self.n_heads}: set n_heads to a divisor of dim "
-                             f"(nearest: {_nearest_divisor(self.dim, self.n_heads)}) or change dim.")
+            raise ValueError(
+                f"dim={self.dim} is not divisible by n_heads={self.n_heads}: set n_heads to a divisor of dim "
+                f"(nearest: {_nearest_divisor(self.dim, self.n_heads)}) or change dim."
+            )
         if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"n_kv_heads={self.n_kv_heads} does not divide n_heads={self.n_heads}: each kv head serves a whole group "
-                             f"of query heads; use e.g. n_kv_heads={_nearest_divisor(self.n_heads, self.n_kv_heads)}.")
+            raise ValueError(
+                f"n_kv_heads={self.n_kv_heads} does not divide n_heads={self.n_heads}: each kv head serves a whole "
+                "group "
+                f"of query heads; use e.g. n_kv_heads={_nearest_divisor(self.n_heads, self.n_kv_heads)}."
+            )
         if self.head_dim % 2:
             raise ValueError(f"head_dim = dim // n_heads = {self.head_dim} is odd, but RoPE rotates channel pairs: "
                              f"make dim / n_heads even.")
         if isinstance(self.n_experts, bool) or not isinstance(self.n_experts, int) or self.n_experts < 0:
             raise ValueError(f"n_experts={self.n_experts!r}: use 0 for a dense FFN or a positive int for a MoE.")
         if self.n_experts and not 1 <= self.top_k <= self.n_experts:
-            raise ValueError(f"top_k={self.top_k} with n_experts={self.n_experts}: top_k must be between 1 and n_experts.")
+            raise ValueError(
+                f"top_k={self.top_k} with n_experts={self.n_experts}: top_k must be between 1 and n_experts."
+            )
         for f in ('norm_eps', 'rope_theta', 'capacity_factor'):
             if not getattr(self, f) > 0: raise ValueError(f"LlamaConfig.{f}={getattr(self, f)!r}: must be > 0.")
 
@@ -115,7 +122,8 @@ def rope_tables(head_dim: int, max_seq_len: int, theta: float, device=None) -> t
     return angles.cos(), angles.sin()
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    "Rotate channel pairs of `x` `(B, S, heads, head_dim)` by the angles of positions `0..S-1` (`cos`, `sin`: `(S, head_dim//2)`)."
+    """Rotate channel pairs of `x` `(B, S, heads, head_dim)` by the angles of positions `0..S-1` (`cos`, `sin`: `(S,
+    head_dim//2)`)."""
     xf = x.float().unflatten(-1, (-1, 2))
     x0, x1 = xf[..., 0], xf[..., 1]
     cos, sin = cos[:, None, :].float(), sin[:, None, :].float()   # broadcast over batch and heads
@@ -199,7 +207,8 @@ class MoE(nn.Module):
 
 # %% ../nbs/01_zoo.ipynb
 class TransformerBlock(nn.Module):
-    "Pre-norm block: `h = x + attention(attention_norm(x))`, `out = h + ffn(ffn_norm(h))`; ffn is `feed_forward` or `moe`."
+    """Pre-norm block: `h = x + attention(attention_norm(x))`, `out = h + ffn(ffn_norm(h))`; ffn is `feed_forward` or
+    `moe`."""
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
@@ -249,7 +258,9 @@ class Llama(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         S = tokens.shape[1]
         if S > self.cfg.max_seq_len:
-            raise ValueError(f"sequence length {S} > max_seq_len={self.cfg.max_seq_len}: raise max_seq_len in the LlamaConfig.")
+            raise ValueError(
+                f"sequence length {S} > max_seq_len={self.cfg.max_seq_len}: raise max_seq_len in the LlamaConfig."
+            )
         h = self.tok_embeddings(tokens)
         cos, sin = self.rope_cos[:S], self.rope_sin[:S]
         for layer in self.layers: h = layer(h, cos, sin)
@@ -284,7 +295,8 @@ class MarkovTokens(torch.utils.data.Dataset):
                  sample_seed: int | None = None):
         for k, v in dict(vocab_size=vocab_size, seq_len=seq_len, n_samples=n_samples, branching=branching).items():
             if v <= 0: raise ValueError(f"MarkovTokens {k}={v}: must be positive.")
-        if branching > vocab_size: raise ValueError(f"branching={branching} > vocab_size={vocab_size}: use branching <= vocab_size.")
+        if branching > vocab_size:
+            raise ValueError(f"branching={branching} > vocab_size={vocab_size}: use branching <= vocab_size.")
         self.vocab_size, self.seq_len, self.n_samples, self.branching = vocab_size, seq_len, n_samples, branching
         self.successors, self.probs, self.stationary = _markov_chain(vocab_size, branching, seed)
         g = torch.Generator().manual_seed(seed if sample_seed is None else sample_seed)
@@ -302,7 +314,9 @@ class MarkovTokens(torch.utils.data.Dataset):
     @property
     def transition_matrix(self) -> torch.Tensor:
         "`P[i, j]` = probability that token `j` follows token `i` (float64, rows sum to 1)."
-        return torch.zeros(self.vocab_size, self.vocab_size, dtype=torch.float64).scatter_(1, self.successors, self.probs)
+        return torch.zeros(self.vocab_size, self.vocab_size, dtype=torch.float64).scatter_(
+            1, self.successors, self.probs
+        )
 
     def entropy_rate(self) -> float:
         "Conditional entropy of the next token in nats: the best achievable per-token cross-entropy."
@@ -348,7 +362,8 @@ class ControlFlowNet(nn.Module):
     def forward(self, x):
         h = torch.relu(self.inp(x))
         if self.use_gate: h = h * torch.sigmoid(self.gate(h))    # static: fixed at construction
-        if self.training: h = h * self.train_scale                # mode-dependent: dropout-like rescaling in training only
+        if self.training:
+            h = h * self.train_scale  # mode-dependent: dropout-like rescaling in training only
         if x.sum() > 0: return self.pos(h)                        # data-dependent
         else: return torch.tanh(self.neg(h))
 
@@ -361,7 +376,8 @@ class ZooModel:
     description: str
     "What the model is for, in one line."
     build: Callable[..., nn.Module]
-    "`build(device='meta', dtype=torch.float32, seed=0) -> nn.Module`; meta allocates nothing, other devices get a seeded init."
+    """`build(device='meta', dtype=torch.float32, seed=0) -> nn.Module`; meta allocates nothing, other devices get a
+    seeded init."""
     batch: Callable[..., tuple]
     "`batch(batch_size, seq_len, device='cpu', seed=0) -> (inputs: tuple[Tensor, ...], targets: Tensor)`."
     loss: Callable
@@ -369,7 +385,8 @@ class ZooModel:
 
 # %% ../nbs/01_zoo.ipynb
 def _materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
-    "Give every parameter fresh uninitialised storage on `device` (floating ones in `dtype`), shared ones staying shared."
+    """Give every parameter fresh uninitialised storage on `device` (floating ones in `dtype`), shared ones staying
+    shared."""
     new = {}
     for m in model.modules():
         for n, p in list(m._parameters.items()):
@@ -384,7 +401,8 @@ def _materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> 
 
 # %% ../nbs/01_zoo.ipynb
 def _builder(factory: Callable[[], nn.Module]):
-    "A `build(device, dtype, seed)`: construct on meta, materialise on `device` in `dtype`, run the seeded `init_weights`."
+    """A `build(device, dtype, seed)`: construct on meta, materialise on `device` in `dtype`, run the seeded
+    `init_weights`."""
     def build(device='meta', dtype: torch.dtype = torch.float32, seed: int = 0) -> nn.Module:
         device = torch.device(device)
         with torch.device('meta'): model = factory()
@@ -401,7 +419,9 @@ def _lm_batch(cfg: LlamaConfig):
         if cfg.vocab_size <= _MARKOV_MAX_VOCAB:
             tokens = MarkovTokens(cfg.vocab_size, seq_len, batch_size, seed=0, sample_seed=seed).tokens
         else:
-            tokens = torch.randint(cfg.vocab_size, (batch_size, seq_len + 1), generator=torch.Generator().manual_seed(seed))
+            tokens = torch.randint(
+                cfg.vocab_size, (batch_size, seq_len + 1), generator=torch.Generator().manual_seed(seed)
+            )
         tokens = tokens.to(device)
         return (tokens[:, :-1].clone(),), tokens[:, 1:].clone()
     return batch
@@ -421,18 +441,36 @@ def _dense_batch(d_in: int, d_out: int):
 
 # %% ../nbs/01_zoo.ipynb
 ZOO: dict[str, ZooModel] = {
-    **{name: ZooModel(name, f"Llama 3 style decoder '{name}' ({'MoE, ' if cfg.n_experts else ''}{cfg.n_layers} layers, dim {cfg.dim})",
-                      _builder(functools.partial(Llama, cfg)), _lm_batch(cfg), _lm_loss)
-       for name, cfg in PRESETS.items()},
-    'mlp': ZooModel('mlp', "MLP (32, 64, 64, 8) with MSE against random targets: saved activations countable by hand",
-                    _builder(functools.partial(MLP, (32, 64, 64, 8))), _dense_batch(32, 8), F.mse_loss),
-    'control-flow': ZooModel('control-flow', "ControlFlowNet: flag, training-mode and data-dependent branches for export checks",
-                             _builder(ControlFlowNet), _dense_batch(16, 16), F.mse_loss),
+    **{
+        name: ZooModel(
+            name,
+            f"Llama 3 style decoder '{name}' ({'MoE, ' if cfg.n_experts else ''}{cfg.n_layers} layers, dim {cfg.dim})",
+            _builder(functools.partial(Llama, cfg)),
+            _lm_batch(cfg),
+            _lm_loss,
+        )
+        for name, cfg in PRESETS.items()
+    },
+    'mlp': ZooModel(
+        'mlp',
+        "MLP (32, 64, 64, 8) with MSE against random targets: saved activations countable by hand",
+        _builder(functools.partial(MLP, (32, 64, 64, 8))),
+        _dense_batch(32, 8),
+        F.mse_loss,
+    ),
+    'control-flow': ZooModel(
+        'control-flow',
+        "ControlFlowNet: flag, training-mode and data-dependent branches for export checks",
+        _builder(ControlFlowNet),
+        _dense_batch(16, 16),
+        F.mse_loss,
+    ),
 }
 
 # %% ../nbs/01_zoo.ipynb
 def get_model(name: str) -> ZooModel:
-    "The `ZOO` entry `name`; unknown names raise a `ValueError` with the (up to two) closest matches and the known names."
+    """The `ZOO` entry `name`; unknown names raise a `ValueError` with the (up to two) closest matches and the known
+    names."""
     if name in ZOO: return ZOO[name]
     close = difflib.get_close_matches(name, ZOO, n=2)
     hint = f" Did you mean {' or '.join(map(repr, close))}?" if close else ""

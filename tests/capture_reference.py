@@ -48,7 +48,9 @@ class _Recorder(TorchDispatchMode):
         self._closed = False
         self.failed_in: str | None = None
         self._packed: set[int] = set()          # storage ids of tensors saved for backward
-        self._writes: dict[int, tuple] = {}     # storage id -> (op, module, source line) of the first in-place write after its save
+        self._writes: dict[
+            int, tuple
+        ] = {}  # storage id -> (op, module, source line) of the first in-place write after its save
         self.uncounted: dict[str, int] = {}     # op -> calls, for ops that compute but have no FLOP formula
         self.model_forward: list[int] | None = None       # [first, last] op of the model's own forward
         self.model_backward_start: int | None = None      # op before which a gradient first reached its outputs
@@ -102,7 +104,8 @@ def output_id(self: _Recorder, t: torch.Tensor, func) -> int:
     return tid
 
 def _tensors(x):
-    "The tensors in an op's arguments or outputs (nested tuples, lists, dicts), in tree_flatten's order, without its cost."
+    """The tensors in an op's arguments or outputs (nested tuples, lists, dicts), in tree_flatten's order, without its
+    cost."""
     if isinstance(x, torch.Tensor): yield x
     elif isinstance(x, (tuple, list)):
         for v in x: yield from _tensors(v)
@@ -259,7 +262,9 @@ def _rebuild_optimizer(optimizer: torch.optim.Optimizer, mapping: dict[int, torc
         if missing:
             raise CaptureError(f"the optimizer holds {len(missing)} tensor(s) that are not parameters of the "
                                "model; build it over model.parameters() or pass a factory")
-        groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": [mapping[id(p)] for p in g["params"]]})
+        groups.append(
+            {**{k: v for k, v in g.items() if k != "params"}, "params": [mapping[id(p)] for p in g["params"]]}
+        )
     defaults = dict(optimizer.defaults)
     if foreach is not None and defaults.get("foreach", False) is None: defaults["foreach"] = foreach
     return type(optimizer)(groups, **defaults)
@@ -269,7 +274,10 @@ def _build_optimizer(optimizer, model: nn.Module, mapping: dict[int, torch.Tenso
     if optimizer is None: return None
     if isinstance(optimizer, str):                   # the package's one table of optimizers by name
         try: return make_optimizer(optimizer, work.parameters(), foreach=foreach)
-        except StepError as e: raise CaptureError(f"{e}; or pass a factory `params -> torch.optim.Optimizer`, or an optimizer instance") from None
+        except StepError as e:
+            raise CaptureError(
+                f"{e}; or pass a factory `params -> torch.optim.Optimizer`, or an optimizer instance"
+            ) from None
     if isinstance(optimizer, torch.optim.Optimizer): return _rebuild_optimizer(optimizer, mapping, foreach)
     if callable(optimizer):
         opt = optimizer(_trainable(work))
@@ -297,8 +305,10 @@ def _check_kwargs(example_kwargs) -> dict:
     "example_kwargs as a dict of keyword arguments for the model; a clear error otherwise."
     if example_kwargs is None: return {}
     if not isinstance(example_kwargs, dict) or not all(isinstance(k, str) for k in example_kwargs):
-        raise CaptureTypeError(f"example_kwargs must be a dict of keyword arguments (str -> tensor), not "
-                               f"{type(example_kwargs).__name__}; e.g. capture(model, example_kwargs=dict(input_ids=x))")
+        raise CaptureTypeError(
+            f"example_kwargs must be a dict of keyword arguments (str -> tensor), not "
+            f"{type(example_kwargs).__name__}; e.g. capture(model, example_kwargs=dict(input_ids=x))"
+        )
     _check_leaves(dict(example_kwargs), "example_kwargs")
     return dict(example_kwargs)
 
@@ -311,7 +321,9 @@ def _to_capture(x, mode: str, fake_mode, device):
         if not isinstance(t, torch.Tensor) or mode == "real": return t
         if not t.is_meta and _same_device(t.device, device): return fake_mode.from_tensor(t)
         with fake_mode:   # meta inputs, and inputs on another device than the capture's: an empty fake there
-            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device).requires_grad_(t.requires_grad)
+            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device).requires_grad_(
+                t.requires_grad
+            )
     return tree_map(one, x)
 
 def _check_device(device) -> torch.device:
@@ -358,9 +370,11 @@ def _check_token_ids(work: nn.Module, ranges: dict[int, tuple]) -> None:
         if not isinstance(t, torch.Tensor): return
         st, numel, lo, hi, name = ranges.get(id(t.untyped_storage()), (None, -1, 0, 0, ""))
         if numel == t.numel() and (lo < 0 or hi >= m.num_embeddings):
-            raise CaptureError(f"{name} holds token ids in [{lo}, {hi}] but embedding '{fqn}' has num_embeddings="
-                               f"{m.num_embeddings} (ids 0..{m.num_embeddings - 1}); eager would fail with 'index out "
-                               "of range'. Fix: give ids below the vocabulary size, or a model with a larger vocabulary.")
+            raise CaptureError(
+                f"{name} holds token ids in [{lo}, {hi}] but embedding '{fqn}' has num_embeddings="
+                f"{m.num_embeddings} (ids 0..{m.num_embeddings - 1}); eager would fail with 'index out "
+                "of range'. Fix: give ids below the vocabulary size, or a model with a larger vocabulary."
+            )
     for fqn, m in work.named_modules():
         if isinstance(m, nn.Embedding): m.register_forward_pre_hook(lambda m, args, fqn=fqn: check(fqn, m, args))
 
@@ -394,7 +408,8 @@ def _run_step(rec: _Recorder, work: nn.Module, inputs, kwargs, loss_fn, targets,
     def step(stage: str, f):
         try: return f()
         except CaptureError: raise
-        except Exception as e: raise explain_failure(e, stage, rec.failed_in or _module_in(e.__traceback__, work)) from None
+        except Exception as e:
+            raise explain_failure(e, stage, rec.failed_in or _module_in(e.__traceback__, work)) from None
     if progress: progress("forward", 0)
     out = step("the model's forward", lambda: work(*inputs, **kwargs))
     loss = step("the loss function", lambda: step_loss(loss_fn, out, targets))
@@ -472,8 +487,10 @@ class _SameDtype(torch.utils._python_dispatch.TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if self.on and func in _SAME_DTYPE_OPS:
             dts = sorted({str(a.dtype) for a in args if isinstance(a, torch.Tensor) and a.is_floating_point()})
-            if len(dts) > 1: raise RuntimeError(f"expected the inputs of {func.__name__} to have the same dtype, but got "
-                                                f"{' and '.join(dts)} (eager refuses it too: cast the inputs or the model)")
+            if len(dts) > 1: raise RuntimeError(f"expected the inputs of {func.__name__} to have the same dtype, but "
+                                                "got "
+                                                f"{' and '.join(dts)} (eager refuses it too: cast the inputs or the "
+                                                "model)")
         return func(*args, **(kwargs or {}))
 
 def _capture(model, real_inputs, real_kwargs, loss_fn, targets, optimizer, mode, device, progress, t0) -> StaticGraph:

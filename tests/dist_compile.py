@@ -31,7 +31,8 @@ STEPS, ACCUM, B, S, LR = 3, 2, 2, 16, 0.5
 
 
 class LoggingBlock(TransformerBlock):
-    "A block with a graph break in the middle (as a call Dynamo cannot trace makes): the per-block fallback must handle it."
+    """A block with a graph break in the middle (as a call Dynamo cannot trace makes): the per-block fallback must
+    handle it."""
     def forward(self, x, cos, sin):
         h = x + self.attention(self.attention_norm(x), cos, sin)
         torch._dynamo.graph_break()
@@ -70,7 +71,11 @@ def run(name, opts, plan, rank, world, eager_check=False):
     losses, counts, cdm, graphs = [], [], [], []
     for step in range(STEPS):
         mbs = [batch(1000 * step + 10 * (world * i + rank) + 1) for i in range(ACCUM)]
-        stance = torch.compiler.set_stance("fail_on_recompile") if (opts.enabled and step > 0) else torch.compiler.set_stance("default")
+        stance = (
+            torch.compiler.set_stance("fail_on_recompile")
+            if (opts.enabled and step > 0)
+            else torch.compiler.set_stance("default")
+        )
         # eager step 0 is counted by CommDebugMode (per micro-batch); every other step by the profiler, which also
         # works under compile (the two are not nested: the profiler would see each op twice through the mode)
         debug = eager_check and step == 0
@@ -79,7 +84,9 @@ def run(name, opts, plan, rank, world, eager_check=False):
             modes.append(CommDebugMode() if debug else contextlib.nullcontext())
             return modes[-1]
         with stance, (contextlib.nullcontext({}) if debug else count_collectives()) as c:
-            total = train_step(m, opt, mbs, loss_fn, plan=plan, around=around)   # the one step: sync on the last micro-batch
+            total = train_step(
+                m, opt, mbs, loss_fn, plan=plan, around=around
+            )  # the one step: sync on the last micro-batch
         if debug: cdm += [comm_counts(md) for md in modes]
         losses.append(float(total)); graphs.append(graphs_compiled(m))
         counts.append({k: sum(d[k] for d in cdm) for k in cdm[0]} if debug else dict(c))
@@ -98,7 +105,7 @@ def main(specs: str = "tiny:aot_eager") -> dict:
         backends = bes.split("+") if bes else ["aot_eager"]
         build, batch, loss_fn, blocks = setup(name)
         x, y = batch(1)
-        meta = setup("tiny" if name == "breaky" else name)[0]().to("meta")   # the breaky block captures as the plain one
+        meta = setup("tiny" if name == "breaky" else name)[0]().to("meta")  # the breaky block captures as the plain one
         g = capture(meta, (x,), loss_fn=loss_fn, targets=y, optimizer="sgd")
         plan = FSDPPlan(world, (world,), (FSDPUnit(""), *(FSDPUnit(b) for b in blocks)), forward_prefetch=1,
                         accumulation_steps=ACCUM)

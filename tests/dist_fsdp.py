@@ -80,15 +80,28 @@ def main() -> dict:
     plans = {
         "planned": planned,
         "per-block": base,
-        "no-reshard+prefetch2": dataclasses.replace(base, units=(FSDPUnit(""), *(dataclasses.replace(u, reshard_after_forward=False) for u in blocks)), forward_prefetch=2),
-        "checkpointed+ends": dataclasses.replace(base, units=(
-            FSDPUnit(""), FSDPUnit("tok_embeddings"), *(dataclasses.replace(u, checkpoint=FullCheckpoint()) for u in blocks),
-            FSDPUnit("output")), forward_prefetch=1),
+        "no-reshard+prefetch2": dataclasses.replace(
+            base,
+            units=(FSDPUnit(""), *(dataclasses.replace(u, reshard_after_forward=False) for u in blocks)),
+            forward_prefetch=2,
+        ),
+        "checkpointed+ends": dataclasses.replace(
+            base,
+            units=(
+                FSDPUnit(""),
+                FSDPUnit("tok_embeddings"),
+                *(dataclasses.replace(u, checkpoint=FullCheckpoint()) for u in blocks),
+                FSDPUnit("output"),
+            ),
+            forward_prefetch=1,
+        ),
         "accumulate-4-nosync": dataclasses.replace(base, accumulation_steps=4),
         "accumulate-3-sync-every": dataclasses.replace(base, accumulation_steps=3, sync_every_microbatch=True),
     }
     if world >= 4:
-        plans["reshard-int-2"] = dataclasses.replace(base, units=(FSDPUnit(""), *(dataclasses.replace(u, reshard_after_forward=2) for u in blocks)))
+        plans["reshard-int-2"] = dataclasses.replace(
+            base, units=(FSDPUnit(""), *(dataclasses.replace(u, reshard_after_forward=2) for u in blocks))
+        )
         plans["hsdp-2x2"] = dataclasses.replace(base, mesh_shape=(2, world // 2))
     results = {}
     for name, plan in plans.items():

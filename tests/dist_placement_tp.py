@@ -13,8 +13,16 @@ from torch.distributed.tensor.debug import CommDebugMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from static_dist.graph import capture
-from static_dist.placement import (MEGATRON, LayoutError, ShardingPlan, apply_sharding_plan, evaluate_plan, llama_block_spec, search_plan,
-                                   validate_plan)
+from static_dist.placement import (
+    MEGATRON,
+    LayoutError,
+    ShardingPlan,
+    apply_sharding_plan,
+    evaluate_plan,
+    llama_block_spec,
+    search_plan,
+    validate_plan,
+)
 from static_dist.topology import MeshSpec, preset
 from static_dist.zoo import get_model
 
@@ -36,7 +44,8 @@ class CommBytes(TorchDispatchMode):
             if op == "all_reduce": self.seen.append(("tp", "all_reduce", nb(args[0])))
             elif op == "all_gather_into_tensor": self.seen.append(("tp", "all_gather", nb(args[0]) * args[1]))
         elif name == "c10d::_allgather_base_": self.seen.append(("dp", "all_gather", nb(args[0])))      # output: full
-        elif name == "c10d::_reduce_scatter_base_": self.seen.append(("dp", "reduce_scatter", nb(args[1])))  # input: full
+        # input: full
+        elif name == "c10d::_reduce_scatter_base_": self.seen.append(("dp", "reduce_scatter", nb(args[1])))
         return func(*args, **(kwargs or {}))
 
 
@@ -99,10 +108,18 @@ def main() -> dict:
             grad_err = max(grad_err, (full - ref_grads[n]).abs().max().item())
         pred_dp = sum(n for _ph, k, d, n in colls if d == "dp" and k == "all_reduce")
         results[label] = dict(
-            styles=[[n, s, f] for n, s, f in plan.styles], predicted_seconds=plan.seconds, predicted_comm_bytes=plan.comm_bytes,
-            out_err=(out - ref_out[half]).abs().max().item(), grad_err=grad_err,
-            counts=counts, predicted_counts=predicted_counts,
-            bytes=sorted(rec.seen), predicted_bytes=sorted(issued), dp_grad_bytes=dp_bytes, predicted_dp_bytes=pred_dp)
+            styles=[[n, s, f] for n, s, f in plan.styles],
+            predicted_seconds=plan.seconds,
+            predicted_comm_bytes=plan.comm_bytes,
+            out_err=(out - ref_out[half]).abs().max().item(),
+            grad_err=grad_err,
+            counts=counts,
+            predicted_counts=predicted_counts,
+            bytes=sorted(rec.seen),
+            predicted_bytes=sorted(issued),
+            dp_grad_bytes=dp_bytes,
+            predicted_dp_bytes=pred_dp,
+        )
 
     bad = evaluate_plan(spec, dict(MEGATRON, **{"feed_forward.w2": "colwise"}), topo, mspec, method="bad")
     try:

@@ -47,8 +47,10 @@ def fake_counts(cfg, prof, x, y, loss) -> list:
     def build():
         with torch.device("meta"): return Llama(cfg)
     units = (FSDPUnit(""), *(FSDPUnit(f"layers.{i}") for i in range(cfg.n_layers)))
-    return [fake_pg_counts(build, FSDPPlan(8, (8,), units, forward_prefetch=1, accumulation_steps=k), prof, (x,), y, loss)
-            for k in (1, 2)]
+    return [
+        fake_pg_counts(build, FSDPPlan(8, (8,), units, forward_prefetch=1, accumulation_steps=k), prof, (x,), y, loss)
+        for k in (1, 2)
+    ]
 
 
 def targets(res) -> list:
@@ -60,7 +62,8 @@ def targets(res) -> list:
     for name, r in runs.items():
         if not all(map(math.isfinite, r["losses"])): bad.append(f"{name}: non-finite loss {r['losses']}")
         if r["counts"] != eager["counts"]: bad.append(f"{name}: collectives {r['counts']} != eager {eager['counts']}")
-        if name != "eager" and r["recompiles_after_step1"] != 0: bad.append(f"{name}: {r['recompiles_after_step1']} recompiles after step 1")
+        if name != "eager" and r["recompiles_after_step1"] != 0:
+            bad.append(f"{name}: {r['recompiles_after_step1']} recompiles after step 1")
         # step 0: the same parameters and batch; bf16 kernels of Inductor and eager round differently (~0.1%); allow 1%
         if abs(r["losses"][0] - eager["losses"][0]) > 1e-2 * abs(eager["losses"][0]):
             bad.append(f"{name}: step-0 loss {r['losses'][0]} vs eager {eager['losses'][0]}")
@@ -77,10 +80,12 @@ def main(out_path):
     prof = profile_graph(capture(m0, (xc,), loss_fn=zm.loss, targets=yc, optimizer="sgd"))
     fake = fake_counts(cfg, prof, xc, yc, zm.loss)          # before NCCL: the fake group needs no process group
     print("fake PG counts", fake, flush=True)
-    init_process_group("nccl")                    # one rank on a free port (static_dist.launch's, shared with the CPU tests)
+    init_process_group("nccl")  # one rank on a free port (static_dist.launch's, shared with the CPU tests)
     torch.cuda.set_device(0)
-    batch = lambda s: ((torch.randint(0, cfg.vocab_size, (B, T), device="cuda", generator=torch.Generator("cuda").manual_seed(s)),),
-                       torch.randint(0, cfg.vocab_size, (B, T), device="cuda", generator=torch.Generator("cuda").manual_seed(s + 1)))
+    batch = lambda s: (
+        (torch.randint(0, cfg.vocab_size, (B, T), device="cuda", generator=torch.Generator("cuda").manual_seed(s)),),
+        torch.randint(0, cfg.vocab_size, (B, T), device="cuda", generator=torch.Generator("cuda").manual_seed(s + 1)),
+    )
     x0, y0 = batch(0)
     plan = FSDPPlan(1, (1,), (FSDPUnit(""), *(FSDPUnit(f"layers.{i}") for i in range(cfg.n_layers))),
                     param_dtype="bfloat16", reduce_dtype="float32", forward_prefetch=1)

@@ -4,7 +4,8 @@
 
 One process, NCCL with world size 1 (FSDP2 still all-gathers into separate unsharded buffers and reduce-scatters),
 a Llama of width 1024 and 8 blocks, AdamW. For each plan: `torch.cuda.max_memory_allocated` during the second step
-(steady state) vs `predict_memory(...).peak_bytes`. The allocator's number includes what tensor-level models cannot see (cuBLAS
+(steady state) vs `predict_memory(...).peak_bytes`. The allocator's number includes what tensor-level models cannot see
+(cuBLAS
 workspaces, rounding to 512 B blocks, fragmentation); the JSON records both so the gap can be read, not hidden.
 
 Target: every plan's prediction within 25% of `max_memory_allocated` (`check_targets`). Exit status 1, with the
@@ -43,7 +44,8 @@ def write(report: dict, out_path) -> None:
 
 
 def record_errors(report: dict, out_path) -> None:
-    "On an uncaught exception: its one-line reason goes into the JSON's failures, then Python's own traceback and exit 1."
+    """On an uncaught exception: its one-line reason goes into the JSON's failures, then Python's own traceback and exit
+    1."""
     def hook(tp, e, tb):
         report["failures"].append(f"error: {tp.__name__}: {e}")
         write(report, out_path)
@@ -58,7 +60,7 @@ def main(out_path) -> int:
     report = dict(device=torch.cuda.get_device_name(0), torch=torch.__version__, max_rel_error=MAX_REL_ERROR,
                   results=results, failures=["unfinished: stopped before every plan was measured"])
     record_errors(report, out_path)
-    init_process_group("nccl")                    # one rank on a free port (static_dist.launch's, shared with the CPU tests)
+    init_process_group("nccl")  # one rank on a free port (static_dist.launch's, shared with the CPU tests)
     torch.cuda.set_device(0)
     cfg = LlamaConfig(dim=1024, n_layers=8, n_heads=16, n_kv_heads=8, ffn_dim=2816, vocab_size=8192, max_seq_len=1024)
     zm = get_model("tiny")

@@ -3,7 +3,8 @@ $OUT/gpu_offload.json when OUT is set.
 
     python tests/gpu_offload.py [--big-layers 8 --big-seq 2048]
 
-1. tiny Llama: executor with the CPU tier (pinned, side stream) and the disk tier: gradients bitwise equal to no offload;
+1. tiny Llama: executor with the CPU tier (pinned, side stream) and the disk tier: gradients bitwise equal to no
+offload;
    predicted vs measured (max_memory_allocated) step peak.
 2. a larger Llama (dim 2048): no offload vs torch.autograd.graph.save_on_cpu vs the executor, side by side:
    step time, peak, activation peak reduction, gradients, predicted peak and stall. Target: >= 40% lower activation
@@ -62,7 +63,12 @@ def check_tiny():
     step = setup(m, zm.loss, x, y)
     step(); ref = grads(m)
     step(); again = grads(m)
-    out = dict(capture=how, none_repeat=compare(again, ref), measured_none=measure_peak(step, "cuda"), predicted_none=step_peak(g))
+    out = dict(
+        capture=how,
+        none_repeat=compare(again, ref),
+        measured_none=measure_peak(step, "cuda"),
+        predicted_none=step_peak(g),
+    )
     step()
     for name, tiers in (("cpu", (tier("pcie5-pinned"),)), ("disk", (Tier("nvme", 2e9, 1e-4, math.inf, "disk"),))):
         p = plan_offload(g, tiers, device="h200-fp32", min_bytes=0)
@@ -71,7 +77,9 @@ def check_tiny():
             with ex: step()
         run()
         res = dict(offloaded=len(p.offloaded), grads=compare(grads(m), ref))
-        res.update(measured=measure_peak(run, "cuda"), predicted=step_peak(g, p), stats={k: v for k, v in ex.stats.items()})
+        res.update(
+            measured=measure_peak(run, "cuda"), predicted=step_peak(g, p), stats={k: v for k, v in ex.stats.items()}
+        )
         res["measured_over_predicted"] = res["measured"] / res["predicted"] if res["predicted"] else None
         out[name] = res
     out["none_measured_over_predicted"] = out["measured_none"] / out["predicted_none"]
@@ -86,7 +94,9 @@ def check_big(layers, seq, batch):
     with torch.device("cuda"): m = Llama(cfg)
     m.init_weights(generator=torch.Generator(device="cuda").manual_seed(0))
     loss = get_model("tiny").loss
-    x = torch.randint(cfg.vocab_size, (batch, seq), device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
+    x = torch.randint(
+        cfg.vocab_size, (batch, seq), device="cuda", generator=torch.Generator(device="cuda").manual_seed(1)
+    )
     y = torch.roll(x, -1, 1)
     t0 = time.perf_counter()
     g, how = pick_graph(lambda: capture(meta, (x.to("meta"),), loss_fn=loss, targets=y.to("meta"), device="cuda"),
@@ -140,12 +150,15 @@ def targets_missed(report) -> list[str]:
     out = []
     tiny = report.get("tiny", {})
     for tier in ("cpu", "disk"):
-        if tier in tiny and not tiny[tier]["grads"]["bitwise_equal"]: out.append(f"tiny {tier}: gradients not bitwise equal")
+        if tier in tiny and not tiny[tier]["grads"]["bitwise_equal"]:
+            out.append(f"tiny {tier}: gradients not bitwise equal")
     ex = next((v for v in report.get("big", {}).get("variants", []) if v["variant"] == "executor"), None)
     if ex is not None:
-        if ex["peak_reduction"] < 0.40: out.append(f"big: executor peak only {ex['peak_reduction']:.0%} lower (target >= 40%)")
+        if ex["peak_reduction"] < 0.40:
+            out.append(f"big: executor peak only {ex['peak_reduction']:.0%} lower (target >= 40%)")
         if ex["overhead"] > 0.05: out.append(f"big: executor step overhead {ex['overhead']:.1%} (target <= 5%)")
-        if ex["grads_max_abs_diff"] > 1e-6: out.append(f"big: executor gradients differ by {ex['grads_max_abs_diff']:.2e}")
+        if ex["grads_max_abs_diff"] > 1e-6:
+            out.append(f"big: executor gradients differ by {ex['grads_max_abs_diff']:.2e}")
     return out
 
 

@@ -55,7 +55,9 @@ def correctness():
             for backend in ("triton", "cuda"):
                 check("softmax", backend, shape, dtype, dim, lambda t: torch.softmax(t, dim), lambda t: softmax(t, dim))
         b = torch.randn(781, device="cuda").to(dtype)
-        check("add_relu", "triton", (1823, 781), dtype, -1, lambda t: torch.relu(t + b.float()), lambda t: add_relu(t, b))
+        check(
+            "add_relu", "triton", (1823, 781), dtype, -1, lambda t: torch.relu(t + b.float()), lambda t: add_relu(t, b)
+        )
         for nrows, n in ((1823, 781), (2048, 8192)):
             w = (torch.rand(n, device="cuda") + 0.5).to(dtype)
             def rn_ref(t, w=w):                                    # the zoo's RMSNorm formula, float32 inside
@@ -94,15 +96,20 @@ def main():
     print("correctness:", c.get("error") or f"{c['passed']} passed, {len(c['failed'])} failed")
     for f in c.get("failed", []): print("   FAIL", f)
     for name, m in report["compat_matrix_cuda"].items() if "error" not in report["compat_matrix_cuda"] else []:
-        print(f"matrix {name}: ok={m['ok']}", {k: v for k, v in m["statuses"].items() if v != "pass"}, m["errors"] or "")
+        print(
+            f"matrix {name}: ok={m['ok']}", {k: v for k, v in m["statuses"].items() if v != "pass"}, m["errors"] or ""
+        )
     b = report["bench_kernels"]
     if "error" in b: print("bench error:", b["error"])
     else:
         print(f"copy bandwidth {b['copy_bandwidth_GBps']} GB/s")
         for r in b["results"]:
-            print(f"  {r['op']:9} {r['pass_']} {str(r['shape']):16} {r['dtype']:9} triton {r.get('triton_frac_copy')} of copy, "
-                  f"x{r.get('triton_speedup_vs_eager')} vs eager, x{r.get('triton_speedup_vs_compile')} vs compile"
-                  + (f", cuda {r.get('cuda_frac_copy')}" if "cuda_us" in r else ""))
+            print(
+                f"  {r['op']:9} {r['pass_']} {str(r['shape']):16} {r['dtype']:9} triton {r.get('triton_frac_copy')} of "
+                "copy, "
+                f"x{r.get('triton_speedup_vs_eager')} vs eager, x{r.get('triton_speedup_vs_compile')} vs compile"
+                + (f", cuda {r.get('cuda_frac_copy')}" if "cuda_us" in r else "")
+            )
     print(f"wrote {OUT} in {report['seconds']} s")
     return 0 if "error" not in c and not c["failed"] else 1
 

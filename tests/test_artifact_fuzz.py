@@ -14,9 +14,28 @@ from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey  # noqa: E402
 
 from static_dist.artifact import (  # noqa: E402
-    MAGIC, ArtifactError, ArtifactFileError, ArtifactUsageError, ArtifactFormatError, BadMagicError, DeviceMismatchError, DigestMismatchError, Fingerprint,
-    PayloadTooLargeError, PlatformPolicy, SignatureError, UnsupportedVersionError, UntrustedKeyError, signed_message,
-    device_fingerprint, key_id, load_artifact, load_trusted_keys, sign_payload, verify_artifact)
+    MAGIC,
+    ArtifactError,
+    ArtifactFileError,
+    ArtifactUsageError,
+    ArtifactFormatError,
+    BadMagicError,
+    DeviceMismatchError,
+    DigestMismatchError,
+    Fingerprint,
+    PayloadTooLargeError,
+    PlatformPolicy,
+    SignatureError,
+    UnsupportedVersionError,
+    UntrustedKeyError,
+    signed_message,
+    device_fingerprint,
+    key_id,
+    load_artifact,
+    load_trusted_keys,
+    sign_payload,
+    verify_artifact,
+)
 
 FUZZ = settings(deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
@@ -57,7 +76,9 @@ def _field_ranges(top) -> dict:
     out, pos = {}, 1
     for name, item in zip(["magic", "version", "header", "payload", "key_id", "signature"], top):
         enc = cbor2.dumps(item)
-        content = len(item if isinstance(item, bytes) else item.encode()) if isinstance(item, (bytes, str)) else len(enc)
+        content = (
+            len(item if isinstance(item, bytes) else item.encode()) if isinstance(item, (bytes, str)) else len(enc)
+        )
         out[name] = (pos + len(enc) - content, pos + len(enc))
         pos += len(enc)
     assert pos == len(VALID)
@@ -165,9 +186,15 @@ def test_random_bytes_after_valid_prefix(tail):
 
 
 CBOR_VALUES = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2 ** 70), 2 ** 70) | st.floats() | st.binary(max_size=64) | st.text(max_size=32),
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats()
+    | st.binary(max_size=64)
+    | st.text(max_size=32),
     lambda c: st.lists(c, max_size=8) | st.dictionaries(st.text(max_size=8) | st.integers(), c, max_size=8),
-    max_leaves=8)
+    max_leaves=8,
+)
 
 
 @fuzz(300)
@@ -200,7 +227,8 @@ def test_signed_header_with_a_wrong_field(field, value):
     art = _signed(dict(HEADER, **{field: value}))
     # 'created' and 'meta' are free-form: any well-typed value signed by a trusted key is legitimate
     if (field == "created" and type(value) is str) or (
-            field == "meta" and type(value) is dict and all(type(k) is str and type(v) is str for k, v in value.items())):
+        field == "meta" and type(value) is dict and all(type(k) is str and type(v) is str for k, v in value.items())
+    ):
         assert verify_artifact(art, trusted_keys=TRUST).header[field] == value
     else:
         rejected(art)
@@ -257,7 +285,12 @@ def test_wrong_device(field, value):
     # and an artifact built for `other` is refused here, but accepted there
     art = sign_payload(PAYLOAD, signing_key=KEY, device=other, policy={"*": PlatformPolicy(frozenset({1}), 1 << 30)})
     rejected(art, DeviceMismatchError)
-    assert verify_artifact(art, trusted_keys=TRUST, device=other, policy={"*": PlatformPolicy(frozenset({1}), 1 << 30)}).payload == PAYLOAD
+    assert (
+        verify_artifact(
+            art, trusted_keys=TRUST, device=other, policy={"*": PlatformPolicy(frozenset({1}), 1 << 30)}
+        ).payload
+        == PAYLOAD
+    )
 
 
 # --- oversize -----------------------------------------------------------------------------------------------------
@@ -302,7 +335,9 @@ def _encode(draw, obj) -> bytes:
         mt, raw = (2, obj) if isinstance(obj, bytes) else (3, obj.encode())
         if indef and (isinstance(obj, bytes) or raw.isascii()):  # chunks split on byte (ASCII: character) boundaries
             cut = draw(st.integers(0, len(raw)))
-            return bytes([mt << 5 | 31]) + b"".join(_head(draw, mt, len(c)) + c for c in (raw[:cut], raw[cut:])) + b"\xff"
+            return (
+                bytes([mt << 5 | 31]) + b"".join(_head(draw, mt, len(c)) + c for c in (raw[:cut], raw[cut:])) + b"\xff"
+            )
         return _head(draw, mt, len(raw)) + raw
     if isinstance(obj, list):
         body = b"".join(_encode(draw, x) for x in obj)
@@ -316,7 +351,8 @@ def _encode(draw, obj) -> bytes:
 @fuzz(400)
 @given(st.data())
 def test_any_other_encoding_of_the_artifact_is_refused(data):
-    "The same six items, with random head widths and indefinite lengths: cbor2 reads them all; only the canonical form passes."
+    """The same six items, with random head widths and indefinite lengths: cbor2 reads them all; only the canonical form
+    passes."""
     enc = _encode(data.draw, TOP)
     assert cbor2.loads(enc) == TOP
     if enc == VALID:
@@ -342,7 +378,12 @@ def test_any_other_encoding_of_a_signed_header_is_refused(data):
 
 @pytest.mark.parametrize("width", [1, 2, 4, 8])
 def test_non_minimal_version_int(width):
-    enc = bytes([0x86]) + cbor2.dumps(MAGIC) + bytes([{1: 0x18, 2: 0x19, 4: 0x1a, 8: 0x1b}[width]]) + (1).to_bytes(width, "big")
+    enc = (
+        bytes([0x86])
+        + cbor2.dumps(MAGIC)
+        + bytes([{1: 0x18, 2: 0x19, 4: 0x1A, 8: 0x1B}[width]])
+        + (1).to_bytes(width, "big")
+    )
     enc += b"".join(cbor2.dumps(x) for x in TOP[2:])
     assert cbor2.loads(enc) == TOP
     assert "non-minimal CBOR encoding" in str(rejected(enc, ArtifactFormatError))
@@ -433,7 +474,16 @@ def test_trusted_keys_misuse(keys, msg):
 def test_trusted_keys_forms_that_work(tmp_path):
     from static_dist.artifact import save_public_key
     pem = save_public_key(KEY, tmp_path / "k.pub")
-    for keys in (KEY, KEY.public_key(), [KEY], (KEY.public_key(),), {key_id(KEY): KEY.public_key()}, str(pem), pem, [pem]):
+    for keys in (
+        KEY,
+        KEY.public_key(),
+        [KEY],
+        (KEY.public_key(),),
+        {key_id(KEY): KEY.public_key()},
+        str(pem),
+        pem,
+        [pem],
+    ):
         assert verify_artifact(VALID, trusted_keys=keys).payload == PAYLOAD
 
 
@@ -456,10 +506,12 @@ def test_verify_misuse(kw, msg):
 
 
 @pytest.mark.parametrize("kw,msg", [
-    (dict(payload="text"), "payload must be bytes"), (dict(signing_key=KEY.public_key()), "signing_key must be an Ed25519 private"),
+    (dict(payload="text"), "payload must be bytes"), (dict(signing_key=KEY.public_key()), "signing_key must be an "
+                                                                                          "Ed25519 private"),
     (dict(signing_key=None), "signing_key must be"), (dict(meta={"a": 1}), "meta must map strings to strings"),
     (dict(meta={1: "a"}), "meta must map strings to strings"), (dict(meta=["a=b"]), "meta must be a dict"),
-    (dict(meta={"a": None}), "meta must map strings to strings"), (dict(device=object()), "device must be a Fingerprint"),
+    (dict(meta={"a": None}), "meta must map strings to strings"), (dict(device=object()), "device must be a "
+                                                                                          "Fingerprint"),
     (dict(version="1"), "version must be an int"), (dict(policy="strict"), "policy must map"),
 ])
 def test_sign_misuse(kw, msg):

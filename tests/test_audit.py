@@ -44,7 +44,8 @@ def test_stability_section_on_the_users_model(tmp_path):
 
 
 def test_every_figure_is_a_report_file(tmp_path):
-    "#22: a report over an earlier one (--force) keeps none of the earlier files: each figure a section saves is in REPORT_FILES."
+    """#22: a report over an earlier one (--force) keeps none of the earlier files: each figure a section saves is in
+    REPORT_FILES."""
     from static_dist.app.audit import REPORT_FILES, audit, graph_section, layout_section
     sections = (graph_section, layout_section)
     audit(load_workload("tiny", batch=2, seq=32), tmp_path / "rep", sections=sections)

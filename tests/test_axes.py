@@ -53,7 +53,8 @@ with process_group(fake_world=8):
     for name in ("dp_shard", "cp", "tp"): assert mesh[name].mesh.tolist() == ref[name].mesh.tolist(), name
     assert mesh["dp_shard_cp"].mesh.tolist() == ref_fsdp.mesh.tolist()
     m = get_model("tiny").build("meta")
-    styles = tuple((l.name, "rowwise" if l.name.endswith(("wo", "w2")) else "colwise") for l in find_structure(m).main.linears)
+    styles = tuple((l.name, "rowwise" if l.name.endswith(("wo", "w2")) else "colwise")
+                   for l in find_structure(m).main.linears)
     apply_parallel_plan(m, ParallelPlan(d, styles), mesh, seq=32)
     w = m.layers[0].attention.wq.weight                      # colwise over tp, then FSDP over dp_shard_cp
     print(w.device_mesh.mesh_dim_names, w.device_mesh.mesh.tolist(), tuple(w.to_local().shape), tuple(w.shape))

@@ -121,7 +121,8 @@ def test_structure_survives_save_and_load(tmp_path):
 
 
 class _GroupedExperts(nn.Module):
-    "Experts through torch._grouped_mm, whose meta and CUDA kernels take bfloat16 only (the CPU kernel takes float32 too)."
+    """Experts through torch._grouped_mm, whose meta and CUDA kernels take bfloat16 only (the CPU kernel takes float32
+    too)."""
     def __init__(self): super().__init__(); self.w = nn.Parameter(torch.randn(2, 8, 8))
     def forward(self, x): return torch._grouped_mm(x.expand(2, -1, -1), self.w)
 
@@ -138,12 +139,18 @@ def test_dtype_mismatch_is_one_quiet_line(capfd):
     msg = str(e.value)
     assert isinstance(e.value, StaticDistError)
     assert len(msg.splitlines()) == 1
-    assert "in module 'expert'" in msg and "test_capture.py" in msg and "torch._grouped_mm(x.expand(2, -1, -1), self.w)" in msg
+    assert (
+        "in module 'expert'" in msg
+        and "test_capture.py" in msg
+        and "torch._grouped_mm(x.expand(2, -1, -1), self.w)" in msg
+    )
     assert "dtype='bfloat16'" in msg and "--dtype bfloat16" in msg
     out, err = capfd.readouterr()
     assert "failed while attempting to run meta" not in out + err and out + err == "", out + err
     assert logging.getLogger("torch._subclasses.fake_tensor").disabled is False   # restored after the error
-    g = capture(_MixedMoE().to(torch.bfloat16), (torch.randn(4, 8, dtype=torch.bfloat16),), optimizer="adamw")  # the fix
+    g = capture(
+        _MixedMoE().to(torch.bfloat16), (torch.randn(4, 8, dtype=torch.bfloat16),), optimizer="adamw"
+    )  # the fix
     assert any(o.op.startswith("aten._grouped_mm") for o in g.ops)
 
 
@@ -205,7 +212,9 @@ def test_inplace_on_saved_tensor_is_refused_like_eager(mode):
     with pytest.raises(CaptureError, match="modified by an inplace operation") as e:
         capture(_SigmoidInPlace(), (x,), mode=mode)
     msg = str(e.value)
-    assert "is at version 1; expected version 0 instead" in msg and "is at version 1; expected version 0" in str(eager.value)
+    assert "is at version 1; expected version 0 instead" in msg and "is at version 1; expected version 0" in str(
+        eager.value
+    )
     assert "aten.sigmoid.default" in msg and "aten.mul_.Tensor" in msg and "h.mul_(2)" in msg
     # an in-place op on a tensor autograd did not save is fine, in eager and in capture
     _ReluInPlaceOk()(x).backward()
@@ -245,7 +254,8 @@ def _gpt2(device):
 
 
 def test_hf_gpt2_with_labels_in_kwargs():
-    "A Hugging Face model's own loss, labels by keyword (with -100 ignored positions), fake on meta and real on cpu agree."
+    """A Hugging Face model's own loss, labels by keyword (with -100 ignored positions), fake on meta and real on cpu
+    agree."""
     ids = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
     labels = ids.clone(); labels[:, :3] = -100             # -100 is 'ignore', and never reaches an embedding
     kw = dict(input_ids=ids, labels=labels)
@@ -318,7 +328,8 @@ def test_cuda_errors():
 
 
 def test_backward_ops_are_not_charged_to_a_pass_through_module():
-    "nn.Dropout(0.0) returns its input: ModuleTracker's backward scope for it can stay open; its name must not take ops."
+    """nn.Dropout(0.0) returns its input: ModuleTracker's backward scope for it can stay open; its name must not take
+    ops."""
     import torch.nn as nn
     from static_dist.graph import capture
 

@@ -35,7 +35,9 @@ def test_recompute_after_the_all_gather_is_let_go(tmp_path, ac):
     transformers.GPT2Config(n_layer=2, n_embd=512, n_head=4, vocab_size=512, n_positions=512).save_pretrained(tmp_path)
     w = load_workload(f"hf:{tmp_path / 'config.json'}", batch=1, seq=512)
     g = w.graph()
-    plan = ParallelPlan(ParallelDims(dp_shard=4), ac=(ac,) * 2, fsdp=FSDPPlan(4, (4,), block_units(g.structure.main.blocks)))
+    plan = ParallelPlan(
+        ParallelDims(dp_shard=4), ac=(ac,) * 2, fsdp=FSDPPlan(4, (4,), block_units(g.structure.main.blocks))
+    )
     v = verify_parallel(w, plan, g)
     assert abs(v.predicted_bytes / v.measured_bytes - 1) < 0.005, v
 
@@ -61,7 +63,11 @@ def test_fsdp_checkpointed_units_within_1_percent(tmp_path, captured, measured):
     units = block_units(prof.blocks)
     units = (units[0], *(dataclasses.replace(u, checkpoint="full" if i % 2 == 0 else "none")
                          for i, u in enumerate(units[1:])))
-    v = verify_workload(load_workload(_llama(tmp_path, measured), batch=1, seq=512), FSDPPlan(4, (4,), units, param_dtype="bfloat16"), prof)
+    v = verify_workload(
+        load_workload(_llama(tmp_path, measured), batch=1, seq=512),
+        FSDPPlan(4, (4,), units, param_dtype="bfloat16"),
+        prof,
+    )
     assert v.master_dtype == "float32", v
     assert abs(v.ratio - 1) < 0.01, v
     assert v.counts_match, v
@@ -79,7 +85,9 @@ def test_selective_layers_plan_within_1_percent(tmp_path):
     w = load_workload(_llama(tmp_path, 4), batch=1, seq=256)
     g = w.graph()
     blocks = g.structure.main.blocks
-    plan = ParallelPlan(ParallelDims(dp_shard=2), ac=(SelectiveLayers(2),) * 4, fsdp=FSDPPlan(2, (2,), block_units(blocks)))
+    plan = ParallelPlan(
+        ParallelDims(dp_shard=2), ac=(SelectiveLayers(2),) * 4, fsdp=FSDPPlan(2, (2,), block_units(blocks))
+    )
     assert ParallelPlan.from_json(plan.to_json()) == plan
     v = verify_parallel(w, plan, g)
     assert abs(v.predicted_bytes / v.measured_bytes - 1) < 0.01, v
@@ -91,4 +99,6 @@ def test_selective_layers_plan_within_1_percent(tmp_path):
     work = rank_work(g, plan, topo)
     assert set(work.recompute) >= {NoCheckpoint(), FullCheckpoint()}
     t = predict_step_time(work, plan, topo)
-    assert abs(t.terms["recompute"] - (work.fwd_blocks[1] + work.fwd_blocks[3])) < 1e-12 * max(t.step_seconds, 1), t.terms
+    assert abs(t.terms["recompute"] - (work.fwd_blocks[1] + work.fwd_blocks[3])) < 1e-12 * max(t.step_seconds, 1), (
+        t.terms
+    )

@@ -49,7 +49,8 @@ def _hf_configs(tmp_path):
     return dirs
 
 
-@pytest.mark.parametrize("name", ["gpt2"])   # Conv1D, tied embeddings; hf Llama steps are captured and planned in 40ab, 45f, test_fsdp_structure
+# Conv1D, tied embeddings; hf Llama steps are captured and planned in 40ab, 45f, test_fsdp_structure
+@pytest.mark.parametrize("name", ["gpt2"])
 def test_audit_hf_config(tmp_path, name):
     d = _hf_configs(tmp_path)[name]
     code, out, err = run("audit", "--model", f"hf:{d}", "--batch", "4", "--seq", "256", "--out", str(tmp_path / "o"))
@@ -86,8 +87,21 @@ def test_stability_and_train_take_any_model(hf_tiny_llama, own_loss_model, tmp_p
     assert [a["step"] for a in r["alarms"]] == [6] and r["alarms"][0]["action"] == "skip", r["alarms"]
     assert r["alarms"][0]["localization"]["module"] == "transformer.wte" == r["faults"][0]["module"], r
     for model in (hf_tiny_llama, own_loss_model):
-        code, out, err = run("train", "--model", model, "--steps", "2", "--seq", "16", "--no-compile", "--optimizer", "adam",
-                             "--log", str(tmp_path / "log.json"), "--force")
+        code, out, err = run(
+            "train",
+            "--model",
+            model,
+            "--steps",
+            "2",
+            "--seq",
+            "16",
+            "--no-compile",
+            "--optimizer",
+            "adam",
+            "--log",
+            str(tmp_path / "log.json"),
+            "--force",
+        )
         assert code == 0, (model, err[-2000:])
         assert json.loads(out)["workload"]["optimizer"] == "adam"
     for argv, msg in ((("stability", "--optimizer", "sgd"), "the stability runs train with adamw"),

@@ -13,8 +13,10 @@ import pytest
 from static_dist.app.cli import main
 
 M = "import os, sys, torch, torch.nn as nn\n"
-TOKEN_MODEL = M + ("class M(nn.Module):\n    def __init__(self):\n        super().__init__(); self.e = nn.Embedding(16, 8); "
-                   "self.l = nn.Linear(8, 16)\n    def forward(self, x):\n        {body}\n")
+TOKEN_MODEL = M + (
+    "class M(nn.Module):\n    def __init__(self):\n        super().__init__(); self.e = nn.Embedding(16, 8); "
+    "self.l = nn.Linear(8, 16)\n    def forward(self, x):\n        {body}\n"
+)
 MODELS = {
     "exit_import.py": M + "sys.exit(0)\nclass M(nn.Module): pass\n",
     "exit_ctor.py": M + "class M(nn.Module):\n    def __init__(self):\n        super().__init__(); sys.exit(0)\n",
@@ -57,7 +59,9 @@ def fx(tmp_path_factory):
     for name, change in {"levels_int": dict(levels=3), "hostlink_str": dict(host_link="pcie"),
                          "flops0": dict(device_flops=0)}.items():
         (d / f"topo_{name}.json").write_text(json.dumps({**good, **change}))
-    (d / "topo_ndev.json").write_text(json.dumps(good).replace(f'"n_devices": {good["n_devices"]}', '"n_devices": 1e400'))
+    (d / "topo_ndev.json").write_text(
+        json.dumps(good).replace(f'"n_devices": {good["n_devices"]}', '"n_devices": 1e400')
+    )
     return d
 
 
@@ -80,7 +84,10 @@ def cases(d):
         (["capture", "--save", d / ("x" * 300)], "a file name has at most 255"),
         (["audit", "--out", d / ("x" * 300)], "a file name has at most 255"),
         (["capture", "--model", f"{d / 'afile'}:M"], "not a Python file"),
-        (["capture", "--model", f"{d / 'lin.py'}:M", "--input-shape", "99999999999999999999x8"], "at most 2,147,483,647"),
+        (
+            ["capture", "--model", f"{d / 'lin.py'}:M", "--input-shape", "99999999999999999999x8"],
+            "at most 2,147,483,647",
+        ),
         (["keygen", "--out", "/"], "is a folder"),
         (["keygen", "--out", f"{d}/"], "is a folder"),
         # 9. late validation, topology files
@@ -89,7 +96,10 @@ def cases(d):
         (["plan-placement", "--topology", d / "topo_levels_int.json"], "topology.levels: expected a list, found 3"),
         (["plan-placement", "--topology", d / "topo_hostlink_str.json"], "topology.host_link: expected an object"),
         (["plan-placement", "--topology", d / "topo_ndev.json"], "topology.n_devices: expected an integer"),
-        (["plan-placement", "--topology", d / "topo_flops0.json"], "topology.device_flops: expected a finite number > 0"),
+        (
+            ["plan-placement", "--topology", d / "topo_flops0.json"],
+            "topology.device_flops: expected a finite number > 0",
+        ),
         # 10. contradictory flags
         (["plan-fsdp", "--plan", __file__, "--world", "3", "--mesh", "3x1"], "--plan with --world"),
         (["plan-fsdp", "--plan", __file__, "--mesh", "3x1"], "--plan with --mesh"),
@@ -100,7 +110,10 @@ def cases(d):
         (["plan-fsdp", "--plan", __file__, "--precision", "fp32"], "--plan with --precision"),
         (["plan-fsdp", "--plan", __file__, "--accumulation", "4"], "--plan with --accumulation"),
         (["check-export", "--rules", "--out", d / "r"], "checks nothing; drop --out"),
-        (["check-export", "--model", "mlp", "--targets", "", "--out", d / "r"], "--targets '': use a comma-separated list"),
+        (
+            ["check-export", "--model", "mlp", "--targets", "", "--out", d / "r"],
+            "--targets '': use a comma-separated list",
+        ),
         (["stability", "--fault", "nan_grad@5x99999999999999999999"], "longer than any run"),
         (["stability", "--fault", "nan_grad@5x50", "--steps", "10"], "lasts past the end of the run"),
         ([*sign, "--meta", "a=1", "--meta", "a=2"], "--meta a given twice"),
@@ -133,9 +146,21 @@ def test_every_case_is_one_line_exit_2(fx):
 
 
 def test_what_the_fake_capture_allows(fx):
-    "A fake capture builds no real input: 2**31-1 samples, or samples of 10**10 floats, capture without allocating them."
-    for argv in (["capture", "--model", "mlp", "--batch", "2147483647", "--json"],
-                 ["capture", "--model", f"{fx / 'lin.py'}:M", "--input-shape", "100000x100000x8", "--optimizer", "none", "--json"]):
+    """A fake capture builds no real input: 2**31-1 samples, or samples of 10**10 floats, capture without allocating
+    them."""
+    for argv in (
+        ["capture", "--model", "mlp", "--batch", "2147483647", "--json"],
+        [
+            "capture",
+            "--model",
+            f"{fx / 'lin.py'}:M",
+            "--input-shape",
+            "100000x100000x8",
+            "--optimizer",
+            "none",
+            "--json",
+        ],
+    ):
         code, err = run_main(argv)
         assert code == 0, err
 
@@ -148,11 +173,14 @@ def test_train_refuses_a_predicted_oom_with_the_numbers(tmp_path):
 
 
 def test_hf_configs_refused_in_one_line(tmp_path):
-    "An encoder head, an encoder-decoder, a vocabulary or positions limit of 0: one line each, transformers' warnings silenced."
+    """An encoder head, an encoder-decoder, a vocabulary or positions limit of 0: one line each, transformers' warnings
+    silenced."""
     transformers = pytest.importorskip("transformers")
     base = dict(num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2, vocab_size=64)
     transformers.BertConfig(**base, architectures=["BertForMaskedLM"]).save_pretrained(tmp_path / "bert")
-    transformers.T5Config(num_layers=1, d_model=32, d_ff=64, num_heads=2, d_kv=16, vocab_size=64).save_pretrained(tmp_path / "t5")
+    transformers.T5Config(num_layers=1, d_model=32, d_ff=64, num_heads=2, d_kv=16, vocab_size=64).save_pretrained(
+        tmp_path / "t5"
+    )
     transformers.LlamaConfig(**base, max_position_embeddings=0).save_pretrained(tmp_path / "pos0")
     transformers.LlamaConfig(**base).save_pretrained(tmp_path / "vocab0")
     cfg = json.loads((tmp_path / "vocab0" / "config.json").read_text())
@@ -174,8 +202,10 @@ def test_passes_rewrite_keeps_torchs_graph_dump_out(capfd):
 def test_an_interrupt_while_a_module_imports_is_an_interrupt(tmp_path, monkeypatch):
     "A SIGINT that lands in a class body's __set_name__ reaches us as a RuntimeError: still 'interrupted', exit 130."
     (tmp_path / "sigint_at_import.py").write_text(
-        "import os, signal, torch.nn as nn\nclass D:\n    def __set_name__(self, owner, name): os.kill(os.getpid(), signal.SIGINT)\n"
-        "class M(nn.Module):\n    x = D()\n")
+        "import os, signal, torch.nn as nn\nclass D:\n    def __set_name__(self, owner, name): os.kill(os.getpid(), "
+        "signal.SIGINT)\n"
+        "class M(nn.Module):\n    x = D()\n"
+    )
     monkeypatch.chdir(tmp_path)
     code, err = run_main(["capture", "--model", "sigint_at_import:M"])
     assert code == 130 and err.strip() == "interrupted", (code, err)

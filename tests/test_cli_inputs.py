@@ -56,9 +56,16 @@ def _cases():
             kind = getattr(a.type, "kind", None)
             if kind in BAD:
                 for v in BAD[kind]:
-                    if a.option_strings: yield pytest.param([*prefix, *base, a.option_strings[-1], v], id=f"{' '.join(prefix)} {a.option_strings[-1]}={v!r}")
+                    if a.option_strings:
+                        yield pytest.param(
+                            [*prefix, *base, a.option_strings[-1], v],
+                            id=f"{' '.join(prefix)} {a.option_strings[-1]}={v!r}",
+                        )
             elif a.choices and a.option_strings and not isinstance(a, argparse._SubParsersAction):
-                yield pytest.param([*prefix, *base, a.option_strings[-1], "nosuch"], id=f"{' '.join(prefix)} {a.option_strings[-1]}=nosuch")
+                yield pytest.param(
+                    [*prefix, *base, a.option_strings[-1], "nosuch"],
+                    id=f"{' '.join(prefix)} {a.option_strings[-1]}=nosuch",
+                )
 
 
 def run_main(argv):

@@ -28,16 +28,30 @@ def _one_line_error(code, err, *words):
 
 
 def test_plan_tiny_world4_prints_and_writes_a_plan(tmp_path):
-    code, out, err = run("plan", "--model", "tiny", "--world", "4", "--budget", "1GiB", "--out", str(tmp_path / "p.json"))
+    code, out, err = run(
+        "plan", "--model", "tiny", "--world", "4", "--budget", "1GiB", "--out", str(tmp_path / "p.json")
+    )
     assert code == 0, err
-    for what in ("layout:", "memory per rank", "sharded_params", "activations", "step time", "forward", "tokens/s per device",
-                 "MFU", "runner-up", "plan written to"):
+    for what in (
+        "layout:",
+        "memory per rank",
+        "sharded_params",
+        "activations",
+        "step time",
+        "forward",
+        "tokens/s per device",
+        "MFU",
+        "runner-up",
+        "plan written to",
+    ):
         assert what in out, (what, out)
     plan = ParallelPlan.from_json(tmp_path / "p.json")
     assert plan.dims.world == 4 and len(plan.ac) == 2
     code, out, err = run("plan", "--model", "tiny", "--world", "4", "--out", str(tmp_path / "p.json"))
     _one_line_error(code, err, "p.json")                       # no overwrite without --force
-    code, out, err = run("plan", "--model", "tiny", "--world", "4", "--tp", "2", "--out", str(tmp_path / "p.json"), "--force")
+    code, out, err = run(
+        "plan", "--model", "tiny", "--world", "4", "--tp", "2", "--out", str(tmp_path / "p.json"), "--force"
+    )
     assert code == 0, err
     assert ParallelPlan.from_json(tmp_path / "p.json").dims.tp == 2
 
@@ -76,12 +90,26 @@ def test_plan_verify_tiny_within_3_percent():
 
 
 def _train(tmp_path, plan: ParallelPlan, nproc: int | None, batch: int | None = None, steps: int = 3):
-    "`train --plan` under torchrun (nproc ranks) or alone; its process and log. `batch`: the workload's (per micro-batch)."
+    """`train --plan` under torchrun (nproc ranks) or alone; its process and log. `batch`: the workload's (per
+    micro-batch)."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     (tmp_path / "plan.json").write_text(plan.to_json())
-    cmd = ["-m", "static_dist.app", "train", "--plan", "plan.json", "--model", "tiny", "--steps", str(steps), "--no-compile"]
+    cmd = [
+        "-m",
+        "static_dist.app",
+        "train",
+        "--plan",
+        "plan.json",
+        "--model",
+        "tiny",
+        "--steps",
+        str(steps),
+        "--no-compile",
+    ]
     cmd += ["--batch", str(batch)] if batch else []
-    pre = [sys.executable] + (["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc else [])
+    pre = [sys.executable] + (
+        ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc else []
+    )
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     p = subprocess.run(pre + cmd, capture_output=True, text=True, cwd=tmp_path, timeout=300, env=env)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -108,13 +136,16 @@ def test_train_plan_dp2_tp2_on_4_gloo_ranks_matches_one_process(tmp_path):
         assert abs(a - b) <= 1e-4 * abs(b), (log["losses"], one["losses"])
 
 
-# The pipeline path of `train --plan` is `parallel.plan_step`, which tests/test_parallel_dist.py runs for pp 2 x dp_shard 2
+# The pipeline path of `train --plan` is `parallel.plan_step`, which tests/test_parallel_dist.py runs for pp 2 x
+# dp_shard 2
 # on 4 gloo ranks against one process; here the verb's path and each pipeline rank's predicted peak against its measured
 # one: the schedule's receive buffers, the outputs it keeps and FSDP as it runs under it (a first stage was 6% under
 # before they were modelled, a stage without FSDP 14%).
 @pytest.mark.parametrize("pins", [("--pp", "2", "--dp-shard", "2"), ("--pp", "2", "--tp", "2", "--dp-shard", "1")])
 def test_train_pipeline_plan_peaks_as_predicted(tmp_path, pins):
-    code, out, err = run("plan", "--model", "tiny", "--world", "4", *pins, "--ac", "none", "--out", str(tmp_path / "p.json"))
+    code, out, err = run(
+        "plan", "--model", "tiny", "--world", "4", *pins, "--ac", "none", "--out", str(tmp_path / "p.json")
+    )
     assert code == 0, err
     plan = ParallelPlan.from_json(tmp_path / "p.json")
     assert plan.dims.pp == 2 and plan.microbatches > plan.dims.pp
@@ -132,7 +163,8 @@ def test_train_plan_world_must_match(tmp_path):
 
 
 def test_plain_train_under_torchrun_writes_one_log(tmp_path):
-    "`train` without --plan on 2 gloo ranks: every rank trains, rank 0 alone writes the log (no 'appeared while writing')."
+    """`train` without --plan on 2 gloo ranks: every rank trains, rank 0 alone writes the log (no 'appeared while
+    writing')."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
                         "static_dist.app", "train", "--model", "tiny", "--steps", "2", "--no-compile"],
@@ -157,7 +189,8 @@ def test_plan_inputs_refused_in_one_line(argv, words, tmp_path):
 
 
 # GPipe holds every micro-batch before its first backward, when it has no gradients yet: predicted from the schedule's
-# own order (`parallel.schedule`), not a count of micro-batches in flight times the whole step (which was 10% and 6% over
+# own order (`parallel.schedule`), not a count of micro-batches in flight times the whole step (which was 10% and 6%
+# over
 # on the 4-block model).
 def test_train_gpipe_plan_peaks_as_predicted(tmp_path):
     import dataclasses
@@ -170,11 +203,14 @@ def test_train_gpipe_plan_peaks_as_predicted(tmp_path):
 
 
 def test_plan_tp_on_a_model_without_tp_styles_is_refused(tmp_path):
-    "GPT-2's projections are Conv1D, which Megatron's styles do not split: tp would only repeat work, so it is never chosen."
+    """GPT-2's projections are Conv1D, which Megatron's styles do not split: tp would only repeat work, so it is never
+    chosen."""
     transformers = pytest.importorskip("transformers")
     transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=128, bos_token_id=0,
                             eos_token_id=0).save_pretrained(tmp_path)
-    code, out, err = run("plan", "--model", f"hf:{tmp_path / 'config.json'}", "--world", "4", "--tp", "2", "--seq", "64")
+    code, out, err = run(
+        "plan", "--model", f"hf:{tmp_path / 'config.json'}", "--world", "4", "--tp", "2", "--seq", "64"
+    )
     _one_line_error(code, err, "tp=2", "GPT2Block", "pin tp 1")
     code, out, err = run("plan", "--model", f"hf:{tmp_path / 'config.json'}", "--world", "4", "--seq", "64")
     assert code == 0, err

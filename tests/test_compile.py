@@ -1,4 +1,5 @@
-"""Compiled FSDP2 against eager on gloo (2 and 4 ranks), the pre-flight recompile check, `train_compiled` and `bench_compile`."""
+"""Compiled FSDP2 against eager on gloo (2 and 4 ranks), the pre-flight recompile check, `train_compiled` and
+`bench_compile`."""
 import json
 import importlib.metadata
 import math
@@ -48,7 +49,9 @@ def _check(res: dict, n: int, backends_of: dict):
                 assert blocks["layers.0"]["fullgraph"] and not blocks["layers.1"]["fullgraph"], blocks
                 assert blocks["layers.1"]["graph_breaks"] == 1 and "graph_break()" in blocks["layers.1"]["breaks"][0]
             else:
-                assert len(blocks) == 2 and all(b["fullgraph"] and b["graph_breaks"] == 0 for b in blocks.values()), blocks
+                assert len(blocks) == 2 and all(b["fullgraph"] and b["graph_breaks"] == 0 for b in blocks.values()), (
+                    blocks
+                )
             knobs = {k["knob"]: k for k in rec["knobs"]}
             assert all(k["honoured"] for kn, k in knobs.items() if kn.startswith("fsdp.")), knobs
             assert rec["collectives_in_graphs"] == 0       # FSDP2's collectives stay in its eager hooks
@@ -114,9 +117,12 @@ def test_train_writes_step_log(tmp_path):
 
 
 def test_bench_compile_json():
-    "1 and 2 gloo ranks (spawned), eager and aot_eager, 1 and 2 micro-batches: the JSON has every row, measured and predicted."
+    """1 and 2 gloo ranks (spawned), eager and aot_eager, 1 and 2 micro-batches: the JSON has every row, measured and
+    predicted."""
     from static_dist.compile import bench_compile
-    b = bench_compile(worlds=(1, 2), backends=("eager", "aot_eager"), world1_backends=(), steps=3, accumulation=(1, 2), seq=16)
+    b = bench_compile(
+        worlds=(1, 2), backends=("eager", "aot_eager"), world1_backends=(), steps=3, accumulation=(1, 2), seq=16
+    )
     json.dumps(b)
     rows = b["rows"]
     assert sorted((r["world"], r["config"], r["accumulation"]) for r in rows) == sorted(
@@ -127,19 +133,29 @@ def test_bench_compile_json():
     assert all(abs(r["predicted_over_measured"] - 1) < 1e-9 for r in calib)
     for r in rows:
         assert r["step_s"] > 0 and r["recompiles_after_step1"] == 0 and r["predicted_step_s"] > 0, r
-        assert math.isfinite(r["predicted_over_measured"]) and r["off"] in ("", "compute", "exposed communication", "recompute")
+        assert math.isfinite(r["predicted_over_measured"]) and r["off"] in (
+            "",
+            "compute",
+            "exposed communication",
+            "recompute",
+        )
         assert r["predicted_compute_s"] > 0 and r["predicted_recompute_s"] == 0 and r["load_avg_1min"] >= 0
         # one rank communicates nothing; two ranks expose the calibrated gloo time of their collectives
         assert (r["predicted_exposed_comm_s"] > 0) == (r["world"] == 2), r
         # measured inside FSDP2's collective calls: one rank makes none (it copies its shard), two ranks do
         assert (r["measured_comm_s"] > 0) == (r["world"] == 2) and r["measured_compute_s"] > 0, r
     two = {c["world"]: c for c in b["calibration"]}[2]
-    assert two["calibration"]["backend"] == "gloo" and two["calibration"]["alpha"] > 0 and two["calibration"]["beta"] > 0
-    assert all(c["device_flops"] > 0 for c in b["calibration"]) and b["environment"]["torch"] == importlib.metadata.version("torch")   # pip's record, not torch's own attribute
+    assert (
+        two["calibration"]["backend"] == "gloo" and two["calibration"]["alpha"] > 0 and two["calibration"]["beta"] > 0
+    )
+    assert all(c["device_flops"] > 0 for c in b["calibration"]) and b["environment"][
+        "torch"
+    ] == importlib.metadata.version("torch")  # pip's record, not torch's own attribute
 
 
 def test_fake_pg_counts_match_predict_comms():
-    "Eager FSDP2 under a fake process group of 1, 4 and 8 ranks: CommDebugMode's counts equal predict_comms, with accumulation."
+    """Eager FSDP2 under a fake process group of 1, 4 and 8 ranks: CommDebugMode's counts equal predict_comms, with
+    accumulation."""
     from static_dist.compile import fake_pg_counts
     from static_dist.cost import profile_graph
     from static_dist.fsdp import FSDPPlan, FSDPUnit
@@ -152,10 +168,15 @@ def test_fake_pg_counts_match_predict_comms():
     units = (FSDPUnit(""), FSDPUnit("layers.0"), FSDPUnit("layers.1"))
     for w in (1, 4, 8):
         for k in (1, 2):
-            r = fake_pg_counts(build, FSDPPlan(w, (w,), units, forward_prefetch=1, accumulation_steps=k), prof, (x,), y, zm.loss)
+            r = fake_pg_counts(
+                build, FSDPPlan(w, (w,), units, forward_prefetch=1, accumulation_steps=k), prof, (x,), y, zm.loss
+            )
             assert r["match"] and r["measured"] == r["predicted"], r
             if w == 1: assert sum(r["measured"].values()) == 0, r   # FSDP2 issues no collective on one rank
-            else: assert r["measured"]["all_gather"] > 0 and r["measured"]["reduce_scatter"] == 3, r   # one per unit, last micro-batch
+            else:
+                assert r["measured"]["all_gather"] > 0 and r["measured"]["reduce_scatter"] == 3, (
+                    r
+                )  # one per unit, last micro-batch
 
 
 def test_compiled_autograd_is_refused():
@@ -189,10 +210,13 @@ def test_apply_compiled_shards_then_compiles():
 
 
 def test_bench_compile_user_model():
-    "A model of the user's own (examples/gpt.py's GPT, by file path): the same bench, its blocks found from the module tree."
+    """A model of the user's own (examples/gpt.py's GPT, by file path): the same bench, its blocks found from the module
+    tree."""
     from static_dist.compile import bench_compile
     src = f"{Path(__file__).resolve().parent.parent / 'examples' / 'gpt.py'}:GPT"
-    b = bench_compile(model=src, batch=2, seq=32, worlds=(1, 2), backends=("eager",), world1_backends=(), accumulation=(1,), steps=3)
+    b = bench_compile(
+        model=src, batch=2, seq=32, worlds=(1, 2), backends=("eager",), world1_backends=(), accumulation=(1,), steps=3
+    )
     assert [(r["world"], r["config"]) for r in b["rows"]] == [(1, "eager"), (2, "eager")] and b["model"] == src
     one, two = b["rows"]
     assert one["calibration_run"] and not two["calibration_run"] and two["predicted_step_s"] > 0
@@ -201,16 +225,21 @@ def test_bench_compile_user_model():
 
 
 def test_train_takes_any_workload(hf_tiny_llama, own_loss_model):
-    """`train_compiled` on keyword inputs with the model's own loss (a Hugging Face causal LM) and on a nanoGPT-style model that
+    """`train_compiled` on keyword inputs with the model's own loss (a Hugging Face causal LM) and on a nanoGPT-style
+    model that
     returns its loss; the optimizer and dtype asked for are the ones that ran."""
     from static_dist.compile import CompileError, CompileOptions, TrainConfig, train_compiled
     from static_dist.step import batch_loss
     from static_dist.workload import load_workload
     eager = CompileOptions(enabled=False)
     r = train_compiled(TrainConfig(model=hf_tiny_llama, steps=2, seq=16, optimizer="adam", compile=eager))
-    assert all(math.isfinite(x["loss"]) for x in r["steps"]) and r["ran"] == {"optimizer": "Adam", "dtype": "torch.float32"}
+    assert all(math.isfinite(x["loss"]) for x in r["steps"]) and r["ran"] == {
+        "optimizer": "Adam",
+        "dtype": "torch.float32",
+    }
     w = load_workload(own_loss_model)
-    with pytest.raises(CompileError, match="make them agree"):                 # a given workload is not changed silently
+    # a given workload is not changed silently
+    with pytest.raises(CompileError, match="make them agree"):
         train_compiled(TrainConfig(steps=2, dtype="bfloat16", compile=eager), workload=w)
     r = train_compiled(TrainConfig(steps=2, optimizer="adamw", compile=eager), workload=w)
     assert r["ran"] == {"optimizer": "AdamW", "dtype": "torch.float32"}

@@ -15,9 +15,19 @@ text = st.text(max_size=20)
 stages = st.builds(Stage, text, st.sampled_from(["ok", "warn", "fail", "skip"]), st.floats(0, 100), text)
 findings = st.builds(Finding, text, st.sampled_from(["error", "warning", "info"]), st.sampled_from(["export", "onnx"]),
                      text, text, text, text, text)
-numerics = st.builds(NumericCheck, st.sampled_from(["export", "onnx"]), text, st.integers(0, 3), text,
-                     st.floats(allow_nan=True, allow_infinity=True), st.floats(0, 1e9), st.floats(0, 1), st.floats(0, 1),
-                     st.booleans(), text)
+numerics = st.builds(
+    NumericCheck,
+    st.sampled_from(["export", "onnx"]),
+    text,
+    st.integers(0, 3),
+    text,
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.floats(0, 1e9),
+    st.floats(0, 1),
+    st.floats(0, 1),
+    st.booleans(),
+    text,
+)
 reports = st.builds(ExportReport, text, st.lists(st.sampled_from(["onnx", "torchscript", "aoti"]), max_size=3),
                     st.lists(stages, max_size=5), st.lists(findings, max_size=5), st.lists(numerics, max_size=5))
 
@@ -100,7 +110,9 @@ def test_sign_verify_cli(tmp_path, capsys):
     assert cli.main(["keygen", "--out", str(tmp_path / "evil")]) == 0
     assert cli.main(["sign", str(tmp_path / "m.pt2"), "--key", str(tmp_path / "rel.key")]) == 0
     (tmp_path / "trusted.pem").write_bytes((tmp_path / "evil.pub").read_bytes() + (tmp_path / "rel.pub").read_bytes())
-    assert cli.main(["verify", str(tmp_path / "m.sdxa"), "--trusted-keys", str(tmp_path / "trusted.pem"), "--load"]) == 0
+    assert (
+        cli.main(["verify", str(tmp_path / "m.sdxa"), "--trusted-keys", str(tmp_path / "trusted.pem"), "--load"]) == 0
+    )
     assert cli.main(["verify", str(tmp_path / "m.sdxa"), "--trusted-key", str(tmp_path / "evil.pub")]) == 1
     assert "UntrustedKeyError" in capsys.readouterr().err
     assert cli.main(["verify", str(tmp_path / "m.sdxa")]) == 2
@@ -113,10 +125,15 @@ def test_sign_verify_cli(tmp_path, capsys):
 from hypothesis import HealthCheck, given, settings, strategies as st
 from static_dist.export import ReportFileError
 
-_VALID = json.loads(ExportReport("m", ["onnx"], stages=[Stage("export-strict", "ok", 0.5, "")],
-                                 findings=[Finding("data-dependent-branch", "error", "export", "aten.x", "f.py:3")],
-                                 numerics=[NumericCheck("onnx", "example", 0, "float32", float("inf"), 0.0, 1e-5, 1e-5, False)]
-                                 ).to_json())
+_VALID = json.loads(
+    ExportReport(
+        "m",
+        ["onnx"],
+        stages=[Stage("export-strict", "ok", 0.5, "")],
+        findings=[Finding("data-dependent-branch", "error", "export", "aten.x", "f.py:3")],
+        numerics=[NumericCheck("onnx", "example", 0, "float32", float("inf"), 0.0, 1e-5, 1e-5, False)],
+    ).to_json()
+)
 
 
 def _paths(d, prefix=()):
@@ -160,13 +177,15 @@ def test_report_file_mutations_are_refused_or_harmless(path, action, value):
 def test_report_file_errors_name_the_field():
     bad = _edit(_VALID, ("stages", 0, "seconds"), "set", "fast")
     with pytest.raises(ReportFileError, match=r"report.stages\[0\].seconds"): ExportReport.from_json(json.dumps(bad))
-    with pytest.raises(ReportFileError, match="not an export report"): ExportReport.from_json('{"schema": "static_dist.graph/2"}')
+    with pytest.raises(ReportFileError, match="not an export report"):
+        ExportReport.from_json('{"schema": "static_dist.graph/2"}')
     with pytest.raises(ReportFileError, match="export report: not valid JSON"): ExportReport.from_json("{")
 
 
 @pytest.mark.parametrize("edit,message", [
     (dict(ok="yes"), 'report.ok: expected true or false, found "yes"'),                    # issue #22: types checked
-    (dict(ok=True), "report.ok: expected false (the verdict of the report's stages, findings and numerics), found true"),
+    (dict(ok=True), "report.ok: expected false (the verdict of the report's stages, findings and numerics), found "
+                    "true"),
     (dict(targets="onnx"), 'report.targets: expected a list, each item a string, found "onnx"'),
     (dict(meta=None), "report.meta: expected an object, found null"),
     (dict(colour=1), "report.colour: unknown field; the fields here are schema, version, ok, "),
@@ -182,9 +201,11 @@ def test_report_file_is_read_depth_limited():
 
 
 def test_report_file_is_read_bounded(tmp_path):
-    "ExportReport.load reads through util.read_json: a 20 GB (sparse) file is refused by its size before a byte is read."
+    """ExportReport.load reads through util.read_json: a 20 GB (sparse) file is refused by its size before a byte is
+    read."""
     p = tmp_path / "rep.json"
     p.write_text(json.dumps(_VALID))
     assert json.loads(ExportReport.load(p).to_json()) == _VALID
     os.truncate(p, 20 * 2**30)
-    with pytest.raises(ReportFileError, match=r"rep.json: 21,474,836,480 bytes, more than the [\d,]+ allowed"): ExportReport.load(p)
+    with pytest.raises(ReportFileError, match=r"rep.json: 21,474,836,480 bytes, more than the [\d,]+ allowed"):
+        ExportReport.load(p)

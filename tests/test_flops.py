@@ -66,8 +66,10 @@ def test_a_capture_lists_what_it_could_not_count(mixtral):
     @tiled_mm.register_fake
     def _(a, b): return a.new_empty(a.shape[0], b.shape[1])
 
-    tiled_mm.register_autograd(lambda ctx, g: (g @ ctx.b.T, ctx.a.T @ g),
-                               setup_context=lambda ctx, inputs, output: setattr(ctx, "a", inputs[0]) or setattr(ctx, "b", inputs[1]))
+    tiled_mm.register_autograd(
+        lambda ctx, g: (g @ ctx.b.T, ctx.a.T @ g),
+        setup_context=lambda ctx, inputs, output: setattr(ctx, "a", inputs[0]) or setattr(ctx, "b", inputs[1]),
+    )
 
     class Net(nn.Module):
         def __init__(self):

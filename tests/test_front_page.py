@@ -47,8 +47,9 @@ def test_the_checker_finds_made_up_verbs_and_options():
     assert _check(["plan-everything"]) == ["verb 'plan-everything' under 'static-dist'"]
     assert _check(["ops", "matrix", "softmax"]) == []
     assert _check(["bench", "plan|nothing"]) == ["bench nothing"]
-    assert _commands("run `static-dist plan --tp 2` then\n```sh\ntorchrun -m static_dist.app -- train \\\n  --steps 3\n```") \
-        == [["plan", "--tp", "2"], ["train", "--steps", "3"]]
+    assert _commands(
+        "run `static-dist plan --tp 2` then\n```sh\ntorchrun -m static_dist.app -- train \\\n  --steps 3\n```"
+    ) == [["plan", "--tp", "2"], ["train", "--steps", "3"]]
 
 
 def test_every_command_on_the_front_page_exists():
@@ -80,7 +81,9 @@ def test_each_overview_links_its_notebooks():
     for ov in _overviews():
         num = re.match(r"\d+", ov.name).group(0)
         text = ov.read_text()
-        stages = [p.name for p in (ROOT / "nbs").glob(f"{num}*.ipynb") if p != ov and re.match(r"\d+", p.name)[0] == num]
+        stages = [
+            p.name for p in (ROOT / "nbs").glob(f"{num}*.ipynb") if p != ov and re.match(r"\d+", p.name)[0] == num
+        ]
         missing = [s for s in stages if f"]({s}" not in text]
         assert not missing, f"{ov.name} does not link {missing}"
 

@@ -74,7 +74,8 @@ def _gpu_check():
 
 
 def test_gpu_fsdp_targets():
-    "The GPU check fails a plan off `max_memory_allocated` by more than 25% either way, and a run that measured nothing."
+    """The GPU check fails a plan off `max_memory_allocated` by more than 25% either way, and a run that measured
+    nothing."""
     check = _gpu_check().check_targets
     row = lambda plan, pred, peak: dict(plan=plan, predicted=pred, cuda_max_allocated=peak, rel_error=pred / peak - 1)
     last_gpu_run = [row("per-block", 972, 1000), row("checkpointed", 807, 1000), row("whole-model", 850, 1000)]
@@ -102,10 +103,13 @@ def _plan_doc() -> dict:
 
 
 @pytest.mark.parametrize("edit,message", [
-    (dict(ignored=[""]), "ignored[0]: expected a module FQN, not '' (that would leave the whole model unsharded), found \"\""),
-    (dict(world_size=2**70), "world_size: expected an integer from 1 to 2**24 (the number of ranks), found 1180591620717411303424"),
+    (dict(ignored=[""]), "ignored[0]: expected a module FQN, not '' (that would leave the whole model unsharded), "
+                         "found \"\""),
+    (dict(world_size=2**70), "world_size: expected an integer from 1 to 2**24 (the number of ranks), found "
+                             "1180591620717411303424"),
     (dict(units=[{"module": "", "reshard_after_forward": "yes"}]),
-     'units[0].reshard_after_forward: expected true, false or a group size >= 2 that divides the shard size, found "yes"'),
+     'units[0].reshard_after_forward: expected true, false or a group size >= 2 that divides the shard size, found '
+     '"yes"'),
     (dict(sync_every_microbatch="yes"), 'sync_every_microbatch: expected true or false, found "yes"'),
     (dict(units=[{"module": "", "modul": "x"}]), "units[0].modul: unknown field; the fields here are module, "),
     (dict(mesh_shape=[4]), "mesh_shape: [4] multiplies to 4, not world_size 8: give [8] for FSDP"),
@@ -125,7 +129,7 @@ def test_plan_file_is_read_bounded(tmp_path):
     p = tmp_path / "p.json"
     p.write_text(json.dumps(_plan_doc()))
     assert json.loads(FSDPPlan.from_json(p).to_json()) == _plan_doc()
-    os.truncate(p, 20 * 2**30)                                       # a 20 GB sparse file: refused by fstat, nothing read
+    os.truncate(p, 20 * 2**30)  # a 20 GB sparse file: refused by fstat, nothing read
     with pytest.raises(PlanError, match=rf"p.json: 21,474,836,480 bytes, more than the {MAX_PLAN_BYTES:,} allowed"):
         FSDPPlan.from_json(p)
     os.mkfifo(tmp_path / "fifo")                                     # no writer: a read would block forever
@@ -152,7 +156,9 @@ def test_apply_refuses_a_plan_for_another_world():
             "except PlanError as e: print('refused:', e)\n"
             "print('sharded' if type(m.get_parameter('0.weight')).__name__ == 'DTensor' else 'untouched')\n")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert "refused: the plan is for 8 ranks but the process group has 16" in p.stdout and "untouched" in p.stdout, p.stdout + p.stderr
+    assert "refused: the plan is for 8 ranks but the process group has 16" in p.stdout and "untouched" in p.stdout, (
+        p.stdout + p.stderr
+    )
 
 
 @pytest.fixture(scope="module")
@@ -174,7 +180,8 @@ def tiny_graph():
 ], ids=["budget nan", "budget inf", "budget str", "graph str", "overrides None", "profile None", "plan None",
         "from_json None", "widget None"])
 def test_api_misuse_is_a_plan_error(call, tiny_graph):
-    "#22 section 12: the FSDP API's public functions name a wrong argument with a PlanError, not a TypeError deep inside."
+    """#22 section 12: the FSDP API's public functions name a wrong argument with a PlanError, not a TypeError deep
+    inside."""
     import static_dist.fsdp as F
     with pytest.raises(F.PlanError): call(tiny_graph, F)
 

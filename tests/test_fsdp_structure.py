@@ -14,8 +14,29 @@ import torch
 import torch.nn.functional as F
 from hypothesis import Phase, given, settings, strategies as st
 
-from static_dist.cost import BlockMismatchError, PlanError, expand_profile, block_mismatch, expand_blocks, profile_expanded, profile_graph, profile_workload
-from static_dist.fsdp import FSDPPlan, FSDPUnit, Overrides, apply_plan, candidate_unit_sets, plan_fsdp, predict_comms, predict_memory, predict_plan, validate, verify_plan
+from static_dist.cost import (
+    BlockMismatchError,
+    PlanError,
+    expand_profile,
+    block_mismatch,
+    expand_blocks,
+    profile_expanded,
+    profile_graph,
+    profile_workload,
+)
+from static_dist.fsdp import (
+    FSDPPlan,
+    FSDPUnit,
+    Overrides,
+    apply_plan,
+    candidate_unit_sets,
+    plan_fsdp,
+    predict_comms,
+    predict_memory,
+    predict_plan,
+    validate,
+    verify_plan,
+)
 from static_dist.graph import capture
 from static_dist.errors import StaticDistError
 from static_dist.graph.policies import FullCheckpoint, NoCheckpoint
@@ -108,10 +129,14 @@ def test_fixed_plan_is_evaluated_as_written(gpt):
     units = (FSDPUnit(""), *(FSDPUnit(b, i % 2 == 0) for i, b in enumerate(p3.blocks)))
     plan = FSDPPlan(8, (8,), units, forward_prefetch=0, backward_prefetch=1, name="mine")
     rep = plan_fsdp(p3, world_size=8, budget=2**30, overrides=Overrides(plan=plan))
-    bare = dataclasses.replace(rep.plan, reasons=(), units=tuple(dataclasses.replace(u, reason="") for u in rep.plan.units))
+    bare = dataclasses.replace(
+        rep.plan, reasons=(), units=tuple(dataclasses.replace(u, reason="") for u in rep.plan.units)
+    )
     assert bare == plan and rep.evaluated == 1 and "pinned" in rep.notes[0]     # exactly as given, with reasons added
     assert rep.memory.peak_bytes == predict_memory(p3, plan).peak_bytes
-    assert rep.step.counts == predict_comms(p3, plan) == {"all_gather": 4 + 2, "reduce_scatter": 4, "all_reduce": 0}   # 2 blocks re-gather
+    assert (
+        rep.step.counts == predict_comms(p3, plan) == {"all_gather": 4 + 2, "reduce_scatter": 4, "all_reduce": 0}
+    )  # 2 blocks re-gather
     assert predict_plan(p3, FSDPPlan.from_json(plan.to_json())).memory.peak_bytes == rep.memory.peak_bytes
     # a searched plan for the same profile is free to differ; the pinned one is not
     assert plan_fsdp(p3, world_size=8, budget=2**30).plan != plan
@@ -133,12 +158,33 @@ VALID = FSDPPlan(8, (2, 4), (FSDPUnit(""), FSDPUnit("transformer.h.0", 2, "full"
                              FSDPUnit("transformer.h.1", False),
                              FSDPUnit("transformer.h.2")), ignored=("transformer.wpe",), param_dtype="bfloat16",
                  reduce_dtype="float32", forward_prefetch=2, accumulation_steps=2, reasons=(("units", "x"),)).to_dict()
-VALUES = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.sampled_from([0, 1, 2, 3, 4, 8, -1, 2**24 + 1]),
-                   st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=12),
-                   st.sampled_from(["", "transformer.h.0", "float64", "bfloat16", "static_dist.graph/2",
-                                    "static_dist.fsdp_plan/2", "full", "none", "selective", "layers"]),
-                   st.lists(st.integers(-2, 9), max_size=3), st.just({}), st.just([]),
-                   st.just([{"module": ""}]), st.just(["x", "y"]))
+VALUES = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.sampled_from([0, 1, 2, 3, 4, 8, -1, 2**24 + 1]),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=12),
+    st.sampled_from(
+        [
+            "",
+            "transformer.h.0",
+            "float64",
+            "bfloat16",
+            "static_dist.graph/2",
+            "static_dist.fsdp_plan/2",
+            "full",
+            "none",
+            "selective",
+            "layers",
+        ]
+    ),
+    st.lists(st.integers(-2, 9), max_size=3),
+    st.just({}),
+    st.just([]),
+    st.just([{"module": ""}]),
+    st.just(["x", "y"]),
+)
 
 
 def _subset(given, loaded, path="") -> None:
@@ -237,7 +283,8 @@ from static_dist.graph import capture
 x = torch.randint(0, 512, (2, 64)); y = torch.randint(0, 512, (2, 64))
 prof = profile_graph(capture(build_gpt(4), x, loss_fn=gpt_loss, targets=y, optimizer="adamw"))
 units = (FSDPUnit(""), *(FSDPUnit(b, True, "full" if i < 2 else "none") for i, b in enumerate(prof.blocks)))
-v = verify_plan(lambda: build_gpt(4), FSDPPlan(8, (8,), units, forward_prefetch=0), prof, (x,), targets=y, loss_fn=gpt_loss)
+v = verify_plan(lambda: build_gpt(4), FSDPPlan(8, (8,), units, forward_prefetch=0), prof, (x,), targets=y,
+                loss_fn=gpt_loss)
 print(json.dumps(v.to_dict()))""")
     print(f"gpt (4 blocks, tied, AC on 2) world 8: predicted {r['predicted_bytes']:,} / measured "
           f"{r['measured_bytes']:,} = {r['ratio']:.4f}")
@@ -256,7 +303,8 @@ def build(dtype=torch.float32):
     with torch.device("meta"): return transformers.LlamaForCausalLM(cfg).to(dtype)
 ids = torch.randint(0, 128256, (1, SEQ))
 t0 = time.perf_counter()
-g = capture(build(torch.bfloat16), example_kwargs=dict(input_ids=ids, labels=ids), loss_fn=lambda o: o.loss, optimizer="adamw")
+g = capture(build(torch.bfloat16), example_kwargs=dict(input_ids=ids, labels=ids), loss_fn=lambda o: o.loss,
+            optimizer="adamw")
 prof = profile_graph(g, master_dtype="float32")
 t1 = time.perf_counter()
 out = dict(capture_seconds=t1 - t0, blocks=len(prof.blocks), stack=prof.stack, runs=[])
@@ -310,7 +358,8 @@ def test_expand_blocks_on_examples_gpt():
 
 # ---- profile_workload: the fast path (3 blocks captured, expanded) against the full capture of the same workload
 def _deep_small(n_layers):
-    "The `small` preset with `n_layers` blocks, as a workload `build` (meta only: the fake capture builds nothing else)."
+    """The `small` preset with `n_layers` blocks, as a workload `build` (meta only: the fake capture builds nothing
+    else)."""
     def build(device="meta", dtype=torch.float32):
         assert str(device) == "meta", device
         with torch.device("meta"): return Llama(dataclasses.replace(PRESETS["small"], n_layers=n_layers)).to(dtype)
@@ -323,8 +372,10 @@ def _same_plans(fast, full, worlds, budgets):
         for budget in budgets:
             a = plan_fsdp(fast, world_size=W, budget=budget)
             b = plan_fsdp(full, world_size=W, budget=budget)
-            print(f"world {W} budget {budget:,}: {a.plan.name}, peak {a.memory.peak_bytes:,} / {b.memory.peak_bytes:,}, "
-                  f"checkpointed {sum(u.checkpoint.checkpoints for u in a.plan.units)}")
+            print(
+                f"world {W} budget {budget:,}: {a.plan.name}, peak {a.memory.peak_bytes:,} / {b.memory.peak_bytes:,}, "
+                f"checkpointed {sum(u.checkpoint.checkpoints for u in a.plan.units)}"
+            )
             assert a.plan == b.plan, (W, budget)
             assert a.memory.peak_bytes == b.memory.peak_bytes
             # step time is a sum of per-op seconds: equal to float rounding
@@ -369,7 +420,14 @@ def test_profile_workload_falls_back_where_blocks_differ(tmp_path):
     assert profile_workload(w).path == ("full capture: blocks differ: layers.5.ffn_norm.eps is 0.001 where "
                                         "layers.0.ffn_norm.eps is 1e-05")
     import transformers
-    transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=8, num_attention_heads=4,
-                             num_key_value_heads=2, vocab_size=512, max_position_embeddings=256).save_pretrained(tmp_path)
+    transformers.LlamaConfig(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+        max_position_embeddings=256,
+    ).save_pretrained(tmp_path)
     p = profile_workload(load_workload(f"hf:{tmp_path}", batch=2, seq=64))
     assert p.path == "expanded from 3 of 8 blocks" and len(p.blocks) == 8, p.path      # HF Llama's blocks are copies

@@ -119,10 +119,17 @@ def test_a_mutated_graph_is_refused_or_unchanged(m):
         if path[0] not in ("op_names", "tensors", "storages"):   # their rows are what other tables point at
             assert msg.startswith(path[0]) or msg.startswith("schema"), (path, msg)
         return
-    # it loaded: then the edit was one a user may make (meta), or it dropped an optional field whose default is the value
+    # it loaded: then the edit was one a user may make (meta), or it dropped an optional field whose default is the
+    # value
     # it had (a linear's `shardable`, which older files lack), and nothing the analyses read changed
     assert _free_form(path) or got.structure == g.structure, (path, kind, "a bad file loaded")
-    assert (got.ops, got.tensors, got.storages, got.saves, got.unpacks) == (g.ops, g.tensors, g.storages, g.saves, g.unpacks)
+    assert (got.ops, got.tensors, got.storages, got.saves, got.unpacks) == (
+        g.ops,
+        g.tensors,
+        g.storages,
+        g.saves,
+        g.unpacks,
+    )
 
 
 @settings(max_examples=60, deadline=None)
@@ -151,12 +158,14 @@ def _edit(path, value):
     (("ops", "op", 0), 10**6, "ops.op[0]: expected an integer from 0 to "),
     (("ops", "outputs", 1, 0), -1, "ops.outputs[1][0]: expected an integer from 0 to "),
     (("storages", "role", 2), "weights", 'storages.role[2]: expected one of "parameter", "buffer"'),
-    (("tensors", "dtype", 0), "float99", 'tensors.dtype[0]: expected a torch dtype name such as "float32", found "float99"'),
+    (("tensors", "dtype", 0), "float99", 'tensors.dtype[0]: expected a torch dtype name such as "float32", found '
+                                         '"float99"'),
     (("tensors", "storage", 0), 10**6, "(a storage id), found 1000000"),
     (("ops", "flops", 0), 1.5, "ops.flops[0]: expected an integer from 0 to 2**63-1, found 1.5"),
     (("storages", "created", 0), True, "storages.created[0]: expected an integer from -1 to "),
     (("saves", "tensor", 0), -1, "saves.tensor[0]: expected an integer from 0 to "),
-    (("meta", "structure", "stacks", 0, "params_per_block"), -3, "meta.structure.stacks[0].params_per_block: expected an integer from 0 to 2**63-1, found -3"),
+    (("meta", "structure", "stacks", 0, "params_per_block"), -3, "meta.structure.stacks[0].params_per_block: expected "
+                                                                 "an integer from 0 to 2**63-1, found -3"),
     (("meta",), [], "meta: expected an object, found []"),
 ])
 def test_named_bad_fields(path, value, message):
@@ -181,10 +190,12 @@ def _twice() -> dict:
 
 
 @pytest.mark.parametrize("path,value,message", [
-    (("storages", "nbytes", 3), 2**70, "storages.nbytes[3]: expected an integer from 0 to 2**62, found 1180591620717411303424"),
+    (("storages", "nbytes", 3), 2**70, "storages.nbytes[3]: expected an integer from 0 to 2**62, found "
+                                       "1180591620717411303424"),
     (("tensors", "shape", 0), [10**12, 10**12], "tensors.shape[0]: expected a shape of at most 2**62 bytes, "
                                                 "found [1000000000000, 1000000000000] (float32: 4e+24 bytes)"),
-    (("storages", "nbytes"), lambda: [2**60] * len(_graph().storages), "storages.nbytes: expected at most 2**62 bytes in all"),
+    (("storages", "nbytes"), lambda: [2**60] * len(_graph().storages), "storages.nbytes: expected at most 2**62 bytes "
+                                                                       "in all"),
     (("storages", "freed", "made"), lambda: _graph().storages[_storage_made_and_freed()].created - 1,
      "expected null or an op index >= created"),
     (("storages", "freed"), lambda: [-1] * len(_graph().storages), "expected null or an op index >= created"),
@@ -209,8 +220,9 @@ def test_sizes_read_from_the_file_stay_within_int64():
 def test_a_huge_file_is_refused_before_reading(tmp_path):
     p = tmp_path / "big.json"
     p.write_text("{}")
-    os.truncate(p, 20 * 2**30)                                       # 20 GB, sparse: nothing to read, fstat says its size
-    with pytest.raises(GraphFileError, match=r"big.json: 21,474,836,480 bytes, more than the [\d,]+ allowed"): load_graph(p)
+    os.truncate(p, 20 * 2**30)  # 20 GB, sparse: nothing to read, fstat says its size
+    with pytest.raises(GraphFileError, match=r"big.json: 21,474,836,480 bytes, more than the [\d,]+ allowed"):
+        load_graph(p)
 
 
 def test_a_file_nested_too_deep_is_refused_before_parsing(tmp_path):

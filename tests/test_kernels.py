@@ -1,4 +1,5 @@
-"Triton kernels (interpreted on CPU) on irregular shapes against torch, per-dtype tolerances; CUDA sources build with nvcc."
+"""Triton kernels (interpreted on CPU) on irregular shapes against torch, per-dtype tolerances; CUDA sources build with
+nvcc."""
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")                       # before triton is imported
@@ -112,12 +113,15 @@ def test_gpu_softmax(backend, dtype):
 
 
 def test_interpreter_must_precede_triton_import():
-    "A process that imports triton (here via torch.compile's inductor) before setting TRITON_INTERPRET gets a clear skip/error."
+    """A process that imports triton (here via torch.compile's inductor) before setting TRITON_INTERPRET gets a clear
+    skip/error."""
     import subprocess, sys
-    code = ("import os, torch; os.environ.pop('TRITON_INTERPRET', None); import triton; "
-            "from static_dist.ops import compat_matrix, kernel_backend, softmax\n"
-            "rep = compat_matrix('softmax', paths=('triton_interpreter',)); print(rep.cell('triton_interpreter').status)\n"
-            "try:\n    with kernel_backend('triton'): softmax(torch.randn(2, 3), -1)\nexcept RuntimeError as e: print(e)")
+    code = (
+        "import os, torch; os.environ.pop('TRITON_INTERPRET', None); import triton; "
+        "from static_dist.ops import compat_matrix, kernel_backend, softmax\n"
+        "rep = compat_matrix('softmax', paths=('triton_interpreter',)); print(rep.cell('triton_interpreter').status)\n"
+        "try:\n    with kernel_backend('triton'): softmax(torch.randn(2, 3), -1)\nexcept RuntimeError as e: print(e)"
+    )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -137,8 +141,15 @@ def test_builtin_ops_register_once_whichever_module_comes_first(first):
             "print(sorted(ops.REGISTRY))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == str(['static_dist::add_relu', 'static_dist::rms_norm', 'static_dist::rms_norm_backward',
-                                      'static_dist::softmax', 'static_dist::softmax_backward'])
+    assert out.stdout.strip() == str(
+        [
+            'static_dist::add_relu',
+            'static_dist::rms_norm',
+            'static_dist::rms_norm_backward',
+            'static_dist::softmax',
+            'static_dist::softmax_backward',
+        ]
+    )
 
 
 def test_bridge_once_returns_the_registered_op_and_refuses_another_declaration():

@@ -48,9 +48,28 @@ def test_a_hung_launch_is_killed(tmp_path):
 
 def test_example_trains_a_user_model_under_torchrun():
     "examples/train_fsdp.py: plan, apply_plan, train_step with the plan, on examples/gpt.py's GPT over 2 gloo ranks."
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                        str(ROOT / "examples" / "train_fsdp.py"), "--model", f"{ROOT / 'examples' / 'gpt.py'}:GPT",
-                        "--steps", "6", "--batch", "2", "--seq", "32"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            str(ROOT / "examples" / "train_fsdp.py"),
+            "--model",
+            f"{ROOT / 'examples' / 'gpt.py'}:GPT",
+            "--steps",
+            "6",
+            "--batch",
+            "2",
+            "--seq",
+            "32",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     losses = [float(l.split()[-1]) for l in p.stdout.splitlines() if l.startswith("step")]
     assert len(losses) == 2 and losses[1] < losses[0], p.stdout                 # steps 0 and 5: it learns

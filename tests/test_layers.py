@@ -70,7 +70,8 @@ def _graph(sources: dict[str, str]) -> dict[str, set[str]]:
     for mod, src in sources.items():
         me = _subpackage(mod)
         for base, _ in _import_froms(src, mod):
-            if base.startswith("static_dist.") and _subpackage(base) != me: g.setdefault(me, set()).add(_subpackage(base))
+            if base.startswith("static_dist.") and _subpackage(base) != me:
+                g.setdefault(me, set()).add(_subpackage(base))
         g.setdefault(me, set())
     return g
 

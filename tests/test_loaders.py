@@ -20,10 +20,17 @@ def _loaders():
     from static_dist.offload import load_plan
     from static_dist.topology import MAX_TOPOLOGY_BYTES, load_topology
     from static_dist.workload_hf import hf_config
-    return {"private key": (load_private_key, MAX_KEY_BYTES), "trusted keys": (load_trusted_keys, MAX_KEY_BYTES),
-            "artifact": (lambda p: verify_artifact(p, trusted_keys=[]), None), "FSDP plan": (FSDPPlan.from_json, None),
-            "offload plan": (load_plan, None), "topology": (load_topology, MAX_TOPOLOGY_BYTES), "graph": (load_graph, None),
-            "export report": (ExportReport.load, None), "hf config": (lambda p: hf_config(str(p)), MAX_SMALL_BYTES)}
+    return {
+        "private key": (load_private_key, MAX_KEY_BYTES),
+        "trusted keys": (load_trusted_keys, MAX_KEY_BYTES),
+        "artifact": (lambda p: verify_artifact(p, trusted_keys=[]), None),
+        "FSDP plan": (FSDPPlan.from_json, None),
+        "offload plan": (load_plan, None),
+        "topology": (load_topology, MAX_TOPOLOGY_BYTES),
+        "graph": (load_graph, None),
+        "export report": (ExportReport.load, None),
+        "hf config": (lambda p: hf_config(str(p)), MAX_SMALL_BYTES),
+    }
 
 
 LOADERS = list(_loaders())

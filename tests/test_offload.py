@@ -15,8 +15,19 @@ import static_dist.offload as off
 from static_dist.offload import executor   # where the executor looks up its I/O functions (monkeypatched)
 from static_dist.graph import capture
 from static_dist.structure import compiled_modules
-from static_dist.offload import (OffloadCompiledError, OffloadError, OffloadExecutor, OffloadMismatchError, Tier, check_plan,
-                                 classify, load_plan, plan_offload, planned_live_bytes, saved_tensors)
+from static_dist.offload import (
+    OffloadCompiledError,
+    OffloadError,
+    OffloadExecutor,
+    OffloadMismatchError,
+    Tier,
+    check_plan,
+    classify,
+    load_plan,
+    plan_offload,
+    planned_live_bytes,
+    saved_tensors,
+)
 from static_dist.zoo import get_model
 
 DISK = Tier("nvme", 1e9, 1e-5, math.inf, "disk")
@@ -67,7 +78,9 @@ def test_write_error_names_tensor(offload_tiny, monkeypatch):
 def test_truncated_spill_file_refused(offload_tiny):
     victim = max(offload_tiny.disk.offloaded, key=lambda d: d.nbytes)
     def cut(ex): os.ftruncate(ex._spill.fileno(), ex._entries[victim.storage].offset + 1)
-    with pytest.raises(off.OffloadCorruptionError, match=r"storage \d+ .*its spill file in .* was truncated to \d+ bytes"):
+    with pytest.raises(
+        off.OffloadCorruptionError, match=r"storage \d+ .*its spill file in .* was truncated to \d+ bytes"
+    ):
         _run_faulty(offload_tiny, cut)
 
 
@@ -77,7 +90,9 @@ def test_user_exception_closes_spill_file(offload_tiny, tmp_path):
         with ex:
             offload_tiny.zm.loss(offload_tiny.m(offload_tiny.x), offload_tiny.y)
             ex._poll_writes(wait=True)
-            assert os.fstat(ex._spill.fileno()).st_size == sum(d.nbytes for d in offload_tiny.disk.offloaded)   # it was written
+            assert os.fstat(ex._spill.fileno()).st_size == sum(
+                d.nbytes for d in offload_tiny.disk.offloaded
+            )  # it was written
             1 / 0
     assert ex._spill.closed and os.listdir(tmp_path) == []
 
@@ -112,12 +127,15 @@ def test_other_model_or_dtype_is_refused(offload_tiny):
         with OffloadExecutor(offload_tiny.g, offload_tiny.disk): _step(m, zm, x, y)()
     m64 = offload_tiny.zm.build("cpu", dtype=torch.float64)
     with pytest.raises(OffloadMismatchError, match=r"torch.float64, captured .* torch.float32"):
-        with OffloadExecutor(offload_tiny.g, offload_tiny.disk): _step(m64, offload_tiny.zm, offload_tiny.x, offload_tiny.y)()
+        with OffloadExecutor(offload_tiny.g, offload_tiny.disk):
+            _step(m64, offload_tiny.zm, offload_tiny.x, offload_tiny.y)()
 
 
 def test_fewer_saves_than_captured_is_refused(offload_tiny):
     "A step that stops early (here: forward only, no loss) saved fewer tensors than the captured one."
-    with pytest.raises(OffloadMismatchError, match=r"the step ended after \d+ saves for backward, the captured one makes"):
+    with pytest.raises(
+        OffloadMismatchError, match=r"the step ended after \d+ saves for backward, the captured one makes"
+    ):
         with OffloadExecutor(offload_tiny.g, offload_tiny.disk): offload_tiny.m(offload_tiny.x)
 
 
@@ -137,7 +155,8 @@ def test_schedule_points_are_hook_calls(offload_tiny):
 
 
 def test_late_prefetch_still_exact(offload_tiny):
-    """Prefetches moved to the first op that reads the tensor come after autograd already asked for some of them (it unpacks
+    """Prefetches moved to the first op that reads the tensor come after autograd already asked for some of them (it
+    unpacks
     a node's saved tensors before the node's first op): those are loaded on demand, with the same gradients."""
     p = dataclasses.replace(offload_tiny.disk, decisions=tuple(
         dataclasses.replace(d, prefetch_at=d.first_backward_use) if d.tier else d for d in offload_tiny.disk.decisions))
@@ -165,7 +184,9 @@ def test_checkpointed_blocks(offload_tiny, reentrant):
     fwd = lambda g: [o for o in g.ops if o.phase == "forward"]
     bwd = lambda g: [o for o in g.ops if o.phase == "backward"]
     compute = lambda g: Counter(o.op for o in fwd(g) if not o.op.startswith("aten.empty"))   # (torch 2.11's checkpoint
-    assert len(bwd(g)) > len(bwd(offload_tiny.g)) and compute(g) == compute(offload_tiny.g)  # allocates a few) the blocks re-run in backward
+    assert len(bwd(g)) > len(bwd(offload_tiny.g)) and compute(g) == compute(
+        offload_tiny.g
+    )  # allocates a few) the blocks re-run in backward
     assert all(d.offload_after < bwd0 for d in plan.offloaded)                  # nothing made in backward is moved
     rec = [s for s in saved_tensors(g) if s.recomputed]
     if reentrant:   # the re-run saves through the outer hooks: the graph sees those tensors, marked recomputed
@@ -200,11 +221,15 @@ def _compiled_tiny(backend, how):
 
 @pytest.mark.parametrize("how", ["method", "wrapper"])
 def test_compiled_model_refused_up_front(offload_tiny, how):
-    "Given the model, the executor names its compiled modules before anything runs (compile is lazy: nothing compiles here)."
+    """Given the model, the executor names its compiled modules before anything runs (compile is lazy: nothing compiles
+    here)."""
     m = _compiled_tiny("aot_eager", how)
     assert compiled_modules(m) == ["layers.0", "layers.1"] and compiled_modules(offload_tiny.m) == []
-    with pytest.raises(OffloadCompiledError, match=r"cannot run Llama: 2 module\(s\) run torch.compile'd \(layers.0, "
-                                                   r"layers.1\); .*run the offloaded step on the model without torch.compile"):
+    with pytest.raises(
+        OffloadCompiledError,
+        match=r"cannot run Llama: 2 module\(s\) run torch.compile'd \(layers.0, "
+        r"layers.1\); .*run the offloaded step on the model without torch.compile",
+    ):
         OffloadExecutor(offload_tiny.g, offload_tiny.disk, model=m)
     eager = get_model("tiny").build("cpu")
     ex = OffloadExecutor(offload_tiny.g, offload_tiny.disk, model=eager)     # accepted: nothing compiled yet
@@ -228,9 +253,12 @@ def test_compiled_step_is_refused_with_the_reason(offload_tiny, backend):
     saves = []
     with torch.autograd.graph.saved_tensors_hooks(lambda v: saves.append(v.shape) or v, lambda v: v): step()
     assert 0 < len(saves) < len(t.g.saves)
-    assert len(capture(m, (t.x,), loss_fn=t.zm.loss, targets=t.y).saves) == len(t.g.saves)   # the capture sees eager ops
-    with pytest.raises(OffloadCompiledError, match=r"left the captured step at save #\d+ .*, inside torch.compile'd code "
-                                                   r"\(TransformerBlock\): saved .* pass model= to OffloadExecutor"):
+    assert len(capture(m, (t.x,), loss_fn=t.zm.loss, targets=t.y).saves) == len(t.g.saves)  # the capture sees eager ops
+    with pytest.raises(
+        OffloadCompiledError,
+        match=r"left the captured step at save #\d+ .*, inside torch.compile'd code "
+        r"\(TransformerBlock\): saved .* pass model= to OffloadExecutor",
+    ):
         with OffloadExecutor(t.g, t.disk): step()
     assert _same(step(), got)                                   # the refused step left the model as it was
 
@@ -291,9 +319,15 @@ def test_bench_offload_user_model():
     "The user's own model by file path (examples/gpt.py's GPT): every variant's gradients equal the plain step's."
     src = f"{os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}/examples/gpt.py:GPT"
     res = off.bench_offload(model=src, batch=2, seq=32, repeat=1)
-    assert res["model"] == src and [v["variant"] for v in res["results"]["variants"]] == ["none", "save_on_cpu", "executor"]
+    assert res["model"] == src and [v["variant"] for v in res["results"]["variants"]] == [
+        "none",
+        "save_on_cpu",
+        "executor",
+    ]
     assert all(v["grads_bitwise_equal"] for v in res["results"]["variants"])
-    assert res["results"]["variants"][2]["peak_bytes"] < res["results"]["variants"][0]["peak_bytes"]   # the plan moved something
+    assert (
+        res["results"]["variants"][2]["peak_bytes"] < res["results"]["variants"][0]["peak_bytes"]
+    )  # the plan moved something
 
 
 @pytest.mark.gpu
@@ -344,7 +378,8 @@ def test_a_spill_file_closed_under_the_step_is_a_typed_error(offload_tiny):
 
 
 def test_a_spill_descriptor_closed_behind_the_executor_is_a_typed_error(offload_tiny):
-    "#22 section 12: os.close of the spill file's descriptor mid-step: OffloadDiskError, and leaving the block raises no EBADF."
+    """#22 section 12: os.close of the spill file's descriptor mid-step: OffloadDiskError, and leaving the block raises
+    no EBADF."""
     import os
     from static_dist.offload import OffloadDiskError
     t = offload_tiny

@@ -128,11 +128,14 @@ def test_inplace_edit_after_save_gives_autograds_error(offload_tiny, tiers, min_
         _edit_after_forward(offload_tiny, plan)
     what = lambda e: re.search(r"inplace operation: (\[\S+ \[[\d, ]+\]\]), which is .*, (is at version \d+; expected "
                                r"version \d+ instead)", str(e.value)).groups()
-    assert what(ours) == what(plain) == ("[torch.FloatTensor [512, 192]]", "is at version 1; expected version 0 instead")
+    assert (
+        what(ours) == what(plain) == ("[torch.FloatTensor [512, 192]]", "is at version 1; expected version 0 instead")
+    )
 
 
 def test_inplace_edit_before_offload_is_refused(offload_tiny):
-    "Edited right after its save, while the worker may still be writing it: the version says so before any read is trusted."
+    """Edited right after its save, while the worker may still be writing it: the version says so before any read is
+    trusted."""
     saved = []
     def pre(mod, args): saved.append(args[0])
     def post(mod, args, out): saved[-1].add_(1)                          # after w2 saved its input
@@ -193,8 +196,11 @@ def test_disk_too_small(offload_tiny, tmp_path, monkeypatch):
 def test_disk_full_mid_step(offload_tiny, tmp_path, monkeypatch):
     def full(fd, buf, offset): raise OSError(28, "No space left on device")
     monkeypatch.setattr(executor, "_file_write", full)
-    with pytest.raises(OffloadDiskError, match=rf"writing \d+ bytes to the spill file in {tmp_path} failed: No space left "
-                                               r"on device — the disk is full"):
+    with pytest.raises(
+        OffloadDiskError,
+        match=rf"writing \d+ bytes to the spill file in {tmp_path} failed: No space left "
+        r"on device — the disk is full",
+    ):
         _run(offload_tiny, offload_tiny.disk, lambda fd, r: None, disk_dir=tmp_path)
     assert os.listdir(tmp_path) == []
 
@@ -239,7 +245,9 @@ def test_sigkill_leaves_no_spill_files(tmp_path):
 # --- hand-edited plan files ----------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def plan_json(offload_tiny):
-    return json.loads(json.dumps(plan_to_dict(plan_offload(offload_tiny.g, (CPU, DISK), host_limit=2**20, min_bytes=0))))
+    return json.loads(
+        json.dumps(plan_to_dict(plan_offload(offload_tiny.g, (CPU, DISK), host_limit=2**20, min_bytes=0)))
+    )
 
 
 def _paths(x, pre=()):
@@ -265,7 +273,8 @@ VALUES = st.one_of(st.none(), st.booleans(), st.integers(-2**40, 2**40), st.floa
 @given(data=st.data())
 def test_mutated_plan_is_refused_or_loaded_unchanged(offload_tiny, plan_json, data):
     """Delete, replace or duplicate any field of a valid plan JSON: the loader raises OffloadPlanError, or it loads
-    what the file says, exactly (it re-serialises to the same JSON) and `check_plan` then accepts or refuses it typed."""
+    what the file says, exactly (it re-serialises to the same JSON) and `check_plan` then accepts or refuses it
+    typed."""
     d = json.loads(json.dumps(plan_json))
     paths = [p for p in _paths(d) if p]
     path = data.draw(st.sampled_from(paths))
@@ -290,21 +299,31 @@ def test_mutated_plan_is_refused_or_loaded_unchanged(offload_tiny, plan_json, da
 
 @pytest.mark.parametrize("edit,msg", [
     (lambda d: d["decisions"][0].pop("tier"), r"plan.decisions\[0\].tier: missing; give a string, or null"),
-    (lambda d: d["decisions"][0].update(shape=[4, -1]), r"plan.decisions\[0\].shape\[1\]: expected an integer from 0 to 2\*\*63-1, found -1"),
-    (lambda d: d["decisions"][0].update(shape="4x4"), r"plan.decisions\[0\].shape: expected a list, each item an integer from 0 to 2\*\*63-1, found \"4x4\""),
-    (lambda d: d["decisions"].append(dict(d["decisions"][3])), r"plan.decisions\[\d+\].storage: expected one decision per storage, found \d+, already decided in plan.decisions\[3\]"),
+    (lambda d: d["decisions"][0].update(shape=[4, -1]), r"plan.decisions\[0\].shape\[1\]: expected an integer from 0 "
+                                                        r"to 2\*\*63-1, found -1"),
+    (lambda d: d["decisions"][0].update(shape="4x4"), r"plan.decisions\[0\].shape: expected a list, each item an "
+                                                      r"integer from 0 to 2\*\*63-1, found \"4x4\""),
+    (lambda d: d["decisions"].append(dict(d["decisions"][3])), r"plan.decisions\[\d+\].storage: expected one decision "
+                                                               r"per storage, found \d+, already decided in "
+                                                               r"plan.decisions\[3\]"),
     (lambda d: d.update(decisions=[]), r"plan.decisions: expected a non-empty list, found \[\]"),
     (lambda d: d.update(decisions={}), r"plan.decisions: expected a non-empty list, found \{\}"),
     (lambda d: d.update(schema="static_dist.offload/99"), r"is not an offload plan: expected schema"),
     (lambda d: d.pop("schema"), r"is not an offload plan"),
     (lambda d: d.update(schema="static_dist.graph/2"), r"is not an offload plan"),
-    (lambda d: d["decisions"][0].update(nbytes=-5), r"plan.decisions\[0\].nbytes: expected an integer from 0 to 2\*\*62, found -5"),
-    (lambda d: d["decisions"][0].update(nbytes=True), r"plan.decisions\[0\].nbytes: expected an integer from 0 to 2\*\*62, found true"),
-    (lambda d: d["tiers"][0].update(kind="tape"), r"plan.tiers\[0\].kind: expected one of \"cpu\", \"disk\", found \"tape\""),
+    (lambda d: d["decisions"][0].update(nbytes=-5), r"plan.decisions\[0\].nbytes: expected an integer from 0 to "
+                                                    r"2\*\*62, found -5"),
+    (lambda d: d["decisions"][0].update(nbytes=True), r"plan.decisions\[0\].nbytes: expected an integer from 0 to "
+                                                      r"2\*\*62, found true"),
+    (lambda d: d["tiers"][0].update(kind="tape"), r"plan.tiers\[0\].kind: expected one of \"cpu\", \"disk\", found "
+                                                  r"\"tape\""),
     (lambda d: d.update(safety=0.5), r"plan.safety: expected a finite number >= 1, found 0.5"),
-    (lambda d: d["decisions"][0].update(dtype="float99"), r"plan.decisions\[0\].dtype: expected a torch dtype name such as \"float32\", found \"float99\""),
-    (lambda d: d["decisions"][0].update(nbytes=2**70), r"plan.decisions\[0\].nbytes: expected an integer from 0 to 2\*\*62, found 1180591620717411303424"),
-    (lambda d: d["decisions"][0].update(shape=[10**12, 10**12]), r"plan.decisions\[0\].shape: expected a shape of at most 2\*\*62 bytes"),
+    (lambda d: d["decisions"][0].update(dtype="float99"), r"plan.decisions\[0\].dtype: expected a torch dtype name "
+                                                          r"such as \"float32\", found \"float99\""),
+    (lambda d: d["decisions"][0].update(nbytes=2**70), r"plan.decisions\[0\].nbytes: expected an integer from 0 to "
+                                                       r"2\*\*62, found 1180591620717411303424"),
+    (lambda d: d["decisions"][0].update(shape=[10**12, 10**12]), r"plan.decisions\[0\].shape: expected a shape of at "
+                                                                 r"most 2\*\*62 bytes"),
     (lambda d: d.update(colour=1), r"plan.colour: unknown field; the fields here are schema, decisions"),
 ])
 def test_hand_edits_name_the_field(plan_json, edit, msg):
@@ -316,13 +335,16 @@ def test_hand_edits_name_the_field(plan_json, edit, msg):
 def test_load_plan_file_errors(tmp_path, plan_json):
     (tmp_path / "p.json").write_text(json.dumps(plan_json))
     assert off.load_plan(tmp_path / "p.json") == plan_from_dict(plan_json)
-    with pytest.raises(OffloadPlanError, match="offload plan .*: is a folder, not a file; give the file"): off.load_plan(tmp_path)
-    with pytest.raises(OffloadPlanError, match="none.json: no such file; give the file"): off.load_plan(tmp_path / "none.json")
+    with pytest.raises(OffloadPlanError, match="offload plan .*: is a folder, not a file; give the file"):
+        off.load_plan(tmp_path)
+    with pytest.raises(OffloadPlanError, match="none.json: no such file; give the file"):
+        off.load_plan(tmp_path / "none.json")
     os.mkfifo(tmp_path / "fifo")                                     # no writer: a read would block forever
     with pytest.raises(OffloadPlanError, match="fifo: not a regular file"): off.load_plan(tmp_path / "fifo")
     (tmp_path / "big.json").write_text("{}")
     os.truncate(tmp_path / "big.json", 20 * 2**30)                   # 20 GB, sparse: refused by its size, nothing read
-    with pytest.raises(OffloadPlanError, match=r"big.json: 21,474,836,480 bytes, more than the"): off.load_plan(tmp_path / "big.json")
+    with pytest.raises(OffloadPlanError, match=r"big.json: 21,474,836,480 bytes, more than the"):
+        off.load_plan(tmp_path / "big.json")
     (tmp_path / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
     with pytest.raises(OffloadPlanError, match="nested deeper than 64 levels"): off.load_plan(tmp_path / "deep.json")
     (tmp_path / "g.json").write_text('{"schema": "static_dist.graph/2", "ops": []}')

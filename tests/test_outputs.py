@@ -77,7 +77,8 @@ def test_device_files_are_never_replaced(tmp_path, keys, program):
 def test_fifo_and_folder_targets_refused_without_blocking(tmp_path):
     os.mkfifo(tmp_path / "f")
     for force in (False, True):
-        with pytest.raises(InputError, match=r"is a FIFO, not a regular file"): atomic_write(tmp_path / "f", "x", force=force)
+        with pytest.raises(InputError, match=r"is a FIFO, not a regular file"):
+            atomic_write(tmp_path / "f", "x", force=force)
         with pytest.raises(InputError, match="is a folder"): atomic_write(tmp_path, "x", force=force)
     assert stat.S_ISFIFO(os.stat(tmp_path / "f").st_mode)
 
@@ -162,7 +163,9 @@ def test_sigint_at_any_point_of_an_audit_leaves_one_report_whole(tmp_path, monke
             try: A.audit(new, out, sections=sections)
             except KeyboardInterrupt: pass
         now = _report_files(out)
-        volatile = lambda files: {k: v for k, v in files.items() if k != "audit.json"}   # audit.json holds the seconds taken
+        volatile = lambda files: {
+            k: v for k, v in files.items() if k != "audit.json"
+        }  # audit.json holds the seconds taken
         assert volatile(now) in (volatile(first), volatile(second)), (at, sorted(now))
         assert now.keys() in (first.keys(), second.keys())
         seen.add("new" if volatile(now) == volatile(second) else "old")
@@ -198,7 +201,8 @@ def test_a_report_folder_that_appears_meanwhile_is_not_replaced(tmp_path):
 
 
 def test_a_target_folder_that_cannot_take_the_files_is_refused_before_work(tmp_path, monkeypatch):
-    "An existing report folder that is not writable (a read-only mount, a folder of another user) is refused by check()."
+    """An existing report folder that is not writable (a read-only mount, a folder of another user) is refused by
+    check()."""
     from static_dist import outputs
     (tmp_path / "rep").mkdir()
     real = os.access

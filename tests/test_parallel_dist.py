@@ -35,7 +35,9 @@ def _same_as_single_process(rep):
 def test_gloo_dp2_tp2_and_pp2_dp2(tiny):
     w, g = tiny
     blocks = g.structure.main.blocks
-    megatron = tuple((l.name, "rowwise" if l.name.endswith(("wo", "w2")) else "colwise") for l in g.structure.main.linears)
+    megatron = tuple(
+        (l.name, "rowwise" if l.name.endswith(("wo", "w2")) else "colwise") for l in g.structure.main.linears
+    )
     dp_tp = ParallelPlan(ParallelDims(dp_shard=2, tp=2), megatron, fsdp=_units((2,), blocks))
     pp_dp = ParallelPlan(ParallelDims(dp_shard=2, pp=2), stages=(1, 1), microbatches=2, fsdp=_units((2,), blocks))
     (r_tp, r_pp) = launch("static_dist.parallel.run:run_plans", 4,

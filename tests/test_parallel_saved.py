@@ -11,8 +11,20 @@ def _tiny_qwen2(tmp_path_factory, name: str, **config) -> str:
     "An hf: source of a 2-layer, width-64 Qwen2 (4 heads, 2 kv heads unless `config` says otherwise)."
     transformers = pytest.importorskip("transformers")
     d = tmp_path_factory.mktemp(name)
-    transformers.Qwen2Config(**{**dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                                       intermediate_size=128, vocab_size=256, max_position_embeddings=256), **config}).save_pretrained(d)
+    transformers.Qwen2Config(
+        **{
+            **dict(
+                num_hidden_layers=2,
+                hidden_size=64,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                intermediate_size=128,
+                vocab_size=256,
+                max_position_embeddings=256,
+            ),
+            **config,
+        }
+    ).save_pretrained(d)
     return f"hf:{d / 'config.json'}"
 
 
@@ -25,11 +37,13 @@ def hf_tiny_qwen2_mha(tmp_path_factory): return _tiny_qwen2(tmp_path_factory, "h
 
 
 @pytest.fixture(scope="module")
-def hf_tiny_qwen2_tied(tmp_path_factory): return _tiny_qwen2(tmp_path_factory, "hf_qwen2_tied", tie_word_embeddings=True)
+def hf_tiny_qwen2_tied(tmp_path_factory):
+    return _tiny_qwen2(tmp_path_factory, "hf_qwen2_tied", tie_word_embeddings=True)
 
 
 @pytest.mark.parametrize("source", ["hf_tiny_llama", "hf_tiny_qwen2"])
-@pytest.mark.parametrize("policy", [SelectiveOps(), SelectiveOps(mm_recompute_every=0)], ids=["every-other-mm", "every-mm"])
+@pytest.mark.parametrize("policy", [SelectiveOps(), SelectiveOps(mm_recompute_every=0)],
+                         ids=["every-other-mm", "every-mm"])
 def test_selective_saved_bytes_within_2_percent(source, policy, request):
     w = load_workload(request.getfixturevalue(source), batch=2, seq=64)
     v = verify_selective(w, policy)
@@ -48,7 +62,9 @@ def test_tp_peak_on_hf_attention_within_1_percent(source, request):
     w = load_workload(request.getfixturevalue(source), batch=1, seq=256)
     g = w.graph()
     styles = tuple((n, s) for n, s in megatron_styles(block_spec(g)).items() if s != "replicate")
-    plan = ParallelPlan(ParallelDims(dp_shard=2, tp=2), styles, fsdp=FSDPPlan(2, (2,), block_units(g.structure.main.blocks)))
+    plan = ParallelPlan(
+        ParallelDims(dp_shard=2, tp=2), styles, fsdp=FSDPPlan(2, (2,), block_units(g.structure.main.blocks))
+    )
     v = verify_parallel(w, plan, g)
     assert abs(v.predicted_bytes / v.measured_bytes - 1) < 0.01, v
     assert v.predicted_counts == v.measured_counts, v

@@ -173,4 +173,7 @@ def test_cli_prints_one_line_for_a_refused_rewrite(monkeypatch, capsys):
     monkeypatch.setattr(passes, "compare_programs", off_by_a_little)
     assert main(["passes", "rewrite", "--model", "mlp"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("static-dist passes: error: rewritten program differs from the original") and err.count("\n") == 1, err
+    assert (
+        err.startswith("static-dist passes: error: rewritten program differs from the original")
+        and err.count("\n") == 1
+    ), err

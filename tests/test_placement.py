@@ -11,9 +11,22 @@ import torch
 from hypothesis import Phase, given, settings, strategies as st
 
 from static_dist.graph import capture
-from static_dist.placement import (MEGATRON, ModuleGroups, block_spec, brute_force_plan, check_pipeline, check_sharding_plan,
-                                   choice_cost, evaluate_plan, llama_block_spec, module_groups, place_brute_force,
-                                   place_greedy, place_ilp, search_plan)
+from static_dist.placement import (
+    MEGATRON,
+    ModuleGroups,
+    block_spec,
+    brute_force_plan,
+    check_pipeline,
+    check_sharding_plan,
+    choice_cost,
+    evaluate_plan,
+    llama_block_spec,
+    module_groups,
+    place_brute_force,
+    place_greedy,
+    place_ilp,
+    search_plan,
+)
 from static_dist.topology import MeshSpec, op_seconds, preset
 from static_dist.zoo import get_model
 

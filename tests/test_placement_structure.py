@@ -62,7 +62,7 @@ def test_gpt_fused_qkv_at_transformer_h(gpt_graph):
     assert [gpt_graph.ops[i].flops for i in ops if gpt_graph.ops[i].flops] == [2 * (B * T) * d * (3 * d)] * 3
     assert qkv.seconds == pytest.approx(sum(op_seconds(gpt_graph, TOPO)[i] for i in ops), rel=1e-12)
     naive = {"attn.qkv": "colwise", "attn.proj": "rowwise", "mlp.fc": "colwise", "mlp.proj": "rowwise"}
-    vs = check_sharding_plan(spec, naive, MESH)                          # column shards of a fused qkv split q, k and v apart
+    vs = check_sharding_plan(spec, naive, MESH)  # column shards of a fused qkv split q, k and v apart
     assert [v.check for v in vs] == ["fused projections"]
     meg = megatron_styles(spec)                                 # so Megatron's rule keeps that chain whole
     assert meg == {"attn.qkv": "replicate", "attn.proj": "replicate", "mlp.fc": "colwise", "mlp.proj": "rowwise"}
@@ -80,8 +80,15 @@ def test_hf_llama_at_model_layers(hf_graph):
     assert spec.chains == ((("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "self_attn.o_proj"),
                            (("mlp.gate_proj", "mlp.up_proj"), "mlp.down_proj"))
     heads = {l.name: (l.in_heads, l.out_heads) for l in spec.linears}
-    assert heads == {"self_attn.q_proj": (0, 4), "self_attn.k_proj": (0, 2), "self_attn.v_proj": (0, 2),
-                     "self_attn.o_proj": (4, 0), "mlp.gate_proj": (0, 0), "mlp.up_proj": (0, 0), "mlp.down_proj": (0, 0)}
+    assert heads == {
+        "self_attn.q_proj": (0, 4),
+        "self_attn.k_proj": (0, 2),
+        "self_attn.v_proj": (0, 2),
+        "self_attn.o_proj": (4, 0),
+        "mlp.gate_proj": (0, 0),
+        "mlp.up_proj": (0, 0),
+        "mlp.down_proj": (0, 0),
+    }
     assert check_sharding_plan(spec, megatron_styles(spec), MESH) == []
     found = search_plan(spec, TOPO, MESH, allow_dp_shard=False)
     assert found.seconds == pytest.approx(brute_force_plan(spec, TOPO, MESH).seconds, rel=1e-9)
@@ -122,10 +129,20 @@ from static_dist.placement import PlacementError, ShardingPlan  # noqa: E402
 _VALID = dict(prefix="model.layers", n_layers=3, mesh=dict(shape=[2, 2], names=["dp", "tp"]), tp_dim="tp",
               styles=[["self_attn.q_proj", "colwise", False], ["self_attn.o_proj", "rowwise", True]], seconds=0.5,
               comm_bytes=1024, memory=2048.0, method="ilp", solve_seconds=0.01)
-_VALUES = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=True, allow_infinity=True),
-                    st.text(max_size=8), st.sampled_from(["tp", "dp", "colwise", "diagonal"]), st.just([]), st.just({}),
-                    st.lists(st.integers(-1, 4), max_size=3), st.just([["a", "colwise", 1]]),
-                    st.just(dict(shape=[4], names=["tp"])), st.just(dict(shape=[2.0, 2], names=["dp", "tp"])))
+_VALUES = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=8),
+    st.sampled_from(["tp", "dp", "colwise", "diagonal"]),
+    st.just([]),
+    st.just({}),
+    st.lists(st.integers(-1, 4), max_size=3),
+    st.just([["a", "colwise", 1]]),
+    st.just(dict(shape=[4], names=["tp"])),
+    st.just(dict(shape=[2.0, 2], names=["dp", "tp"])),
+)
 
 
 def _same(given, loaded, path=""):
@@ -147,7 +164,10 @@ def test_mutated_sharding_plans(data):
         target = d["mesh"] if isinstance(d.get("mesh"), dict) and data.draw(st.booleans()) else d
         key = data.draw(st.sampled_from(sorted(target) + ["extra"]))
         if data.draw(st.integers(0, 4)) == 0: target.pop(key, None)
-        else: target[key] = json.loads(json.dumps(data.draw(_VALUES)))   # a copy: st.just's dict is shared by every example
+        else:
+            target[key] = json.loads(
+                json.dumps(data.draw(_VALUES))
+            )  # a copy: st.just's dict is shared by every example
     try:
         plan = ShardingPlan.from_dict(d)
     except PlacementError as e:

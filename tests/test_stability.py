@@ -26,7 +26,9 @@ CONFIGS = {"fp32": {}, "bf16": dict(amp=True), "checkpoint": dict(checkpoint="fu
 def test_every_nan_localized_within_its_step(config, localize):
     "Each injected NaN (forward or backward) is attributed to the module that produced it, at the step it happened."
     cfg = RunConfig(steps=9, **CONFIGS[config])
-    strategy = STRATEGIES["skip"].__class__(**{**STRATEGIES["skip"].__dict__, "name": f"skip/{localize}", "localize": localize})
+    strategy = STRATEGIES["skip"].__class__(
+        **{**STRATEGIES["skip"].__dict__, "name": f"skip/{localize}", "localize": localize}
+    )
     for kind, module in NAN_SITES:
         run = run_stability(cfg, strategy, [Fault(kind, 7, module=module)])
         assert run.alarm_steps == [7], (kind, module, run.alarm_steps)
@@ -130,11 +132,14 @@ def _warm3(name="skip"):
     "A strategy whose spike detectors are live after 3 steps, so that a short run exercises them."
     from dataclasses import replace
     s = STRATEGIES[name]
-    return replace(s, name=f"{name}/warm3", grad_rule=replace(s.grad_rule, warmup=3), loss_rule=replace(s.loss_rule, warmup=3))
+    return replace(
+        s, name=f"{name}/warm3", grad_rule=replace(s.grad_rule, warmup=3), loss_rule=replace(s.loss_rule, warmup=3)
+    )
 
 
 def _monitored_run(compiled, steps=10, poison=None, backend="aot_eager"):
-    "SGD steps of the tiny Llama (blocks compiled or not) under `skip` with live spike detectors; records and graph count."
+    """SGD steps of the tiny Llama (blocks compiled or not) under `skip` with live spike detectors; records and graph
+    count."""
     from torch._dynamo.utils import counters
     torch._dynamo.reset()
     zm = get_model("tiny")
@@ -143,7 +148,7 @@ def _monitored_run(compiled, steps=10, poison=None, backend="aot_eager"):
         for b in m.layers: b.compile(backend=backend, fullgraph=True)
     if poison:
         with torch.no_grad(): m.get_submodule(poison).weight[0, 0] = float("nan")
-    faults = [Fault("grad_spike", 5), Fault("nan_grad", 7)]      # output's grads × 1e4 after backward; NaN in the embedding
+    faults = [Fault("grad_spike", 5), Fault("nan_grad", 7)]  # output's grads × 1e4 after backward; NaN in the embedding
     tr = Trainer(m, torch.optim.SGD(m.parameters(), lr=0.05), zm.loss, _warm3(), [] if poison else faults)
     (x,), y = zm.batch(4, 16, seed=3)
     recs, graphs, base = [], [], counters["stats"]["unique_graphs"]
@@ -167,7 +172,12 @@ def _check_compiled_equals_eager(backend, rel):
     comp, graphs, tc = _monitored_run(True, backend=backend)
     if rel == 0:
         assert [_reading(r) for r in comp] == [_reading(r) for r in eager]
-        assert (tc.gdet.mean, tc.gdet.var, tc.ldet.mean, tc.ldet.var) == (te.gdet.mean, te.gdet.var, te.ldet.mean, te.ldet.var)
+        assert (tc.gdet.mean, tc.gdet.var, tc.ldet.mean, tc.ldet.var) == (
+            te.gdet.mean,
+            te.gdet.var,
+            te.ldet.mean,
+            te.ldet.var,
+        )
     else:
         assert [_reading(r)[2:] for r in comp] == [_reading(r)[2:] for r in eager]      # alarms, actions, localizations
         for a, b in zip(comp, eager):
@@ -176,7 +186,9 @@ def _check_compiled_equals_eager(backend, rel):
     assert [r.action for r in eager] == ["update"] * 5 + ["skip", "update", "skip", "update", "update"]
     assert eager[5].alarms == ("grad_spike",) and eager[5].localization.module == "output"
     assert eager[7].alarms == ("nonfinite",) and eager[7].localization.module == "tok_embeddings"
-    assert graphs[0] >= 1 and graphs[-1] == graphs[0], graphs      # compiled in step 0; no recompile after it (nor by the replay)
+    assert graphs[0] >= 1 and graphs[-1] == graphs[0], (
+        graphs
+    )  # compiled in step 0; no recompile after it (nor by the replay)
 
 
 def test_monitors_on_compiled_blocks_equal_eager():
@@ -201,7 +213,11 @@ def test_replay_localizes_inside_compiled_blocks():
     "A NaN weight inside a compiled block: the replay runs the blocks eagerly and names the same module as on eager."
     eager, _, _ = _monitored_run(False, steps=1, poison="layers.1.feed_forward.w3")
     comp, _, _ = _monitored_run(True, steps=1, poison="layers.1.feed_forward.w3")
-    assert _reading(comp[0])[3:] == _reading(eager[0])[3:] == (("nonfinite",), "skip", ("layers.1.feed_forward.w3", "forward", "output", "nan"))
+    assert (
+        _reading(comp[0])[3:]
+        == _reading(eager[0])[3:]
+        == (("nonfinite",), "skip", ("layers.1.feed_forward.w3", "forward", "output", "nan"))
+    )
 
 
 def test_hooks_inside_compiled_blocks_are_refused():

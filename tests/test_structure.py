@@ -1,4 +1,5 @@
-"""find_structure on models nobody here wrote: blocks at any depth, MoE experts inside blocks, HF GPT-2 and Llama on meta."""
+"""find_structure on models nobody here wrote: blocks at any depth, MoE experts inside blocks, HF GPT-2 and Llama on
+meta."""
 import pytest
 import torch
 import torch.nn as nn
@@ -13,7 +14,9 @@ class Block(nn.Module):
         self.num_heads, self.head_dim = heads, dim // heads
         self.qkv = nn.Linear(dim, 3 * dim)
         self.out = nn.Linear(dim, dim, bias=False)
-        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim)) for _ in range(experts))
+        self.experts = nn.ModuleList(
+            nn.Sequential(nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim)) for _ in range(experts)
+        )
 
 
 class Wrapped(nn.Module):
@@ -59,7 +62,8 @@ def test_different_widths_are_not_a_stack():
     assert find_structure(model).stacks == ()
     model.layers = nn.ModuleList([Block(16, 4), Block(16, 4), Block(32, 4)])   # the odd one out is no block of the run
     assert [s.blocks for s in find_structure(model).stacks] == [("layers.0", "layers.1")]
-    model.layers = nn.ModuleList([Block(16, 4), Block(16, 4)]); model.layers[1].qkv.weight.data = model.layers[1].qkv.weight.data.half()
+    model.layers = nn.ModuleList([Block(16, 4), Block(16, 4)])
+    model.layers[1].qkv.weight.data = model.layers[1].qkv.weight.data.half()
     assert find_structure(model).stacks == ()                                   # same shapes, other dtype
 
 
@@ -78,7 +82,11 @@ def test_identical_blocks_between_a_stem_and_a_head():
     seq = nn.Sequential(nn.Linear(8, 16), *[Block() for _ in range(4)], nn.Linear(16, 2))
     st = find_structure(seq)
     assert (st.main.path, st.main.blocks, st.main.block_type) == ("", ("1", "2", "3", "4"), "Block")
-    assert (st.main.n_heads, st.main.head_dim) == (4, 4) and st.main.index_of("0") is None and st.main.index_of("5") is None
+    assert (
+        (st.main.n_heads, st.main.head_dim) == (4, 4)
+        and st.main.index_of("0") is None
+        and st.main.index_of("5") is None
+    )
     model = nn.Module(); model.body = seq
     assert find_structure(model).main.blocks == ("body.1", "body.2", "body.3", "body.4")
     seq2 = nn.Sequential(*[Block() for _ in range(2)], nn.Linear(16, 16), *[Block() for _ in range(3)])
@@ -145,10 +153,13 @@ def test_structure_round_trip_and_errors():
     st = find_structure(Wrapped())
     assert ModelStructure.from_dict(st.to_dict()) == st
     d = st.to_dict(); d["stacks"][1]["blocks"][0] = 3
-    with pytest.raises(StructureError, match=r"structure\.stacks\[1\]\.blocks\[0\]: expected a string, found 3$"): ModelStructure.from_dict(d)
+    with pytest.raises(StructureError, match=r"structure\.stacks\[1\]\.blocks\[0\]: expected a string, found 3$"):
+        ModelStructure.from_dict(d)
     d = st.to_dict(); d["stacks"][0]["linears"][0]["bias"] = 1
-    with pytest.raises(StructureError, match=r"linears\[0\]\.bias: expected true or false, found 1$"): ModelStructure.from_dict(d)
-    with pytest.raises(StructureError, match=r"structure: expected a JSON object, found \[\]"): ModelStructure.from_dict([])
+    with pytest.raises(StructureError, match=r"linears\[0\]\.bias: expected true or false, found 1$"):
+        ModelStructure.from_dict(d)
+    with pytest.raises(StructureError, match=r"structure: expected a JSON object, found \[\]"):
+        ModelStructure.from_dict([])
 
 
 # --- Hugging Face transformers (an optional extra): built from tiny configs on the meta device --------------------
@@ -171,7 +182,11 @@ def test_hf_gpt2():
     assert m.block_type == "GPT2Block"
     # Conv1D stores (in, out): c_attn is 32 -> 3*32, the MLP is 32 -> 4*32 -> 32
     assert [(l.name, l.in_features, l.out_features, l.bias) for l in m.linears] == [
-        ("attn.c_attn", 32, 96, True), ("attn.c_proj", 32, 32, True), ("mlp.c_fc", 32, 128, True), ("mlp.c_proj", 128, 32, True)]
+        ("attn.c_attn", 32, 96, True),
+        ("attn.c_proj", 32, 32, True),
+        ("mlp.c_fc", 32, 128, True),
+        ("mlp.c_proj", 128, 32, True),
+    ]
     assert (m.n_heads, m.n_kv_heads, m.head_dim) == (4, 4, 8)
     assert m.params_per_block == sum(p.numel() for p in model.transformer.h[0].parameters())
     assert all(p.is_meta for p in model.parameters())

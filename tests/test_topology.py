@@ -18,7 +18,9 @@ def topo_and_mesh(draw):
     sizes = draw(st.lists(st.integers(1, 4), min_size=1, max_size=3))
     links = draw(st.lists(st.sampled_from(LINKS), min_size=len(sizes), max_size=len(sizes)))
     n = math.prod(sizes)
-    topo = Topology("t", n, "X", 1e12, 2**30, LINKS[1], tuple(Level(f"l{i}", s, l) for i, (s, l) in enumerate(zip(sizes, links))))
+    topo = Topology(
+        "t", n, "X", 1e12, 2**30, LINKS[1], tuple(Level(f"l{i}", s, l) for i, (s, l) in enumerate(zip(sizes, links)))
+    )
     # a random factorisation of n as the mesh shape
     shape, rest = [], n
     for _ in range(draw(st.integers(0, 2))):
@@ -30,7 +32,9 @@ def topo_and_mesh(draw):
 
 def brute_link(topo, a, b):
     "Reference: walk the ranks' coordinates in the hierarchy from the outermost level in."
-    coords = lambda r: [(r // math.prod(l.size for l in topo.levels[:i])) % topo.levels[i].size for i in range(len(topo.levels))]
+    coords = lambda r: [
+        (r // math.prod(l.size for l in topo.levels[:i])) % topo.levels[i].size for i in range(len(topo.levels))
+    ]
     ca, cb = coords(a), coords(b)
     differ = [i for i in range(len(topo.levels)) if ca[i] != cb[i]]
     return topo.levels[max(differ)].link if differ else None
@@ -74,7 +78,9 @@ def test_link_matches_coordinate_walk(tm):
 def test_time_is_monotone_in_bytes(tm, kind, n, algo):
     topo, mesh = tm
     for dim in range(len(mesh.shape)):
-        assert collective_time(topo, mesh, dim, kind, n, algorithm=algo) <= collective_time(topo, mesh, dim, kind, 2 * n, algorithm=algo)
+        assert collective_time(topo, mesh, dim, kind, n, algorithm=algo) <= collective_time(
+            topo, mesh, dim, kind, 2 * n, algorithm=algo
+        )
 
 
 def test_hierarchical_by_hand_on_three_levels():
@@ -146,17 +152,29 @@ def test_gloo_calibration_four_ranks():
 
 
 def test_collective_time_is_the_slowest_group_of_every_group():
-    "collective_time times one group per shape (a translate by whole inner levels crosses the same levels): the same as all."
+    """collective_time times one group per shape (a translate by whole inner levels crosses the same levels): the same
+    as all."""
     from static_dist.topology.model import _flat, _hier
     topo = Topology("3-level", 64, "x", 1e15, 80 * 2**30, LINKS[1], levels=(Level("board", 4, LINKS[0]),
                     Level("node", 4, LINKS[2]), Level("pod", 4, LINKS[3])))
     for shape in ((64,), (2, 32), (8, 8), (4, 4, 4), (16, 2, 2), (2, 2, 16)):
         names = tuple(f"d{i}" for i in range(len(shape)))
         mesh = MeshSpec(shape, names)
-        for dim, kind, alg in itertools.product(names, ("all_reduce", "all_gather", "reduce_scatter"), ("ring", "hierarchical")):
-            ref = max(_hier(topo, g, kind, 2**24, topo.levels_spanned(g)) if alg == "hierarchical" else _flat(topo, g, kind, 2**24, alg)
-                      for g in mesh.groups(dim))
-            assert collective_time(topo, mesh, dim, kind, 2**24, algorithm=alg) == pytest.approx(ref, rel=1e-12), (shape, dim, kind, alg)
+        for dim, kind, alg in itertools.product(
+            names, ("all_reduce", "all_gather", "reduce_scatter"), ("ring", "hierarchical")
+        ):
+            ref = max(
+                _hier(topo, g, kind, 2**24, topo.levels_spanned(g))
+                if alg == "hierarchical"
+                else _flat(topo, g, kind, 2**24, alg)
+                for g in mesh.groups(dim)
+            )
+            assert collective_time(topo, mesh, dim, kind, 2**24, algorithm=alg) == pytest.approx(ref, rel=1e-12), (
+                shape,
+                dim,
+                kind,
+                alg,
+            )
 
 
 def test_unknown_preset_and_non_path_are_topology_errors():

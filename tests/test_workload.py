@@ -38,7 +38,8 @@ def scaled_workload() -> Workload:
 class Conv(nn.Module):
     def __init__(self):
         super().__init__()
-        self.body = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10))
+        self.body = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                                  nn.Linear(8, 10))
     def forward(self, x): return self.body(x)
 
 def broken(): raise RuntimeError("boom in the factory")
@@ -274,7 +275,9 @@ def test_two_files_with_one_name_do_not_collide(tmp_path):
     for d, width in (("a", 3), ("b", 5)):
         (tmp_path / d).mkdir()
         (tmp_path / d / "model.py").write_text(
-            f"import torch.nn as nn\ndef make(): return nn.Sequential(nn.Embedding(10, {width}), nn.Linear({width}, 10))\n")
+            f"import torch.nn as nn\ndef make(): return nn.Sequential(nn.Embedding(10, {width}), nn.Linear({width}, "
+            "10))\n"
+        )
     a = load_workload(f"{tmp_path}/a/model.py:make", seq=4).describe()["params"]
     b = load_workload(f"{tmp_path}/b/model.py:make", seq=4).describe()["params"]
     assert (a, b) == (10 * 3 + 3 * 10 + 10, 10 * 5 + 5 * 10 + 10)
@@ -284,10 +287,12 @@ def test_two_files_with_one_name_do_not_collide(tmp_path):
 
 @pytest.mark.parametrize("where, body, did", [
     ("import", "import sys\nsys.exit(0)\n", "called sys.exit(0)"),
-    ("constructor", "import os, torch.nn as nn\nclass Model(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+    ("constructor", "import os, torch.nn as nn\nclass Model(nn.Module):\n    def __init__(self):\n        "
+                    "super().__init__()\n"
                     "        os._exit(4)\n", "called os._exit(4)"),
     ("forward", "import torch.nn as nn\nclass Model(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
-                "        self.e = nn.Embedding(8, 4)\n    def forward(self, x):\n        raise GeneratorExit\n", "raised GeneratorExit"),
+                "        self.e = nn.Embedding(8, 4)\n    def forward(self, x):\n        raise "
+                "GeneratorExit\n", "raised GeneratorExit"),
 ])
 def test_model_code_that_exits_is_a_typed_error_naming_its_line(tmp_path, where, body, did):
     from static_dist.usercode import ModelCodeError
@@ -316,7 +321,8 @@ def test_input_shape_has_the_limits_of_batch():
 
 
 def test_hf_warnings_are_counted_in_one_note(tmp_path):
-    "A config transformers doubts (bos/eos ids outside a 4-token vocabulary): its warnings become one note, none printed."
+    """A config transformers doubts (bos/eos ids outside a 4-token vocabulary): its warnings become one note, none
+    printed."""
     import json
     transformers.LlamaConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2,
                              vocab_size=64).save_pretrained(tmp_path)
@@ -328,7 +334,8 @@ def test_hf_warnings_are_counted_in_one_note(tmp_path):
 
 
 def test_a_long_capture_says_its_estimate_before_it_copies_the_model(monkeypatch):
-    "#22: a 10,000-layer config took 25 s copying its parameters before the estimate came; now it comes right after the build."
+    """#22: a 10,000-layer config took 25 s copying its parameters before the estimate came; now it comes right after
+    the build."""
     import static_dist.workload as W
     monkeypatch.setattr(W, "_CAPTURE_S_PER_MODULE", 100.0)             # every model is 'long' here
     said, real = [], W.capture
@@ -339,7 +346,10 @@ def test_a_long_capture_says_its_estimate_before_it_copies_the_model(monkeypatch
 
 
 def test_hf_head_without_a_loss_kind_in_its_name_gets_the_causal_lm_loss(tmp_path):
-    "GPT2LMHeadModel's class name names no transformers loss kind: it warned at the first step; now it is told its kind."
+    """GPT2LMHeadModel's class name names no transformers loss kind: it warned at the first step; now it is told its
+    kind."""
     transformers = pytest.importorskip("transformers")
     transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32).save_pretrained(tmp_path)
-    assert load_workload(f"hf:{tmp_path / 'config.json'}", batch=1, seq=8).build(device="meta").loss_type == "ForCausalLM"
+    assert (
+        load_workload(f"hf:{tmp_path / 'config.json'}", batch=1, seq=8).build(device="meta").loss_type == "ForCausalLM"
+    )

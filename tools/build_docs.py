@@ -358,8 +358,13 @@ def def_signature(src: str, node: ast.FunctionDef, name: str, method: bool, widt
 
 def _fields(node: ast.ClassDef) -> list[tuple[ast.AnnAssign, str]]:
     "The annotated fields of a class body, each with the string under it (the field's doc, as fastcore writes it)."
-    return [(b, _string_after(node.body, i)) for i, b in enumerate(node.body)
-            if isinstance(b, ast.AnnAssign) and isinstance(b.target, ast.Name) and "ClassVar" not in ast.unparse(b.annotation)]
+    return [
+        (b, _string_after(node.body, i))
+        for i, b in enumerate(node.body)
+        if isinstance(b, ast.AnnAssign)
+        and isinstance(b.target, ast.Name)
+        and "ClassVar" not in ast.unparse(b.annotation)
+    ]
 
 
 def _field_param(src: str, f: ast.AnnAssign) -> str:
@@ -404,14 +409,17 @@ def highlight(code: str) -> str:
     from pygments import highlight as hl
     from pygments.formatters import HtmlFormatter
     from pygments.lexers import PythonLexer
-    return f'<div class="highlight api-sig"><pre>{hl(code, PythonLexer(), HtmlFormatter(nowrap=True)).rstrip()}</pre></div>'
+    return ('<div class="highlight '
+            f'api-sig"><pre>{hl(code, PythonLexer(), HtmlFormatter(nowrap=True)).rstrip()}</pre></div>')
 
 
 def members_html(src: str, node: ast.ClassDef) -> str:
     "The public methods and properties of a class body, each with its signature and the first paragraph of its doc."
     rows = []
     for b in node.body:
-        if not isinstance(b, (ast.FunctionDef, ast.AsyncFunctionDef)) or (b.name.startswith("_") and b.name != "__call__"):
+        if not isinstance(b, (ast.FunctionDef, ast.AsyncFunctionDef)) or (
+            b.name.startswith("_") and b.name != "__call__"
+        ):
             continue
         if any(ast.unparse(d).endswith((".setter", ".deleter")) for d in b.decorator_list): continue
         sig = def_signature(src, b, b.name, method=True, width=10**6).removeprefix("def ")   # one line in a list
@@ -424,9 +432,12 @@ def fields_html(src: str, node: ast.ClassDef) -> str:
     "A table of the fields (name, type, default, doc) when some have a doc string under them."
     rows = _fields(node)
     if not any(doc for _, doc in rows): return ""
-    cells = "".join(f"<tr><td><code>{html.escape(f.target.id)}</code></td><td><code>{html.escape(_seg(src, f.annotation))}"
-                    f"</code></td><td>{'<code>' + html.escape(_seg(src, f.value)) + '</code>' if f.value else ''}</td>"
-                    f"<td>{markdown(doc, inline=True)}</td></tr>" for f, doc in rows)
+    cells = "".join(
+        f"<tr><td><code>{html.escape(f.target.id)}</code></td><td><code>{html.escape(_seg(src, f.annotation))}"
+        f"</code></td><td>{'<code>' + html.escape(_seg(src, f.value)) + '</code>' if f.value else ''}</td>"
+        f"<td>{markdown(doc, inline=True)}</td></tr>"
+        for f, doc in rows
+    )
     return f'<table class="api-fields"><thead><tr><th>field</th><th>type</th><th>default</th><th></th></tr></thead>' \
            f"<tbody>{cells}</tbody></table>"
 
@@ -469,9 +480,13 @@ def reexport_html(code: str, by_module: dict[str, list[Entry]]) -> str:
         if isinstance(node, ast.ImportFrom) and any(a.name == "*" for a in node.names) and node.module in by_module:
             es = [e for e in by_module[node.module] if "." not in e.name]
             if not es: continue
-            links = ", ".join(f'<a href="{e.page}#{html.escape(e.anchor)}"><code>{html.escape(e.name)}</code></a>' for e in es)
-            out.append(f'<p class="api-reexport">From <a href="{es[0].page}"><code>{html.escape(node.module)}</code></a>: '
-                       f"{links}</p>")
+            links = ", ".join(
+                f'<a href="{e.page}#{html.escape(e.anchor)}"><code>{html.escape(e.name)}</code></a>' for e in es
+            )
+            out.append(
+                f'<p class="api-reexport">From <a href="{es[0].page}"><code>{html.escape(node.module)}</code></a>: '
+                f"{links}</p>"
+            )
     return "".join(out)
 
 
@@ -503,8 +518,11 @@ def docs_notebook(nb: dict, after_cell=lambda cell: "") -> dict:
                 data = o.get("data", {})
                 if WIDGET_MIME in data:
                     snap = widget_snapshot(data[WIDGET_MIME].get("model_id", ""), state)
-                    o = dict(output_type="display_data", metadata={},
-                             data={"text/html": snap} if snap else {"text/plain": _text(data.get("text/plain", "widget"))})
+                    o = dict(
+                        output_type="display_data",
+                        metadata={},
+                        data={"text/html": snap} if snap else {"text/plain": _text(data.get("text/plain", "widget"))},
+                    )
                 new_out.append(o)
             c["outputs"] = new_out
             if c["source"].strip() or c["outputs"]: cells.append(c)
@@ -569,7 +587,9 @@ def _title_html(title: str) -> str:
 def nav_html(groups: list[list[Page]], current: Page) -> str:
     "The sidebar: the search box, then one entry per chapter; the current page's chapter is open, the others folded."
     def link(p: Page, cls: str = "") -> str:
-        attrs = f' title="{html.escape(p.module.removesuffix(".__init__"))}"' if p.module else ""   # the module, on hover
+        attrs = (
+            f' title="{html.escape(p.module.removesuffix(".__init__"))}"' if p.module else ""
+        )  # the module, on hover
         classes = " ".join(c for c in (cls, "current" if p.html == current.html else "") if c)
         if classes: attrs += f' class="{classes}"'
         return f'<a href="{p.html}"{attrs}>{_title_html(p.title)}</a>'
@@ -626,7 +646,9 @@ def markdown_headings(body: str) -> list[dict]:
 
 def toc_html(headings: list[dict]) -> str:
     if not headings: return ""
-    items = "".join(f'<li class="toc-h{h["level"]}"><a href="#{html.escape(h["id"])}">{h["html"]}</a></li>' for h in headings)
+    items = "".join(
+        f'<li class="toc-h{h["level"]}"><a href="#{html.escape(h["id"])}">{h["html"]}</a></li>' for h in headings
+    )
     return f'<aside class="docs-toc"><div class="toc-title">On this page</div><ul>{items}</ul></aside>'
 
 
@@ -686,9 +708,16 @@ def page_shell(body: str, page: Page, site: Site) -> tuple[str, list[dict]]:
     body = unique_heading_ids(body)
     headings = markdown_headings(body)
     shared = lab_styles() in body   # always, unless a page's template output differs: then it keeps its own
-    body = body.replace(lab_styles(), "", 1).replace("</head>", '<link rel="icon" href="data:,">\n'
-                        + '<link rel="stylesheet" href="lab.css">\n' * shared + '<link rel="stylesheet" href="docs.css">\n</head>', 1)
-    body = re.sub(r"(<body[^>]*>)", lambda m: m.group(1) + nav_html(site.groups, page) + toc_html(headings), body, count=1)
+    body = body.replace(lab_styles(), "", 1).replace(
+        "</head>",
+        '<link rel="icon" href="data:,">\n'
+        + '<link rel="stylesheet" href="lab.css">\n' * shared
+        + '<link rel="stylesheet" href="docs.css">\n</head>',
+        1,
+    )
+    body = re.sub(
+        r"(<body[^>]*>)", lambda m: m.group(1) + nav_html(site.groups, page) + toc_html(headings), body, count=1
+    )
     body = body.replace("<main>", '<main class="docs-main">', 1)   # the lab template's one <main>: the page itself
     body = body.replace("</body>", '<script src="docs.js"></script></body>', 1)
     return body, headings
@@ -714,11 +743,13 @@ def source_page(py: str, text: str, docs_page: str, gh: str | None) -> str:
     lines = "".join(f'<span class="line" id="L{i}"><a class="ln" href="#L{i}">{i}</a>{html.escape(l) or " "}</span>'
                     for i, l in enumerate(re.split(r"\r\n|\r|\n", text.removesuffix("\n")), 1))
     gh_link = f' · <a href="{html.escape(gh)}/{html.escape(py)}">GitHub</a>' if gh else ""
-    return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{html.escape(py)} – static_dist</title>'
-            f'<link rel="icon" href="data:,"><link rel="stylesheet" href="{up}docs.css"></head><body class="source-page">'
-            f'<header><a href="{up}{docs_page}">← docs</a> · <code>{html.escape(py)}</code>{gh_link} · '
-            f'generated by nbdev from the notebook: edit the notebook, not this file</header>'
-            f'<pre class="source">{lines}</pre></body></html>\n')
+    return (
+        f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{html.escape(py)} – static_dist</title>'
+        f'<link rel="icon" href="data:,"><link rel="stylesheet" href="{up}docs.css"></head><body class="source-page">'
+        f'<header><a href="{up}{docs_page}">← docs</a> · <code>{html.escape(py)}</code>{gh_link} · '
+        f'generated by nbdev from the notebook: edit the notebook, not this file</header>'
+        f'<pre class="source">{lines}</pre></body></html>\n'
+    )
 
 
 def github_blob(root: Path) -> str | None:
@@ -741,7 +772,8 @@ class _Links(HTMLParser):
         if a.get("id") and re.fullmatch(r"h[1-6]", tag): self.heading_ids.append(a["id"])
         if tag == "a" and a.get("name"): self.ids.add(a["name"])
         for k in ("href", "src"):
-            if a.get(k) is not None and tag in ("a", "img", "link", "script", "iframe", "source"): self.refs.append((tag, k, a[k]))
+            if a.get(k) is not None and tag in ("a", "img", "link", "script", "iframe", "source"):
+                self.refs.append((tag, k, a[k]))
 
 
 def check_site(out: Path) -> list[str]:
@@ -760,11 +792,16 @@ def check_site(out: Path) -> list[str]:
             if tag == "img" and not ref.strip(): bad.append(f"{name}: <img> with an empty src"); continue
             u = urlsplit(ref)
             if (u.scheme in ("http", "https") or u.netloc) and tag != "a":
-                bad.append(f"{name}: <{tag} {attr}={ref!r}> loads from the network (the docs must load offline)"); continue
+                bad.append(f"{name}: <{tag} {attr}={ref!r}> loads from the network (the docs must load offline)")
+                continue
             if u.scheme in ("http", "https", "mailto", "data", "javascript") or u.netloc: continue
-            if ref.startswith("/"): bad.append(f"{name}: absolute internal link {ref!r} (links must be relative)"); continue
+            if ref.startswith("/"):
+                bad.append(f"{name}: absolute internal link {ref!r} (links must be relative)")
+                continue
             target = name if not u.path else os.path.normpath(os.path.join(os.path.dirname(name), unquote(u.path)))
-            if not (out / target).exists(): bad.append(f"{name}: {tag} {attr}={ref!r} points to a missing file"); continue
+            if not (out / target).exists():
+                bad.append(f"{name}: {tag} {attr}={ref!r} points to a missing file")
+                continue
             ids = parsed[target].ids if target in parsed else set()
             if u.fragment and target in parsed and u.fragment not in ids and unquote(u.fragment) not in ids:
                 bad.append(f"{name}: link {ref!r}: no anchor #{u.fragment} in {target}")
@@ -804,8 +841,10 @@ def write_shared_files(out: Path, site: Site, texts: dict[str, str], records: li
     for f in ("docs.css", "docs.js"): shutil.copy(STATIC / f, out / f)
     (out / "lab.css").write_text(lab_css(), encoding="utf-8")
     # a script, not JSON: pages opened from file:// may not fetch() a JSON file, but may load a script
-    (out / SEARCH_INDEX).write_text("window.DOCS_SEARCH = " + json.dumps(records, ensure_ascii=False, separators=(",", ":"))
-                                    + ";\n", encoding="utf-8")
+    (out / SEARCH_INDEX).write_text(
+        "window.DOCS_SEARCH = " + json.dumps(records, ensure_ascii=False, separators=(",", ":")) + ";\n",
+        encoding="utf-8",
+    )
 
 
 def build(out: Path, nbs_dir: Path, index: Path | None, package: str = "static_dist", root: Path = ROOT,
@@ -834,8 +873,16 @@ def build(out: Path, nbs_dir: Path, index: Path | None, package: str = "static_d
         (out / page.html).write_text(body, encoding="utf-8")
         records += search_records(page, headings, entries[page.html])
         n_img, n_api = body.count("<img "), len(entries[page.html])
-        summary["pages"].append(dict(page=page.html, source=str(page.src.relative_to(root)) if page.src.is_relative_to(root) else str(page.src),
-                                     title=page.title, images=n_img, api_names=n_api, headings=len(headings)))
+        summary["pages"].append(
+            dict(
+                page=page.html,
+                source=str(page.src.relative_to(root)) if page.src.is_relative_to(root) else str(page.src),
+                title=page.title,
+                images=n_img,
+                api_names=n_api,
+                headings=len(headings),
+            )
+        )
         if page.module: summary["api"][page.module] = n_api
         progress(f"  {page.html:28s} {n_img:3d} images  {n_api:3d} API entries  <- {page.src.name}")
     write_shared_files(out, site, texts, records)

@@ -1,8 +1,11 @@
 """Execute notebooks the way JupyterLab's Run All does: a real ipykernel, every cell, no nbdev flags honoured.
 
-    python tools/run_notebooks.py --check [NB ...]          # run in memory; exit 1 listing every cell with an error output
-    python tools/run_notebooks.py --write [NB ...]          # run, then save outputs into the .ipynb (paths stripped, nbdev_clean'd)
-    python tools/run_notebooks.py --write --out DIR [NB ...] # save the executed copies under DIR instead (nbs/ untouched)
+    python tools/run_notebooks.py --check [NB ...]          # run in memory; exit 1 listing every cell with an error
+output
+    python tools/run_notebooks.py --write [NB ...]          # run, then save outputs into the .ipynb (paths stripped,
+nbdev_clean'd)
+    python tools/run_notebooks.py --write --out DIR [NB ...] # save the executed copies under DIR instead (nbs/
+untouched)
     options: -j N (parallel notebooks), --timeout S (per notebook), --timing FILE (JSON), --diff (run twice, report
              outputs that differ), --harness NB [NB ...] (notebooks that must show a widget, and a picture of it beside
              it), --fail-on-stderr, --keep-errors (--write saves a notebook even when it has an error; by default it is
@@ -11,10 +14,13 @@
 Every cell runs even after an error (nbclient allow_errors), so one run lists every failing cell; JupyterLab's Run All
 would stop at the first one, and later errors are marked as such.
 
-With no NB the notebooks are index.ipynb and nbs/**/*.ipynb (folders starting with `.` or `_` skipped). Each notebook runs
-in its own worker process with its own kernel (`python3`, i.e. the ipykernel of the interpreter running this script), with
+With no NB the notebooks are index.ipynb and nbs/**/*.ipynb (folders starting with `.` or `_` skipped). Each notebook
+runs
+in its own worker process with its own kernel (`python3`, i.e. the ipykernel of the interpreter running this script),
+with
 the notebook's folder as working directory and the kernel environment Jupyter would give: MPLBACKEND removed (so the
-kernel picks matplotlib's inline backend), PYTHONHASHSEED=0, and TRITON_INTERPRET=1 when there is no GPU (no nvidia-smi).
+kernel picks matplotlib's inline backend), PYTHONHASHSEED=0, and TRITON_INTERPRET=1 when there is no GPU (no
+nvidia-smi).
 """
 from __future__ import annotations
 
@@ -89,8 +95,15 @@ def _worker(src: str, dst: str, timeout: int) -> int:
     def _term(signum, frame): raise KeyboardInterrupt(f"stopped by signal {signum}")
     signal.signal(signal.SIGTERM, _term)
     nb = nbformat.read(src, as_version=4)
-    client = NotebookClient(nb, kernel_name="python3", allow_errors=True, timeout=min(timeout, CELL_TIMEOUT), record_timing=True,
-                            store_widget_state=True, resources={"metadata": {"path": str(Path(src).parent)}})
+    client = NotebookClient(
+        nb,
+        kernel_name="python3",
+        allow_errors=True,
+        timeout=min(timeout, CELL_TIMEOUT),
+        record_timing=True,
+        store_widget_state=True,
+        resources={"metadata": {"path": str(Path(src).parent)}},
+    )
     status = 0
     try: client.execute(env=kernel_env())
     except KeyboardInterrupt: status = 3
@@ -136,7 +149,8 @@ def _run_one(nb_path: Path, timeout: int, python: str = sys.executable) -> dict:
         secs = time.perf_counter() - t0
         nb = json.loads(dst.read_text()) if dst.exists() else None
         if nb is None and problem is None:
-            problem = f"worker failed (exit {proc.returncode}): {log.strip().splitlines()[-1] if log.strip() else 'no output'}"
+            problem = (f"worker failed (exit {proc.returncode}): "
+                       f"{log.strip().splitlines()[-1] if log.strip() else 'no output'}")
         if nb is not None and nb.get("metadata", {}).get("run_notebooks_error"):
             err = nb["metadata"].pop("run_notebooks_error")
             problem = f"{problem} ({err})" if problem else err
@@ -156,9 +170,18 @@ def cell_errors(nb: dict) -> list[dict]:
             if o.get("output_type") != "error": continue
             tb = [ANSI.sub("", l) for l in o.get("traceback", [])]
             tb = [l for t in tb for l in t.splitlines() if l.strip()]
-            first_src = next((l for l in _text(c.get("source")).splitlines() if l.strip() and not l.startswith("#|")), "")
-            errs.append(dict(cell=i, ename=o.get("ename", ""), evalue=ANSI.sub("", o.get("evalue", "")).splitlines()[:1],
-                             source=first_src[:100], traceback=tb[:6] + (["..."] + tb[-3:] if len(tb) > 9 else tb[6:])))
+            first_src = next(
+                (l for l in _text(c.get("source")).splitlines() if l.strip() and not l.startswith("#|")), ""
+            )
+            errs.append(
+                dict(
+                    cell=i,
+                    ename=o.get("ename", ""),
+                    evalue=ANSI.sub("", o.get("evalue", "")).splitlines()[:1],
+                    source=first_src[:100],
+                    traceback=tb[:6] + (["..."] + tb[-3:] if len(tb) > 9 else tb[6:]),
+                )
+            )
     return errs
 
 
@@ -189,8 +212,15 @@ def widget_errors(nb: dict) -> list[dict]:
             for wo in _widget_outputs(nb, mid):
                 if wo.get("output_type") != "error": continue
                 tb = [l for t in wo.get("traceback", []) for l in ANSI.sub("", t).splitlines() if l.strip()]
-                errs.append(dict(cell=i, ename=wo.get("ename", ""), evalue=ANSI.sub("", wo.get("evalue", "")).splitlines()[:1],
-                                 source="(inside the displayed widget)", traceback=tb[-4:]))
+                errs.append(
+                    dict(
+                        cell=i,
+                        ename=wo.get("ename", ""),
+                        evalue=ANSI.sub("", wo.get("evalue", "")).splitlines()[:1],
+                        source="(inside the displayed widget)",
+                        traceback=tb[-4:],
+                    )
+                )
     return errs
 
 
@@ -224,7 +254,9 @@ def slowest_cells(nb: dict, n: int = 3) -> list[dict]:
         ex = c.get("metadata", {}).get("execution", {})
         a, b = ex.get("iopub.execute_input"), ex.get("shell.execute_reply")
         if not (a and b): continue
-        secs = (datetime.fromisoformat(b.replace("Z", "+00:00")) - datetime.fromisoformat(a.replace("Z", "+00:00"))).total_seconds()
+        secs = (
+            datetime.fromisoformat(b.replace("Z", "+00:00")) - datetime.fromisoformat(a.replace("Z", "+00:00"))
+        ).total_seconds()
         first = next((l for l in _text(c.get("source")).splitlines() if l.strip() and not l.startswith("#|")), "")
         rows.append(dict(cell=i, seconds=round(secs, 2), source=first[:80]))
     return sorted(rows, key=lambda r: -r["seconds"])[:n]
@@ -234,10 +266,15 @@ def slowest_cells(nb: dict, n: int = 3) -> list[dict]:
 
 def _path_rules(root: Path) -> list[tuple[re.Pattern, object]]:
     home = str(Path.home())
-    rules = [(re.compile(re.escape(str(root)) + r"/?"), ""),       # /work/main/nbs/x -> nbs/x
-             (re.compile(r"(?:/private)?/tmp/[^\s'\"<>)\]:,]*"), lambda m: "<tmp>/" + m.group(0).rstrip("/").rsplit("/", 1)[-1]),
-             (re.compile(re.escape(sys.prefix) + r"/"), "<venv>/"),
-             (re.compile(re.escape(sys.base_prefix) + r"/"), "<python>/")]
+    rules = [
+        (re.compile(re.escape(str(root)) + r"/?"), ""),  # /work/main/nbs/x -> nbs/x
+        (
+            re.compile(r"(?:/private)?/tmp/[^\s'\"<>)\]:,]*"),
+            lambda m: "<tmp>/" + m.group(0).rstrip("/").rsplit("/", 1)[-1],
+        ),
+        (re.compile(re.escape(sys.prefix) + r"/"), "<venv>/"),
+        (re.compile(re.escape(sys.base_prefix) + r"/"), "<python>/"),
+    ]
     if home not in ("/", ""): rules.append((re.compile(re.escape(home) + r"(?=/|\b)"), "~"))
     return rules
 
@@ -278,10 +315,13 @@ def clean_outputs(nb: dict, name: str, root: Path = ROOT) -> dict:
 
 
 def write_back(nb: dict, dest: Path, name: str, root: Path = ROOT, nbdev_clean: str | None = None) -> None:
-    "Save executed `nb` to `dest` (indent=1, as nbdev writes), then run `nbdev_clean --fname dest` for nbdev's cleaning."
+    """Save executed `nb` to `dest` (indent=1, as nbdev writes), then run `nbdev_clean --fname dest` for nbdev's
+    cleaning."""
     nb = clean_outputs(copy.deepcopy(nb), name, root)
     dest.write_text(json.dumps(nb, indent=1, ensure_ascii=False, sort_keys=True) + "\n", encoding="utf-8")
-    exe = nbdev_clean or shutil.which("nbdev_clean", path=str(Path(sys.executable).parent)) or shutil.which("nbdev_clean")
+    exe = (
+        nbdev_clean or shutil.which("nbdev_clean", path=str(Path(sys.executable).parent)) or shutil.which("nbdev_clean")
+    )
     if exe is None: raise RunError("nbdev_clean not found: install the dev extras (pip install -e '.[dev]')")
     r = subprocess.run([exe, "--fname", str(dest)], cwd=root, capture_output=True, text=True)
     if r.returncode != 0 or "Warning" in r.stderr or "warn" in r.stderr.lower():
@@ -300,7 +340,8 @@ def _norm_outputs(nb: dict, name: str) -> list[list[str]]:
             if "text" in o: lines += _text(o["text"]).splitlines()
             if o.get("output_type") == "error": lines += [f"{o.get('ename')}: {o.get('evalue')}"]
             for k, v in sorted(o.get("data", {}).items()):
-                if k.startswith("image/"): lines.append(f"<{k} sha1={hashlib.sha1(_text(v).encode()).hexdigest()[:12]}>")
+                if k.startswith("image/"):
+                    lines.append(f"<{k} sha1={hashlib.sha1(_text(v).encode()).hexdigest()[:12]}>")
                 elif k.startswith("text/"): lines += [f"{k}: {l}" for l in _text(v).splitlines()]
                 else: lines.append(f"<{k}> {json.dumps(v, sort_keys=True)[:200]}")
         cells.append(lines)
@@ -326,10 +367,14 @@ def _rel(p: Path, root: Path = ROOT) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--check", action="store_true", help="execute in memory; fail on any error output (default)")
-    mode.add_argument("--write", action="store_true", help="execute and save outputs into the notebooks (or under --out)")
+    mode.add_argument(
+        "--write", action="store_true", help="execute and save outputs into the notebooks (or under --out)"
+    )
     ap.add_argument("notebooks", nargs="*", help="notebooks or folders (default: index.ipynb and nbs/)")
     ap.add_argument("--out", type=Path, help="with --write: save executed copies under this folder, keeping names")
     ap.add_argument("-j", "--jobs", type=int, default=1, help="notebooks run at once (default 1)")
@@ -378,21 +423,29 @@ def _main(a) -> int:
     for nb in nbs:
         r = results[(nb, 0)]; ex_nb = r["nb"]; name = _rel(nb); n_before = len(failures)
         errs = sorted(cell_errors(ex_nb) + widget_errors(ex_nb), key=lambda e: e["cell"]) if ex_nb else []
-        entry = timing[name] = dict(seconds=round(r["seconds"], 1), errors=len(errs), problem=r["problem"], retried=r.get("retried"),
-                                    first_error=(f"cell {errs[0]['cell']}: {errs[0]['ename']}: {''.join(errs[0]['evalue'])}"
-                                                 if errs else None),
-                                    slowest=slowest_cells(ex_nb) if ex_nb else [])
+        entry = timing[name] = dict(
+            seconds=round(r["seconds"], 1),
+            errors=len(errs),
+            problem=r["problem"],
+            retried=r.get("retried"),
+            first_error=(f"cell {errs[0]['cell']}: {errs[0]['ename']}: {''.join(errs[0]['evalue'])}" if errs else None),
+            slowest=slowest_cells(ex_nb) if ex_nb else [],
+        )
         if r["problem"]: failures.append(f"{name}: {r['problem']}")
         for k, e in enumerate(errs):
             later = " [after an earlier error: JupyterLab's Run All stops at the first]" if k else ""
-            failures.append(f"{name} cell {e['cell']} ({e['source']!r}): {e['ename']}: {''.join(e['evalue'])}{later}\n" +
-                            "\n".join("      " + l for l in e["traceback"]))
+            failures.append(
+                f"{name} cell {e['cell']} ({e['source']!r}): {e['ename']}: {''.join(e['evalue'])}{later}\n"
+                + "\n".join("      " + l for l in e["traceback"])
+            )
         if ex_nb and a.harness and harness_matches(a.harness, nb) and not has_widget(ex_nb):
             failures.append(f"{name}: harness notebook shows no widget (no {WIDGET_MIME} output): end the harness cell "
                             "with the widget or call display(w)")
         elif ex_nb and a.harness and harness_matches(a.harness, nb) and widgets_without_picture(ex_nb):
-            failures.append(f"{name}: cell(s) {widgets_without_picture(ex_nb)} display a widget with no picture beside it "
-                            "(no image/png in its output): build it with static_dist.harness.harness")
+            failures.append(
+                f"{name}: cell(s) {widgets_without_picture(ex_nb)} display a widget with no picture beside it "
+                "(no image/png in its output): build it with static_dist.harness.harness"
+            )
         warn = stderr_cells(ex_nb) if ex_nb else []
         entry["stderr_cells"] = [i for i, _ in warn]
         for i, line in warn:
@@ -406,7 +459,9 @@ def _main(a) -> int:
             inside = nb.resolve().is_relative_to(ROOT)
             dest = (a.out / (nb.resolve().relative_to(ROOT) if inside else nb.name)) if a.out else nb
             if len(failures) > n_before and not a.keep_errors:
-                print(f"not written: {name} has the problems listed below; fix them, or pass --keep-errors to save anyway")
+                print(
+                    f"not written: {name} has the problems listed below; fix them, or pass --keep-errors to save anyway"
+                )
             else:
                 dest.parent.mkdir(parents=True, exist_ok=True)
                 write_back(ex_nb, dest, name)

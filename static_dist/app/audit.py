@@ -81,13 +81,22 @@ def graph_section(c: Context):
     st = c.graph.structure.main
     blocks = f"Repeated blocks: {len(st.blocks)} × `{st.block_type}` at `{st.path or '<root>'}`." if st else \
              "No stack of repeated blocks found in the module tree."
-    md = [c.graph.summary_markdown(), "", blocks, "", c.figure(plot_memory(c.graph), "memory.png"), "", _module_table(c.graph)]
+    md = [
+        c.graph.summary_markdown(),
+        "",
+        blocks,
+        "",
+        c.figure(plot_memory(c.graph), "memory.png"),
+        "",
+        _module_table(c.graph),
+    ]
     return "\n".join(md), c.graph.summary()
 
 # %% ../../nbs/93_audit.ipynb
 @section("Parallel layout")
 def layout_section(c: Context):
-    "The fastest layout (dp_replicate × dp_shard × cp × tp × pp, checkpointing per block) for `world` ranks that fits `budget`, searched on the audit's one capture."
+    """The fastest layout (dp_replicate × dp_shard × cp × tp × pp, checkpointing per block) for `world` ranks that fits
+    `budget`, searched on the audit's one capture."""
     from static_dist.parallel import ParallelPlanError, layout_figure, predict_parallel_memory, search_layouts
     from static_dist.topology import preset
     if c.graph.structure is None or c.graph.structure.main is None:
@@ -95,14 +104,23 @@ def layout_section(c: Context):
     topo = preset("cluster", n_nodes=max(c.world // 8, 1), gpus_per_node=min(c.world, 8))
     try: r = search_layouts(c.graph, c.world, topo, c.budget)
     except ParallelPlanError as e: raise NotApplicable(str(e).splitlines()[0]) from None
-    md = [f"{r.considered} layouts of {c.world} ranks on {topo.name} considered, {r.evaluated} evaluated in {r.seconds:.2f} s, "
-          f"{fmt_bytes(c.budget)} per rank (`static-dist plan --world {c.world}` prints the layout in full and writes it "
-          "for `static-dist train --plan`):", "", r.table()]
+    md = [
+        f"{r.considered} layouts of {c.world} ranks on {topo.name} considered, {r.evaluated} evaluated in "
+        f"{r.seconds:.2f} s, "
+        f"{fmt_bytes(c.budget)} per rank (`static-dist plan --world {c.world}` prints the layout in full and writes it "
+        "for `static-dist train --plan`):",
+        "",
+        r.table(),
+    ]
     data = dict(seconds=r.seconds, considered=r.considered, evaluated=r.evaluated, best=None)
     if r.best is None: return "\n".join(md + ["", f"No layout fits {fmt_bytes(c.budget)} per rank."]), data
     mem = predict_parallel_memory(c.graph, r.best.plan)
-    data.update(best=r.best.label(), plan=json.loads(r.best.plan.to_json()), peak_bytes=[m.peak_bytes for m in mem.ranks],
-                step=r.best.time.to_dict())
+    data.update(
+        best=r.best.label(),
+        plan=json.loads(r.best.plan.to_json()),
+        peak_bytes=[m.peak_bytes for m in mem.ranks],
+        step=r.best.time.to_dict(),
+    )
     md += ["", f"**Best**: {r.best.label()}: {r.best.time.line()}", "",
            c.figure(layout_figure(mem, r.best.time, c.budget), "parallel_layout.png")]
     return "\n".join(md), data
@@ -113,7 +131,9 @@ def fsdp_section(c: Context):
     "An FSDP plan for `world` ranks in the dtype the step was captured in."
     from static_dist.fsdp import plan_fsdp, plot_fsdp_memory, plot_fsdp_timeline
     dt = c.workload.dtype if c.workload.dtype != "float32" else None
-    rep = plan_fsdp(c.graph, world_size=c.world, budget=c.budget, param_dtype=dt, reduce_dtype="float32" if dt else None)
+    rep = plan_fsdp(
+        c.graph, world_size=c.world, budget=c.budget, param_dtype=dt, reduce_dtype="float32" if dt else None
+    )
     md = [f"Plan for {c.world} ranks, {fmt_bytes(c.budget)} per rank, parameters in {c.workload.dtype} as captured "
           f"({rep.evaluated} plans searched in {rep.seconds:.2f} s):", "", rep.table(), ""]
     md += [f"- **{k}**: {v}" for k, v in rep.plan.reasons]
@@ -142,7 +162,9 @@ def _placement_table(rep) -> list[str]:
     for k in ("seconds", "comm_bytes", "memory"):
         md.append(f"| **{k}** | {rep['found']['plan'][k]:.4g} | {rep['megatron']['plan'][k]:.4g} |")
     if rep["found"].get("peak_bytes") is not None:       # memory above is the linears' state; this is the whole rank's
-        md.append("| **peak per rank** | " + " | ".join(fmt_bytes(rep[k]["peak_bytes"]) for k in ("found", "megatron")) + " |")
+        md.append(
+            "| **peak per rank** | " + " | ".join(fmt_bytes(rep[k]["peak_bytes"]) for k in ("found", "megatron")) + " |"
+        )
     return md
 
 # %% ../../nbs/93_audit.ipynb
@@ -153,16 +175,21 @@ def placement_section(c: Context):
     from static_dist.placement import block_spec, plan_report, plot_plans
     from static_dist.topology import MeshSpec, preset
     if c.graph.structure.main is None:
-        raise NotApplicable("no stack of repeated blocks in the model: tensor-parallel placement plans a repeated block")
+        raise NotApplicable(
+            "no stack of repeated blocks in the model: tensor-parallel placement plans a repeated block"
+        )
     topo = preset("dgx-h100")
     try: spec = block_spec(c.graph, topo)
     except StaticDistError as e: raise NotApplicable(str(e).splitlines()[0]) from None
-    try: other, why = placement_other_bytes(c.graph, 2, 4), ""      # the rest of a rank's memory: the one parallel model
+    try:
+        other, why = placement_other_bytes(c.graph, 2, 4), ""  # the rest of a rank's memory: the one parallel model
     except ParallelPlanError as e: other, why = None, str(e)
     rep = plan_report(spec, topo, MeshSpec((2, 4), ("dp", "tp")), other_bytes=other)
     md = _placement_table(rep) + ([] if other is not None else ["", f"Peak per rank not predicted: {why}."])
     if rep["megatron"]["violations"]:
-        md += ["", "The Megatron plan is not valid on this mesh:", ""] + [f"- {v}" for v in rep["megatron"]["violations"]]
+        md += ["", "The Megatron plan is not valid on this mesh:", ""] + [
+            f"- {v}" for v in rep["megatron"]["violations"]
+        ]
     md += ["", c.figure(plot_plans(rep), "placement.png")]
     return "\n".join(md), rep
 
@@ -194,7 +221,8 @@ def passes_section(c: Context):
     from static_dist.passes import PATTERNS, profile_nodes
     model, inputs, _, _ = _real_case(c)
     try: new, rep = rewrite_case(model, inputs)
-    except StaticDistError as e: raise NotApplicable(f"{str(e).split(';')[0]}, so there is no program to rewrite") from None
+    except StaticDistError as e:
+        raise NotApplicable(f"{str(e).split(';')[0]}, so there is no program to rewrite") from None
     if not sum(rep.matches.values()):
         raise NotApplicable("no RMSNorm/softmax/add+relu pattern to rewrite in the exported forward")
     prof = profile_nodes(new, *inputs)
@@ -242,7 +270,8 @@ def _where(loc) -> str | None:
 
 def _step_row(r) -> str:
     norm = "None" if r.grad_norm is None else f"{r.grad_norm:.3g}"
-    return f"| {r.step} | {r.loss:.4f} | {norm} | {', '.join(r.alarms) or '—'} | {r.action} | {_where(r.localization) or '—'} |"
+    return (f"| {r.step} | {r.loss:.4f} | {norm} | {', '.join(r.alarms) or '—'} | {r.action} | "
+            f"{_where(r.localization) or '—'} |")
 
 # %% ../../nbs/93_audit.ipynb
 def _stability_report(recs, fault, target):
@@ -285,13 +314,28 @@ def _run_section(fn, c: Context, update) -> dict:
                 seconds=round(time.perf_counter() - t0, 2))
 
 # %% ../../nbs/93_audit.ipynb
-def audit(workload, out, *, world: int = 8, budget: int = 80 * 2**30, sections=SECTIONS, progress=None, force: bool = True) -> dict:
-    "Capture `workload` once, run every section on that graph; audit.md, audit.json, graph.json and plots go to `out`, whole or not at all."
+def audit(
+    workload, out, *, world: int = 8, budget: int = 80 * 2**30, sections=SECTIONS, progress=None, force: bool = True
+) -> dict:
+    """Capture `workload` once, run every section on that graph; audit.md, audit.json, graph.json and plots go to `out`,
+    whole or not at all."""
     with OutputFolder(out, REPORT_FILES, force=force, what="audit report") as stage:
         return _audit_into(workload, stage, world, budget, sections, progress or (lambda s: None))
 
-REPORT_FILES = ("audit.md", "audit.json", "graph.json", "memory.png", "export_report.json", "ops_trace.json", "placement.png",
-                "parallel_layout.png", "fsdp_memory.png", "fsdp_timeline.png", "offload_lifetimes.png", "offload_memory.png")   # what an audit writes
+REPORT_FILES = (
+    "audit.md",
+    "audit.json",
+    "graph.json",
+    "memory.png",
+    "export_report.json",
+    "ops_trace.json",
+    "placement.png",
+    "parallel_layout.png",
+    "fsdp_memory.png",
+    "fsdp_timeline.png",
+    "offload_lifetimes.png",
+    "offload_memory.png",
+)  # what an audit writes
 
 # %% ../../nbs/93_audit.ipynb
 def _audit_into(workload, out: Path, world: int, budget: int, sections, update) -> dict:
@@ -302,10 +346,14 @@ def _audit_into(workload, out: Path, world: int, budget: int, sections, update) 
     atomic_write(out / "graph.json", json.dumps(graph.to_dict()))
     c = Context(workload, graph, out, world, budget)
     results = [_run_section(fn, c, update) for fn in sections]
-    report = dict(schema="static_dist.audit/2", workload=workload.describe(), environment=environment(),
-                  seconds=round(time.perf_counter() - t0, 2),
-                  sections={r["title"]: {k: v for k, v in r.items() if k not in ("title", "markdown")} for r in results},
-                  failed_sections=[f"{r['title']}: {r['data']['error']}" for r in results if r["status"] == "failed"])
+    report = dict(
+        schema="static_dist.audit/2",
+        workload=workload.describe(),
+        environment=environment(),
+        seconds=round(time.perf_counter() - t0, 2),
+        sections={r["title"]: {k: v for k, v in r.items() if k not in ("title", "markdown")} for r in results},
+        failed_sections=[f"{r['title']}: {r['data']['error']}" for r in results if r["status"] == "failed"],
+    )
     atomic_write(out / "audit.md", _audit_markdown(workload, results))
     atomic_write(out / "audit.json", json.dumps(report, indent=2, default=str))
     return report
@@ -318,7 +366,9 @@ def _audit_markdown(w, results) -> str:
         shape = r["workload"]
         md += [f"## {r['title']}", "", f"*Workload: batch {shape['batch']}, seq {shape['seq']}, {shape['dtype']}.*", "",
                r["markdown"], ""]
-    return re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", "\n".join(md))     # no terminal colour codes from a tool's captured output
+    return re.sub(
+        r"\x1b\[[0-9;?]*[A-Za-z]", "", "\n".join(md)
+    )  # no terminal colour codes from a tool's captured output
 
 # %% ../../nbs/93_audit.ipynb
 def cmd_audit(args) -> int:

@@ -40,7 +40,8 @@ def bench_function(name: str):
 
 # %% ../../nbs/94_benches.ipynb
 def capture_once(model: str, batch: int, seq: int, optimizer: str = "adamw") -> dict:
-    "Resolve and capture one workload (a zoo name, file.py:NAME, hf:CONFIG) in this process; time and memory of each part."
+    """Resolve and capture one workload (a zoo name, file.py:NAME, hf:CONFIG) in this process; time and memory of each
+    part."""
     from static_dist.workload import load_workload
     t0 = time.perf_counter()
     w = load_workload(model, batch=batch, seq=seq, optimizer=optimizer)
@@ -90,8 +91,15 @@ def bench_cli(progress=None, repeat: int = 5) -> dict:
             times[name].append(time.perf_counter() - t0)
     med = {k: statistics.median(v) for k, v in times.items()}
     ref = med['python -c "import torch"']
-    res = [dict(command=k, median_s=round(v, 4), runs_s=[round(t, 4) for t in times[k]], ratio_to_import_torch=round(v / ref, 3))
-           for k, v in med.items()]
+    res = [
+        dict(
+            command=k,
+            median_s=round(v, 4),
+            runs_s=[round(t, 4) for t in times[k]],
+            ratio_to_import_torch=round(v / ref, 3),
+        )
+        for k, v in med.items()
+    ]
     return dict(bench="cli", environment=environment(), results=res)
 
 # %% ../../nbs/94_benches.ipynb
@@ -109,13 +117,18 @@ def _workload_kwargs(args, fn) -> dict:
 
 # %% ../../nbs/94_benches.ipynb
 def _check_real_bench(name: str, fn, kwargs: dict) -> None:
-    "TooBigError before bench `fn` runs a user's model on real weights that do not fit: its parameters, then its step's peak."
+    """TooBigError before bench `fn` runs a user's model on real weights that do not fit: its parameters, then its
+    step's peak."""
     import inspect
     from static_dist.workload import load_workload
     sig = inspect.signature(fn).parameters
-    shape = {k: kwargs.get(k, sig[k].default if k in sig else None) for k in ("batch", "seq")}   # the bench's own defaults
+    shape = {
+        k: kwargs.get(k, sig[k].default if k in sig else None) for k in ("batch", "seq")
+    }  # the bench's own defaults
     w = load_workload(kwargs["model"], **shape)
-    check_real_size(sum(p.numel() for p in w.build_model("meta").parameters()), f"{w.source} (bench {name} runs it on real weights)")
+    check_real_size(
+        sum(p.numel() for p in w.build_model("meta").parameters()), f"{w.source} (bench {name} runs it on real weights)"
+    )
     check_memory(int(w.graph().peak().bytes), f"a step of {w.source} in bench {name}", why="its fake capture's peak")
 
 # %% ../../nbs/94_benches.ipynb

@@ -78,7 +78,9 @@ def mesh(v: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"mesh {v!r} is not dimensions joined by x; give e.g. 2x4 or 16x64") from None
     if any(d < 1 for d in dims): raise argparse.ArgumentTypeError(f"mesh {v!r}: every dimension must be at least 1")
     if math.prod(dims) > MAX_RANKS:
-        raise argparse.ArgumentTypeError(f"mesh {v!r} has {math.prod(dims):,} ranks; at most {MAX_RANKS:,} are supported")
+        raise argparse.ArgumentTypeError(
+            f"mesh {v!r} has {math.prod(dims):,} ranks; at most {MAX_RANKS:,} are supported"
+        )
     return dims
 
 # %% ../../nbs/90_cli.ipynb
@@ -90,7 +92,8 @@ def infile(v: str) -> Path:
     try: check_name(p); st = stat_or_none(p)
     except InputError as e: raise argparse.ArgumentTypeError(str(e)) from None
     if st is None: raise argparse.ArgumentTypeError(f"{v}: no such file")
-    if file_kind(st) != "a regular file": raise argparse.ArgumentTypeError(f"{v}: is {file_kind(st)}, not a regular file")
+    if file_kind(st) != "a regular file":
+        raise argparse.ArgumentTypeError(f"{v}: is {file_kind(st)}, not a regular file")
     if not os.access(p, os.R_OK): raise argparse.ArgumentTypeError(f"{v}: not readable")
     return p
 
@@ -119,7 +122,8 @@ def outdir(v: str) -> Path:
     p = Path(v)
     try: check_name(p); st = stat_or_none(p)
     except InputError as e: raise argparse.ArgumentTypeError(str(e)) from None
-    if st is not None and file_kind(st) != "a folder": raise argparse.ArgumentTypeError(f"{v} is {file_kind(st)}, not a folder")
+    if st is not None and file_kind(st) != "a folder":
+        raise argparse.ArgumentTypeError(f"{v} is {file_kind(st)}, not a folder")
     return p
 
 # %% ../../nbs/90_cli.ipynb
@@ -130,12 +134,15 @@ class Parser(argparse.ArgumentParser):
 
 # %% ../../nbs/90_cli.ipynb
 def _workload_args(p):
-    "The workload options, the same on every verb; None leaves the choice to the workload (2 x 64, adamw, float32, or what a Workload function sets)."
+    """The workload options, the same on every verb; None leaves the choice to the workload (2 x 64, adamw, float32, or
+    what a Workload function sets)."""
     g = p.add_argument_group("workload (the model and the step to analyse)")
     g.add_argument("--model", default="tiny", help="zoo name, path/to/file.py:NAME, package.module:NAME or hf:CONFIG "
                    "(default: tiny)")
     g.add_argument("--batch", type=count("--batch"), help="batch size (default: the workload’s, 2)")
-    g.add_argument("--seq", type=count("--seq"), help="sequence length (default: the workload’s, 64, at most the model’s maximum)")
+    g.add_argument(
+        "--seq", type=count("--seq"), help="sequence length (default: the workload’s, 64, at most the model’s maximum)"
+    )
     g.add_argument("--optimizer", default=None, choices=["sgd", "adam", "adamw", "none"],
                    help="optimizer in the captured step (default adamw)")
     g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
@@ -143,7 +150,8 @@ def _workload_args(p):
     g.add_argument("--input-shape", help="shape of one sample for models whose inputs cannot be inferred, e.g. 3x32x32")
 
 # %% ../../nbs/90_cli.ipynb
-def _force(p): p.add_argument("--force", action="store_true", help="replace output files (or an earlier report) that exist; "
+def _force(p): p.add_argument("--force", action="store_true", help="replace output files (or an earlier report) that "
+                                                                   "exist; "
                               "a device, FIFO or folder is never replaced")
 
 # %% ../../nbs/90_cli.ipynb
@@ -151,7 +159,9 @@ def _audit_parser(sub):
     a = sub.add_parser("audit", help="capture a model once and write the full report")
     _workload_args(a)
     a.add_argument("--out", type=outdir, default=Path("audit"), help="report folder (default: ./audit)")
-    a.add_argument("--world", type=count("--world", hi=MAX_RANKS), default=8, help="ranks for the FSDP plan (default 8)")
+    a.add_argument(
+        "--world", type=count("--world", hi=MAX_RANKS), default=8, help="ranks for the FSDP plan (default 8)"
+    )
     a.add_argument("--budget", type=size("--budget", lo=1), default="80GiB", help="memory per rank (default 80GiB)")
     _force(a)
     a.set_defaults(run="static_dist.app.audit:cmd_audit")
@@ -168,12 +178,18 @@ def _capture_parser(sub):
 
 # %% ../../nbs/90_cli.ipynb
 def _fsdp_parser(sub):
-    p = sub.add_parser("plan-fsdp", help="plan FSDP2 units, resharding, prefetch and checkpointing, or check a given plan")
+    p = sub.add_parser(
+        "plan-fsdp", help="plan FSDP2 units, resharding, prefetch and checkpointing, or check a given plan"
+    )
     _workload_args(p)
-    p.add_argument("--world", type=count("--world", hi=MAX_RANKS), help="number of ranks (default 8; a --plan has its own)")
+    p.add_argument(
+        "--world", type=count("--world", hi=MAX_RANKS), help="number of ranks (default 8; a --plan has its own)"
+    )
     p.add_argument("--budget", type=size("--budget", lo=1), default="80GiB", help="memory per rank (default 80GiB)")
     p.add_argument("--mesh", type=mesh, help="HSDP mesh RxS, e.g. 16x64 (default: pure FSDP over all ranks)")
-    p.add_argument("--precision", choices=["bf16", "fp32"], help="parameters' dtype (default bf16; a --plan has its own)")
+    p.add_argument(
+        "--precision", choices=["bf16", "fp32"], help="parameters' dtype (default bf16; a --plan has its own)"
+    )
     p.add_argument("--accumulation", type=count("--accumulation", hi=1 << 16),
                    help="micro-batches per optimizer step (default 1; a --plan has its own)")
     p.add_argument("--ignore", action="append", help="module to leave unsharded (repeatable)")
@@ -187,11 +203,16 @@ def _fsdp_parser(sub):
 
 # %% ../../nbs/90_cli.ipynb
 def _layout_parser(sub):
-    p = sub.add_parser("plan", help="search the fastest layout (dp_replicate × dp_shard × cp × tp × pp, checkpointing per "
-                       "block) that fits the budget, print its memory and step time, write it for `train --plan`")
+    p = sub.add_parser(
+        "plan",
+        help="search the fastest layout (dp_replicate × dp_shard × cp × tp × pp, checkpointing per "
+        "block) that fits the budget, print its memory and step time, write it for `train --plan`",
+    )
     _workload_args(p)
     p.add_argument("--world", type=count("--world", hi=MAX_RANKS), default=8, help="number of ranks (default 8)")
-    p.add_argument("--topology", help="preset name or topology JSON (default: a cluster of 8-GPU H100 nodes sized to --world)")
+    p.add_argument(
+        "--topology", help="preset name or topology JSON (default: a cluster of 8-GPU H100 nodes sized to --world)"
+    )
     p.add_argument("--budget", type=size("--budget", lo=1), default="80GiB", help="memory per rank (default 80GiB)")
     pins = p.add_argument_group("pins (fix a degree; the search chooses the others)")
     for dim in (a.name.replace("_", "-") for a in AXES):
@@ -200,8 +221,12 @@ def _layout_parser(sub):
                    help="activation checkpointing: auto (the cheapest mix that fits, default) or one policy for every "
                         "block, by name: none, full, selective, layers (graph.policies.POLICIES)")
     p.add_argument("--compile", action="store_true", help="mark every block for torch.compile in the plan")
-    p.add_argument("--verify", action="store_true", help="measure the chosen layout with FSDPMemTracker under a fake process "
-                   "group and print predicted / measured peak and collectives (pp = 1 layouts)")
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help="measure the chosen layout with FSDPMemTracker under a fake process "
+        "group and print predicted / measured peak and collectives (pp = 1 layouts)",
+    )
     p.add_argument("--out", type=outfile, help="write the plan as JSON here (for `static-dist train --plan`)")
     _force(p)
     p.set_defaults(run="static_dist.app.layout:cmd_plan")
@@ -223,7 +248,9 @@ def _offload_parser(sub):
     p = sub.add_parser("plan-offload", help="plan which saved tensors go to CPU/NVMe and when")
     _workload_args(p)
     p.add_argument("--tier", action="append", help="tier preset, repeatable (default: pcie5-pinned and nvme-gen4)")
-    p.add_argument("--host-limit", type=size("--host-limit"), help="host memory the CPU tier may use (default: no limit)")
+    p.add_argument(
+        "--host-limit", type=size("--host-limit"), help="host memory the CPU tier may use (default: no limit)"
+    )
     p.add_argument("--device", default="cpu", help="device the ops are timed on: a device-table name (H100-SXM, "
                    "H200-SXM, L40S, A100-SXM-80GB, CPU) or h200-fp32, h200-bf16, cpu (default: cpu)")
     p.add_argument("--recompute", action="append", help="module FQN under activation checkpointing (repeatable)")
@@ -287,7 +314,7 @@ def _artifact_parsers(sub):
     k = sub.add_parser("keygen", help="generate an Ed25519 signing key pair for artifacts")
     k.add_argument("--out", type=prefix, required=True, help="path prefix: writes PREFIX.key (private) and PREFIX.pub")
     _force(k)
-    k.set_defaults(run="static_dist.app.verbs:cmd_keygen")
+    k.set_defaults(run="static_dist.app.artifact_verbs:cmd_keygen")
     s = sub.add_parser("sign", help="sign a torch.export .pt2 archive into a device-bound artifact")
     s.add_argument("program", type=infile, help="a file written by torch.export.save")
     s.add_argument("--key", type=infile, required=True, help="PEM Ed25519 private key (from keygen)")
@@ -295,21 +322,25 @@ def _artifact_parsers(sub):
     s.add_argument("--device-json", type=infile, help="JSON fingerprint of the target device (default: this machine)")
     s.add_argument("--meta", action="append", metavar="KEY=VALUE", help="metadata to sign into the header (repeatable)")
     _force(s)
-    s.set_defaults(run="static_dist.app.verbs:cmd_sign")
+    s.set_defaults(run="static_dist.app.artifact_verbs:cmd_sign")
     v = sub.add_parser("verify", help="verify an artifact against trusted public keys")
     v.add_argument("artifact", type=infile)
     v.add_argument("--trusted-key", type=infile, action="append", help="PEM public key to trust (repeatable)")
     v.add_argument("--trusted-keys", type=infile, action="append", help="file of PEM public keys (repeatable)")
     v.add_argument("--load", action="store_true", help="also deserialise the program")
-    v.set_defaults(run="static_dist.app.verbs:cmd_verify")
+    v.set_defaults(run="static_dist.app.artifact_verbs:cmd_verify")
 
 # %% ../../nbs/90_cli.ipynb
 def _bench_parser(sub):
     b = sub.add_parser("bench", help="run a benchmark and write JSON with the machine and versions")
-    b.add_argument("name", help="which benchmark: capture, cli, compile, fsdp, kernels, offload, placement, plan, stability")
+    b.add_argument(
+        "name", help="which benchmark: capture, cli, compile, fsdp, kernels, offload, placement, plan, stability"
+    )
     b.add_argument("--out", type=outdir, default=Path("bench"), help="folder for NAME.json (default: ./bench)")
     g = b.add_argument_group("workload (for the benches that take one: compile, offload; plan takes --seq)")
-    g.add_argument("--model", help="zoo name, path/to/file.py:NAME, package.module:NAME or hf:CONFIG (default: the bench's)")
+    g.add_argument(
+        "--model", help="zoo name, path/to/file.py:NAME, package.module:NAME or hf:CONFIG (default: the bench's)"
+    )
     g.add_argument("--batch", type=count("--batch"), help="batch size (default: the bench's)")
     g.add_argument("--seq", type=count("--seq"), help="sequence length (default: the bench's)")
     _force(b)
@@ -320,8 +351,12 @@ def _train_parser(sub):
     t = sub.add_parser("train", help="plan, apply and compile FSDP (or apply a `plan --out` layout), then train; under "
                        "torchrun every rank trains and rank 0 writes the log")
     _workload_args(t)
-    t.add_argument("--plan", type=infile, help="a parallel plan from `static-dist plan --out`: apply it (its world must "
-                   "be torchrun's WORLD_SIZE, or 1 without torchrun) and train it")
+    t.add_argument(
+        "--plan",
+        type=infile,
+        help="a parallel plan from `static-dist plan --out`: apply it (its world must "
+        "be torchrun's WORLD_SIZE, or 1 without torchrun) and train it",
+    )
     t.add_argument("--steps", type=count("--steps", hi=10**6), default=20)
     t.add_argument("--budget", type=size("--budget", lo=1), default="80GiB",
                    help="memory per rank (default 80GiB); a predicted OOM exits 3 unless --force")
@@ -333,8 +368,21 @@ def _train_parser(sub):
     t.set_defaults(run="static_dist.app.layout:cmd_train")
 
 # %% ../../nbs/90_cli.ipynb
-VERBS = (_audit_parser, _capture_parser, _fsdp_parser, _layout_parser, _placement_parser, _offload_parser,
-         _export_parser, _passes_parser, _ops_parser, _stability_parser, _artifact_parsers, _bench_parser, _train_parser)
+VERBS = (
+    _audit_parser,
+    _capture_parser,
+    _fsdp_parser,
+    _layout_parser,
+    _placement_parser,
+    _offload_parser,
+    _export_parser,
+    _passes_parser,
+    _ops_parser,
+    _stability_parser,
+    _artifact_parsers,
+    _bench_parser,
+    _train_parser,
+)
 
 def build_parser() -> Parser:
     "The `static-dist` parser: every verb, with its handler named by `run` ('module:function')."

@@ -31,19 +31,29 @@ def layout_pins(args) -> dict:
     flag = lambda k: "--" + k.replace("_", "-")
     if pins and args.world % math.prod(pins.values()):
         given = " × ".join(f"{flag(k)} {v}" for k, v in pins.items())
-        raise UsageError(f"{given} = {math.prod(pins.values())} ranks does not divide --world {args.world}; pin degrees "
-                         f"whose product divides it")
+        raise UsageError(
+            f"{given} = {math.prod(pins.values())} ranks does not divide --world {args.world}; pin degrees "
+            f"whose product divides it"
+        )
     if len(pins) == len(PIN_DIMS) and math.prod(pins.values()) != args.world:
-        raise UsageError(f"every degree is pinned and their product {math.prod(pins.values())} is not --world {args.world}")
+        raise UsageError(
+            f"every degree is pinned and their product {math.prod(pins.values())} is not --world {args.world}"
+        )
     return pins
 
 # %% ../../nbs/92a_layout.ipynb
 def layout_topology(name: str | None, world: int):
     "--topology sized to `world` devices (default: a cluster of 8-GPU H100 nodes), refused if it has fewer devices."
     from static_dist.topology import preset
-    topo = topology_arg(name, world) if name else preset("cluster", n_nodes=max(world // 8, 1), gpus_per_node=min(world, 8))
+    topo = (
+        topology_arg(name, world)
+        if name
+        else preset("cluster", n_nodes=max(world // 8, 1), gpus_per_node=min(world, 8))
+    )
     if topo.n_devices < world:
-        raise UsageError(f"--topology {name}: {topo.n_devices} devices, fewer than --world {world}; give a larger topology")
+        raise UsageError(
+            f"--topology {name}: {topo.n_devices} devices, fewer than --world {world}; give a larger topology"
+        )
     return topo
 
 # %% ../../nbs/92a_layout.ipynb
@@ -53,29 +63,51 @@ def ac_summary(ac: tuple) -> str:
     runs, start = [], 0
     for i in range(1, len(ac) + 1):
         if i == len(ac) or ac[i] != ac[start]:
-            runs.append(f"{start}" + (f"-{i - 1}" if i - 1 > start else "") + f" {getattr(ac[start], 'label', ac[start])}"); start = i
+            runs.append(
+                f"{start}" + (f"-{i - 1}" if i - 1 > start else "") + f" {getattr(ac[start], 'label', ac[start])}"
+            )
+            start = i
     return ("block " if len(runs) == 1 and len(ac) == 1 else "blocks ") + ", ".join(runs)
 
 # %% ../../nbs/92a_layout.ipynb
 def layout_lines(best, columns: list, n_blocks: int) -> list[str]:
-    "The chosen layout as Markdown: degrees, stages, micro-batches, checkpointing, memory per pp rank by category, time by term."
+    """The chosen layout as Markdown: degrees, stages, micro-batches, checkpointing, memory per pp rank by category,
+    time by term."""
     from static_dist.graph import fmt_bytes
     from static_dist.parallel import TIME_TERMS
     p, d, t = best.plan, best.plan.dims, best.time
     degrees = " × ".join(f"{k} {getattr(d, k)}" for k in PIN_DIMS)
     out = [f"**layout**: {degrees} (world {d.world})"]
-    if d.pp > 1: out.append(f"- pipeline: {d.pp} stages of {'/'.join(map(str, p.stages))} blocks, {p.schedule}, {p.microbatches} micro-batches")
+    if d.pp > 1:
+        out.append(
+            f"- pipeline: {d.pp} stages of {'/'.join(map(str, p.stages))} blocks, {p.schedule}, {p.microbatches} "
+            "micro-batches"
+        )
     if d.tp > 1: out.append(f"- tensor parallel: " + ", ".join(f"{n} {s}" for n, s in p.tp_styles))
-    out.append(f"- checkpointing ({n_blocks} blocks): {ac_summary(p.ac)}" + (f"; compiled: {sum(p.compile)} blocks" if p.compile else ""))
-    each = " (one rank of each pipeline stage)" if len(columns) > 1 else " (the busiest pipeline stage)" if d.pp > 1 else ""
+    out.append(
+        f"- checkpointing ({n_blocks} blocks): {ac_summary(p.ac)}"
+        + (f"; compiled: {sum(p.compile)} blocks" if p.compile else "")
+    )
+    each = (
+        " (one rank of each pipeline stage)"
+        if len(columns) > 1
+        else " (the busiest pipeline stage)"
+        if d.pp > 1
+        else ""
+    )
     out += ["", "**memory per rank at the peak**" + each, ""]
     cats = list(dict.fromkeys(c for _, at, _ in columns for c in at))
     out.append("| category | " + " | ".join(name for name, _, _ in columns) + " |")
     out.append("|---|" + "---:|" * len(columns))
     for c in cats: out.append(f"| {c} | " + " | ".join(fmt_bytes(at.get(c, 0)) for _, at, _ in columns) + " |")
     out.append("| **peak** | " + " | ".join(f"**{fmt_bytes(pk)}**" for _, _, pk in columns) + " |")
-    out += ["", f"**step time**: {t.step_seconds * 1e3:.4g} ms (slowest pp rank {t.pp_rank}, {t.microbatches} micro-batches)", "",
-            "| term | ms | share |", "|---|---:|---:|"]
+    out += [
+        "",
+        f"**step time**: {t.step_seconds * 1e3:.4g} ms (slowest pp rank {t.pp_rank}, {t.microbatches} micro-batches)",
+        "",
+        "| term | ms | share |",
+        "|---|---:|---:|",
+    ]
     for k in TIME_TERMS:
         v = t.terms.get(k, 0.0)
         if v > 0: out.append(f"| {k} | {v * 1e3:.4g} | {v / t.step_seconds:.1%} |")
@@ -84,7 +116,8 @@ def layout_lines(best, columns: list, n_blocks: int) -> list[str]:
 
 # %% ../../nbs/92a_layout.ipynb
 def layout_memory(g, best, n_blocks: int) -> list[tuple[str, dict, int]]:
-    """(column, {category: bytes} at the peak, peak bytes) per pipeline rank of the chosen layout (`memory_by_category`);
+    """(column, {category: bytes} at the peak, peak bytes) per pipeline rank of the chosen layout
+    (`memory_by_category`);
     with a few captured blocks and mixed checkpointing, the busiest rank's peak alone."""
     from static_dist.parallel import ParallelPlanError, memory_by_category
     try: return memory_by_category(g, best.plan, n_blocks)
@@ -94,7 +127,8 @@ def layout_memory(g, best, n_blocks: int) -> list[tuple[str, dict, int]]:
 
 # %% ../../nbs/92a_layout.ipynb
 def cmd_plan(args) -> int:
-    "`static-dist plan`: capture, search the layout, print it (memory, time, runners-up), optionally verify and write it."
+    """`static-dist plan`: capture, search the layout, print it (memory, time, runners-up), optionally verify and write
+    it."""
     import dataclasses
     from static_dist.graph import fmt_bytes
     from static_dist.parallel import search_graph, search_layouts
@@ -105,9 +139,11 @@ def cmd_plan(args) -> int:
     with status(f"capturing {w.source}") as update: g, n, how = search_graph(w, progress=update)
     with status(f"searching layouts of {args.world} ranks") as update:
         r = search_layouts(g, args.world, topo, args.budget, n_blocks=n, pins=pins, ac=args.ac, progress=update)
-    print_markdown(f"**{w.source}** (batch {w.batch}, seq {w.seq}, {w.optimizer}, {w.dtype}) on {topo.name}, world "
-                   f"{args.world}, budget {fmt_bytes(args.budget)}" + (f", pinned {pins}" if pins else "") + f": {how}; "
-                   f"{r.considered} layouts considered, {r.evaluated} evaluated in {r.seconds:.2f} s")
+    print_markdown(
+        f"**{w.source}** (batch {w.batch}, seq {w.seq}, {w.optimizer}, {w.dtype}) on {topo.name}, world "
+        f"{args.world}, budget {fmt_bytes(args.budget)}" + (f", pinned {pins}" if pins else "") + f": {how}; "
+        f"{r.considered} layouts considered, {r.evaluated} evaluated in {r.seconds:.2f} s"
+    )
     if r.best is None:
         print_markdown("\n" + r.table(lost=8))
         print(f"no layout fits {fmt_bytes(args.budget)} per rank: raise --budget or --world, relax a pin or allow "
@@ -148,23 +184,38 @@ def _predicted_oom(w, cfg, args) -> str | None:
     if args.force: return None
     world = int(os.environ.get("WORLD_SIZE", "1")) if under_torchrun() else 1
     with status(f"capturing {w.source}") as update: prof = profile_graph(w.graph(progress=update))
-    rep = plan_fsdp(prof, world_size=world, budget=cfg.budget, param_dtype=None, reduce_dtype=None, accumulation_steps=cfg.accumulation)
+    rep = plan_fsdp(
+        prof,
+        world_size=world,
+        budget=cfg.budget,
+        param_dtype=None,
+        reduce_dtype=None,
+        accumulation_steps=cfg.accumulation,
+    )
     if rep.fits: return None
-    return (f"predicted out of memory: the step needs {fmt_bytes(rep.memory.peak_bytes)} per rank on {world} rank(s), the "
-            f"budget is {fmt_bytes(cfg.budget)}; raise --budget, or pass --force to train anyway")
+    return (
+        f"predicted out of memory: the step needs {fmt_bytes(rep.memory.peak_bytes)} per rank on {world} rank(s), the "
+        f"budget is {fmt_bytes(cfg.budget)}; raise --budget, or pass --force to train anyway"
+    )
 
 # %% ../../nbs/92a_layout.ipynb
 def measured_peak(device) -> tuple:
     """(a context that measures this rank's peak, a function returning (bytes, how), one to call before each step):
-    torch.cuda's allocator on CUDA, else torch's MemTracker (whose module statistics allow one step of a root module at a
+    torch.cuda's allocator on CUDA, else torch's MemTracker (whose module statistics allow one step of a root module at
+    a
     time: a pipeline stage runs once per micro-batch, so a root called again starts its statistics afresh)."""
     from contextlib import nullcontext
     if torch.device(device).type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-        return nullcontext, lambda: (int(torch.cuda.max_memory_allocated()), "torch.cuda.max_memory_allocated"), lambda: None
+        return (
+            nullcontext,
+            lambda: (int(torch.cuda.max_memory_allocated()), "torch.cuda.max_memory_allocated"),
+            lambda: None,
+        )
     from torch.distributed._tools.mem_tracker import MemTracker
     class RunTracker(MemTracker):
-        "MemTracker over many forwards of one root (steps, a pipeline's micro-batches): each starts the root's module statistics afresh; the peak is kept."
+        """MemTracker over many forwards of one root (steps, a pipeline's micro-batches): each starts the root's module
+        statistics afresh; the peak is kept."""
         def _pre_fw_hook(self, module, inputs):
             if module in self.memory_tracking and not self._mod_tracker.is_bw:
                 if set(self._mod_tracker.parents) - {self._mod_tracker.get_known_fqn(module)} == {"Global"}:
@@ -210,7 +261,8 @@ def _plan_rank(w, plan, steps: int, backend: str) -> dict:
     # ModTracker's note on a pipeline stage's recomputed forward: not the user's concern
     warnings.filterwarnings("ignore", message="Module is None. Skipping", category=UserWarning)
     t0, losses, seconds = time.perf_counter(), [], []
-    with enter():                             # the model built, sharded and trained under the tracker: all it holds counts
+    # the model built, sharded and trained under the tracker: all it holds counts
+    with enter():
         rank = prepare_rank(w.build_model(dev, seed=0), plan, mesh, _plan_batch(w, plan, 0, dev), w.loss, seq=w.seq,
                             compile_backend=backend)
         opt = make_optimizer(w.optimizer, rank.parameters())
@@ -234,7 +286,8 @@ def _predicted_rank_peaks(w, plan) -> list[int]:
 
 # %% ../../nbs/92a_layout.ipynb
 def train_plan(args) -> int:
-    """`static-dist train --plan`: the plan checked against the model and the world, applied on every rank (torchrun's, or
+    """`static-dist train --plan`: the plan checked against the model and the world, applied on every rank (torchrun's,
+    or
     one in-process rank for a plan of world 1), trained with the one `train_step`; rank 0 gathers every rank's losses
     and measured peak and writes the log."""
     import dataclasses
@@ -243,35 +296,57 @@ def train_plan(args) -> int:
     from static_dist.launch import process_group, under_torchrun
     from static_dist.parallel import ParallelPlan, check_layout
     from static_dist.structure import find_structure
-    if args.backend is not None and args.no_compile: raise UsageError(f"--no-compile with --backend {args.backend}: give one of them")
+    if args.backend is not None and args.no_compile:
+        raise UsageError(f"--no-compile with --backend {args.backend}: give one of them")
     world = int(os.environ.get("WORLD_SIZE", "1")) if under_torchrun() else 1
     rank = int(os.environ.get("RANK", "0")) if under_torchrun() else 0
     if rank == 0: check_writable(args.log, force=args.force, inputs=[args.plan])
     plan = ParallelPlan.from_json(args.plan)
     if plan.dims.world != world:
-        how = f"torchrun started {world} ranks (WORLD_SIZE)" if under_torchrun() else "without torchrun this runs one rank"
+        how = (
+            f"torchrun started {world} ranks (WORLD_SIZE)"
+            if under_torchrun()
+            else "without torchrun this runs one rank"
+        )
         raise UsageError(f"--plan {args.plan} is for {plan.dims.world} ranks but {how}; run it with torchrun "
                          f"--nproc-per-node {plan.dims.world}, or plan for world {world}")
     w = workload_of(args)
-    check_real_size(sum(p.numel() for p in w.build(device="meta").parameters()), f"{w.source} (train runs it on real weights)")
-    check_layout(plan, find_structure(w.build(device="meta")).main, w.seq)       # before any process group: one line on each rank
+    check_real_size(
+        sum(p.numel() for p in w.build(device="meta").parameters()), f"{w.source} (train runs it on real weights)"
+    )
+    check_layout(
+        plan, find_structure(w.build(device="meta")).main, w.seq
+    )  # before any process group: one line on each rank
     if args.no_compile: plan = dataclasses.replace(plan, compile=())
     with process_group() as n:
-        with status(f"training {w.source} on rank {rank} of {n}"): rep = _plan_rank(w, plan, args.steps, args.backend or "aot_eager")
+        with status(f"training {w.source} on rank {rank} of {n}"):
+            rep = _plan_rank(w, plan, args.steps, args.backend or "aot_eager")
         every = [None] * n
         dist.all_gather_object(every, rep)
     if rank != 0: return 0
     per_step = list(zip(*[r["losses"] for r in every]))
     losses = [sum(l for l in s if l is not None) / max(sum(l is not None for l in s), 1) for s in per_step]
     predicted = _predicted_rank_peaks(w, plan)
-    peaks = [dict(rank=r["rank"], pp_rank=r["pp_rank"], peak_bytes=r["peak_bytes"], peak_is=r["peak_is"],
-                  predicted_bytes=predicted[r["pp_rank"]], ratio=predicted[r["pp_rank"]] / max(r["peak_bytes"], 1)) for r in every]
+    peaks = [
+        dict(
+            rank=r["rank"],
+            pp_rank=r["pp_rank"],
+            peak_bytes=r["peak_bytes"],
+            peak_is=r["peak_is"],
+            predicted_bytes=predicted[r["pp_rank"]],
+            ratio=predicted[r["pp_rank"]] / max(r["peak_bytes"], 1),
+        )
+        for r in every
+    ]
     log = dict(workload=w.describe(), plan=json.loads(plan.to_json()), world=n, steps=args.steps, losses=losses,
                peaks=peaks, ranks=every)
     atomic_write(args.log, json.dumps(log, indent=2, default=str), force=args.force, inputs=[args.plan])
     from static_dist.graph import fmt_bytes
     degrees = " × ".join(f"{k} {getattr(plan.dims, k)}" for k in PIN_DIMS if getattr(plan.dims, k) > 1) or "one rank"
-    print(f"{w.source}: plan {plan.name!r} ({degrees}) on {n} rank(s), {args.steps} steps; loss {losses[0]:.4f} -> {losses[-1]:.4f}")
+    print(
+        f"{w.source}: plan {plan.name!r} ({degrees}) on {n} rank(s), {args.steps} steps; loss {losses[0]:.4f} -> "
+        f"{losses[-1]:.4f}"
+    )
     for r in peaks: print(f"  rank {r['rank']}: peak {fmt_bytes(r['peak_bytes'])} ({r['peak_is']}), predicted "
                           f"{fmt_bytes(r['predicted_bytes'])} ({r['ratio']:.3f} × measured)")
     print(f"step log written to {args.log}", file=sys.stderr)
@@ -279,7 +354,8 @@ def train_plan(args) -> int:
 
 # %% ../../nbs/92a_layout.ipynb
 def cmd_train(args) -> int:
-    """`static-dist train`: plan, apply and compile FSDP, train with the monitors on, write the step log (rank 0 only under
+    """`static-dist train`: plan, apply and compile FSDP, train with the monitors on, write the step log (rank 0 only
+    under
     torchrun); with `--plan`, apply that parallel plan instead (`train_plan`)."""
     import os
     from static_dist.compile import CompileOptions, TrainConfig, train_compiled
@@ -291,8 +367,16 @@ def cmd_train(args) -> int:
         raise UsageError(f"--no-compile with --backend {args.backend}: give one of them")
     w = workload_of(args)
     check_real_size(sum(p.numel() for p in w.build(device="meta").parameters()), f"{w.source} (train runs it on CPU)")
-    cfg = TrainConfig(model=w.source, steps=args.steps, batch=w.batch, seq=w.seq or 1, optimizer=w.optimizer, dtype=w.dtype,
-                      budget=args.budget, compile=CompileOptions(enabled=not args.no_compile, backend=args.backend or "aot_eager"))
+    cfg = TrainConfig(
+        model=w.source,
+        steps=args.steps,
+        batch=w.batch,
+        seq=w.seq or 1,
+        optimizer=w.optimizer,
+        dtype=w.dtype,
+        budget=args.budget,
+        compile=CompileOptions(enabled=not args.no_compile, backend=args.backend or "aot_eager"),
+    )
     if (oom := _predicted_oom(w, cfg, args)): print(f"static-dist train: {oom}", file=sys.stderr); return 3
     with status(f"training {w.source}") as update: log = train_compiled(cfg, progress=update, workload=w)
     if rank != 0: return 0                       # one log: every rank trained, rank 0 writes

@@ -17,13 +17,13 @@ import torch.nn as nn
 from .cli import UsageError
 from ..graph import fmt_bytes
 from ..outputs import OutputFolder
-from ..files import MAX_SMALL_BYTES, atomic_write, check_writable, read_bounded
+from ..files import atomic_write, check_writable
 from ..util import check_memory, check_real_size
 
 # %% auto 0
 __all__ = ['EXPORT_FILES', 'status', 'workload_of', 'print_markdown', 'cmd_capture', 'cmd_plan_fsdp', 'topology_arg', 'mesh_spec',
            'cmd_plan_placement', 'cmd_plan_offload', 'cmd_check_export', 'rewrite_case', 'cmd_passes', 'cmd_ops',
-           'parse_fault', 'cmd_stability', 'cmd_keygen', 'cmd_sign', 'cmd_verify']
+           'parse_fault', 'cmd_stability']
 
 # %% ../../nbs/92_verbs.ipynb
 @contextmanager
@@ -85,16 +85,35 @@ def _fsdp_profile(args, w, given):
 
 # %% ../../nbs/92_verbs.ipynb
 def _fsdp_flags(args) -> None:
-    "Refuse contradictory options before any work: --plan with search options, a module both ignored and a unit, a mesh of another size than --world."
+    """Refuse contradictory options before any work: --plan with search options, a module both ignored and a unit, a
+    mesh of another size than --world."""
     import math
-    given = next((o for o, v in (("--world", args.world), ("--mesh", args.mesh), ("--unit", args.unit), ("--ignore", args.ignore),
-                                 ("--precision", args.precision), ("--accumulation", args.accumulation)) if v), None)
+    given = next(
+        (
+            o
+            for o, v in (
+                ("--world", args.world),
+                ("--mesh", args.mesh),
+                ("--unit", args.unit),
+                ("--ignore", args.ignore),
+                ("--precision", args.precision),
+                ("--accumulation", args.accumulation),
+            )
+            if v
+        ),
+        None,
+    )
     if args.plan and given:
-        raise UsageError(f"--plan with {given}: the plan has its own world, mesh, units, ignored modules, precision and "
-                         f"accumulation; drop {given}, or --plan to search")
+        raise UsageError(
+            f"--plan with {given}: the plan has its own world, mesh, units, ignored modules, precision and "
+            f"accumulation; drop {given}, or --plan to search"
+        )
     args.precision, args.accumulation = args.precision or "bf16", args.accumulation or 1
     both = sorted(set(args.ignore or ()) & set(args.unit or ()))
-    if both: raise UsageError(f"--ignore {both[0]} and --unit {both[0]}: a module cannot stay unsharded and be its own unit; give one")
+    if both:
+        raise UsageError(
+            f"--ignore {both[0]} and --unit {both[0]}: a module cannot stay unsharded and be its own unit; give one"
+        )
     args.world = args.world or (math.prod(args.mesh) if args.mesh else 8)
     if args.mesh is not None and math.prod(args.mesh) != args.world:
         raise UsageError(f"--mesh {'x'.join(map(str, args.mesh))} has {math.prod(args.mesh)} ranks but --world is "
@@ -123,7 +142,9 @@ def cmd_plan_fsdp(args) -> int:
     w = workload_of(args)
     prof = _fsdp_profile(args, w, given)
     rep = _fsdp_report(args, prof, given)
-    what = ("evaluated as given" if args.plan else f"searched {rep.evaluated} plans in {rep.seconds:.1f} s") + f"; profile: {prof.path}"
+    what = (
+        "evaluated as given" if args.plan else f"searched {rep.evaluated} plans in {rep.seconds:.1f} s"
+    ) + f"; profile: {prof.path}"
     print_markdown(f"**{w.source}** (batch {w.batch}, seq {w.seq}), world {rep.plan.world_size}, mesh "
                    f"{rep.plan.mesh_shape}, budget {fmt_bytes(args.budget)}: {what}\n\n" + rep.table())
     for k, v in rep.plan.reasons: print(f"- {k}: {v}")
@@ -155,7 +176,11 @@ def mesh_spec(shape: tuple, names: str | None):
     "MeshSpec with tp last; default names dp,tp (2-D), dp,fsdp,tp (3-D)."
     from static_dist.topology import MeshSpec
     default = {1: ("tp",), 2: ("dp", "tp"), 3: ("dp", "fsdp", "tp")}
-    nm = tuple(names.split(",")) if names else default.get(len(shape), tuple(f"d{i}" for i in range(len(shape) - 1)) + ("tp",))
+    nm = (
+        tuple(names.split(","))
+        if names
+        else default.get(len(shape), tuple(f"d{i}" for i in range(len(shape) - 1)) + ("tp",))
+    )
     try: return MeshSpec(tuple(shape), nm)
     except ValueError as e: raise UsageError(f"--mesh/--names: {e}") from None
 
@@ -168,8 +193,14 @@ def _placement_lines(rep: dict) -> list[str]:
     for k in ("seconds", "comm_bytes", "memory"):
         rows.append(f"{k:<26}{f['plan'][k]:<26.6g}{m.get('plan', {}).get(k, float('nan')):<12.6g}")
     if f.get("peak_bytes") is not None:                  # memory above is the linears' state; this is the whole rank's
-        mp = fmt_bytes(m["peak_bytes"]) + (" (fits)" if m["fits"] else " (over)") if m.get("peak_bytes") is not None else "—"
-        rows.append(f"{'peak per rank':<26}{fmt_bytes(f['peak_bytes']) + (' (fits)' if f['fits'] else ' (over)'):<26}{mp:<12}")
+        mp = (
+            fmt_bytes(m["peak_bytes"]) + (" (fits)" if m["fits"] else " (over)")
+            if m.get("peak_bytes") is not None
+            else "—"
+        )
+        rows.append(
+            f"{'peak per rank':<26}{fmt_bytes(f['peak_bytes']) + (' (fits)' if f['fits'] else ' (over)'):<26}{mp:<12}"
+        )
     return rows
 
 # %% ../../nbs/92_verbs.ipynb
@@ -225,14 +256,28 @@ def cmd_check_export(args) -> int:
     "`static-dist check-export`: the export pre-flight report; exit 0 clean, 1 problems found."
     from static_dist.export import ExportReport, check_export, rules_markdown
     if args.rules:
-        extra = next((o for o, v in (("--targets", args.targets), ("--baseline", args.baseline), ("--opset", args.opset),
-                                     ("--out", args.out)) if v is not None), None)
+        extra = next(
+            (
+                o
+                for o, v in (
+                    ("--targets", args.targets),
+                    ("--baseline", args.baseline),
+                    ("--opset", args.opset),
+                    ("--out", args.out),
+                )
+                if v is not None
+            ),
+            None,
+        )
         if extra: raise UsageError(f"--rules prints the rule table and checks nothing; drop {extra}")
         print(rules_markdown()); return 0
     args.out = args.out or Path("export-check")
-    targets = [t.strip() for t in ("onnx,torchscript,aoti" if args.targets is None else args.targets).split(",") if t.strip()]
+    targets = [
+        t.strip() for t in ("onnx,torchscript,aoti" if args.targets is None else args.targets).split(",") if t.strip()
+    ]
     bad = [t for t in targets if t not in ("onnx", "torchscript", "aoti")]
-    if bad or not targets: raise UsageError(f"--targets {args.targets!r}: use a comma-separated list of onnx, torchscript, aoti")
+    if bad or not targets:
+        raise UsageError(f"--targets {args.targets!r}: use a comma-separated list of onnx, torchscript, aoti")
     base = None
     if args.baseline:
         try: base = ExportReport.load(args.baseline)
@@ -243,7 +288,9 @@ def cmd_check_export(args) -> int:
     from static_dist.export import workload_case
     model, inputs, ds, flags = workload_case(w)
     with status(f"checking export of {w.source}"):
-        rep = check_export(model, inputs, targets=targets, dynamic_shapes=ds, flags=flags, opset=args.opset, name=w.source)
+        rep = check_export(
+            model, inputs, targets=targets, dynamic_shapes=ds, flags=flags, opset=args.opset, name=w.source
+        )
     rep.meta["dtype"] = w.dtype                    # what the model and its inputs were checked in (--dtype)
     diff = base.diff(rep) if base is not None else None
     with folder as stage:
@@ -263,7 +310,8 @@ def rewrite_case(model, inputs):
     from static_dist.export.source import quiet
     from static_dist.passes import rewrite_ops
     try:
-        with quiet(): ep = torch.export.export(model, inputs)      # torch logs the failing graph (48 lines) before raising
+        with quiet():
+            ep = torch.export.export(model, inputs)  # torch logs the failing graph (48 lines) before raising
     except Exception as e:
         raise UsageError(f"the model does not export ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
                          "`static-dist check-export` explains why") from None
@@ -281,7 +329,8 @@ def cmd_passes(args) -> int:
     print(json.dumps(dict(workload=w.describe(), **rep.to_dict()), indent=2))
     if args.trace:
         import tempfile
-        with tempfile.TemporaryDirectory() as d:        # the trace written whole, exclusively without --force, never over a device
+        # the trace written whole, exclusively without --force, never over a device
+        with tempfile.TemporaryDirectory() as d:
             trace = profile_nodes(new, *inputs).to_chrome_trace(Path(d) / "trace.json").read_bytes()
         print(f"wrote {atomic_write(args.trace, trace, force=args.force)}")
     return 0
@@ -292,7 +341,10 @@ def cmd_ops(args) -> int:
     from static_dist.ops import PATHS, REGISTRY, compat_matrix
     if args.ops_command == "list":
         for b in REGISTRY.values():
-            print(f"{b.name:34} cpu: {', '.join(b.kernels('cpu')):20} cuda: {', '.join(b.kernels('cuda')):25} {b.decl.doc}")
+            print(
+                f"{b.name:34} cpu: {', '.join(b.kernels('cpu')):20} cuda: {', '.join(b.kernels('cuda')):25} "
+                f"{b.decl.doc}"
+            )
         return 0
     if args.op not in REGISTRY and f"static_dist::{args.op}" not in REGISTRY:
         raise UsageError(f"unknown op {args.op!r}; bridged ops: {', '.join(b.short_name for b in REGISTRY.values())}")
@@ -310,9 +362,14 @@ def parse_fault(text: str):
     import re
     from static_dist.stability import Fault
     m = re.fullmatch(r"(\w+)@(\d+)(?:x(\d+))?", text)
-    if not m: raise UsageError(f"--fault {text!r}: write KIND@STEP or KIND@STEPxDURATION, e.g. lr_spike@100 or bad_batches@100x20")
+    if not m:
+        raise UsageError(
+            f"--fault {text!r}: write KIND@STEP or KIND@STEPxDURATION, e.g. lr_spike@100 or bad_batches@100x20"
+        )
     if len(m.group(2)) > 7 or len(m.group(3) or "") > 7:
-        raise UsageError(f"--fault {text[:40]!r}: a step or duration past 10**7, longer than any run (--steps is at most 10**6)")
+        raise UsageError(
+            f"--fault {text[:40]!r}: a step or duration past 10**7, longer than any run (--steps is at most 10**6)"
+        )
     try: return Fault(m.group(1), int(m.group(2)), duration=int(m.group(3) or 1))
     except ValueError as e: raise UsageError(f"--fault {text!r}: {e}") from None
 
@@ -322,28 +379,45 @@ def cmd_stability(args) -> int:
     from dataclasses import asdict
     from static_dist.stability import STRATEGIES, RunConfig, plot_run, run_stability
     if args.plot: check_writable(args.plot, force=args.force)
-    if args.strategy not in STRATEGIES: raise UsageError(f"--strategy {args.strategy!r}: choose one of {', '.join(STRATEGIES)}")
+    if args.strategy not in STRATEGIES:
+        raise UsageError(f"--strategy {args.strategy!r}: choose one of {', '.join(STRATEGIES)}")
     faults = [parse_fault(f) for f in args.fault]
     late = [f for f in faults if f.step >= args.steps]
     if late: raise UsageError(f"--fault at step {late[0].step} is past the end of the run (--steps {args.steps})")
     long = [f for f in faults if f.step + f.duration > args.steps]
     if long: raise UsageError(f"--fault {long[0].kind}@{long[0].step}x{long[0].duration} lasts past the end of the run "
                               f"(--steps {args.steps}); give a duration of at most {args.steps - long[0].step}")
-    if args.optimizer not in (None, "adamw"): raise UsageError(f"--optimizer {args.optimizer}: the stability runs train with adamw")
+    if args.optimizer not in (None, "adamw"):
+        raise UsageError(f"--optimizer {args.optimizer}: the stability runs train with adamw")
     if args.dtype not in (None, "float32"):
-        raise UsageError(f"--dtype {args.dtype}: the stability runs train in float32 (their configurations add bf16 autocast)")
+        raise UsageError(
+            f"--dtype {args.dtype}: the stability runs train in float32 (their configurations add bf16 autocast)"
+        )
     w = workload_of(args)                  # the same workload every verb reads: its batch, seq and checks
-    check_real_size(sum(p.numel() for p in w.build(device="meta").parameters()), f"{w.source} (the stability runs train it on CPU)")
+    check_real_size(
+        sum(p.numel() for p in w.build(device="meta").parameters()), f"{w.source} (the stability runs train it on CPU)"
+    )
     with status(f"capturing {w.source}") as update: peak = int(w.graph(progress=update).peak().bytes)
     check_memory(peak, f"a stability step of {w.source} (batch {w.batch}, seq {w.seq})", why="its fake capture's peak")
     try:
         cfg = RunConfig(model=args.model, steps=args.steps, lr=args.lr, seq_len=w.seq or 1, batch_size=w.batch)
         with status("clean run") as update:
-            clean, base = run_stability(cfg, "unmonitored", progress=update), run_stability(cfg, "unmonitored", faults, progress=update)
+            clean, base = (
+                run_stability(cfg, "unmonitored", progress=update),
+                run_stability(cfg, "unmonitored", faults, progress=update),
+            )
             run = run_stability(cfg, args.strategy, faults, progress=update)
     except ValueError as e: raise UsageError(str(e).rstrip(".")) from None
-    rows = [dict(step=r.step, alarms=list(r.alarms), action=r.action,
-                 localization=None if r.localization is None else asdict(r.localization)) for r in run.records if r.alarms]
+    rows = [
+        dict(
+            step=r.step,
+            alarms=list(r.alarms),
+            action=r.action,
+            localization=None if r.localization is None else asdict(r.localization),
+        )
+        for r in run.records
+        if r.alarms
+    ]
     out = dict(strategy=args.strategy, faults=[asdict(f) for f in run.faults], clean_loss=clean.eval_loss,
                unmitigated_loss=base.eval_loss, loss=run.eval_loss, alarms=rows)
     if args.plot:
@@ -358,64 +432,4 @@ def cmd_stability(args) -> int:
         loc = r["localization"]
         where = f" <- {loc['module'] or '(root)'} ({loc['phase']} {loc['tensor']}, {loc['kind']})" if loc else ""
         print(f"  step {r['step']}: {', '.join(r['alarms'])} -> {r['action']}{where}")
-    return 0
-
-# %% ../../nbs/92_verbs.ipynb
-def cmd_keygen(args) -> int:
-    "`static-dist keygen --out PREFIX`: PREFIX.key (private, mode 600) and PREFIX.pub (the umask's mode, 644 under 022)."
-    from static_dist.artifact import generate_key, key_id, private_key_bytes, public_key_bytes
-    priv, pub = args.out.with_name(args.out.name + ".key"), args.out.with_name(args.out.name + ".pub")
-    for p in (priv, pub): check_writable(p, force=args.force)
-    key = generate_key()
-    atomic_write(priv, private_key_bytes(key), force=args.force, mode=0o600)
-    atomic_write(pub, public_key_bytes(key), force=args.force)
-    print(f"key id {key_id(key)}: private key {priv} (keep secret), public key {pub} (give to verifiers)")
-    return 0
-
-# %% ../../nbs/92_verbs.ipynb
-def _meta(pairs) -> dict:
-    out = {}
-    for kv in pairs or ():
-        k, sep, v = kv.partition("=")
-        if not sep or not k: raise UsageError(f"--meta {kv!r}: write KEY=VALUE")
-        if k in out: raise UsageError(f"--meta {k} given twice ({out[k]!r} and {v!r}); give each key once")
-        out[k] = v
-    return out
-
-# %% ../../nbs/92_verbs.ipynb
-def cmd_sign(args) -> int:
-    "`static-dist sign PROGRAM --key KEY`: a device-bound, signed artifact (default PROGRAM.sdxa)."
-    from static_dist.artifact import (Fingerprint, check_exported_program, device_fingerprint, key_id, load_private_key,
-                                      policy_for, sign_payload)
-    out = args.out or args.program.with_suffix(".sdxa")
-    inputs = [args.program, args.key, args.device_json]
-    check_writable(out, force=args.force, inputs=inputs)
-    meta, key = _meta(args.meta), load_private_key(args.key)
-    device = Fingerprint.from_json(read_bounded(args.device_json, MAX_SMALL_BYTES, "--device-json")) if args.device_json else None
-    limit = policy_for(device or device_fingerprint()).max_payload_bytes      # the program: at most what the target accepts
-    payload = read_bounded(args.program, limit, "program")
-    check_exported_program(payload, str(args.program))
-    data = sign_payload(payload, signing_key=key, device=device, meta=meta)
-    atomic_write(out, data, force=args.force, inputs=inputs)
-    print(f"signed {args.program} with key {key_id(key)} -> {out}")
-    return 0
-
-# %% ../../nbs/92_verbs.ipynb
-def cmd_verify(args) -> int:
-    "`static-dist verify ARTIFACT --trusted-key PUB`: exit 0 verified, 1 rejected."
-    from static_dist.artifact import (ArtifactError, ArtifactFileError, ArtifactUsageError, load_artifact, load_trusted_keys,
-                                      verify_artifact)
-    sources = list(args.trusted_key or []) + list(args.trusted_keys or [])
-    if not sources: raise UsageError("no trusted keys: pass --trusted-key PUB.pem or --trusted-keys FILE (the artifact's "
-                                     "own claims are never trusted)")
-    trusted = load_trusted_keys(*sources)
-    try:
-        v = verify_artifact(args.artifact, trusted_keys=trusted)
-        if args.load: load_artifact(args.artifact, trusted_keys=trusted)
-    except (ArtifactFileError, ArtifactUsageError): raise          # bad input (exit 2), not a rejected artifact
-    except ArtifactError as e:
-        print(f"REJECTED ({type(e).__name__}): {e}", file=sys.stderr); return 1
-    fp = v.fingerprint
-    print(f"OK: {args.artifact} signed by {v.key_id}, built for {fp.device_model} ({fp.os}/{fp.arch}, torch {fp.torch}), "
-          f"payload {len(v.payload):,} bytes")
     return 0

@@ -27,7 +27,8 @@ __all__ = ['MAGIC', 'PROTOCOL_VERSION', 'SUPPORTED_VERSIONS', 'MAX_KEY_BYTES', '
 class ArtifactError(StaticDistError):
     "Base class: the artifact was rejected (nothing was deserialised), or the API was misused."
 class ArtifactUsageError(ArtifactError, InputError):
-    "A wrong argument to this module's functions (a type, None, a non-string meta value); the message says what to pass."
+    """A wrong argument to this module's functions (a type, None, a non-string meta value); the message says what to
+    pass."""
 class ArtifactFileError(ArtifactError):
     "The path cannot be read as an artifact: missing, not a regular file (a device, FIFO or directory), unreadable."
 class ArtifactKeyError(ArtifactError, ValueError):
@@ -37,7 +38,8 @@ class NotExportedProgramError(ArtifactUsageError):
 
 # %% ../../nbs/11a_artifact_keys.ipynb
 class ArtifactFormatError(ArtifactError):
-    "Not a well-formed artifact: truncated, not CBOR, not canonical CBOR, wrong structure or field types, trailing bytes."
+    """Not a well-formed artifact: truncated, not CBOR, not canonical CBOR, wrong structure or field types, trailing
+    bytes."""
 class BadMagicError(ArtifactError):
     "The file does not start with the static_dist artifact magic."
 class UnsupportedVersionError(ArtifactError):
@@ -64,7 +66,10 @@ def _require(module: str):
     "Import an optional dependency, or fail with the install hint."
     import importlib
     try: return importlib.import_module(module)
-    except ImportError as e: raise ImportError(f"`{module}` is needed for artifacts but is not installed; install the extra: {INSTALL_HINT}") from e
+    except ImportError as e:
+        raise ImportError(
+            f"`{module}` is needed for artifacts but is not installed; install the extra: {INSTALL_HINT}"
+        ) from e
 
 # %% ../../nbs/11a_artifact_keys.ipynb
 _FP_EXAMPLE = dict(device_type='cuda', device_model='NVIDIA H200', os='Linux', arch='x86_64', torch='2.13')
@@ -79,21 +84,30 @@ class Fingerprint:
     torch: str         # torch major.minor
     def __post_init__(self):
         for k, v in asdict(self).items():
-            if type(v) is not str: raise ArtifactUsageError(f"fingerprint field {k!r} must be a string (e.g. {_FP_EXAMPLE[k]!r}), found {v!r}")
+            if type(v) is not str:
+                raise ArtifactUsageError(
+                    f"fingerprint field {k!r} must be a string (e.g. {_FP_EXAMPLE[k]!r}), found {v!r}"
+                )
 
 # %% ../../nbs/11a_artifact_keys.ipynb
 @patch
 def mismatches(self: Fingerprint, other: Fingerprint) -> list[str]:
     "Fields that differ, as 'field: expected X, found Y' (self = artifact, other = this device)."
-    return [f"{k}: artifact built for {v!r}, this device has {getattr(other, k)!r}" for k, v in asdict(self).items() if getattr(other, k) != v]
+    return [
+        f"{k}: artifact built for {v!r}, this device has {getattr(other, k)!r}"
+        for k, v in asdict(self).items()
+        if getattr(other, k) != v
+    ]
 
 # %% ../../nbs/11a_artifact_keys.ipynb
 @patch(cls_method=True)
 def from_dict(cls: Fingerprint, d) -> Fingerprint:
     "From a dict with exactly the five string fields (e.g. a `--device-json` file)."
     if not isinstance(d, Mapping) or set(d) != set(_FP_EXAMPLE):
-        raise ArtifactUsageError(f"a device fingerprint is a JSON object with exactly the string fields {list(_FP_EXAMPLE)}, found "
-                                 f"{sorted(map(str, d)) if isinstance(d, Mapping) else type(d).__name__}")
+        raise ArtifactUsageError(
+            f"a device fingerprint is a JSON object with exactly the string fields {list(_FP_EXAMPLE)}, found "
+            f"{sorted(map(str, d)) if isinstance(d, Mapping) else type(d).__name__}"
+        )
     return cls(**d)
 
 @patch(cls_method=True)
@@ -116,14 +130,20 @@ def _cpu_model() -> str:
 def device_fingerprint(device: str | torch.device | None = None) -> Fingerprint:
     "Fingerprint of a device of this machine (default: the CPU)."
     if device is not None and not isinstance(device, (str, torch.device)):
-        raise ArtifactUsageError(f"device must be a Fingerprint, a device like 'cpu' or 'cuda:0', or None; found {type(device).__name__}")
+        raise ArtifactUsageError(
+            f"device must be a Fingerprint, a device like 'cpu' or 'cuda:0', or None; found {type(device).__name__}"
+        )
     try:
         d = torch.device(device or 'cpu')
         model = torch.cuda.get_device_name(d) if d.type == 'cuda' else _cpu_model()
     except (RuntimeError, AssertionError, ValueError) as e:
-        raise ArtifactUsageError(f"cannot fingerprint device {device!r} on this machine ({str(e).splitlines()[0][:100]}); pass a "
-                                 "Fingerprint of the target device instead") from None
-    return Fingerprint(d.type, model, platform.system(), platform.machine(), '.'.join(torch.__version__.split('+')[0].split('.')[:2]))
+        raise ArtifactUsageError(
+            f"cannot fingerprint device {device!r} on this machine ({str(e).splitlines()[0][:100]}); pass a "
+            "Fingerprint of the target device instead"
+        ) from None
+    return Fingerprint(
+        d.type, model, platform.system(), platform.machine(), '.'.join(torch.__version__.split('+')[0].split('.')[:2])
+    )
 
 def _fingerprint(device) -> Fingerprint:
     "A Fingerprint as given, or the fingerprint of a local device."
@@ -157,7 +177,10 @@ def policy_for(fp: Fingerprint, policy: Mapping | None = None) -> PlatformPolicy
     "The entry of `policy` for the fingerprint's platform (falls back to '*')."
     policy = DEFAULT_POLICY if policy is None else policy
     if not isinstance(policy, Mapping) or not all(isinstance(v, PlatformPolicy) for v in policy.values()):
-        raise ArtifactUsageError(f"policy must map (os, arch) or '*' to PlatformPolicy, found {type(policy).__name__}; pass None for the default")
+        raise ArtifactUsageError(
+            f"policy must map (os, arch) or '*' to PlatformPolicy, found {type(policy).__name__}; pass None for the "
+            "default"
+        )
     p = policy.get((fp.os, fp.arch), policy.get('*'))
     if p is None: raise PolicyError(f"no policy entry for platform {fp.os}/{fp.arch} and no '*' default")
     return p
@@ -181,7 +204,10 @@ def _public(key, what: str = 'key'):
     ed = _ed()
     if isinstance(key, ed.Ed25519PrivateKey): return key.public_key()
     if isinstance(key, ed.Ed25519PublicKey): return key
-    raise ArtifactUsageError(f"{what} must be an Ed25519 private or public key (from generate_key or load_private_key), found {type(key).__name__}")
+    raise ArtifactUsageError(
+        f"{what} must be an Ed25519 private or public key (from generate_key or load_private_key), found "
+        f"{type(key).__name__}"
+    )
 
 def key_id(key) -> str:
     "Id of a public (or private) key: hex of the first 16 bytes of SHA-256 of the raw public key."
@@ -192,7 +218,8 @@ def key_id(key) -> str:
 def private_key_bytes(key) -> bytes:
     "An Ed25519 private key as unencrypted PKCS#8 PEM."
     ser = _ser()
-    if not isinstance(key, _ed().Ed25519PrivateKey): raise ArtifactUsageError(f"key must be an Ed25519 private key, found {type(key).__name__}")
+    if not isinstance(key, _ed().Ed25519PrivateKey):
+        raise ArtifactUsageError(f"key must be an Ed25519 private key, found {type(key).__name__}")
     return key.private_bytes(ser.Encoding.PEM, ser.PrivateFormat.PKCS8, ser.NoEncryption())
 
 def public_key_bytes(key) -> bytes:
@@ -206,21 +233,27 @@ def save_private_key(key, path, *, force: bool = True) -> Path:
     return atomic_write(path, private_key_bytes(key), force=force, mode=0o600)
 
 def save_public_key(key, path, *, force: bool = True) -> Path:
-    "Write the public key (of a private or public key) as PEM, atomically, with the mode the umask gives (0644 under 022)."
+    """Write the public key (of a private or public key) as PEM, atomically, with the mode the umask gives (0644 under
+    022)."""
     return atomic_write(path, public_key_bytes(key), force=force)
 
 # %% ../../nbs/11a_artifact_keys.ipynb
 def _read_key_file(path, what: str) -> bytes:
     "The bytes of a key file (ArtifactKeyError naming it if it cannot be read)."
-    if not isinstance(path, (str, os.PathLike)): raise ArtifactUsageError(f"{what} must be a path, found {type(path).__name__}")
-    return read_bounded(path, MAX_KEY_BYTES, what, error=ArtifactKeyError)    # a key is ~120 bytes: never a 20 GB file, a FIFO
+    if not isinstance(path, (str, os.PathLike)):
+        raise ArtifactUsageError(f"{what} must be a path, found {type(path).__name__}")
+    return read_bounded(
+        path, MAX_KEY_BYTES, what, error=ArtifactKeyError
+    )  # a key is ~120 bytes: never a 20 GB file, a FIFO
 
 def load_private_key(path):
     "Read an Ed25519 private key from PEM (ArtifactKeyError with the path if it is not one)."
     data = _read_key_file(path, 'private key')
     try: key = _ser().load_pem_private_key(data, password=None)
-    except (ValueError, TypeError) as e: raise ArtifactKeyError(f"{path} is not an unencrypted PEM private key: {str(e).splitlines()[0]}") from None
-    if not isinstance(key, _ed().Ed25519PrivateKey): raise ArtifactKeyError(f"{path} holds a {type(key).__name__}, expected an Ed25519 key")
+    except (ValueError, TypeError) as e:
+        raise ArtifactKeyError(f"{path} is not an unencrypted PEM private key: {str(e).splitlines()[0]}") from None
+    if not isinstance(key, _ed().Ed25519PrivateKey):
+        raise ArtifactKeyError(f"{path} holds a {type(key).__name__}, expected an Ed25519 key")
     return key
 
 # %% ../../nbs/11a_artifact_keys.ipynb
@@ -233,9 +266,11 @@ def _pem_public_keys(path) -> list:
     keys = []
     for b in blocks:
         try: keys.append(_ser().load_pem_public_key(b))
-        except ValueError as e: raise ArtifactKeyError(f"{path}: a PEM block is not a valid public key: {str(e).splitlines()[0]}") from None
+        except ValueError as e:
+            raise ArtifactKeyError(f"{path}: a PEM block is not a valid public key: {str(e).splitlines()[0]}") from None
     for k in keys:
-        if not isinstance(k, _ed().Ed25519PublicKey): raise ArtifactKeyError(f"{path}: {type(k).__name__} is not an Ed25519 public key")
+        if not isinstance(k, _ed().Ed25519PublicKey):
+            raise ArtifactKeyError(f"{path}: {type(k).__name__} is not an Ed25519 public key")
     return keys
 
 # %% ../../nbs/11a_artifact_keys.ipynb
@@ -250,14 +285,20 @@ def load_trusted_keys(*sources) -> dict:
 
 # %% ../../nbs/11a_artifact_keys.ipynb
 def _trusted(trusted_keys) -> dict:
-    "The {key id: public key} a caller trusts, from any form `verify_artifact` takes; ArtifactUsageError for anything else."
+    """The {key id: public key} a caller trusts, from any form `verify_artifact` takes; ArtifactUsageError for anything
+    else."""
     if trusted_keys is None:
-        raise ArtifactUsageError("trusted_keys is None: pass the public keys you trust (keys, PEM paths, or load_trusted_keys(...)); "
-                                 "an artifact's own claims are never trusted")
+        raise ArtifactUsageError(
+            "trusted_keys is None: pass the public keys you trust (keys, PEM paths, or load_trusted_keys(...)); "
+            "an artifact's own claims are never trusted"
+        )
     if isinstance(trusted_keys, Mapping):
         for k, v in trusted_keys.items():
             if type(k) is not str or key_id(_public(v, 'a trusted key')) != k:
-                raise ArtifactUsageError(f"trusted_keys maps {k!r} to a key whose id is not {k!r}; build the map with load_trusted_keys")
+                raise ArtifactUsageError(
+                    f"trusted_keys maps {k!r} to a key whose id is not {k!r}; build the map with load_trusted_keys"
+                )
         return dict(trusted_keys)
-    if isinstance(trusted_keys, (str, os.PathLike, bytes)) or not isinstance(trusted_keys, Iterable): trusted_keys = [trusted_keys]
+    if isinstance(trusted_keys, (str, os.PathLike, bytes)) or not isinstance(trusted_keys, Iterable):
+        trusted_keys = [trusted_keys]
     return load_trusted_keys(*trusted_keys)

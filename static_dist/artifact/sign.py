@@ -10,8 +10,22 @@ from pathlib import Path
 from typing import Mapping
 import torch
 from ..files import atomic_write
-from .keys import (MAGIC, PROTOCOL_VERSION, _DOMAIN, ArtifactUsageError, Fingerprint, NotExportedProgramError,
-                                       PayloadTooLargeError, PlatformPolicy, PolicyError, _ed, _fingerprint, _require, key_id, policy_for)
+from static_dist.artifact.keys import (
+    MAGIC,
+    PROTOCOL_VERSION,
+    _DOMAIN,
+    ArtifactUsageError,
+    Fingerprint,
+    NotExportedProgramError,
+    PayloadTooLargeError,
+    PlatformPolicy,
+    PolicyError,
+    _ed,
+    _fingerprint,
+    _require,
+    key_id,
+    policy_for,
+)
 
 # %% auto 0
 __all__ = ['signed_message', 'sign_payload', 'check_exported_program', 'save_artifact']
@@ -21,6 +35,7 @@ def _cbor():
     "The cbor2 module (install hint if missing)."
     return _require('cbor2')
 
+# %% ../../nbs/11b_artifact_sign.ipynb
 def signed_message(version: int, header: bytes) -> bytes:
     "The bytes the Ed25519 signature covers."
     return _DOMAIN + MAGIC + struct.pack('>I', version) + header
@@ -29,37 +44,71 @@ def signed_message(version: int, header: bytes) -> bytes:
 def _check_meta(meta) -> dict:
     "`meta` as a dict of strings to strings (ArtifactUsageError naming the first other entry)."
     if meta is None: return {}
-    if not isinstance(meta, Mapping): raise ArtifactUsageError(f"meta must be a dict of strings to strings, found {type(meta).__name__}")
+    if not isinstance(meta, Mapping):
+        raise ArtifactUsageError(f"meta must be a dict of strings to strings, found {type(meta).__name__}")
     for k, v in meta.items():
         if type(k) is not str or type(v) is not str:
-            raise ArtifactUsageError(f"meta must map strings to strings; {k!r}: {v!r} is {type(k).__name__}: {type(v).__name__} (convert it with str())")
+            raise ArtifactUsageError(
+                f"meta must map strings to strings; {k!r}: {v!r} is {type(k).__name__}: {type(v).__name__} (convert it "
+                "with str())"
+            )
     return dict(meta)
 
 # %% ../../nbs/11b_artifact_sign.ipynb
 def _check_sign_args(payload, signing_key, version) -> None:
-    "ArtifactUsageError for a payload that is not bytes, a key that is not an Ed25519 private key, a version that is not an int."
-    if not isinstance(payload, (bytes, bytearray, memoryview)): raise ArtifactUsageError(f"payload must be bytes, found {type(payload).__name__}")
-    if not isinstance(signing_key, _ed().Ed25519PrivateKey): raise ArtifactUsageError(f"signing_key must be an Ed25519 private key (load_private_key), found {type(signing_key).__name__}")
+    """ArtifactUsageError for a payload that is not bytes, a key that is not an Ed25519 private key, a version that is
+    not an int."""
+    if not isinstance(payload, (bytes, bytearray, memoryview)):
+        raise ArtifactUsageError(f"payload must be bytes, found {type(payload).__name__}")
+    if not isinstance(signing_key, _ed().Ed25519PrivateKey):
+        raise ArtifactUsageError(
+            f"signing_key must be an Ed25519 private key (load_private_key), found {type(signing_key).__name__}"
+        )
     if type(version) is not int: raise ArtifactUsageError(f"version must be an int, found {type(version).__name__}")
 
+# %% ../../nbs/11b_artifact_sign.ipynb
 def _check_policy(pol: PlatformPolicy, fp: Fingerprint, version: int, size: int) -> None:
     "PolicyError if the target platform would refuse this version or payload size."
-    if version not in pol.accepted_versions: raise PolicyError(f"protocol version {version} is not accepted on {fp.os}/{fp.arch} (accepted: {sorted(pol.accepted_versions)})")
+    if version not in pol.accepted_versions:
+        raise PolicyError(
+            f"protocol version {version} is not accepted on {fp.os}/{fp.arch} (accepted: "
+            f"{sorted(pol.accepted_versions)})"
+        )
     if size > pol.max_payload_bytes:
-        raise PayloadTooLargeError(f"payload is {size:,} bytes; the {fp.os}/{fp.arch} policy allows at most {pol.max_payload_bytes:,}")
+        raise PayloadTooLargeError(
+            f"payload is {size:,} bytes; the {fp.os}/{fp.arch} policy allows at most {pol.max_payload_bytes:,}"
+        )
 
 # %% ../../nbs/11b_artifact_sign.ipynb
 def _header_bytes(version: int, fp: Fingerprint, payload: bytes, kid: str, meta: dict) -> bytes:
-    "The canonical CBOR header: format, protocol, fingerprint, payload digest and size, key id, creation time, metadata."
-    return _cbor().dumps({'format': 'static_dist.artifact', 'protocol': version, 'fingerprint': asdict(fp),
-                          'payload_sha256': hashlib.sha256(payload).digest(), 'payload_size': len(payload), 'key_id': kid,
-                          'created': datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds'),
-                          'meta': meta}, canonical=True)
+    """The canonical CBOR header: format, protocol, fingerprint, payload digest and size, key id, creation time,
+    metadata."""
+    return _cbor().dumps(
+        {
+            'format': 'static_dist.artifact',
+            'protocol': version,
+            'fingerprint': asdict(fp),
+            'payload_sha256': hashlib.sha256(payload).digest(),
+            'payload_size': len(payload),
+            'key_id': kid,
+            'created': datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds'),
+            'meta': meta,
+        },
+        canonical=True,
+    )
 
 # %% ../../nbs/11b_artifact_sign.ipynb
-def sign_payload(payload: bytes, *, signing_key, device: Fingerprint | str | torch.device | None = None,
-                 policy: Mapping | None = None, meta: Mapping[str, str] | None = None, version: int = PROTOCOL_VERSION) -> bytes:
-    "Artifact bytes for `payload`, bound to `device` (a Fingerprint, or a local device; default this CPU), signed with `signing_key`."
+def sign_payload(
+    payload: bytes,
+    *,
+    signing_key,
+    device: Fingerprint | str | torch.device | None = None,
+    policy: Mapping | None = None,
+    meta: Mapping[str, str] | None = None,
+    version: int = PROTOCOL_VERSION,
+) -> bytes:
+    """Artifact bytes for `payload`, bound to `device` (a Fingerprint, or a local device; default this CPU), signed with
+    `signing_key`."""
     cbor2 = _cbor()
     _check_sign_args(payload, signing_key, version)
     meta, payload = _check_meta(meta), bytes(payload)
@@ -67,19 +116,25 @@ def sign_payload(payload: bytes, *, signing_key, device: Fingerprint | str | tor
     _check_policy(policy_for(fp, policy), fp, version, len(payload))
     kid = key_id(signing_key)
     header = _header_bytes(version, fp, payload, kid, meta)
-    return cbor2.dumps([MAGIC, version, header, payload, kid, signing_key.sign(signed_message(version, header))], canonical=True)
+    return cbor2.dumps(
+        [MAGIC, version, header, payload, kid, signing_key.sign(signed_message(version, header))], canonical=True
+    )
 
 # %% ../../nbs/11b_artifact_sign.ipynb
 _MEMBER_MAX = 64   # bytes of the one member sign reads: archive_format holds 'pt2'
 
 def _member(z, member: str, name: str) -> bytes:
-    "Member `member` of zip `z`, refused (NotExportedProgramError) when its declared or its inflated size passes `_MEMBER_MAX`."
+    """Member `member` of zip `z`, refused (NotExportedProgramError) when its declared or its inflated size passes
+    `_MEMBER_MAX`."""
     info = z.getinfo(member)
     if info.file_size > _MEMBER_MAX:
-        raise NotExportedProgramError(f"{name}: {member} declares {info.file_size:,} bytes inflated, more than the {_MEMBER_MAX} "
-                                      "a torch.export.save archive has there; not read")
+        raise NotExportedProgramError(
+            f"{name}: {member} declares {info.file_size:,} bytes inflated, more than the {_MEMBER_MAX} "
+            "a torch.export.save archive has there; not read"
+        )
     with z.open(info) as f: data = f.read(_MEMBER_MAX + 1)        # what it really inflates to, read no further
-    if len(data) > _MEMBER_MAX: raise NotExportedProgramError(f"{name}: {member} inflates past {_MEMBER_MAX} bytes; not read")
+    if len(data) > _MEMBER_MAX:
+        raise NotExportedProgramError(f"{name}: {member} inflates past {_MEMBER_MAX} bytes; not read")
     return data
 
 # %% ../../nbs/11b_artifact_sign.ipynb
@@ -91,23 +146,38 @@ def _archive_layout(payload: bytes, name: str) -> tuple[list[str], str | None, b
             names = z.namelist()
             roots = {n.split('/', 1)[0] for n in names}
             root = roots.pop() if len(roots) == 1 else None
-            return names, root, _member(z, f'{root}/archive_format', name) if root and f'{root}/archive_format' in names else None
+            return (
+                names,
+                root,
+                _member(z, f'{root}/archive_format', name) if root and f'{root}/archive_format' in names else None,
+            )
     except (zipfile.BadZipFile, OSError, ValueError, EOFError, RuntimeError, NotImplementedError) as e:
-        raise NotExportedProgramError(f"{name} is not a torch.export.save archive (not a readable zip: {e}); save one with torch.export.save(ep, path)") from None
+        raise NotExportedProgramError(
+            f"{name} is not a torch.export.save archive (not a readable zip: {e}); save one with torch.export.save(ep, "
+            "path)"
+        ) from None
 
+# %% ../../nbs/11b_artifact_sign.ipynb
 def check_exported_program(payload: bytes, name: str = 'the payload') -> None:
-    "Refuse (NotExportedProgramError) bytes that are not a `torch.export.save` archive: a zip with `<root>/archive_format` = 'pt2' and a `<root>/models/*.json`."
+    """Refuse (NotExportedProgramError) bytes that are not a `torch.export.save` archive: a zip with
+    `<root>/archive_format` = 'pt2' and a `<root>/models/*.json`."""
     names, root, fmt = _archive_layout(payload, name)
     if fmt != b'pt2' or not any(n.startswith(f'{root}/models/') and n.endswith('.json') for n in names):
-        raise NotExportedProgramError(f"{name} is a zip but not a torch.export.save archive (no archive_format 'pt2' and models/*.json "
-                                      "under one root folder); save one with torch.export.save(ep, path)")
+        raise NotExportedProgramError(
+            f"{name} is a zip but not a torch.export.save archive (no archive_format 'pt2' and models/*.json "
+            "under one root folder); save one with torch.export.save(ep, path)"
+        )
 
 # %% ../../nbs/11b_artifact_sign.ipynb
 def save_artifact(exported_program, path, *, signing_key, policy: Mapping | None = None, device=None,
                   meta: Mapping[str, str] | None = None, force: bool = True) -> Path:
-    "Write `exported_program` as a signed, device-bound artifact at `path`, atomically (`force=False` refuses to replace a file)."
+    """Write `exported_program` as a signed, device-bound artifact at `path`, atomically (`force=False` refuses to
+    replace a file)."""
     if not isinstance(exported_program, torch.export.ExportedProgram):
-        raise ArtifactUsageError(f"exported_program must be a torch.export.ExportedProgram (from torch.export.export), found {type(exported_program).__name__}")
+        raise ArtifactUsageError(
+            "exported_program must be a torch.export.ExportedProgram (from torch.export.export), found "
+            f"{type(exported_program).__name__}"
+        )
     buf = io.BytesIO()
     torch.export.save(exported_program, buf)
     data = sign_payload(buf.getvalue(), signing_key=signing_key, device=device, policy=policy, meta=meta)

@@ -10,10 +10,27 @@ from pathlib import Path
 from typing import Mapping
 import torch
 from ..files import read_bounded
-from .keys import (MAGIC, SUPPORTED_VERSIONS, _HEADER_MAX, ArtifactFileError, ArtifactFormatError, ArtifactUsageError,
-                                       BadMagicError, DeserializationError, DeviceMismatchError, DigestMismatchError, Fingerprint,
-                                       PayloadTooLargeError, PlatformPolicy, SignatureError, UnsupportedVersionError, UntrustedKeyError,
-                                       _fingerprint, _trusted, policy_for)
+from static_dist.artifact.keys import (
+    MAGIC,
+    SUPPORTED_VERSIONS,
+    _HEADER_MAX,
+    ArtifactFileError,
+    ArtifactFormatError,
+    ArtifactUsageError,
+    BadMagicError,
+    DeserializationError,
+    DeviceMismatchError,
+    DigestMismatchError,
+    Fingerprint,
+    PayloadTooLargeError,
+    PlatformPolicy,
+    SignatureError,
+    UnsupportedVersionError,
+    UntrustedKeyError,
+    _fingerprint,
+    _trusted,
+    policy_for,
+)
 from .sign import _cbor, signed_message
 
 # %% auto 0
@@ -21,15 +38,19 @@ __all__ = ['VerifiedArtifact', 'verify_artifact', 'load_artifact']
 
 # %% ../../nbs/11c_artifact_verify.ipynb
 def _head(data: bytes, i: int) -> tuple[int, int, int]:
-    "(major type, argument, next index) of the CBOR head at `data[i]`; ArtifactFormatError if it is indefinite or not minimal."
+    """(major type, argument, next index) of the CBOR head at `data[i]`; ArtifactFormatError if it is indefinite or not
+    minimal."""
     mt, ai = data[i] >> 5, data[i] & 31
     if ai < 24: return mt, ai, i + 1
-    if ai == 31: raise ArtifactFormatError(f"indefinite-length CBOR item at byte {i}; artifacts use definite lengths only")
+    if ai == 31:
+        raise ArtifactFormatError(f"indefinite-length CBOR item at byte {i}; artifacts use definite lengths only")
     if ai > 27: raise ArtifactFormatError(f"reserved CBOR head 0x{data[i]:02x} at byte {i}")
     n = 1 << (ai - 24)
     arg = int.from_bytes(data[i + 1:i + 1 + n], 'big')
     if mt != 7 and arg < (24 if n == 1 else 1 << (4 * n)):
-        raise ArtifactFormatError(f"non-minimal CBOR encoding at byte {i} ({arg} in {n} bytes); artifacts use the shortest form")
+        raise ArtifactFormatError(
+            f"non-minimal CBOR encoding at byte {i} ({arg} in {n} bytes); artifacts use the shortest form"
+        )
     return mt, arg, i + 1 + n
 
 # %% ../../nbs/11c_artifact_verify.ipynb
@@ -38,6 +59,7 @@ def _shown(raw: bytes) -> str:
     try: return repr(_cbor().loads(bytes(raw)))[:40]
     except Exception: return bytes(raw[:20]).hex()
 
+# %% ../../nbs/11c_artifact_verify.ipynb
 def _canonical_walk(data: bytes, i: int = 0) -> int:
     "Index after the item at `i`, checking every head (definite, minimal) and that no map repeats a key."
     mt, arg, j = _head(data, i)
@@ -48,7 +70,10 @@ def _canonical_walk(data: bytes, i: int = 0) -> int:
         seen = set()
         for _ in range(arg):
             k = j; j = _canonical_walk(data, j)
-            if data[k:j] in seen: raise ArtifactFormatError(f"duplicate CBOR map key {_shown(data[k:j])} at byte {k}; keys must be unique")
+            if data[k:j] in seen:
+                raise ArtifactFormatError(
+                    f"duplicate CBOR map key {_shown(data[k:j])} at byte {k}; keys must be unique"
+                )
             seen.add(data[k:j]); j = _canonical_walk(data, j)
     elif mt == 6: j = _canonical_walk(data, j)
     return j
@@ -64,6 +89,7 @@ class _SameBytes:
         self.pos += n
         return n
 
+# %% ../../nbs/11c_artifact_verify.ipynb
 def _is_canonical(obj, data: bytes) -> bool:
     "Does cbor2's canonical encoding of `obj` give exactly `data`?"
     out = _SameBytes(data)
@@ -73,7 +99,8 @@ def _is_canonical(obj, data: bytes) -> bool:
 
 # %% ../../nbs/11c_artifact_verify.ipynb
 def _read_bounded(path, limit: int, why: str) -> bytes:
-    "The bytes of the regular file `path`, at most `limit` of them: never a device, FIFO or folder, never an unbounded read."
+    """The bytes of the regular file `path`, at most `limit` of them: never a device, FIFO or folder, never an unbounded
+    read."""
     try: return read_bounded(path, limit, "artifact", error=ArtifactFileError, too_big=PayloadTooLargeError)
     except PayloadTooLargeError as e: raise PayloadTooLargeError(f"{e}; {why}") from None
 
@@ -84,24 +111,41 @@ def _decode_one(data: bytes, what: str):
     try:
         fp = io.BytesIO(data)
         obj = cbor2.CBORDecoder(fp, max_depth=16).decode()
-    except Exception as e:  # the decoder raises many types on hostile input (ValueError, OverflowError, RecursionError, ...)
-        raise ArtifactFormatError(f"{what} is not valid CBOR ({type(e).__name__}: {str(e)[:120]}); the file is truncated or corrupt") from None
-    if fp.tell() != len(data): raise ArtifactFormatError(f"{what} has {len(data) - fp.tell()} trailing bytes after the CBOR item; expected none")
+    # the decoder raises many types on hostile input (ValueError, OverflowError, RecursionError, ...)
+    except Exception as e:
+        raise ArtifactFormatError(
+            f"{what} is not valid CBOR ({type(e).__name__}: {str(e)[:120]}); the file is truncated or corrupt"
+        ) from None
+    if fp.tell() != len(data):
+        raise ArtifactFormatError(
+            f"{what} has {len(data) - fp.tell()} trailing bytes after the CBOR item; expected none"
+        )
     try: _canonical_walk(data)
     except ArtifactFormatError as e: raise ArtifactFormatError(f"{what} is not canonical CBOR: {e}") from None
     if not _is_canonical(obj, data):
-        raise ArtifactFormatError(f"{what} is not canonical CBOR: re-encoded canonically it differs (key order, float or tag "
-                                  "forms), so these are not the bytes that were signed")
+        raise ArtifactFormatError(
+            f"{what} is not canonical CBOR: re-encoded canonically it differs (key order, float or tag "
+            "forms), so these are not the bytes that were signed"
+        )
     return obj
 
+# %% ../../nbs/11c_artifact_verify.ipynb
 def _expect(cond: bool, msg: str):
     "ArtifactFormatError(msg) unless `cond`."
     if not cond: raise ArtifactFormatError(msg)
 
 # %% ../../nbs/11c_artifact_verify.ipynb
 _FP_FIELDS = tuple(Fingerprint.__dataclass_fields__)
-_HEADER_TYPES = {'format': str, 'protocol': int, 'fingerprint': dict, 'payload_sha256': bytes, 'payload_size': int, 'key_id': str,
-                 'created': str, 'meta': dict}
+_HEADER_TYPES = {
+    'format': str,
+    'protocol': int,
+    'fingerprint': dict,
+    'payload_sha256': bytes,
+    'payload_size': int,
+    'key_id': str,
+    'created': str,
+    'meta': dict,
+}
 
 def _parse_header(raw: bytes) -> dict:
     "The decoded header, every field present, known and of its type (ArtifactFormatError otherwise)."
@@ -109,12 +153,20 @@ def _parse_header(raw: bytes) -> dict:
     _expect(isinstance(h, dict), f"header must be a CBOR map, found {type(h).__name__}")
     missing = sorted(set(_HEADER_TYPES) - set(h)); extra = sorted(map(str, set(h) - set(_HEADER_TYPES)))
     _expect(not missing and not extra, f"header fields: missing {missing}, unexpected {extra}")
-    for k, t in _HEADER_TYPES.items(): _expect(type(h[k]) is t, f"header field {k!r} must be {t.__name__}, found {type(h[k]).__name__}")
-    _expect(h['format'] == 'static_dist.artifact', f"header format must be 'static_dist.artifact', found {h['format']!r}")
+    for k, t in _HEADER_TYPES.items():
+        _expect(type(h[k]) is t, f"header field {k!r} must be {t.__name__}, found {type(h[k]).__name__}")
+    _expect(
+        h['format'] == 'static_dist.artifact', f"header format must be 'static_dist.artifact', found {h['format']!r}"
+    )
     f = h['fingerprint']
-    _expect(set(f) == set(_FP_FIELDS) and all(type(v) is str for v in f.values()), f"fingerprint must have string fields {list(_FP_FIELDS)}, found {sorted(map(str, f))}")
+    _expect(
+        set(f) == set(_FP_FIELDS) and all(type(v) is str for v in f.values()),
+        f"fingerprint must have string fields {list(_FP_FIELDS)}, found {sorted(map(str, f))}",
+    )
     _expect(len(h['payload_sha256']) == 32, f"payload_sha256 must be 32 bytes, found {len(h['payload_sha256'])}")
-    _expect(all(type(k) is str and type(v) is str for k, v in h['meta'].items()), "header meta must map strings to strings")
+    _expect(
+        all(type(k) is str and type(v) is str for k, v in h['meta'].items()), "header meta must map strings to strings"
+    )
     _expect(h['payload_size'] >= 0, f"payload_size must be >= 0, found {h['payload_size']}")
     return h
 
@@ -134,38 +186,68 @@ def _artifact_bytes(data, here: Fingerprint, pol: PlatformPolicy) -> bytes:
 def _parse_top(data: bytes) -> tuple[int, bytes, bytes, str, bytes]:
     "(version, raw header, payload, key id, signature) of the artifact, after structure, magic and version checks."
     top = _decode_one(data, 'the artifact')
-    _expect(isinstance(top, list) and len(top) == 6, f"an artifact is a CBOR array of 6 items, found {type(top).__name__}{f' of {len(top)}' if isinstance(top, list) else ''}")
+    _expect(
+        isinstance(top, list) and len(top) == 6,
+        "an artifact is a CBOR array of 6 items, found "
+        f"{type(top).__name__}{f' of {len(top)}' if isinstance(top, list) else ''}",
+    )
     magic, version, raw_header, payload, kid, sig = top
     if magic != MAGIC: raise BadMagicError(f"magic is {magic!r}; expected {MAGIC!r}: not a static_dist artifact")
     _expect(type(version) is int, f"protocol version must be an int, found {type(version).__name__}")
-    if version not in SUPPORTED_VERSIONS: raise UnsupportedVersionError(f"protocol version {version}; this loader supports {sorted(SUPPORTED_VERSIONS)}")
-    for v, t, n in ((raw_header, bytes, 'header'), (payload, bytes, 'payload'), (kid, str, 'key id'), (sig, bytes, 'signature')):
+    if version not in SUPPORTED_VERSIONS:
+        raise UnsupportedVersionError(f"protocol version {version}; this loader supports {sorted(SUPPORTED_VERSIONS)}")
+    for v, t, n in (
+        (raw_header, bytes, 'header'),
+        (payload, bytes, 'payload'),
+        (kid, str, 'key id'),
+        (sig, bytes, 'signature'),
+    ):
         _expect(type(v) is t, f"{n} must be {t.__name__}, found {type(v).__name__}")
     return version, raw_header, payload, kid, sig
 
 # %% ../../nbs/11c_artifact_verify.ipynb
 def _check_device_policy(header: dict, version: int, payload: bytes, here: Fingerprint, pol: PlatformPolicy) -> None:
-    "DeviceMismatchError, SignatureError, UnsupportedVersionError or PayloadTooLargeError if the header does not fit this device."
+    """DeviceMismatchError, SignatureError, UnsupportedVersionError or PayloadTooLargeError if the header does not fit
+    this device."""
     fp = Fingerprint(**header['fingerprint'])
     if (bad := fp.mismatches(here)): raise DeviceMismatchError('; '.join(bad))
-    if header['protocol'] != version: raise SignatureError(f"unsigned protocol version {version} disagrees with the header's {header['protocol']}")
-    if version not in pol.accepted_versions: raise UnsupportedVersionError(f"protocol version {version} is not accepted on {here.os}/{here.arch} (policy accepts {sorted(pol.accepted_versions)})")
+    if header['protocol'] != version:
+        raise SignatureError(f"unsigned protocol version {version} disagrees with the header's {header['protocol']}")
+    if version not in pol.accepted_versions:
+        raise UnsupportedVersionError(
+            f"protocol version {version} is not accepted on {here.os}/{here.arch} (policy accepts "
+            f"{sorted(pol.accepted_versions)})"
+        )
     if header['payload_size'] > pol.max_payload_bytes or len(payload) > pol.max_payload_bytes:
-        raise PayloadTooLargeError(f"payload is {max(header['payload_size'], len(payload)):,} bytes; the {here.os}/{here.arch} policy allows at most {pol.max_payload_bytes:,}")
+        raise PayloadTooLargeError(
+            f"payload is {max(header['payload_size'], len(payload)):,} bytes; the {here.os}/{here.arch} policy allows "
+            f"at most {pol.max_payload_bytes:,}"
+        )
 
 # %% ../../nbs/11c_artifact_verify.ipynb
 def _check_signature(trusted: dict, kid: str, header: dict, sig: bytes, version: int, raw_header: bytes) -> None:
     "SignatureError or UntrustedKeyError unless a trusted key signed this header."
-    if kid != header['key_id']: raise SignatureError(f"unsigned key id {kid} disagrees with the signed header's {header['key_id']}")
-    if kid not in trusted: raise UntrustedKeyError(f"signed by key {kid}, which is not trusted; trusted: {sorted(trusted) or 'none'}")
+    if kid != header['key_id']:
+        raise SignatureError(f"unsigned key id {kid} disagrees with the signed header's {header['key_id']}")
+    if kid not in trusted:
+        raise UntrustedKeyError(f"signed by key {kid}, which is not trusted; trusted: {sorted(trusted) or 'none'}")
     try: trusted[kid].verify(sig, signed_message(version, raw_header))
-    except Exception: raise SignatureError(f"the signature does not verify with trusted key {kid}: the header or signature was modified") from None
+    except Exception:
+        raise SignatureError(
+            f"the signature does not verify with trusted key {kid}: the header or signature was modified"
+        ) from None
 
+# %% ../../nbs/11c_artifact_verify.ipynb
 def _check_digest(header: dict, payload: bytes) -> None:
     "DigestMismatchError unless the payload has the signed size and SHA-256."
-    if len(payload) != header['payload_size']: raise DigestMismatchError(f"payload is {len(payload):,} bytes; the signed header says {header['payload_size']:,}")
+    if len(payload) != header['payload_size']:
+        raise DigestMismatchError(
+            f"payload is {len(payload):,} bytes; the signed header says {header['payload_size']:,}"
+        )
     if (dg := hashlib.sha256(payload).digest()) != header['payload_sha256']:
-        raise DigestMismatchError(f"payload SHA-256 is {dg.hex()[:16]}…; the signed header says {header['payload_sha256'].hex()[:16]}…")
+        raise DigestMismatchError(
+            f"payload SHA-256 is {dg.hex()[:16]}…; the signed header says {header['payload_sha256'].hex()[:16]}…"
+        )
 
 # %% ../../nbs/11c_artifact_verify.ipynb
 @dataclass(frozen=True)
@@ -180,7 +262,9 @@ class VerifiedArtifact:
     def key_id(self) -> str: return self.header['key_id']
 
 # %% ../../nbs/11c_artifact_verify.ipynb
-def verify_artifact(data: bytes | str | os.PathLike, *, trusted_keys, device=None, policy: Mapping | None = None) -> VerifiedArtifact:
+def verify_artifact(
+    data: bytes | str | os.PathLike, *, trusted_keys, device=None, policy: Mapping | None = None
+) -> VerifiedArtifact:
     "Run every check on artifact bytes (or a path), in order; raise the first failure's ArtifactError subclass."
     trusted = _trusted(trusted_keys)
     here = _fingerprint(device)
@@ -199,5 +283,9 @@ def load_artifact(path, *, trusted_keys, device=None, policy: Mapping | None = N
     log = logging.getLogger('torch.export'); prev = log.level
     log.setLevel(logging.CRITICAL)   # torch.export.load logs the traceback before raising: the error below says it once
     try: return torch.export.load(io.BytesIO(v.payload))
-    except Exception as e: raise DeserializationError(f"the verified payload is not a torch.export archive this torch can read ({type(e).__name__}: {str(e)[:160]})") from None
+    except Exception as e:
+        raise DeserializationError(
+            f"the verified payload is not a torch.export archive this torch can read ({type(e).__name__}: "
+            f"{str(e)[:160]})"
+        ) from None
     finally: log.setLevel(prev)

@@ -30,11 +30,16 @@ def _repeated_units(model: nn.Module, plan: FSDPPlan | None) -> list[str]:
 
 # %% ../../nbs/42b_compile_apply.ipynb
 def compile_targets(model: nn.Module, plan: FSDPPlan | None, blocks: Sequence[str] | None = None) -> tuple[str, ...]:
-    "FQNs to compile: `blocks`, else the plan's units that repeat one class, else the model's repeated blocks (`find_structure`), else the plan's units."
+    """FQNs to compile: `blocks`, else the plan's units that repeat one class, else the model's repeated blocks
+    (`find_structure`), else the plan's units."""
     mods = dict(model.named_modules())
     if blocks is not None:
         bad = [b for b in blocks if b not in mods]
-        if bad: raise CompileError(f"CompileOptions.blocks names {bad}, which this model does not have: use module FQNs such as {next(iter(n for n in mods if n), '')!r}.")
+        if bad:
+            raise CompileError(
+                f"CompileOptions.blocks names {bad}, which this model does not have: use module FQNs such as "
+                f"{next(iter(n for n in mods if n), '')!r}."
+            )
         return tuple(blocks)
     rep = _repeated_units(model, plan)
     if rep: return tuple(rep)
@@ -43,7 +48,9 @@ def compile_targets(model: nn.Module, plan: FSDPPlan | None, blocks: Sequence[st
     return tuple(main.blocks) if main is not None else tuple(u.module for u in plan.units if u.module)
 
 # %% ../../nbs/42b_compile_apply.ipynb
-def block_inputs(model: nn.Module, names: Sequence[str], example_inputs: tuple, example_kwargs: dict | None = None) -> dict:
+def block_inputs(
+    model: nn.Module, names: Sequence[str], example_inputs: tuple, example_kwargs: dict | None = None
+) -> dict:
     "The (args, kwargs) each module in `names` receives on its first call in one no-grad forward of `model`."
     mods = dict(model.named_modules())
     seen, hs = {}, []
@@ -66,15 +73,21 @@ def _break_line(br) -> str:
 
 # %% ../../nbs/42b_compile_apply.ipynb
 def check_block(module: nn.Module, name: str, args: tuple, kwargs: dict | None = None) -> BlockChoice:
-    "Explain `module` on its example input (resets Dynamo's caches): fullgraph when Dynamo finds one graph, else a named fallback."
+    """Explain `module` on its example input (resets Dynamo's caches): fullgraph when Dynamo finds one graph, else a
+    named fallback."""
     torch._dynamo.reset()
     with torch.no_grad(): ex = torch._dynamo.explain(module)(*args, **(kwargs or {}))
     torch._dynamo.reset()
     brs = tuple(dict.fromkeys(_break_line(b) for b in ex.break_reasons))
     if ex.graph_break_count == 0:
         return BlockChoice(name, True, 0, (), "one graph on the example input")
-    return BlockChoice(name, False, ex.graph_break_count, brs,
-                       f"{ex.graph_break_count} graph break(s): compiled without fullgraph; rewrite the break to get one graph")
+    return BlockChoice(
+        name,
+        False,
+        ex.graph_break_count,
+        brs,
+        f"{ex.graph_break_count} graph break(s): compiled without fullgraph; rewrite the break to get one graph",
+    )
 
 # %% ../../nbs/42b_compile_apply.ipynb
 def _inductor_config() -> dict:
@@ -132,7 +145,9 @@ def _backward_prefetch_knob(model: nn.Module, mods: dict, plan: FSDPPlan) -> Kno
                           bool(bp) and max(bp.values()) == want, "set_modules_to_backward_prefetch on each unit")
     if plan.backward_prefetch == 1:
         return KnobChoice("fsdp.backward_prefetch", 1, 1, not bp, "FSDP2's implicit default: one unit ahead")
-    return KnobChoice("fsdp.backward_prefetch", 0, 1, False, "FSDP2 always prefetches one unit in backward: 0 cannot be expressed")
+    return KnobChoice(
+        "fsdp.backward_prefetch", 0, 1, False, "FSDP2 always prefetches one unit in backward: 0 cannot be expressed"
+    )
 
 # %% ../../nbs/42b_compile_apply.ipynb
 def _reshard_knob(mods: dict, plan: FSDPPlan) -> KnobChoice:
@@ -143,8 +158,13 @@ def _reshard_knob(mods: dict, plan: FSDPPlan) -> KnobChoice:
         if pg is None or not u.module: continue
         keep = pg.post_forward_mesh_info is None
         if keep != (u.reshard_after_forward is False): bad.append(u.module)
-    return KnobChoice("fsdp.reshard_after_forward", {u.module: u.reshard_after_forward for u in plan.units if u.module},
-                      "as planned" if not bad else f"differs on {bad}", not bad, "read back from each unit's post-forward mesh")
+    return KnobChoice(
+        "fsdp.reshard_after_forward",
+        {u.module: u.reshard_after_forward for u in plan.units if u.module},
+        "as planned" if not bad else f"differs on {bad}",
+        not bad,
+        "read back from each unit's post-forward mesh",
+    )
 
 # %% ../../nbs/42b_compile_apply.ipynb
 def fsdp_knobs(model: nn.Module, plan: FSDPPlan) -> tuple[KnobChoice, ...]:
@@ -158,7 +178,10 @@ def _collective_nodes(gm) -> int:
     "Collective calls in an FX graph (c10d / functional collectives)."
     n = 0
     for node in gm.graph.nodes:
-        if node.op == "call_function" and re.search(r"c10d|all_gather|reduce_scatter|all_reduce|all_to_all", str(node.target)): n += 1
+        if node.op == "call_function" and re.search(
+            r"c10d|all_gather|reduce_scatter|all_reduce|all_to_all", str(node.target)
+        ):
+            n += 1
     return n
 
 # %% ../../nbs/42b_compile_apply.ipynb
@@ -191,7 +214,9 @@ class _Compiled:
 # %% ../../nbs/42b_compile_apply.ipynb
 def _block_choices(model, targets, opts: CompileOptions, example_inputs, example_kwargs, say) -> list[BlockChoice]:
     "One `BlockChoice` per target: explained on its example input when there is one."
-    ins = block_inputs(model, targets, example_inputs, example_kwargs) if (targets and example_inputs is not None) else {}
+    ins = (
+        block_inputs(model, targets, example_inputs, example_kwargs) if (targets and example_inputs is not None) else {}
+    )
     mods = dict(model.named_modules())
     out = []
     for n in targets:
@@ -200,22 +225,29 @@ def _block_choices(model, targets, opts: CompileOptions, example_inputs, example
             say(f"explain {n}")
             out.append(check_block(mods[n], n, *ins[n]))
         elif example_inputs is not None:
-            out.append(BlockChoice(n, False, None, (), "not reached by the example forward: compiled without fullgraph"))
+            out.append(
+                BlockChoice(n, False, None, (), "not reached by the example forward: compiled without fullgraph")
+            )
         else: out.append(BlockChoice(n, True, None, (), "fullgraph asked for, not checked (no example_inputs)"))
     return out
 
 # %% ../../nbs/42b_compile_apply.ipynb
 def apply_compiled(model: nn.Module, plan: FSDPPlan, mesh=None, compile: CompileOptions = CompileOptions(), *,
                    example_inputs: tuple | None = None, example_kwargs: dict | None = None, progress=None) -> nn.Module:
-    "Shard `model` as `plan` says (`fsdp.apply_plan`), then `torch.compile` each block in place; the record: `compile_record(model)`. With example_inputs each block is explained first (this resets Dynamo's caches)."
+    """Shard `model` as `plan` says (`fsdp.apply_plan`), then `torch.compile` each block in place; the record:
+    `compile_record(model)`. With example_inputs each block is explained first (this resets Dynamo's caches)."""
     say, opts = progress or (lambda s: None), compile
     if opts.enabled and opts.compiled_autograd:
-        raise CompileError("CompileOptions(compiled_autograd=True) does not compose with FSDP2's eager hooks here (torch "
-                           f"{torch.__version__}: losses differed from step 2 and every step recompiled): use compiled_autograd=False.")
+        raise CompileError(
+            "CompileOptions(compiled_autograd=True) does not compose with FSDP2's eager hooks here (torch "
+            f"{torch.__version__}: losses differed from step 2 and every step recompiled): use compiled_autograd=False."
+        )
     targets = compile_targets(model, plan, opts.blocks) if opts.enabled else ()
     choices = _block_choices(model, targets, opts, example_inputs, example_kwargs, say)
     say("fully_shard"); apply_plan(model, plan, mesh)
-    settings = inductor_comm_settings(plan) if (opts.enabled and opts.inductor_comm and opts.backend == "inductor") else {}
+    settings = (
+        inductor_comm_settings(plan) if (opts.enabled and opts.inductor_comm and opts.backend == "inductor") else {}
+    )
     be = _Backend(opts.backend, settings) if opts.enabled else None
     mods = dict(model.named_modules())
     for c in choices:
@@ -231,19 +263,36 @@ def _inductor_knobs(c: _Compiled) -> list[KnobChoice]:
     coll = be.collectives if be else 0
     for k, v in c.inductor.items():
         if be is None or be.graphs == 0: why, ok = "set for the compile; no graph compiled yet", False
-        elif coll == 0: why, ok = "set, but inactive: the compiled graphs hold no collectives (FSDP2 issues them from eager hooks around each block; the fsdp.* knobs carry the plan)", False
+        elif coll == 0:
+            why, ok = (
+                "set, but inactive: the compiled graphs hold no collectives (FSDP2 issues them from eager hooks around "
+                "each block; the fsdp.* knobs carry the plan)",
+                False,
+            )
         else: why, ok = f"active on {coll} collective nodes in the compiled graphs", True
         out.append(KnobChoice(f"inductor.{k}", v, v, ok, why))
     o = c.options
     if o.enabled and o.backend == "inductor" and o.inductor_comm and not c.inductor:
-        out.append(KnobChoice("inductor.bucketing", "per unit", None, False, f"torch {torch.__version__} has none of the known bucketing/overlap config names"))
+        out.append(
+            KnobChoice(
+                "inductor.bucketing",
+                "per unit",
+                None,
+                False,
+                f"torch {torch.__version__} has none of the known bucketing/overlap config names",
+            )
+        )
     return out
 
 # %% ../../nbs/42b_compile_apply.ipynb
 def compile_record(model: nn.Module) -> CompileRecord:
     "The compile choices `apply_compiled` made for `model`, with what the compiler has done so far."
     c = getattr(model, "_static_dist_compile", None)
-    if c is None: raise CompileError("this model did not go through apply_compiled: call apply_compiled(model, plan, compile=CompileOptions(...)) first.")
+    if c is None:
+        raise CompileError(
+            "this model did not go through apply_compiled: call apply_compiled(model, plan, "
+            "compile=CompileOptions(...)) first."
+        )
     be = c.backend
     return CompileRecord(c.options, torch.__version__, c.blocks, (*c.knobs, *_inductor_knobs(c)),
                          be.graphs if be else 0, be.collectives if be else 0)

@@ -31,7 +31,9 @@ def cpu_cost_model(world_size: int, efficiency: float, device_flops: float | Non
     from dataclasses import replace
     from static_dist.fsdp import CostModel
     from static_dist.topology import Level, Link, Topology, device_spec, matmul_flops
-    flops = device_flops or (calibration.device_flops if calibration is not None and calibration.device_flops else matmul_flops())
+    flops = device_flops or (
+        calibration.device_flops if calibration is not None and calibration.device_flops else matmul_flops()
+    )
     link = calibration.link() if calibration is not None else Link("shm", 5e9, 2e-5)
     topo = Topology("cpu-gloo", world_size, "CPU", flops, 2**34, link, (Level("host", world_size, link),))
     dev = replace(device_spec(topo), matmul_efficiency=efficiency, memory_bandwidth=math.inf, op_overhead=0.0,
@@ -56,9 +58,11 @@ def _block_units(model: nn.Module, world: int, k: int = 1) -> FSDPPlan:
     from static_dist.structure import find_structure
     stack = find_structure(model).main
     if stack is None: raise CompileError(f"{type(model).__name__} has no stack of two or more identical blocks "
-                                         "(`structure.find_structure`): the bench shards the root plus one unit per block.")
+                                         "(`structure.find_structure`): the bench shards the root plus one unit per "
+                                         "block.")
     return FSDPPlan(world, (world,), block_units(stack.blocks), forward_prefetch=1, accumulation_steps=k)
 
+# %% ../../nbs/42e_compile_bench.ipynb
 def _options(config: str) -> CompileOptions:
     "'eager', a backend, or 'inductor+comm' (Inductor with the plan's comm settings)."
     if config == "eager": return CompileOptions(enabled=False)
@@ -90,7 +94,8 @@ class _CommClock:
 
 # %% ../../nbs/42e_compile_bench.ipynb
 def _timed_run(build, mb, loss_fn, plan, opts, steps):
-    "Fresh model, apply + compile, `steps` timed steps (the one step) on micro-batch `mb`: seconds per step, in its collectives and in the optimizer; graphs; record."
+    """Fresh model, apply + compile, `steps` timed steps (the one step) on micro-batch `mb`: seconds per step, in its
+    collectives and in the optimizer; graphs; record."""
     import torch.distributed as dist
     torch._dynamo.reset()
     m = build()
@@ -101,22 +106,35 @@ def _timed_run(build, mb, loss_fn, plan, opts, steps):
         dist.barrier(); t0 = time.perf_counter(); t1 = []
         with _CommClock() as clock:                          # the optimizer step of FSDP2 is local: no collective in it
             train_step(m, opt, [mb] * k, loss_fn, plan=plan, before_update=lambda loss: t1.append(time.perf_counter()))
-        times.append(time.perf_counter() - t0); opt_times.append(time.perf_counter() - t1[0]); comm_times.append(clock.seconds)
+        times.append(time.perf_counter() - t0)
+        opt_times.append(time.perf_counter() - t1[0])
+        comm_times.append(clock.seconds)
         graphs.append(graphs_compiled(m))
     return times, comm_times, opt_times, graphs, (compile_record(m) if opts.enabled else None)
 
 # %% ../../nbs/42e_compile_bench.ipynb
 def _measured_row(config: str, k: int, world: int, times, comm_times, opt_times, graphs, rec, tokens: int) -> dict:
-    "What one configuration measured: its typical (median) steady step and the parts of it, the least disturbed step, the compile."
+    """What one configuration measured: its typical (median) steady step and the parts of it, the least disturbed step,
+    the compile."""
     med = lambda v: statistics.median(v[1:])
     steady = med(times)
-    return dict(config=config, accumulation=k, world=world, step_s=steady, min_step_s=min(times[1:]),
-                measured_comm_s=med(comm_times), optimizer_s=med(opt_times),
-                measured_compute_s=med([t - c - o for t, c, o in zip(times, comm_times, opt_times)]),
-                first_step_s=times[0], compile_s=max(times[0] - steady, 0.0),
-                graphs_compiled=graphs[-1], recompiles_after_step1=graphs[-1] - graphs[0], tokens_per_s=tokens * k / steady,
-                inductor_settings={kn.knob: kn.planned for kn in rec.knobs if kn.knob.startswith("inductor.")} if rec else {},
-                honoured={kn.knob: kn.honoured for kn in rec.knobs} if rec else {})
+    return dict(
+        config=config,
+        accumulation=k,
+        world=world,
+        step_s=steady,
+        min_step_s=min(times[1:]),
+        measured_comm_s=med(comm_times),
+        optimizer_s=med(opt_times),
+        measured_compute_s=med([t - c - o for t, c, o in zip(times, comm_times, opt_times)]),
+        first_step_s=times[0],
+        compile_s=max(times[0] - steady, 0.0),
+        graphs_compiled=graphs[-1],
+        recompiles_after_step1=graphs[-1] - graphs[0],
+        tokens_per_s=tokens * k / steady,
+        inductor_settings={kn.knob: kn.planned for kn in rec.knobs if kn.knob.startswith("inductor.")} if rec else {},
+        honoured={kn.knob: kn.honoured for kn in rec.knobs} if rec else {},
+    )
 
 # %% ../../nbs/42e_compile_bench.ipynb
 def _gap_matmul_s(n: int = 32, block: int = 8) -> float:
@@ -130,7 +148,8 @@ def _gap_matmul_s(n: int = 32, block: int = 8) -> float:
 
 # %% ../../nbs/42e_compile_bench.ipynb
 def _busy_link(sizes: Sequence[int], repeat: int, gap_matmuls: int, gap_s: float, share: float):
-    """Each collective timed after `gap_matmuls` matmuls, as in a step, less the wait for ranks that share its core (which
+    """Each collective timed after `gap_matmuls` matmuls, as in a step, less the wait for ranks that share its core
+    (which
     the step's compute term counts): the fit to the slowest rank's mean per point, and the median gap's wall time."""
     import torch.distributed as dist
     from static_dist.topology import CalibrationPoint
@@ -152,14 +171,19 @@ def _busy_link(sizes: Sequence[int], repeat: int, gap_matmuls: int, gap_s: float
     g = torch.tensor([statistics.median(gaps)], dtype=torch.float64)
     dist.all_reduce(g)
     gap_wall = float(g) / world
-    shared_wait = max(0.0, gap_s / share - gap_wall)    # ranks took turns on the cores: the gap ran unshared, the wait shows here
-    pts = [CalibrationPoint(k, n, world, max(t - shared_wait, 0.1 * t)) for k, n, t in raw]   # floored: times stay positive for the log fit
+    shared_wait = max(
+        0.0, gap_s / share - gap_wall
+    )  # ranks took turns on the cores: the gap ran unshared, the wait shows here
+    pts = [
+        CalibrationPoint(k, n, world, max(t - shared_wait, 0.1 * t)) for k, n, t in raw
+    ]  # floored: times stay positive for the log fit
     return fit_calibration(pts, "gloo", world), gap_wall, shared_wait
 
 # %% ../../nbs/42e_compile_bench.ipynb
 def calibrate_world(sizes: Sequence[int] = (2**14, 2**18, 2**20, 2**22), repeat: int = 25, probes: int = 5,
                     gap_matmuls: int = 0, gap_s: float = 0.0) -> dict:
-    "On every rank of the running gloo group: the rank's share of this CPU's matmul FLOP/s, and the typical gloo link (world > 1)."
+    """On every rank of the running gloo group: the rank's share of this CPU's matmul FLOP/s, and the typical gloo link
+    (world > 1)."""
     import torch.distributed as dist
     from static_dist.topology import matmul_flops
     world, best = dist.get_world_size(), 0.0
@@ -169,14 +193,16 @@ def calibrate_world(sizes: Sequence[int] = (2**14, 2**18, 2**20, 2**22), repeat:
     f = torch.tensor([best], dtype=torch.float64)
     dist.all_reduce(f)
     share = min(1.0, (os.cpu_count() or 1) / world)    # ranks beyond the cores take turns on them
-    if world == 1: return dict(world=1, device_flops=float(f), core_share=share, calibration=None, gap_matmul_s=_gap_matmul_s())
+    if world == 1:
+        return dict(world=1, device_flops=float(f), core_share=share, calibration=None, gap_matmul_s=_gap_matmul_s())
     cal, gap_wall, shared_wait = _busy_link(sizes, repeat, gap_matmuls, gap_s, share)
     return dict(world=world, device_flops=float(f) / world, core_share=share, gap_matmuls=gap_matmuls, gap_s=gap_s,
                 gap_wall_s=gap_wall, shared_wait_s=shared_wait, calibration=cal.to_dict())
 
 # %% ../../nbs/42e_compile_bench.ipynb
 def _workload(spec: dict):
-    "The model of `spec` as a `workload.Workload`: a zoo name, 'path/file.py:NAME', 'package.module:NAME' or 'hf:CONFIG'."
+    """The model of `spec` as a `workload.Workload`: a zoo name, 'path/file.py:NAME', 'package.module:NAME' or
+    'hf:CONFIG'."""
     from static_dist.workload import load_workload
     return load_workload(spec["model"], batch=spec["batch"], seq=spec["seq"], optimizer="sgd")
 
@@ -184,7 +210,8 @@ def _workload(spec: dict):
 
 # %% ../../nbs/42e_compile_bench.ipynb
 def measure_world(spec: dict) -> dict:
-    "Calibrate, then time each configuration of `spec` on this rank of the running group (every micro-batch: the workload's example batch)."
+    """Calibrate, then time each configuration of `spec` on this rank of the running group (every micro-batch: the
+    workload's example batch)."""
     import torch.distributed as dist
     world, w = dist.get_world_size(), _workload(spec)
     build, mb = (lambda: w.build(device="cpu")), w.micro_batch()
@@ -204,10 +231,14 @@ def _cost_of(world_res: dict, efficiency: float, one_rank_flops: float):
     from static_dist.topology import Calibration
     c = world_res["calibration"]
     cal = Calibration.from_dict(c["calibration"]) if c["calibration"] else None
-    return cpu_cost_model(world_res["world"], efficiency, device_flops=one_rank_flops * c["core_share"], calibration=cal)
+    return cpu_cost_model(
+        world_res["world"], efficiency, device_flops=one_rank_flops * c["core_share"], calibration=cal
+    )
 
+# %% ../../nbs/42e_compile_bench.ipynb
 def _off_term(r: dict) -> str:
-    "Which term a miss over 20% is in ('' when within 20%): the one whose prediction is furthest from the step's measured part."
+    """Which term a miss over 20% is in ('' when within 20%): the one whose prediction is furthest from the step's
+    measured part."""
     if abs(r["step_s"] - r["predicted_step_s"]) <= 0.2 * r["step_s"]: return ""
     comm = r["measured_comm_s"] - r["predicted_exposed_comm_s"]
     comp = r["measured_compute_s"] - r["predicted_compute_s"] - r["predicted_recompute_s"]
@@ -225,21 +256,29 @@ def _predict_rows(prof, plan_of, worlds: list[dict]) -> dict:
     for w in worlds:
         for r in w["rows"]:
             p = cpu_step(prof, plan_of(w["world"], r["accumulation"]), _cost_of(w, effs[r["config"]], f1))
-            r.update(predicted_step_s=p["step_s"] + base[r["config"]]["optimizer_s"], predicted_compute_s=p["compute_s"],
-                     predicted_exposed_comm_s=p["exposed_comm_s"], predicted_recompute_s=p["recompute_s"],
-                     predicted_overlapped_step_s=p["overlapped_step_s"] + base[r["config"]]["optimizer_s"],
-                     efficiency=effs[r["config"]], calibration_run=r is base[r["config"]])
+            r.update(
+                predicted_step_s=p["step_s"] + base[r["config"]]["optimizer_s"],
+                predicted_compute_s=p["compute_s"],
+                predicted_exposed_comm_s=p["exposed_comm_s"],
+                predicted_recompute_s=p["recompute_s"],
+                predicted_overlapped_step_s=p["overlapped_step_s"] + base[r["config"]]["optimizer_s"],
+                efficiency=effs[r["config"]],
+                calibration_run=r is base[r["config"]],
+            )
             r["predicted_over_measured"] = r["predicted_step_s"] / r["step_s"]
             r["off"] = _off_term(r)
     return effs
 
 # %% ../../nbs/42e_compile_bench.ipynb
-_TIME_MODEL = ("cpu_step: fsdp.predict_step's compute (captured FLOPs / (one rank's matmul FLOP/s x min(1, cores/ranks) x efficiency)) "
-               "+ all its communication (gloo link fitted per world to each collective's mean time after a step's compute "
-               "between two collectives, less the wait for ranks sharing a core; CPU ranks have no free core to overlap it) "
-               "+ recompute (0: no checkpointing) + the configuration's one-rank optimizer step; efficiency fitted per "
-               "configuration on its one-rank run without accumulation, every other row predicted; measured: the median step, "
-               "its time inside FSDP2's collective calls (measured_comm_s) and the rest (measured_compute_s)")
+_TIME_MODEL = (
+    "cpu_step: fsdp.predict_step's compute (captured FLOPs / (one rank's matmul FLOP/s x min(1, cores/ranks) x "
+    "efficiency)) "
+    "+ all its communication (gloo link fitted per world to each collective's mean time after a step's compute "
+    "between two collectives, less the wait for ranks sharing a core; CPU ranks have no free core to overlap it) "
+    "+ recompute (0: no checkpointing) + the configuration's one-rank optimizer step; efficiency fitted per "
+    "configuration on its one-rank run without accumulation, every other row predicted; measured: the median step, "
+    "its time inside FSDP2's collective calls (measured_comm_s) and the rest (measured_compute_s)"
+)
 
 def _gap(prof, meta, world: int, one: dict) -> dict:
     "A step's compute between two collectives at `world` ranks: 128x128 matmuls, and their seconds on one rank."
@@ -249,31 +288,56 @@ def _gap(prof, meta, world: int, one: dict) -> dict:
     k = max(1, round((r["step_s"] - r["optimizer_s"]) / max(n, 1) / mm))
     return dict(gap_matmuls=k, gap_s=k * mm)
 
+# %% ../../nbs/42e_compile_bench.ipynb
 def _spec(model, batch, seq, steps, backends, world1_backends, accumulation) -> dict:
     return dict(model=model, batch=batch, seq=seq, steps=steps, configs=list(backends),
                 world1_configs=list(world1_backends), accumulation=list(accumulation))
 
 # %% ../../nbs/42e_compile_bench.ipynb
-def bench_compile(progress=None, *, model: str = "tiny", batch: int = 8, seq: int = 128, steps: int = 20,
-                  worlds: Sequence[int] = (1, 2, 4), backends: Sequence[str] = ("eager", "aot_eager"),
-                  world1_backends: Sequence[str] = ("inductor", "inductor+comm"), accumulation: Sequence[int] = (1, 2)) -> dict:
-    "Eager vs compiled FSDP2 step time at each gloo world size on this CPU, side by side, each next to the calibrated time model."
+def bench_compile(
+    progress=None,
+    *,
+    model: str = "tiny",
+    batch: int = 8,
+    seq: int = 128,
+    steps: int = 20,
+    worlds: Sequence[int] = (1, 2, 4),
+    backends: Sequence[str] = ("eager", "aot_eager"),
+    world1_backends: Sequence[str] = ("inductor", "inductor+comm"),
+    accumulation: Sequence[int] = (1, 2),
+) -> dict:
+    """Eager vs compiled FSDP2 step time at each gloo world size on this CPU, side by side, each next to the calibrated
+    time model."""
     from static_dist.util import environment
     from static_dist.cost import profile_graph
     import psutil
-    say, busy_before = progress or (lambda s: None), psutil.cpu_percent(interval=1.0)   # other work on the cores, not a lagging average
-    if not worlds or worlds[0] != 1: raise CompileError(f"worlds={tuple(worlds)}: start with 1 (the efficiency is fitted there).")
+    say, busy_before = (
+        progress or (lambda s: None),
+        psutil.cpu_percent(interval=1.0),
+    )  # other work on the cores, not a lagging average
+    if not worlds or worlds[0] != 1:
+        raise CompileError(f"worlds={tuple(worlds)}: start with 1 (the efficiency is fitted there).")
     spec = _spec(model, batch, seq, steps, backends, world1_backends, accumulation)
     w = _workload(spec)
     w.micro_batch()                                      # its errors here, not in every launched rank
     say(f"capture {model} B{batch} S{seq}")
     meta = w.build(device="meta")
-    _block_units(meta, 1)                               # a model without a stack of blocks stops here, not in a spawned rank
+    _block_units(meta, 1)  # a model without a stack of blocks stops here, not in a spawned rank
     prof = profile_graph(w.graph())
     res = []
     for w in worlds:
-        say(f"world {w}: calibrate, then time {len(spec['configs']) + (w == 1) * len(spec['world1_configs'])} configurations")
-        res.append(launch("static_dist.compile.bench:measure_world", w, dict(spec, **(_gap(prof, meta, w, res[0]) if res else {})), timeout=1800))
+        say(
+            f"world {w}: calibrate, then time {len(spec['configs']) + (w == 1) * len(spec['world1_configs'])} "
+            "configurations"
+        )
+        res.append(
+            launch(
+                "static_dist.compile.bench:measure_world",
+                w,
+                dict(spec, **(_gap(prof, meta, w, res[0]) if res else {})),
+                timeout=1800,
+            )
+        )
     effs = _predict_rows(prof, lambda w, k: _block_units(meta, w, k), res)
     return dict(bench="compile", model=model, batch=batch, seq=seq, steps=steps, worlds=list(worlds), efficiency=effs,
                 cores=os.cpu_count(), cpu_busy_before_pct=busy_before, loaded=busy_before > 50,
@@ -281,8 +345,21 @@ def bench_compile(progress=None, *, model: str = "tiny", batch: int = 8, seq: in
                 rows=[r for w in res for r in w["rows"]], environment=environment())
 
 # %% ../../nbs/42e_compile_bench.ipynb
-_COLS = ("world", "config", "accumulation", "step_s", "min_step_s", "predicted_step_s", "predicted_over_measured",
-         "predicted_compute_s", "measured_compute_s", "predicted_exposed_comm_s", "measured_comm_s", "off", "load_avg_1min")
+_COLS = (
+    "world",
+    "config",
+    "accumulation",
+    "step_s",
+    "min_step_s",
+    "predicted_step_s",
+    "predicted_over_measured",
+    "predicted_compute_s",
+    "measured_compute_s",
+    "predicted_exposed_comm_s",
+    "measured_comm_s",
+    "off",
+    "load_avg_1min",
+)
 
 def bench_table(b: dict, cols: Sequence[str] = _COLS) -> str:
     "`bench_compile`'s rows as a markdown table (seconds to 3 significant digits)."

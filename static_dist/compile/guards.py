@@ -23,7 +23,8 @@ __all__ = ['RecompileFinding', 'preflight']
 
 # %% ../../nbs/42d_compile_guards.ipynb
 class _Feed(nn.Module):
-    "Calls `block(*self.args, **self.kwargs)`: a flag `analyze_guards` can switch, so its recompile analysis sees input changes."
+    """Calls `block(*self.args, **self.kwargs)`: a flag `analyze_guards` can switch, so its recompile analysis sees
+    input changes."""
     def __init__(self, block: nn.Module, args: tuple, kwargs: dict):
         super().__init__()
         self.block, self.args, self.kwargs = block, args, kwargs
@@ -67,9 +68,12 @@ def _block_findings(feed: _Feed, name: str, base_args: tuple, other: dict, flags
     from static_dist.export import analyze_guards
     found = []
     for what, ins in other.items():
-        if name in ins: found.append(_finding(name, what, analyze_guards(feed, (), flags={"args": [base_args, ins[name][0]]})))
+        if name in ins:
+            found.append(_finding(name, what, analyze_guards(feed, (), flags={"args": [base_args, ins[name][0]]})))
     for flag, vals in flags.items():
-        found.append(_finding(name, f"{flag}: {' → '.join(map(repr, vals))}", analyze_guards(feed, (), flags={flag: list(vals)})))
+        found.append(
+            _finding(name, f"{flag}: {' → '.join(map(repr, vals))}", analyze_guards(feed, (), flags={flag: list(vals)}))
+        )
     return found
 
 # %% ../../nbs/42d_compile_guards.ipynb
@@ -77,12 +81,21 @@ def _args_kwargs(v) -> tuple[tuple, dict]:
     "A change's inputs: a tuple of positional inputs, or a `step.MicroBatch` (positional and keyword)."
     return (v.args, v.kwargs) if isinstance(v, MicroBatch) else (tuple(v), {})
 
-def preflight(model: nn.Module, plan: FSDPPlan | None, example_inputs: tuple, *, changes: dict[str, tuple] | None = None,
-              flags: dict[str, Sequence] | None = None, blocks: Sequence[str] | None = None,
-              example_kwargs: dict | None = None) -> tuple[RecompileFinding, ...]:
-    "Run before launch on the unsharded model (it resets Dynamo's caches): which `changes` (name → other inputs) and `flags` recompile the compiled blocks."
+def preflight(
+    model: nn.Module,
+    plan: FSDPPlan | None,
+    example_inputs: tuple,
+    *,
+    changes: dict[str, tuple] | None = None,
+    flags: dict[str, Sequence] | None = None,
+    blocks: Sequence[str] | None = None,
+    example_kwargs: dict | None = None,
+) -> tuple[RecompileFinding, ...]:
+    """Run before launch on the unsharded model (it resets Dynamo's caches): which `changes` (name → other inputs) and
+    `flags` recompile the compiled blocks."""
     flags = {"training": [True, False]} if flags is None else flags
-    if plan is None and blocks is None: raise CompileError("preflight needs the plan or blocks=(module FQNs, ...) to know what is compiled.")
+    if plan is None and blocks is None:
+        raise CompileError("preflight needs the plan or blocks=(module FQNs, ...) to know what is compiled.")
     mods = dict(model.named_modules())
     names = compile_targets(model, plan, blocks)
     base = block_inputs(model, names, example_inputs, example_kwargs)

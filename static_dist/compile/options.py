@@ -34,7 +34,8 @@ class CompileOptions:
     dynamic: bool | None = False
     "False: static shapes (a new sequence length recompiles, see `preflight`); None: automatic dynamic; True: symbolic."
     compiled_autograd: bool = False
-    "Compiled autograd: refused by `apply_compiled` (with FSDP2's eager hooks it changed the losses here; see the chapter)."
+    """Compiled autograd: refused by `apply_compiled` (with FSDP2's eager hooks it changed the losses here; see the
+    chapter)."""
     inductor_comm: bool = True
     "Carry the plan's bucketing/prefetch into Inductor's collective passes (the names this torch has), per compile."
     blocks: tuple[str, ...] | None = None
@@ -42,7 +43,9 @@ class CompileOptions:
 
     def __post_init__(self):
         if self.backend not in ("inductor", "aot_eager", "eager"):
-            raise CompileError(f"CompileOptions.backend={self.backend!r} is not supported: use 'inductor', 'aot_eager' or 'eager'.")
+            raise CompileError(
+                f"CompileOptions.backend={self.backend!r} is not supported: use 'inductor', 'aot_eager' or 'eager'."
+            )
 
     def to_dict(self) -> dict: return dataclasses.asdict(self)
 
@@ -111,9 +114,18 @@ def explain(self: CompileRecord) -> str:
     "One line per decision: what was compiled how, and which parts of the plan the compiler honoured."
     o = self.options
     if not o.enabled: lines = ["not compiled (eager FSDP2)"]
-    else: lines = [f"torch.compile per block, backend={o.backend}, dynamic={o.dynamic}, compiled_autograd={o.compiled_autograd}"]
-    lines += [f"  {b.module}: {'fullgraph' if b.fullgraph else 'fallback (graph breaks allowed)'} - {b.why}" for b in self.blocks]
+    else:
+        lines = [
+            f"torch.compile per block, backend={o.backend}, dynamic={o.dynamic}, "
+            f"compiled_autograd={o.compiled_autograd}"
+        ]
+    lines += [
+        f"  {b.module}: {'fullgraph' if b.fullgraph else 'fallback (graph breaks allowed)'} - {b.why}"
+        for b in self.blocks
+    ]
     lines += [f"  {'honoured' if k.honoured else 'NOT honoured'} {k.knob}={k.planned!r}: {k.why}" for k in self.knobs]
     if o.enabled:
-        lines.append(f"  graphs compiled so far: {self.graphs_compiled}; collective nodes in them: {self.collectives_in_graphs}")
+        lines.append(
+            f"  graphs compiled so far: {self.graphs_compiled}; collective nodes in them: {self.collectives_in_graphs}"
+        )
     return "\n".join(lines)

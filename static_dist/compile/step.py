@@ -35,7 +35,8 @@ def _count_events(events, counts: dict) -> dict:
 
 @contextlib.contextmanager
 def count_collectives():
-    "Count the c10d collectives run inside (profiler events, so it works under torch.compile, unlike CommDebugMode): yields a dict."
+    """Count the c10d collectives run inside (profiler events, so it works under torch.compile, unlike CommDebugMode):
+    yields a dict."""
     from torch.profiler import ProfilerActivity, profile
     counts = {k: 0 for k, _ in _COLL}
     prof = profile(activities=[ProfilerActivity.CPU])
@@ -58,17 +59,26 @@ def _counting():
 
 # %% ../../nbs/42c_compile_step.ipynb
 def fake_pg_counts(build, plan: FSDPPlan, profile, inputs: tuple, targets, loss_fn, optimizer: str = "sgd") -> dict:
-    "Collectives of one steady step of `plan` (`build()`: a meta-device model) under a fake process group, next to `fsdp.predict_comms`."
+    """Collectives of one steady step of `plan` (`build()`: a meta-device model) under a fake process group, next to
+    `fsdp.predict_comms`."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     with process_group(fake_world=plan.world_size), warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="(FSDP2-wrapped module|Full backward hook|For backward hooks to be called)")  # torch's notes on FSDP2's hooks
+        warnings.filterwarnings(
+            "ignore", message="(FSDP2-wrapped module|Full backward hook|For backward hooks to be called)"
+        )  # torch's notes on FSDP2's hooks
         m = apply_plan(build(), plan, plan_mesh(plan, "cpu"))    # the mesh is made outside fake mode
         with FakeTensorMode(allow_non_fake_inputs=True):
             m.to_empty(device="cpu")
             opt = make_optimizer(optimizer, m.parameters(), lr=1e-3)
             mbs = [MicroBatch(tuple(inputs), {}, targets)] * plan.accumulation_steps
-            train_step(m, opt, mbs, loss_fn, plan=plan)                           # the first step initialises FSDP2's state
+            train_step(m, opt, mbs, loss_fn, plan=plan)  # the first step initialises FSDP2's state
             around, counts = _counting()
             train_step(m, opt, mbs, loss_fn, plan=plan, around=around)
     pred = predict_comms(profile, plan)
-    return dict(world=plan.world_size, accumulation=plan.accumulation_steps, predicted=pred, measured=counts, match=counts == pred)
+    return dict(
+        world=plan.world_size,
+        accumulation=plan.accumulation_steps,
+        predicted=pred,
+        measured=counts,
+        match=counts == pred,
+    )

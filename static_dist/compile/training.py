@@ -50,10 +50,14 @@ class TrainConfig:
 
     def __post_init__(self):
         for f in ("steps", "batch", "seq", "accumulation"):
-            if int(getattr(self, f)) < 1: raise CompileError(f"TrainConfig.{f}={getattr(self, f)!r}: give a positive integer.")
+            if int(getattr(self, f)) < 1:
+                raise CompileError(f"TrainConfig.{f}={getattr(self, f)!r}: give a positive integer.")
         if self.optimizer not in OPTIMIZERS:
-            raise CompileError(f"TrainConfig.optimizer={self.optimizer!r}: use one of {', '.join(OPTIMIZERS)} (training needs one).")
-        if self.dtype not in DTYPES: raise CompileError(f"TrainConfig.dtype={self.dtype!r}: use one of {', '.join(DTYPES)}.")
+            raise CompileError(
+                f"TrainConfig.optimizer={self.optimizer!r}: use one of {', '.join(OPTIMIZERS)} (training needs one)."
+            )
+        if self.dtype not in DTYPES:
+            raise CompileError(f"TrainConfig.dtype={self.dtype!r}: use one of {', '.join(DTYPES)}.")
 
 # %% ../../nbs/42f_compile_training.ipynb
 def _data(w) -> callable:
@@ -67,7 +71,8 @@ def _data(w) -> callable:
     return data
 
 def _source(c: TrainConfig, workload):
-    "(workload, data(step, micro, rank) -> MicroBatch) for the config's model, or a given Workload in the config's dtype."
+    """(workload, data(step, micro, rank) -> MicroBatch) for the config's model, or a given Workload in the config's
+    dtype."""
     if workload is None:
         from static_dist.workload import load_workload
         workload = load_workload(c.model, batch=c.batch, seq=c.seq, optimizer=c.optimizer, dtype=c.dtype)
@@ -103,12 +108,16 @@ def _summary(log: list[dict], mem, budget: int) -> dict:
     "The seed's §5 table from the step log and the memory prediction."
     steady = [r["tokens_per_s"] for r in log[1:]] or [log[0]["tokens_per_s"]]
     norms = [r["grad_norm"] for r in log if r["grad_norm"] is not None]
-    return dict(tokens_per_s=statistics.median(steady), peak_predicted_bytes=mem.peak_bytes,
-                peak_rss_bytes=max(r["peak_rss_bytes"] for r in log),
-                peak_rss_is="the process's peak RSS: everything it holds (Python, torch, the compiler), not the step's peak",
-                oom_predicted=mem.peak_bytes > budget, budget_bytes=budget,
-                grad_norm_variance=statistics.pvariance(norms) if len(norms) > 1 else 0.0,
-                recompiles_after_step1=log[-1]["graphs_compiled"] - log[0]["graphs_compiled"])
+    return dict(
+        tokens_per_s=statistics.median(steady),
+        peak_predicted_bytes=mem.peak_bytes,
+        peak_rss_bytes=max(r["peak_rss_bytes"] for r in log),
+        peak_rss_is="the process's peak RSS: everything it holds (Python, torch, the compiler), not the step's peak",
+        oom_predicted=mem.peak_bytes > budget,
+        budget_bytes=budget,
+        grad_norm_variance=statistics.pvariance(norms) if len(norms) > 1 else 0.0,
+        recompiles_after_step1=log[-1]["graphs_compiled"] - log[0]["graphs_compiled"],
+    )
 
 # %% ../../nbs/42f_compile_training.ipynb
 def _plan(prof, c: TrainConfig, world: int, budget: int):
@@ -122,7 +131,8 @@ def _write_log(path: str, log: list[dict]):
 
 # %% ../../nbs/42f_compile_training.ipynb
 def train_compiled(config: TrainConfig = TrainConfig(), progress=None, workload=None) -> dict:
-    """Plan (fsdp.plan_fsdp) → pre-flight recompile check → apply + compile → train with the monitors → step log and summary.
+    """Plan (fsdp.plan_fsdp) → pre-flight recompile check → apply + compile → train with the monitors → step log and
+    summary.
     `workload`: a `static_dist.workload.Workload` to train instead of `config.model` (its batch and seq are used)."""
     import torch.distributed as dist
     from static_dist.cost import profile_graph
@@ -130,7 +140,8 @@ def train_compiled(config: TrainConfig = TrainConfig(), progress=None, workload=
     from static_dist.stability import STRATEGIES, Trainer
     from static_dist.util import parse_bytes
     say, c = progress or (lambda s: None), config
-    if c.strategy not in STRATEGIES: raise CompileError(f"TrainConfig.strategy={c.strategy!r}: use one of {', '.join(STRATEGIES)}.")
+    if c.strategy not in STRATEGIES:
+        raise CompileError(f"TrainConfig.strategy={c.strategy!r}: use one of {', '.join(STRATEGIES)}.")
     budget = parse_bytes(c.budget, "budget")
     w, batches = _source(c, workload)
     with process_group() as world:
@@ -141,11 +152,16 @@ def train_compiled(config: TrainConfig = TrainConfig(), progress=None, workload=
         say("plan"); plan = _plan(prof, c, world, budget)
         model = w.build_model(seed=0)
         say("preflight")
-        findings = preflight(model, plan, mb.args, changes=_changes(mb), example_kwargs=mb.kwargs) if c.compile.enabled else ()
-        say("apply + compile"); apply_compiled(model, plan, None, c.compile, example_inputs=mb.args, example_kwargs=mb.kwargs)
+        findings = (
+            preflight(model, plan, mb.args, changes=_changes(mb), example_kwargs=mb.kwargs) if c.compile.enabled else ()
+        )
+        say("apply + compile")
+        apply_compiled(model, plan, None, c.compile, example_inputs=mb.args, example_kwargs=mb.kwargs)
         opt = make_optimizer(c.optimizer, model.parameters(), lr=c.lr)
         tr = Trainer(model, opt, w.loss, STRATEGIES[c.strategy], sync_every_microbatch=plan.sync_every_microbatch)
-        ran = dict(optimizer=type(opt).__name__, dtype=str(next(model.parameters()).dtype))   # what ran, not what was asked
+        ran = dict(
+            optimizer=type(opt).__name__, dtype=str(next(model.parameters()).dtype)
+        )  # what ran, not what was asked
         try: log = _train_steps(tr, model, data, c, world, say)
         finally: tr.close()
         record = compile_record(model) if c.compile.enabled else None

@@ -35,7 +35,8 @@ def _plain_attrs(block: nn.Module) -> dict[str, object]:
         pre = f"{n}." if n else ""
         for a, v in vars(m).items():
             if a.startswith("_") or a == "training": continue
-            if isinstance(v, _PLAIN) or (isinstance(v, tuple) and all(isinstance(t, _PLAIN) for t in v)): out[pre + a] = v
+            if isinstance(v, _PLAIN) or (isinstance(v, tuple) and all(isinstance(t, _PLAIN) for t in v)):
+                out[pre + a] = v
         out |= {f"{pre}{b} (buffer)": (tuple(t.shape), str(t.dtype)) for b, t in m._buffers.items() if t is not None}
     return out
 
@@ -64,12 +65,15 @@ def _first_blocks_build(build, stack: str, k: int, built: dict):
         return first_blocks(build(device=device, dtype=dtype) if m is None else m, stack, k)
     return build_few
 
-def _few_blocks_profile(w, model, main: BlockStack, dtype, master_dtype, k: int, progress) -> tuple[GraphProfile | None, str]:
+def _few_blocks_profile(
+    w, model, main: BlockStack, dtype, master_dtype, k: int, progress
+) -> tuple[GraphProfile | None, str]:
     "(the profile of `w` captured with `k` blocks and expanded, '') or (None, why it cannot stand for the model)."
     built = {("meta", torch_dtype(dtype or w.dtype)): model}
     few = dataclasses.replace(w, build=_first_blocks_build(w.build, main.path, k, built))
     try: p = profile_graph(few.graph(dtype=dtype, progress=progress), master_dtype)
-    except CaptureError as e: return None, f"capturing {k} of {len(main.blocks)} blocks failed: {str(e).splitlines()[0]}"
+    except CaptureError as e:
+        return None, f"capturing {k} of {len(main.blocks)} blocks failed: {str(e).splitlines()[0]}"
     if (p.stack, len(p.blocks)) != (main.path, k):
         return None, f"the {k}-block model's main stack is {p.stack!r} with {len(p.blocks)} blocks, not {main.path!r}"
     try: return expand_blocks(p, len(main.blocks)), ""

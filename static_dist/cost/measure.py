@@ -19,7 +19,8 @@ __all__ = ['comm_counter', 'comm_counts', 'to_empty_tied', 'peak_by_category', '
 
 # %% ../../nbs/06c_cost_measure.ipynb
 def _one_step(m, opt, inputs, kwargs, targets, loss_fn, plan):
-    "The package's one step over `plan.accumulation_steps` (any plan the step takes: FSDP's, a layout's) copies of the micro-batch, synced as the plan says."
+    """The package's one step over `plan.accumulation_steps` (any plan the step takes: FSDP's, a layout's) copies of the
+    micro-batch, synced as the plan says."""
     train_step(m, opt, [MicroBatch(inputs, kwargs, targets)] * plan.accumulation_steps, loss_fn, plan=plan)
 
 # %% ../../nbs/06c_cost_measure.ipynb
@@ -111,11 +112,16 @@ def measure_step_by_category(m: nn.Module, plan, inputs, kwargs, targets, loss_f
         else: fmt = MemTracker(); fmt.track_external(m, opt, *ins)
         try:
             with quiet_torch_logs(), warnings.catch_warnings():  # the error below says it in one line
-                warnings.filterwarnings("ignore", message="(FSDP2-wrapped module|Full backward hook|For backward hooks to be called)")  # torch's notes
+                warnings.filterwarnings(
+                    "ignore", message="(FSDP2-wrapped module|Full backward hook|For backward hooks to be called)"
+                )  # torch's notes
                 with fmt, where: _one_step(m, opt, inputs, kwargs, targets, loss_fn, plan)
-                fmt.reset_mod_stats()   # clears the modules' stats only: the tracker's own peak restarts when it is entered again
-                # (the first step's peak is no steady state's: its optimizer makes its state, and DTensor's sharding propagation,
-                # cold, makes fake tensors of each parameter's global shape under the tracker's fake mode, which it counts)
+                # clears the modules' stats only: the tracker's own peak restarts when it is entered again
+                fmt.reset_mod_stats()
+                # (the first step's peak is no steady state's: its optimizer makes its state, and DTensor's sharding
+                # propagation,
+                # cold, makes fake tensors of each parameter's global shape under the tracker's fake mode, which it
+                # counts)
                 with fmt, comm_counter() as cdm, where: _one_step(m, opt, inputs, kwargs, targets, loss_fn, plan)
         except PlanError: raise
         except Exception as e: raise explain_failure(e, "the FSDP step under FSDPMemTracker", where.failed_in) from None

@@ -98,16 +98,21 @@ class GraphProfile:
     path: str = "full capture"
     "How the profile was made: 'full capture', 'expanded from 3 of 80 blocks', or 'full capture: <why not expanded>'."
     path_reason: str = ""
-    "Why a full capture was made where expanding was asked for, on one line ('' when expanded or a full capture was asked)."
+    """Why a full capture was made where expanding was asked for, on one line ('' when expanded or a full capture was
+    asked)."""
     master_dtype: str = ""
-    "The dtype parameters and optimizer state are kept in (master weights): `profile_graph`'s `master_dtype`, else the captured parameters' ('' if mixed)."
+    """The dtype parameters and optimizer state are kept in (master weights): `profile_graph`'s `master_dtype`, else the
+    captured parameters' ('' if mixed)."""
     model_forward_end: int = -1
-    "Last op of the model's own forward, a loss computed inside it included (FSDP's root post-forward); -1: not recorded."
+    """Last op of the model's own forward, a loss computed inside it included (FSDP's root post-forward); -1: not
+    recorded."""
     model_backward_start: int = -1
-    "The op before which a gradient first reached one of the model's outputs (FSDP's root pre-backward); -1: not recorded."
+    """The op before which a gradient first reached one of the model's outputs (FSDP's root pre-backward); -1: not
+    recorded."""
     block_flows: tuple[tuple[int, int, int], ...] = ()
     """Per captured block of the main stack, over its forward (to the next block's first op): bytes it makes and leaves
-    alive, bytes made before it that it frees, and saved bytes the code before the stack made and other blocks read too."""
+    alive, bytes made before it that it frees, and saved bytes the code before the stack made and other blocks read
+    too."""
     checkpoint: dict = dataclasses.field(default_factory=dict)
     "{module: `checkpoint_deltas`}: what checkpointing it changes, for each module below the stack or beside it."
     recomputes: tuple = ()
@@ -197,7 +202,11 @@ def shared_params(g: StaticGraph, by_storage: dict) -> tuple[tuple[str, ...], ..
 def tokens_of(g: StaticGraph) -> int:
     "Elements of the first tensor input (positional, else keyword), 0 when there is none."
     shapes = [s for s in (g.meta.get("inputs") or []) if isinstance(s, list)]
-    kw = [s for s in (g.meta.get("kwargs") or {}).values() if isinstance(s, list)] if isinstance(g.meta.get("kwargs"), dict) else []
+    kw = (
+        [s for s in (g.meta.get("kwargs") or {}).values() if isinstance(s, list)]
+        if isinstance(g.meta.get("kwargs"), dict)
+        else []
+    )
     return math.prod((shapes or kw or [[0]])[0])
 
 # %% ../../nbs/06a_cost_profile.ipynb
@@ -237,7 +246,9 @@ def to_master(params: list, native: np.ndarray, temporary: np.ndarray, phase: np
     if master_dtype is None or DTYPE_BYTES[master_dtype] == cap:
         return MasterParams(params=params, native=native, temporary=temporary, compute_itemsize=0)
     r = DTYPE_BYTES[master_dtype] / cap
-    params = [dataclasses.replace(p, itemsize=DTYPE_BYTES[master_dtype], state_bytes=int(p.state_bytes * r)) for p in params]
+    params = [
+        dataclasses.replace(p, itemsize=DTYPE_BYTES[master_dtype], state_bytes=int(p.state_bytes * r)) for p in params
+    ]
     opt = phase == OPTIMIZER
     extra = (temporary[opt] * (r - 1)).astype(np.int64)
     native[opt] += extra
@@ -249,7 +260,8 @@ def to_master(params: list, native: np.ndarray, temporary: np.ndarray, phase: np
 _NATIVE = ("activation", "temporary", "input", "buffer", "other")
 
 def block_flows(g: StaticGraph, stack: str, k: int) -> tuple[tuple[int, int, int], ...]:
-    "(bytes made and left alive, bytes made before it and freed, shared saved bytes) per block of `stack`'s `k` ((): none)."
+    """(bytes made and left alive, bytes made before it and freed, shared saved bytes) per block of `stack`'s `k` (():
+    none)."""
     ob = [_block_of(o.module, stack) if o.phase == "forward" else None for o in g.ops]
     first, last = {}, {}
     for i, b in enumerate(ob):
@@ -319,7 +331,7 @@ def profile_graph(g: StaticGraph, master_dtype: str | None = None) -> GraphProfi
                         op_bytes=op_bytes(g), op_dtypes=op_dtypes(g), optimizer_numel=sum(p.numel for p in params))
 
 # %% ../../nbs/06a_cost_profile.ipynb
-_LAST_OB: list = [None, None, None]      # (op modules, stack, block of each op) of the last call: an expansion asks thrice
+_LAST_OB: list = [None, None, None]  # (op modules, stack, block of each op) of the last call: an expansion asks thrice
 
 def _op_blocks(P: GraphProfile) -> np.ndarray:
     "Block number of each op (-1 outside the main stack)."
@@ -353,18 +365,27 @@ def _interleave_mismatch(ix: dict, k: int) -> list[str]:
 
 # %% ../../nbs/06a_cost_profile.ipynb
 def _flow_mismatch(flows: tuple) -> list[str]:
-    "Blocks that leave or free other bytes than block 1 (block 0 may free otherwise), and later blocks holding shared tensors."
+    """Blocks that leave or free other bytes than block 1 (block 0 may free otherwise), and later blocks holding shared
+    tensors."""
     (made1, freed1, _), out = flows[1], []
     for b, (made, freed, shared) in enumerate(flows):
         if made != made1:
-            out.append(f"block {b} leaves {fmt_bytes(made)} alive for the next block, block 1 {fmt_bytes(made1)} ({made - made1:+,} B)")
+            out.append(
+                f"block {b} leaves {fmt_bytes(made)} alive for the next block, block 1 {fmt_bytes(made1)} "
+                f"({made - made1:+,} B)"
+            )
         if b and freed != freed1:
-            out.append(f"block {b} frees {fmt_bytes(freed)} made before it, block 1 {fmt_bytes(freed1)} ({freed - freed1:+,} B)")
-        if b and shared: out.append(f"block {b} saves {fmt_bytes(shared)} made before the stack and read by other blocks")
+            out.append(
+                f"block {b} frees {fmt_bytes(freed)} made before it, block 1 {fmt_bytes(freed1)} ({freed - freed1:+,} "
+                "B)"
+            )
+        if b and shared:
+            out.append(f"block {b} saves {fmt_bytes(shared)} made before the stack and read by other blocks")
     return out
 
 def block_mismatch(profile: GraphProfile) -> list[str]:
-    "Why the captured blocks cannot stand for each other: op sequences, saved bytes, interleaving, what each leaves alive."
+    """Why the captured blocks cannot stand for each other: op sequences, saved bytes, interleaving, what each leaves
+    alive."""
     P, ob, k = profile, _op_blocks(profile), len(profile.blocks)
     ix = {(b, ph): np.flatnonzero((ob == b) & (P.op_phase == ph)) for b in range(k) for ph in (0, 1)}
     out = _op_mismatch(P, ix, k)
@@ -376,8 +397,11 @@ def block_mismatch(profile: GraphProfile) -> list[str]:
     out += _interleave_mismatch(ix, k)
     if flows: return out + _flow_mismatch(flows)
     left = np.diff([int(P.native[ix[b, 0][0]]) for b in range(k) if len(ix[b, 0])])
-    out += [f"block {b} leaves {fmt_bytes(d)} alive for the next block, block 1 {fmt_bytes(left[1])} ({d - left[1]:+,} B)"
-            for b, d in enumerate(left) if len(left) > 1 and d != left[1]]
+    out += [
+        f"block {b} leaves {fmt_bytes(d)} alive for the next block, block 1 {fmt_bytes(left[1])} ({d - left[1]:+,} B)"
+        for b, d in enumerate(left)
+        if len(left) > 1 and d != left[1]
+    ]
     return out
 
 # %% ../../nbs/06a_cost_profile.ipynb
@@ -514,12 +538,16 @@ def _expand_checkpoint(P: GraphProfile, where: _Where, ren, extra: int) -> tuple
             holds = [((k, j) if j is not None and ob[cr] in (0, 1) else k, at(cr, j), at(end, j), at(to, j), b)
                      for k, cr, end, to, b in d.holds]      # an input made by the block before is the copy's own
             out[ren(m) if j is None else _rename_block(m, c, j + 2)] = CheckpointDeltas(
-                ok((at(a, j), at(e, j), b) for a, e, b in d.spans), ok(holds), ok((at(a, j), *r) for a, *r in d.recomputes))
+                ok((at(a, j), at(e, j), b) for a, e, b in d.spans),
+                ok(holds),
+                ok((at(a, j), *r) for a, *r in d.recomputes),
+            )
     return out, ok((at(a, j), *r) for a, *r in P.recomputes for j in copies(P.op_module[a]))
 
 # %% ../../nbs/06a_cost_profile.ipynb
 def _foreach(P: GraphProfile) -> bool:
-    "Does the optimizer step work on all parameters at once (`aten._foreach_*`)? Assumed for a profile without op names."
+    """Does the optimizer step work on all parameters at once (`aten._foreach_*`)? Assumed for a profile without op
+    names."""
     return not P.op_names or any("_foreach_" in P.op_names[i] for i in np.flatnonzero(P.op_phase == OPTIMIZER))
 
 @dataclass(frozen=True)
@@ -544,7 +572,9 @@ def _expansion(P: GraphProfile, n_blocks: int) -> _Expansion:
     ren = _renamer(P.stack, extra)
     ops, ix, copies, where = _lay_out_ops(P, _pieces(P, extra), ren)
     params = _expand_params(P, where, ren, extra)
-    scale = sum(p.numel * p.itemsize for p in params) / sum(p.numel * p.itemsize for p in P.params) if _foreach(P) else 1
+    scale = (
+        sum(p.numel * p.itemsize for p in params) / sum(p.numel * p.itemsize for p in P.params) if _foreach(P) else 1
+    )
     seen, mods = {}, ops["op_module"]
     for i in np.flatnonzero(ops["op_phase"] == FORWARD).tolist(): seen.setdefault(mods[i], i)
     e = _Expansion(ops=ops, ix=ix, copies=copies, where=where, params=tuple(params), scale=scale,

@@ -15,4 +15,12 @@ from .guards import *
 from .check import *
 from . import source, report, runtime, rules, numerics, guards, check
 
-__all__ = [*source.__all__, *report.__all__, *runtime.__all__, *rules.__all__, *numerics.__all__, *guards.__all__, *check.__all__]
+__all__ = [
+    *source.__all__,
+    *report.__all__,
+    *runtime.__all__,
+    *rules.__all__,
+    *numerics.__all__,
+    *guards.__all__,
+    *check.__all__,
+]

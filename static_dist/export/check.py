@@ -28,7 +28,9 @@ def _stage(report: ExportReport, name: str, fn: Callable, target: str = 'export'
     except MissingDependency as e:
         report.stages.append(Stage(name, 'skip', time.perf_counter() - t0, str(e))); return None
     except Exception as e:
-        report.stages.append(Stage(name, 'fail', time.perf_counter() - t0, _first_line(f'{type(e).__name__}: {e}', 300)))
+        report.stages.append(
+            Stage(name, 'fail', time.perf_counter() - t0, _first_line(f'{type(e).__name__}: {e}', 300))
+        )
         report.findings.extend(error_findings(e, target)); return None
 
 # %% ../../nbs/10g_export_check.ipynb
@@ -38,16 +40,23 @@ def _draft_files(report) -> dict:
     table = getattr(getattr(torch._logging, 'structured', None), 'INTERN_TABLE', {})
     return {**{i: name for name, i in table.items()}, **files}
 
+# %% ../../nbs/10g_export_check.ipynb
 def _draft_finding(failure, files: dict) -> Finding:
     "One draft_export failure as a finding at its last user frame."
     data = failure.data if isinstance(failure.data, dict) else {}
-    locs = [SourceLoc(files[s.get('filename')], s.get('line', 0), s.get('loc', '')) for s in data.get('user_stack', []) if s.get('filename') in files]
+    locs = [
+        SourceLoc(files[s.get('filename')], s.get('line', 0), s.get('loc', ''))
+        for s in data.get('user_stack', [])
+        if s.get('filename') in files
+    ]
     locs = [l for l in locs if is_user_frame(l.file, l.line)]
     kind = getattr(failure.failure_type, 'name', str(failure.failure_type))
     rule = 'data-dependent-branch' if 'DATA_DEPENDENT' in kind else 'export-failed'
-    what = f"draft_export: {kind} on `{data.get('expr', '')}`; it baked in the example's result ({data.get('result', '?')}) with a runtime assert"
+    what = (f"draft_export: {kind} on `{data.get('expr', '')}`; it baked in the example's result "
+            f"({data.get('result', '?')}) with a runtime assert")
     return _finding(rule, 'export', data.get('expr', ''), locs[-1] if locs else None, what)
 
+# %% ../../nbs/10g_export_check.ipynb
 def _draft_findings(ep) -> list[Finding]:
     "Findings from draft_export's report (data-dependent errors with their user stack)."
     rep = getattr(ep, '_report', None)
@@ -57,19 +66,33 @@ def _draft_findings(ep) -> list[Finding]:
 # %% ../../nbs/10g_export_check.ipynb
 def _export_stages(rep: ExportReport, model, example_inputs: tuple, dynamic_shapes) -> Any:
     "export-strict and export-nonstrict, then draft-export if both failed: the program later stages use (None if none)."
-    ep_s = _stage(rep, 'export-strict', lambda: torch.export.export(model, example_inputs, dynamic_shapes=dynamic_shapes, strict=True))
-    ep_n = _stage(rep, 'export-nonstrict', lambda: torch.export.export(model, example_inputs, dynamic_shapes=dynamic_shapes, strict=False))
+    ep_s = _stage(
+        rep,
+        'export-strict',
+        lambda: torch.export.export(model, example_inputs, dynamic_shapes=dynamic_shapes, strict=True),
+    )
+    ep_n = _stage(
+        rep,
+        'export-nonstrict',
+        lambda: torch.export.export(model, example_inputs, dynamic_shapes=dynamic_shapes, strict=False),
+    )
     if (ep := ep_n or ep_s) is not None:
         rep.stages.append(Stage('draft-export', 'skip', 0.0, 'not needed: export succeeded')); return ep
-    ep = _stage(rep, 'draft-export', lambda: torch.export.draft_export(model, example_inputs, dynamic_shapes=dynamic_shapes))
+    ep = _stage(
+        rep, 'draft-export', lambda: torch.export.draft_export(model, example_inputs, dynamic_shapes=dynamic_shapes)
+    )
     if ep is not None:
-        rep.stages[-1].status, rep.stages[-1].detail = 'warn', 'fallback program: data-dependent choices baked in with runtime asserts'
+        rep.stages[-1].status, rep.stages[-1].detail = (
+            'warn',
+            'fallback program: data-dependent choices baked in with runtime asserts',
+        )
         rep.findings.extend(_draft_findings(ep))
     return ep
 
 # %% ../../nbs/10g_export_check.ipynb
 def _dedupe(findings: list[Finding]) -> list[Finding]:
-    "One finding per (rule, target, line): later ones add their explanation; unlocated ones go when a located one exists."
+    """One finding per (rule, target, line): later ones add their explanation; unlocated ones go when a located one
+    exists."""
     located = {(f.rule, f.target) for f in findings if f.source}
     out, seen = [], {}
     for f in findings:
@@ -86,16 +109,31 @@ def _decompose_stage(rep: ExportReport, ep):
     "decompose: run_decompositions() to core ATen; non-core ATen ops left make it a warning."
     core = _stage(rep, 'decompose', lambda: ep.run_decompositions())
     if core is None: return
-    noncore = sorted({op_name(n.target) for n in core.graph.nodes if n.op == 'call_function' and isinstance(n.target, torch._ops.OpOverload)
-                      and n.target.namespace == 'aten' and torch.Tag.core not in n.target.tags and not n.target._opname.startswith('_assert')})
+    noncore = sorted(
+        {
+            op_name(n.target)
+            for n in core.graph.nodes
+            if n.op == 'call_function'
+            and isinstance(n.target, torch._ops.OpOverload)
+            and n.target.namespace == 'aten'
+            and torch.Tag.core not in n.target.tags
+            and not n.target._opname.startswith('_assert')
+        }
+    )
     if noncore: rep.stages[-1].status, rep.stages[-1].detail = 'warn', f"non-core ATen ops remain: {', '.join(noncore)}"
 
 # %% ../../nbs/10g_export_check.ipynb
 def _onnx_stage(rep: ExportReport, ep, example_inputs: tuple, opset, table) -> Callable | None:
     "onnx: conversion and an onnxruntime session; the runner takes the input tuple."
-    sess = _stage(rep, 'onnx', lambda: ort_session(onnx_export(ep, example_inputs, opset=opset, custom_translation_table=table)), 'onnx')
+    sess = _stage(
+        rep,
+        'onnx',
+        lambda: ort_session(onnx_export(ep, example_inputs, opset=opset, custom_translation_table=table)),
+        'onnx',
+    )
     return None if sess is None else (lambda args, s=sess: ort_run(s, args))
 
+# %% ../../nbs/10g_export_check.ipynb
 def _torchscript_stage(rep: ExportReport, model, example_inputs: tuple):
     "torchscript: torch.jit.trace (the traced module is the runner)."
     return _stage(rep, 'torchscript', lambda: torch.jit.trace(model, example_inputs, check_trace=False), 'torchscript')
@@ -111,18 +149,24 @@ def _aoti_build(rep: ExportReport, ep, aoti_compile: bool):
         path = torch._inductor.aoti_compile_and_package(ep, package_path=os.path.join(d, 'm.pt2'))
         return torch._inductor.aoti_load_package(path)
 
+# %% ../../nbs/10g_export_check.ipynb
 def _aoti_stage(rep: ExportReport, ep, aoti_compile: bool):
     "aoti: readiness (a warning with custom ops), and the loaded package as runner when compiled."
     res = _stage(rep, 'aoti', lambda: _aoti_build(rep, ep, aoti_compile), 'aoti')
     if res is None: return None
     ready = rep.meta.get('aoti', {})
-    rep.stages[-1].detail = (f"{ready.get('lowered', 0)} ops lowered by Inductor; ATen fallbacks: {', '.join(ready.get('fallback', [])) or 'none'}; "
-                             f"custom: {', '.join(ready.get('custom', [])) or 'none'}")
+    rep.stages[-1].detail = (
+        f"{ready.get('lowered', 0)} ops lowered by Inductor; ATen fallbacks: "
+        f"{', '.join(ready.get('fallback', [])) or 'none'}; "
+        f"custom: {', '.join(ready.get('custom', [])) or 'none'}"
+    )
     if ready.get('custom'): rep.stages[-1].status = 'warn'
     return res if aoti_compile else None
 
 # %% ../../nbs/10g_export_check.ipynb
-def _target_runners(rep: ExportReport, model, ep, example_inputs: tuple, targets, opset, table, aoti_compile: bool) -> dict:
+def _target_runners(
+    rep: ExportReport, model, ep, example_inputs: tuple, targets, opset, table, aoti_compile: bool
+) -> dict:
     "Run the stage of each target; {target: runner} for the exported program and each target that produced one."
     runners = {}
     if 'onnx' in targets: runners['onnx'] = _onnx_stage(rep, ep, example_inputs, opset, table)
@@ -138,8 +182,13 @@ def _run_case(rep: ExportReport, runners: dict, case: str, args: tuple, ref):
             with torch.no_grad(): got = run(*args) if tgt != 'onnx' else run(args)
             rep.numerics.extend(compare(tgt, case, got, ref))
         except Exception as e:
-            rep.numerics.append(NumericCheck(tgt, case, 0, '', math.nan, math.nan, 0, 0, False, _first_line(f'{type(e).__name__}: {e}', 200)))
+            rep.numerics.append(
+                NumericCheck(
+                    tgt, case, 0, '', math.nan, math.nan, 0, 0, False, _first_line(f'{type(e).__name__}: {e}', 200)
+                )
+            )
 
+# %% ../../nbs/10g_export_check.ipynb
 def _verify(rep: ExportReport, model, runners: dict, suite: list) -> list[str]:
     "Compare the runners with eager over the suite; the cases eager rejected. Raises if a check failed."
     rejected = []
@@ -154,15 +203,21 @@ def _verify(rep: ExportReport, model, runners: dict, suite: list) -> list[str]:
     return rejected
 
 # %% ../../nbs/10g_export_check.ipynb
-def _verify_stage(rep: ExportReport, model, runners: dict, example_inputs: tuple, dynamic_shapes, n_random: int, seed: int):
+def _verify_stage(
+    rep: ExportReport, model, runners: dict, example_inputs: tuple, dynamic_shapes, n_random: int, seed: int
+):
     "verify: `_verify` on the input suite, as a stage."
     t0 = time.perf_counter()
     try:
-        with quiet(): rejected = _verify(rep, model, runners, input_suite(example_inputs, dynamic_shapes, n_random=n_random, seed=seed))
+        with quiet():
+            rejected = _verify(
+                rep, model, runners, input_suite(example_inputs, dynamic_shapes, n_random=n_random, seed=seed)
+            )
         detail = f"{len(rep.numerics)} comparisons on {len(runners)} target(s)"
         if rejected: detail += f"; eager itself rejected generated case(s): {', '.join(rejected)}"
         rep.stages.append(Stage('verify', 'ok', time.perf_counter() - t0, detail))
-    except Exception as e: rep.stages.append(Stage('verify', 'fail', time.perf_counter() - t0, _first_line(str(e), 300)))
+    except Exception as e:
+        rep.stages.append(Stage('verify', 'fail', time.perf_counter() - t0, _first_line(str(e), 300)))
 
 # %% ../../nbs/10g_export_check.ipynb
 def _guard_break_findings(rep: ExportReport) -> list[Finding]:
@@ -173,14 +228,24 @@ def _guard_break_findings(rep: ExportReport) -> list[Finding]:
             out.append(Finding(rule.id, 'error', 'compile', 'if <tensor>', b['source'], b['code'], rule.what, rule.fix))
     return out
 
+# %% ../../nbs/10g_export_check.ipynb
 def _guards_stage(rep: ExportReport, model, example_inputs, flags):
     "Guard analysis as a stage; data-dependent graph breaks not already reported become findings."
     t0 = time.perf_counter()
     try: rep.guards = analyze_guards(model, example_inputs, flags)
     except Exception as e:
-        rep.stages.append(Stage('guards', 'fail', time.perf_counter() - t0, _first_line(f'{type(e).__name__}: {e}', 300))); return
-    rep.stages.append(Stage('guards', 'ok' if not rep.guards['breaks'] else 'warn', time.perf_counter() - t0,
-                            f"{len(rep.guards['recompiles'])} recompile reason(s), {len(rep.guards['breaks'])} graph break(s)"))
+        rep.stages.append(
+            Stage('guards', 'fail', time.perf_counter() - t0, _first_line(f'{type(e).__name__}: {e}', 300))
+        )
+        return
+    rep.stages.append(
+        Stage(
+            'guards',
+            'ok' if not rep.guards['breaks'] else 'warn',
+            time.perf_counter() - t0,
+            f"{len(rep.guards['recompiles'])} recompile reason(s), {len(rep.guards['breaks'])} graph break(s)",
+        )
+    )
     rep.findings.extend(_guard_break_findings(rep))
 
 # %% ../../nbs/10g_export_check.ipynb
@@ -191,6 +256,7 @@ def _finish(rep: ExportReport, model, example_inputs: tuple, flags, t_all: float
     rep.meta['seconds'] = time.perf_counter() - t_all
     return rep
 
+# %% ../../nbs/10g_export_check.ipynb
 def _check_targets(targets: Sequence[str]) -> list[str]:
     "The targets asked for (blank entries dropped); ValueError naming an unknown one."
     targets = [t.strip() for t in targets if t.strip()]
@@ -199,9 +265,20 @@ def _check_targets(targets: Sequence[str]) -> list[str]:
     return targets
 
 # %% ../../nbs/10g_export_check.ipynb
-def check_export(model: torch.nn.Module, example_inputs: tuple, *, targets: Sequence[str] = ('onnx',), dynamic_shapes=None,
-                 flags: dict[str, Sequence] | None = None, opset: int | None = None, custom_translation_table: dict | None = None,
-                 n_random: int = 2, seed: int = 0, aoti_compile: bool = False, name: str | None = None) -> ExportReport:
+def check_export(
+    model: torch.nn.Module,
+    example_inputs: tuple,
+    *,
+    targets: Sequence[str] = ('onnx',),
+    dynamic_shapes=None,
+    flags: dict[str, Sequence] | None = None,
+    opset: int | None = None,
+    custom_translation_table: dict | None = None,
+    n_random: int = 2,
+    seed: int = 0,
+    aoti_compile: bool = False,
+    name: str | None = None,
+) -> ExportReport:
     "Run every export stage for `model` and return one `ExportReport` (pass `model.eval()` for deterministic numerics)."
     targets = _check_targets(targets)
     if not isinstance(example_inputs, tuple): example_inputs = (example_inputs,)
@@ -228,21 +305,31 @@ class KwargsCall(torch.nn.Module):
 
 # %% ../../nbs/10g_export_check.ipynb
 def _token_dims(model, args: tuple, batch: int, seq: int):
-    "Dynamic batch and sequence dims of a first positional (batch, seq) integer input, for a model that declares its longest sequence."
+    """Dynamic batch and sequence dims of a first positional (batch, seq) integer input, for a model that declares its
+    longest sequence."""
     from static_dist.workload import max_positions
     limit, x = max_positions(model), args[0] if args else None
     if limit is None or not isinstance(x, torch.Tensor) or x.dim() != 2 or x.is_floating_point(): return None
-    dims = {0: torch.export.Dim('batch', min=1, max=2 * batch), 1: torch.export.Dim('seq', min=2, max=min(4 * seq, limit))}
+    dims = {
+        0: torch.export.Dim('batch', min=1, max=2 * batch),
+        1: torch.export.Dim('seq', min=2, max=min(4 * seq, limit)),
+    }
     return (dims, *(None,) * (len(args) - 1))
 
+# %% ../../nbs/10g_export_check.ipynb
 def _flags(model) -> dict | None:
     "Flags to flip in the guard analysis: `training`, with the model's own public boolean attributes (none: no flags)."
-    own = {k: [v, not v] for k, v in vars(model).items() if isinstance(v, bool) and not k.startswith('_') and k != 'training'}
+    own = {
+        k: [v, not v]
+        for k, v in vars(model).items()
+        if isinstance(v, bool) and not k.startswith('_') and k != 'training'
+    }
     return {'training': [False, True], **own} if own else None
 
 # %% ../../nbs/10g_export_check.ipynb
 def workload_case(w) -> tuple[torch.nn.Module, tuple, Any, dict | None]:
-    "(model in eval mode on CPU with real weights, positional inputs, dynamic shapes, flags) of a `static_dist.workload.Workload`."
+    """(model in eval mode on CPU with real weights, positional inputs, dynamic shapes, flags) of a
+    `static_dist.workload.Workload`."""
     check_real_size(sum(p.numel() for p in w.build(device='meta').parameters()),
                     f"{w.source} (the export checks run real forward passes on CPU)", bytes_per_param=4)
     mb = w.micro_batch()
@@ -252,12 +339,20 @@ def workload_case(w) -> tuple[torch.nn.Module, tuple, Any, dict | None]:
         return KwargsCall(model, keys), (*args, *(mb.kwargs[k] for k in keys)), None, _flags(model)
     return model, args, _token_dims(model, args, w.batch, w.seq or 16), _flags(model)
 
+# %% ../../nbs/10g_export_check.ipynb
 def zoo_case(name: str, batch: int = 2, seq: int = 16) -> tuple[torch.nn.Module, tuple, Any, dict | None]:
     "`workload_case` of zoo model `name` at (batch, seq)."
     from static_dist.workload import load_workload
     return workload_case(load_workload(name, batch=batch, seq=seq))
 
-def check_zoo(name: str, targets: Sequence[str] = ('onnx', 'torchscript', 'aoti'), batch: int = 2, seq: int = 16, opset: int | None = None) -> ExportReport:
+# %% ../../nbs/10g_export_check.ipynb
+def check_zoo(
+    name: str,
+    targets: Sequence[str] = ('onnx', 'torchscript', 'aoti'),
+    batch: int = 2,
+    seq: int = 16,
+    opset: int | None = None,
+) -> ExportReport:
     "`check_export` on a zoo model with its dims and flags."
     model, inputs, ds, flags = zoo_case(name, batch, seq)
     return check_export(model, inputs, targets=targets, dynamic_shapes=ds, flags=flags, opset=opset, name=name)

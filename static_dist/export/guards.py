@@ -34,7 +34,13 @@ def _cond_returning(node: ast.If, before: list, after: list, known: set, self_na
     "Both branches return: `return torch.cond(pred, _true_branch, _false_branch, operands)`."
     t_body, f_body = node.body, node.orelse or after
     ops = sorted((_branch_names(t_body)[0] | _branch_names(f_body)[0]) & known - {self_name})
-    call = ast.parse(f"torch.cond(__pred__, _true_branch, _false_branch, ({', '.join(ops)}{',' if len(ops) == 1 else ''}))").body[0].value
+    call = (
+        ast.parse(
+            f"torch.cond(__pred__, _true_branch, _false_branch, ({', '.join(ops)}{',' if len(ops) == 1 else ''}))"
+        )
+        .body[0]
+        .value
+    )
     call.args[0] = node.test
     return before + [_mkfn('_true_branch', t_body, ops), _mkfn('_false_branch', f_body, ops), ast.Return(call)]
 
@@ -45,9 +51,19 @@ def _cond_assigning(node: ast.If, before: list, after: list, known: set, self_na
     ops = sorted((_branch_names(node.body)[0] | _branch_names(node.orelse)[0] | set(outs)) & known - {self_name})
     if not outs or not set(outs) <= known: return None
     ret = ast.parse(f"return ({', '.join(outs)},)").body[0]
-    call = ast.parse(f"({', '.join(outs)},) = torch.cond(__pred__, _true_branch, _false_branch, ({', '.join(ops)},))").body[0]
+    call = ast.parse(
+        f"({', '.join(outs)},) = torch.cond(__pred__, _true_branch, _false_branch, ({', '.join(ops)},))"
+    ).body[0]
     call.value.args[0] = node.test
-    return before + [_mkfn('_true_branch', node.body + [ret], ops), _mkfn('_false_branch', (node.orelse or []) + [ret], ops), call] + after
+    return (
+        before
+        + [
+            _mkfn('_true_branch', node.body + [ret], ops),
+            _mkfn('_false_branch', (node.orelse or []) + [ret], ops),
+            call,
+        ]
+        + after
+    )
 
 # %% ../../nbs/10f_export_guards.ipynb
 def _if_at(fn: Callable, lineno: int) -> tuple[ast.FunctionDef, int] | None:
@@ -62,14 +78,16 @@ def _if_at(fn: Callable, lineno: int) -> tuple[ast.FunctionDef, int] | None:
 
 # %% ../../nbs/10f_export_guards.ipynb
 def cond_rewrite(fn: Callable, lineno: int) -> str | None:
-    "Source of `fn` with the `if` at `lineno` (file line) rewritten as `torch.cond`; None if it is not a supported pattern."
+    """Source of `fn` with the `if` at `lineno` (file line) rewritten as `torch.cond`; None if it is not a supported
+    pattern."""
     fn = getattr(fn, '__func__', fn)
     if (found := _if_at(fn, lineno)) is None: return None
     fdef, idx = found
     node, before, after = fdef.body[idx], fdef.body[:idx], fdef.body[idx + 1:]
     known = {a.arg for a in fdef.args.args} | _branch_names(before)[1]
     self_name = fdef.args.args[0].arg if fdef.args.args else None
-    if _ends(node.body) and (_ends(node.orelse) or (not node.orelse and _ends(after))): new = _cond_returning(node, before, after, known, self_name)
+    if _ends(node.body) and (_ends(node.orelse) or (not node.orelse and _ends(after))):
+        new = _cond_returning(node, before, after, known, self_name)
     elif not _ends(node.body) and not _ends(node.orelse): new = _cond_assigning(node, before, after, known, self_name)
     else: new = None
     if new is None: return None
@@ -90,12 +108,14 @@ def apply_rewrite(module: torch.nn.Module, src: str) -> torch.nn.Module:
 def _guard_text(g) -> str | None:
     "A readable guard of user state (flags, inputs), or None for framework bookkeeping."
     name = g.name or ''
-    if not name.startswith("L['") or '_hooks' in name or "._modules" in name and 'TENSOR' not in g.create_fn_name(): return None
+    if not name.startswith("L['") or '_hooks' in name or "._modules" in name and 'TENSOR' not in g.create_fn_name():
+        return None
     kind = g.create_fn_name()
     if kind in ('CONSTANT_MATCH', 'EQUALS_MATCH', 'BOOL_MATCH'):
         code = [c for c in (g.code_list or []) if '==' in c]
         return code[0] if code else f"{name} constant"
-    if kind == 'TENSOR_MATCH' and "_parameters" not in name and "_buffers" not in name: return f"{name}: dtype/device/shape/stride match"
+    if kind == 'TENSOR_MATCH' and "_parameters" not in name and "_buffers" not in name:
+        return f"{name}: dtype/device/shape/stride match"
     return None
 
 # %% ../../nbs/10f_export_guards.ipynb
@@ -126,8 +146,14 @@ def _break_record(br, loc: SourceLoc | None, model) -> dict:
     dd = bool(re.search(r'generic_jump|[Dd]ata-dependent', br.reason))
     fwd = type(model).forward
     rw = cond_rewrite(fwd, loc.line) if (dd and loc and loc.file == inspect.getsourcefile(fwd)) else None
-    return {'reason': br.reason.strip(), 'source': str(loc or ''), 'code': loc.code if loc else '', 'data_dependent': dd, 'rewrite': rw,
-            'stack': [f"{Path(f.filename).name}:{f.lineno} {(f.line or '').strip()}" for f in br.user_stack]}
+    return {
+        'reason': br.reason.strip(),
+        'source': str(loc or ''),
+        'code': loc.code if loc else '',
+        'data_dependent': dd,
+        'rewrite': rw,
+        'stack': [f"{Path(f.filename).name}:{f.lineno} {(f.line or '').strip()}" for f in br.user_stack],
+    }
 
 # %% ../../nbs/10f_export_guards.ipynb
 def _parse_recompile(reason: str) -> dict:

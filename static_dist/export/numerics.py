@@ -15,10 +15,30 @@ __all__ = ['TOLERANCES', 'compare', 'input_suite']
 
 # %% ../../nbs/10e_export_numerics.ipynb
 TOLERANCES: dict[str, dict[torch.dtype, tuple[float, float]]] = {  # (atol, rtol)
-    'export': {torch.float32: (1e-5, 1.3e-6), torch.float64: (1e-7, 1e-7), torch.float16: (1e-5, 1e-3), torch.bfloat16: (1e-5, 1.6e-2)},
-    'torchscript': {torch.float32: (1e-5, 1.3e-6), torch.float64: (1e-7, 1e-7), torch.float16: (1e-5, 1e-3), torch.bfloat16: (1e-5, 1.6e-2)},
-    'onnx': {torch.float32: (1e-4, 1e-4), torch.float64: (1e-7, 1e-7), torch.float16: (1e-2, 1e-2), torch.bfloat16: (2e-2, 2e-2)},
-    'aoti': {torch.float32: (1e-4, 1e-4), torch.float64: (1e-7, 1e-7), torch.float16: (1e-2, 1e-2), torch.bfloat16: (2e-2, 2e-2)},
+    'export': {
+        torch.float32: (1e-5, 1.3e-6),
+        torch.float64: (1e-7, 1e-7),
+        torch.float16: (1e-5, 1e-3),
+        torch.bfloat16: (1e-5, 1.6e-2),
+    },
+    'torchscript': {
+        torch.float32: (1e-5, 1.3e-6),
+        torch.float64: (1e-7, 1e-7),
+        torch.float16: (1e-5, 1e-3),
+        torch.bfloat16: (1e-5, 1.6e-2),
+    },
+    'onnx': {
+        torch.float32: (1e-4, 1e-4),
+        torch.float64: (1e-7, 1e-7),
+        torch.float16: (1e-2, 1e-2),
+        torch.bfloat16: (2e-2, 2e-2),
+    },
+    'aoti': {
+        torch.float32: (1e-4, 1e-4),
+        torch.float64: (1e-7, 1e-7),
+        torch.float16: (1e-2, 1e-2),
+        torch.bfloat16: (2e-2, 2e-2),
+    },
 }
 
 # %% ../../nbs/10e_export_numerics.ipynb
@@ -28,7 +48,18 @@ def _compare_one(target: str, case: str, i: int, a: torch.Tensor, b: torch.Tenso
     "Output `i` of a target (`a`) against eager's (`b`)."
     atol, rtol = TOLERANCES.get(target, TOLERANCES['export']).get(b.dtype, (0.0, 0.0))
     if tuple(a.shape) != tuple(b.shape):
-        return NumericCheck(target, case, i, _dtype_name(b), math.inf, math.inf, atol, rtol, False, f'shape {tuple(a.shape)} vs eager {tuple(b.shape)}')
+        return NumericCheck(
+            target,
+            case,
+            i,
+            _dtype_name(b),
+            math.inf,
+            math.inf,
+            atol,
+            rtol,
+            False,
+            f'shape {tuple(a.shape)} vs eager {tuple(b.shape)}',
+        )
     a64, b64 = a.detach().to(torch.float64), b.detach().to(torch.float64)
     diff, finite = (a64 - b64).abs(), torch.isfinite(b64)
     d = torch.where(finite, diff, torch.zeros_like(diff)) if diff.numel() else diff
@@ -36,8 +67,11 @@ def _compare_one(target: str, case: str, i: int, a: torch.Tensor, b: torch.Tenso
     big = b64.abs() > atol
     max_rel = float((d[big] / b64.abs()[big]).max()) if bool(big.any()) else 0.0
     inf = ~finite & ~torch.isnan(b64)
-    ok = (bool(torch.equal(torch.isnan(a64), torch.isnan(b64))) and bool((d <= atol + rtol * b64.abs().nan_to_num(0.0)).all())
-          and bool(torch.equal(a64[inf], b64[inf])))
+    ok = (
+        bool(torch.equal(torch.isnan(a64), torch.isnan(b64)))
+        and bool((d <= atol + rtol * b64.abs().nan_to_num(0.0)).all())
+        and bool(torch.equal(a64[inf], b64[inf]))
+    )
     return NumericCheck(target, case, i, _dtype_name(b), max_abs, max_rel, atol, rtol, ok)
 
 # %% ../../nbs/10e_export_numerics.ipynb
@@ -46,7 +80,9 @@ def compare(target: str, case: str, got, ref) -> list[NumericCheck]:
     g = [t for t in pytree.tree_leaves(got) if isinstance(t, torch.Tensor)]
     r = [t for t in pytree.tree_leaves(ref) if isinstance(t, torch.Tensor)]
     if len(g) != len(r):
-        return [NumericCheck(target, case, 0, '', math.inf, math.inf, 0, 0, False, f'{len(g)} outputs, eager has {len(r)}')]
+        return [
+            NumericCheck(target, case, 0, '', math.inf, math.inf, 0, 0, False, f'{len(g)} outputs, eager has {len(r)}')
+        ]
     return [_compare_one(target, case, i, a, b) for i, (a, b) in enumerate(zip(g, r))]
 
 # %% ../../nbs/10e_export_numerics.ipynb
@@ -59,7 +95,8 @@ def _like_int(t: torch.Tensor, shape, kind: str, g: torch.Generator) -> torch.Te
 
 def _like(t: torch.Tensor, shape, kind: str, g: torch.Generator) -> torch.Tensor:
     "A `kind` ('random' | 'zeros' | 'large') tensor of `shape` like the example `t`."
-    if t.dtype == torch.bool: return torch.rand(shape, generator=g) > 0.5 if kind != 'zeros' else torch.zeros(shape, dtype=torch.bool)
+    if t.dtype == torch.bool:
+        return torch.rand(shape, generator=g) > 0.5 if kind != 'zeros' else torch.zeros(shape, dtype=torch.bool)
     if not t.is_floating_point(): return _like_int(t, shape, kind, g)
     if kind == 'zeros': return torch.zeros(shape, dtype=t.dtype)
     scale = float(t.detach().float().abs().max()) if t.numel() else 1.0
@@ -81,7 +118,9 @@ def _dim_size(d, example: int, pick: str) -> int:
     return d.max if isinstance(d.max, int) and d.max < 2**31 else 2 * example
 
 # %% ../../nbs/10e_export_numerics.ipynb
-def _suite_case(example_inputs: tuple, specs: list, kind: str, g: torch.Generator, dim_pick: str | None = None) -> tuple:
+def _suite_case(
+    example_inputs: tuple, specs: list, kind: str, g: torch.Generator, dim_pick: str | None = None
+) -> tuple:
     "One generated case: every tensor input like the example's, its dynamic dims at their `dim_pick` size."
     sizes, out = {}, []  # sizes: Dim name -> size, so inputs sharing a Dim stay consistent
     for t, spec in zip(example_inputs, specs):
@@ -93,14 +132,21 @@ def _suite_case(example_inputs: tuple, specs: list, kind: str, g: torch.Generato
     return tuple(out)
 
 # %% ../../nbs/10e_export_numerics.ipynb
-def input_suite(example_inputs: tuple, dynamic_shapes=None, *, n_random: int = 2, seed: int = 0) -> list[tuple[str, tuple]]:
+def input_suite(
+    example_inputs: tuple, dynamic_shapes=None, *, n_random: int = 2, seed: int = 0
+) -> list[tuple[str, tuple]]:
     "Named input cases: example, random, zeros, large values, and the min/max of each dynamic dim."
     g = torch.Generator().manual_seed(seed)
-    specs = list(dynamic_shapes.values()) if isinstance(dynamic_shapes, dict) else list(dynamic_shapes or [None] * len(example_inputs))
+    specs = (
+        list(dynamic_shapes.values())
+        if isinstance(dynamic_shapes, dict)
+        else list(dynamic_shapes or [None] * len(example_inputs))
+    )
     specs += [None] * (len(example_inputs) - len(specs))
     make = lambda kind, pick=None: _suite_case(example_inputs, specs, kind, g, pick)
     cases = [('example', tuple(example_inputs))]
     cases += [(f'random-{i}', make('random')) for i in range(n_random)]
     cases += [('zeros', make('zeros')), ('large', make('large'))]
-    if any(_dims_of(s) for s in specs): cases += [('dim-min', make('random', 'min')), ('dim-max', make('random', 'max'))]
+    if any(_dims_of(s) for s in specs):
+        cases += [('dim-min', make('random', 'min')), ('dim-max', make('random', 'max'))]
     return cases

@@ -69,7 +69,9 @@ class ExportReport:
     numerics: list[NumericCheck] = field(default_factory=list)
     guards: dict | None = None
     torch_version: str = torch.__version__
-    created: str = field(default_factory=lambda: datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds'))
+    created: str = field(
+        default_factory=lambda: datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds')
+    )
     meta: dict = field(default_factory=dict)
 
 # %% ../../nbs/10b_export_report.ipynb
@@ -126,9 +128,15 @@ _TOP = dict(model=string(), targets=list_of(string()), guards=optional(mapping()
 
 # %% ../../nbs/10b_export_report.ipynb
 def _record(cls, f: Fields):
-    "A stage, finding or numeric check from its object in the file, every field checked (a non-finite number read back from its string)."
+    """A stage, finding or numeric check from its object in the file, every field checked (a non-finite number read back
+    from its string)."""
     v = {k: f(k, c) for k, c in _CHECKS[cls].items()}
-    return cls(**{k: float(x) if isinstance(x, str) and x in _NONFINITE and k in ("max_abs", "max_rel") else x for k, x in v.items()})
+    return cls(
+        **{
+            k: float(x) if isinstance(x, str) and x in _NONFINITE and k in ("max_abs", "max_rel") else x
+            for k, x in v.items()
+        }
+    )
 
 # %% ../../nbs/10b_export_report.ipynb
 def _report_dict(text: str | bytes | dict) -> dict:
@@ -138,9 +146,14 @@ def _report_dict(text: str | bytes | dict) -> dict:
             text = loads_json(text, "export report")
     d = text
     if not isinstance(d, dict) or d.get('schema') != SCHEMA:
-        raise ReportFileError(f"not an export report: expected schema {SCHEMA!r}, found {d.get('schema') if isinstance(d, dict) else type(d).__name__!r}")
+        raise ReportFileError(
+            f"not an export report: expected schema {SCHEMA!r}, found "
+            f"{d.get('schema') if isinstance(d, dict) else type(d).__name__!r}"
+        )
     if d.get('version') != SCHEMA_VERSION:
-        raise ReportFileError(f"export report version {d.get('version')!r} is not supported; this reader knows version {SCHEMA_VERSION}")
+        raise ReportFileError(
+            f"export report version {d.get('version')!r} is not supported; this reader knows version {SCHEMA_VERSION}"
+        )
     return d
 
 # %% ../../nbs/10b_export_report.ipynb
@@ -148,12 +161,17 @@ _LISTS = dict(stages=Stage, findings=Finding, numerics=NumericCheck)
 
 @patch(cls_method=True)
 def from_json(cls: ExportReport, text: str | dict) -> ExportReport:
-    "Read a report written by `to_json`; other schemas, unknown versions and bad fields are a `ReportFileError` naming the field."
+    """Read a report written by `to_json`; other schemas, unknown versions and bad fields are a `ReportFileError` naming
+    the field."""
     f = Fields(_report_dict(text), 'report', ReportFileError, ('schema', 'version', 'ok', *_TOP, *_LISTS))
     r = cls(**{k: f(k, c) for k, c in _TOP.items()},
             **{k: [_record(c, x) for x in f.each(k, tuple(_CHECKS[c]))] for k, c in _LISTS.items()})
     if f('ok', boolean()) != r.ok:
-        f.fail(f"expected {json.dumps(r.ok)} (the verdict of the report's stages, findings and numerics), found {json.dumps(not r.ok)}", 'ok')
+        f.fail(
+            f"expected {json.dumps(r.ok)} (the verdict of the report's stages, findings and numerics), found "
+            f"{json.dumps(not r.ok)}",
+            'ok',
+        )
     return r
 
 # %% ../../nbs/10b_export_report.ipynb
@@ -175,16 +193,28 @@ def _stages_md(r: ExportReport) -> list[str]:
     L = [f"## Export check: `{r.model}` — {'✅ clean' if r.ok else '❌ problems found'}",
          f"torch {r.torch_version} · targets: {', '.join(r.targets)} · {r.created}", '',
          '| stage | status | seconds | detail |', '|---|---|---:|---|']
-    return L + [f"| {s.name} | {_ICON.get(s.status, '')} {s.status} | {s.seconds:.2f} | {_md_escape(s.detail[:200])} |" for s in r.stages]
+    return L + [
+        f"| {s.name} | {_ICON.get(s.status, '')} {s.status} | {s.seconds:.2f} | {_md_escape(s.detail[:200])} |"
+        for s in r.stages
+    ]
 
 # %% ../../nbs/10b_export_report.ipynb
 def _findings_md(findings: list[Finding]) -> list[str]:
     "The findings table, most serious first (no lines when there is none)."
     if not findings: return []
-    L = ['', '### Findings', '', '| | rule | target | op | source | what happens | fix |', '|---|---|---|---|---|---|---|']
+    L = [
+        '',
+        '### Findings',
+        '',
+        '| | rule | target | op | source | what happens | fix |',
+        '|---|---|---|---|---|---|---|',
+    ]
     order = sorted(findings, key=lambda f: SEVERITIES.index(f.severity) if f.severity in SEVERITIES else 9)
-    return L + [f"| {_ICON.get(f.severity, '')} | `{f.rule}` | {f.target} | `{f.op}` | {f.source} `{_md_escape(f.code)}` | "
-                f"{_md_escape(f.what)} | {_md_escape(f.fix)} |" for f in order]
+    return L + [
+        f"| {_ICON.get(f.severity, '')} | `{f.rule}` | {f.target} | `{f.op}` | {f.source} `{_md_escape(f.code)}` | "
+        f"{_md_escape(f.what)} | {_md_escape(f.fix)} |"
+        for f in order
+    ]
 
 # %% ../../nbs/10b_export_report.ipynb
 def _numerics_rows(numerics) -> list[tuple[NumericCheck, int]]:
@@ -202,10 +232,19 @@ def _numerics_rows(numerics) -> list[tuple[NumericCheck, int]]:
 def _numerics_md(numerics: list[NumericCheck]) -> list[str]:
     "The worst-case numerics table (no lines when there is no check)."
     if not numerics: return []
-    L = ['', '### Numerics against eager (worst case per output)', '',
-         '| target | output | dtype | cases | worst case | max abs | max rel | atol / rtol | ok |', '|---|---:|---|---:|---|---:|---:|---|---|']
-    return L + [f"| {w.target} | {w.output} | {w.dtype} | {c} | {w.case} | {w.max_abs:.3g} | {w.max_rel:.3g} | {w.atol:g} / {w.rtol:g} | "
-                f"{_ICON['ok'] if w.ok else _ICON['fail']} {_md_escape(w.detail)} |" for w, c in _numerics_rows(numerics)]
+    L = [
+        '',
+        '### Numerics against eager (worst case per output)',
+        '',
+        '| target | output | dtype | cases | worst case | max abs | max rel | atol / rtol | ok |',
+        '|---|---:|---|---:|---|---:|---:|---|---|',
+    ]
+    return L + [
+        f"| {w.target} | {w.output} | {w.dtype} | {c} | {w.case} | {w.max_abs:.3g} | {w.max_rel:.3g} | {w.atol:g} / "
+        f"{w.rtol:g} | "
+        f"{_ICON['ok'] if w.ok else _ICON['fail']} {_md_escape(w.detail)} |"
+        for w, c in _numerics_rows(numerics)
+    ]
 
 # %% ../../nbs/10b_export_report.ipynb
 def _guards_md(guards: dict | None) -> list[str]:
@@ -213,8 +252,12 @@ def _guards_md(guards: dict | None) -> list[str]:
     if not guards: return []
     L = ['', '### Guards and recompiles']
     for e in guards.get('entries', []):
-        L.append(f"- flags `{e['flags']}`: {e['graph_count']} graph(s), {e['graph_break_count']} break(s); guards: " + ', '.join(f'`{g}`' for g in e['guards'][:12]))
-    for r in guards.get('recompiles', []): L.append(f"- recompile: `{_md_escape(r['guard'])}` at {r['source']} `{_md_escape(r['code'])}`")
+        L.append(
+            f"- flags `{e['flags']}`: {e['graph_count']} graph(s), {e['graph_break_count']} break(s); guards: "
+            + ', '.join(f'`{g}`' for g in e['guards'][:12])
+        )
+    for r in guards.get('recompiles', []):
+        L.append(f"- recompile: `{_md_escape(r['guard'])}` at {r['source']} `{_md_escape(r['code'])}`")
     for b in guards.get('breaks', []):
         L.append(f"- graph break at {b['source']} `{_md_escape(b['code'])}`: {_md_escape(b['reason'][:160])}")
         if b.get('rewrite'): L += ['', '```python', b['rewrite'], '```']
@@ -224,7 +267,9 @@ def _guards_md(guards: dict | None) -> list[str]:
 @patch
 def to_markdown(self: ExportReport) -> str:
     "Human-readable report: verdict, stages, findings with fixes, numerics, guards."
-    return '\n'.join(_stages_md(self) + _findings_md(self.findings) + _numerics_md(self.numerics) + _guards_md(self.guards))
+    return '\n'.join(
+        _stages_md(self) + _findings_md(self.findings) + _numerics_md(self.numerics) + _guards_md(self.guards)
+    )
 
 @patch
 def _repr_markdown_(self: ExportReport) -> str: return self.to_markdown()
@@ -271,11 +316,17 @@ def diff(self: ExportReport, other: ExportReport) -> ReportDiff:
     "Changes from this report to `other`."
     d = ReportDiff((self.torch_version, other.torch_version))
     sa, sb = {s.name: s.status for s in self.stages}, {s.name: s.status for s in other.stages}
-    d.stages = [(k, sa.get(k, 'absent'), sb.get(k, 'absent')) for k in dict.fromkeys([*sa, *sb]) if sa.get(k) != sb.get(k)]
+    d.stages = [
+        (k, sa.get(k, 'absent'), sb.get(k, 'absent')) for k in dict.fromkeys([*sa, *sb]) if sa.get(k) != sb.get(k)
+    ]
     ka, kb = {f.key(): f for f in self.findings}, {f.key(): f for f in other.findings}
     d.added, d.removed = [f for k, f in kb.items() if k not in ka], [f for k, f in ka.items() if k not in kb]
-    na, nb = {(n.target, n.case, n.output): n for n in self.numerics}, {(n.target, n.case, n.output): n for n in other.numerics}
+    na, nb = (
+        {(n.target, n.case, n.output): n for n in self.numerics},
+        {(n.target, n.case, n.output): n for n in other.numerics},
+    )
     for k in dict.fromkeys([*na, *nb]):
         x, y = na.get(k), nb.get(k)
-        if _numeric_changed(x, y): d.numerics.append((*k, _fmt_num(x) if x else 'absent', _fmt_num(y) if y else 'absent'))
+        if _numeric_changed(x, y):
+            d.numerics.append((*k, _fmt_num(x) if x else 'absent', _fmt_num(y) if y else 'absent'))
     return d

@@ -35,68 +35,156 @@ def _add_rules(*rules: Rule):
 
 # %% ../../nbs/10d_export_rules.ipynb
 _add_rules(
-    Rule('data-dependent-branch', 'error', ('export', 'onnx', 'aoti', 'torchscript'), 'Python branch on a tensor value',
-         'A Python `if` on a tensor value cannot be captured: torch.export fails (strict: data-dependent branching; non-strict: '
-         'GuardOnDataDependentSymNode); draft_export bakes in the branch seen with the example and adds a runtime assert; '
-         'torch.jit.trace silently freezes the branch.',
-         'Express both branches with `torch.cond(pred, true_fn, false_fn, operands)` (rewrite shown in the guard section), '
-         'or make it branchless with `torch.where`.', 'control-flow model: export fails; the torch.cond rewrite exports and matches eager on both branches'))
+    Rule(
+        'data-dependent-branch',
+        'error',
+        ('export', 'onnx', 'aoti', 'torchscript'),
+        'Python branch on a tensor value',
+        'A Python `if` on a tensor value cannot be captured: torch.export fails (strict: data-dependent branching; '
+        'non-strict: '
+        'GuardOnDataDependentSymNode); draft_export bakes in the branch seen with the example and adds a runtime '
+        'assert; '
+        'torch.jit.trace silently freezes the branch.',
+        'Express both branches with `torch.cond(pred, true_fn, false_fn, operands)` (rewrite shown in the guard '
+        'section), '
+        'or make it branchless with `torch.where`.',
+        'control-flow model: export fails; the torch.cond rewrite exports and matches eager on both branches',
+    )
+)
 
 # %% ../../nbs/10d_export_rules.ipynb
 _add_rules(
-    Rule('resize-mapping', 'info', ('onnx',), 'interpolate → Resize attribute mapping',
-         'interpolate is exported as ONNX Resize; mode/align_corners map to Resize(mode, coordinate_transformation_mode, nearest_mode).',
-         'Nothing to do: this mapping was checked to match eager under onnxruntime.', 'interpolate sweep: Resize attributes read from the ONNX graph, numerics vs eager'),
-    Rule('resize-antialias', 'error', ('onnx',), 'interpolate(antialias=True) with a fractional scale drifts under ONNX Resize',
-         "antialias=True becomes Resize(antialias=1); when in_size × scale_factor is not an integer, PyTorch sizes the filter from the "
-         "given scale and onnxruntime from the rounded output size: different pixels (max abs error ~0.4-0.65 on unit-variance input).",
-         'Keep PyTorch\'s numbers with `MatmulResize(in_hw, mode=..., antialias=True, scale_factor=s)` (two constant matmuls), '
-         'or pass `recompute_scale_factor=True` / an explicit `size=` (eager then uses the rounded size too).',
-         '16×12 input, scale 0.4: ORT error ~0.45 → MatmulResize error ~1e-6; recompute_scale_factor=True agrees'))
+    Rule(
+        'resize-mapping',
+        'info',
+        ('onnx',),
+        'interpolate → Resize attribute mapping',
+        'interpolate is exported as ONNX Resize; mode/align_corners map to Resize(mode, '
+        'coordinate_transformation_mode, nearest_mode).',
+        'Nothing to do: this mapping was checked to match eager under onnxruntime.',
+        'interpolate sweep: Resize attributes read from the ONNX graph, numerics vs eager',
+    ),
+    Rule(
+        'resize-antialias',
+        'error',
+        ('onnx',),
+        'interpolate(antialias=True) with a fractional scale drifts under ONNX Resize',
+        "antialias=True becomes Resize(antialias=1); when in_size × scale_factor is not an integer, PyTorch sizes the "
+        "filter from the "
+        "given scale and onnxruntime from the rounded output size: different pixels (max abs error ~0.4-0.65 on "
+        "unit-variance input).",
+        'Keep PyTorch\'s numbers with `MatmulResize(in_hw, mode=..., antialias=True, scale_factor=s)` (two constant '
+        'matmuls), '
+        'or pass `recompute_scale_factor=True` / an explicit `size=` (eager then uses the rounded size too).',
+        '16×12 input, scale 0.4: ORT error ~0.45 → MatmulResize error ~1e-6; recompute_scale_factor=True agrees',
+    ),
+)
 
 # %% ../../nbs/10d_export_rules.ipynb
 _add_rules(
-    Rule('where-bool-condition', 'error', ('export', 'onnx', 'aoti'), '`where` needs a bool condition',
-         'Eager torch.where accepts a uint8 mask (deprecated), but torch.export (and so ONNX Where, AOTI) requires a bool condition: '
-         'export fails with "expected predicate to be bool".',
-         'Convert the mask: `torch.where(mask.bool(), a, b)` (or build it as bool: `x > 0`).', 'uint8 mask: export fails → .bool() exports, ORT matches'),
-    Rule('split-dynamic-sizes', 'info', ('onnx',), 'split sizes computed from tensor values',
-         'Sizes from `.tolist()`/`.item()` become unbacked symbols with runtime asserts; the dynamo ONNX exporter emits a dynamic Split '
-         'whose sizes come from the input, which onnxruntime evaluates correctly for other sizes.',
-         'Nothing needed for ONNX; prefer static int sizes when they are known (fewer asserts, simpler graph).', 'split with tensor sizes: ORT correct for [2,4], [3,3], [5,1]'),
-    Rule('trace-frozen-value', 'error', ('torchscript',), 'torch.jit.trace freezes values read from tensors',
-         '`.item()`/`.tolist()` results (split sizes, loop counts, branch conditions) are recorded as constants by torch.jit.trace; '
-         'other inputs silently get the example\'s sizes/branch.',
-         'Use torch.export (or torch.jit.script for that function), or pass the sizes as Python ints that are truly constant.', 'split with tensor sizes: traced module returns [2,2] for sizes [3,3]'))
+    Rule(
+        'where-bool-condition',
+        'error',
+        ('export', 'onnx', 'aoti'),
+        '`where` needs a bool condition',
+        'Eager torch.where accepts a uint8 mask (deprecated), but torch.export (and so ONNX Where, AOTI) requires a '
+        'bool condition: '
+        'export fails with "expected predicate to be bool".',
+        'Convert the mask: `torch.where(mask.bool(), a, b)` (or build it as bool: `x > 0`).',
+        'uint8 mask: export fails → .bool() exports, ORT matches',
+    ),
+    Rule(
+        'split-dynamic-sizes',
+        'info',
+        ('onnx',),
+        'split sizes computed from tensor values',
+        'Sizes from `.tolist()`/`.item()` become unbacked symbols with runtime asserts; the dynamo ONNX exporter emits '
+        'a dynamic Split '
+        'whose sizes come from the input, which onnxruntime evaluates correctly for other sizes.',
+        'Nothing needed for ONNX; prefer static int sizes when they are known (fewer asserts, simpler graph).',
+        'split with tensor sizes: ORT correct for [2,4], [3,3], [5,1]',
+    ),
+    Rule(
+        'trace-frozen-value',
+        'error',
+        ('torchscript',),
+        'torch.jit.trace freezes values read from tensors',
+        '`.item()`/`.tolist()` results (split sizes, loop counts, branch conditions) are recorded as constants by '
+        'torch.jit.trace; '
+        'other inputs silently get the example\'s sizes/branch.',
+        'Use torch.export (or torch.jit.script for that function), or pass the sizes as Python ints that are truly '
+        'constant.',
+        'split with tensor sizes: traced module returns [2,2] for sizes [3,3]',
+    ),
+)
 
 # %% ../../nbs/10d_export_rules.ipynb
 _add_rules(
-    Rule('bf16-no-ort-cpu-kernel', 'error', ('onnx',), 'bfloat16 compute has no onnxruntime CPU kernel',
-         'ONNX allows bfloat16 MatMul/TopK/..., but onnxruntime\'s CPU provider has no kernel for them: the session fails to load '
-         '(NOT_IMPLEMENTED / invalid type).',
-         'Compute in float32 for the CPU provider (`x.float()` around the op, or export a float32 copy of the model) or run on a provider with bf16 kernels.',
-         'bf16 matmul: ORT NOT_IMPLEMENTED → float32 cast loads and matches'),
-    Rule('custom-op-no-onnx', 'error', ('onnx',), 'custom op with no ONNX translation',
-         'The ONNX exporter has no translation for a torch.library custom op: conversion fails with "No ONNX function found".',
-         'Pass `custom_translation_table={torch.ops.ns.op.default: onnxscript_fn}` to check_export/torch.onnx.export, or give the op a decomposition.',
-         'custom op: conversion fails → with an onnxscript translation ORT matches'),
-    Rule('aoti-python-custom-op', 'warning', ('aoti',), 'custom op implemented in Python',
-         'AOTInductor packages run from C++; an op whose kernel is Python needs the Python runtime to be loaded.',
-         'Register a C++ kernel for the op (TORCH_LIBRARY) or keep the Python runtime in the deployment.', 'op namespace/kernels inspected (no AOTI compile in default tests)'))
+    Rule(
+        'bf16-no-ort-cpu-kernel',
+        'error',
+        ('onnx',),
+        'bfloat16 compute has no onnxruntime CPU kernel',
+        'ONNX allows bfloat16 MatMul/TopK/..., but onnxruntime\'s CPU provider has no kernel for them: the session '
+        'fails to load '
+        '(NOT_IMPLEMENTED / invalid type).',
+        'Compute in float32 for the CPU provider (`x.float()` around the op, or export a float32 copy of the model) or '
+        'run on a provider with bf16 kernels.',
+        'bf16 matmul: ORT NOT_IMPLEMENTED → float32 cast loads and matches',
+    ),
+    Rule(
+        'custom-op-no-onnx',
+        'error',
+        ('onnx',),
+        'custom op with no ONNX translation',
+        'The ONNX exporter has no translation for a torch.library custom op: conversion fails with "No ONNX function '
+        'found".',
+        'Pass `custom_translation_table={torch.ops.ns.op.default: onnxscript_fn}` to check_export/torch.onnx.export, '
+        'or give the op a decomposition.',
+        'custom op: conversion fails → with an onnxscript translation ORT matches',
+    ),
+    Rule(
+        'aoti-python-custom-op',
+        'warning',
+        ('aoti',),
+        'custom op implemented in Python',
+        'AOTInductor packages run from C++; an op whose kernel is Python needs the Python runtime to be loaded.',
+        'Register a C++ kernel for the op (TORCH_LIBRARY) or keep the Python runtime in the deployment.',
+        'op namespace/kernels inspected (no AOTI compile in default tests)',
+    ),
+)
 
 # %% ../../nbs/10d_export_rules.ipynb
 _add_rules(
-    Rule('export-failed', 'error', ('export', 'onnx', 'aoti', 'torchscript'), 'stage failed for another reason',
-         'The stage raised an error that no specific rule explains; the message is in `what`.',
-         'Read the message; run `torch.export.draft_export` for a full list of issues.', 'generic'),
-    Rule('ort-runtime-error', 'error', ('onnx',), 'onnxruntime cannot load or run the model',
-         'The ONNX model was produced but onnxruntime rejected it.', 'See the message; check dtypes and opset support of the provider.', 'generic'))
+    Rule(
+        'export-failed',
+        'error',
+        ('export', 'onnx', 'aoti', 'torchscript'),
+        'stage failed for another reason',
+        'The stage raised an error that no specific rule explains; the message is in `what`.',
+        'Read the message; run `torch.export.draft_export` for a full list of issues.',
+        'generic',
+    ),
+    Rule(
+        'ort-runtime-error',
+        'error',
+        ('onnx',),
+        'onnxruntime cannot load or run the model',
+        'The ONNX model was produced but onnxruntime rejected it.',
+        'See the message; check dtypes and opset support of the provider.',
+        'generic',
+    ),
+)
 
 # %% ../../nbs/10d_export_rules.ipynb
 def rules_markdown() -> str:
     "The rule table as markdown (for docs and `check-export --rules`)."
     L = ['| rule | severity | targets | what happens | fix | checked by |', '|---|---|---|---|---|---|']
-    L += [f"| `{r.id}` | {r.severity} | {', '.join(r.targets)} | {_md_escape(r.what)} | {_md_escape(r.fix)} | {_md_escape(r.evidence)} |" for r in RULES.values()]
+    L += [
+        f"| `{r.id}` | {r.severity} | {', '.join(r.targets)} | {_md_escape(r.what)} | {_md_escape(r.fix)} | "
+        f"{_md_escape(r.evidence)} |"
+        for r in RULES.values()
+    ]
     return '\n'.join(L)
 
 # %% ../../nbs/10d_export_rules.ipynb
@@ -107,8 +195,15 @@ RESIZE_MAP: dict[tuple[str, bool | None], dict] = {
     ('cubic', False): dict(mode='cubic', coordinate_transformation_mode='half_pixel', cubic_coeff_a=-0.75),
     ('cubic', True): dict(mode='cubic', coordinate_transformation_mode='align_corners', cubic_coeff_a=-0.75),
 }
-_UPSAMPLE = {'upsample_nearest1d': 'nearest', 'upsample_nearest2d': 'nearest', 'upsample_nearest3d': 'nearest',
-             'upsample_linear1d': 'linear', 'upsample_bilinear2d': 'linear', 'upsample_trilinear3d': 'linear', 'upsample_bicubic2d': 'cubic'}
+_UPSAMPLE = {
+    'upsample_nearest1d': 'nearest',
+    'upsample_nearest2d': 'nearest',
+    'upsample_nearest3d': 'nearest',
+    'upsample_linear1d': 'linear',
+    'upsample_bilinear2d': 'linear',
+    'upsample_trilinear3d': 'linear',
+    'upsample_bicubic2d': 'cubic',
+}
 
 # %% ../../nbs/10d_export_rules.ipynb
 def resize_attrs(node) -> dict | None:
@@ -120,7 +215,9 @@ def resize_attrs(node) -> dict | None:
     return dict(RESIZE_MAP[(mode, ac)])
 
 # %% ../../nbs/10d_export_rules.ipynb
-def _resize_weights(n_in: int, n_out: int, mode: str, antialias: bool, align_corners: bool | None, scale: float | None) -> torch.Tensor:
+def _resize_weights(
+    n_in: int, n_out: int, mode: str, antialias: bool, align_corners: bool | None, scale: float | None
+) -> torch.Tensor:
     "PyTorch's 1-D resize as an [n_out, n_in] matrix (resize the identity basis)."
     eye = torch.eye(n_in, dtype=torch.float64).reshape(n_in, 1, n_in, 1).expand(n_in, 1, n_in, 2).contiguous()
     kw = dict(mode=mode, antialias=antialias) if mode in ('bilinear', 'bicubic') else dict(mode=mode)
@@ -132,24 +229,60 @@ def _resize_weights(n_in: int, n_out: int, mode: str, antialias: bool, align_cor
 # %% ../../nbs/10d_export_rules.ipynb
 class MatmulResize(torch.nn.Module):
     "`F.interpolate` of a fixed [.., H, W] input as two constant matmuls: PyTorch's numbers on every runtime."
-    def __init__(self, in_hw: tuple[int, int], out_hw: tuple[int, int] | None = None, mode: str = 'bilinear', antialias: bool = False,
-                 align_corners: bool | None = None, scale_factor: float | tuple[float, float] | None = None, dtype=torch.float32):
+    def __init__(
+        self,
+        in_hw: tuple[int, int],
+        out_hw: tuple[int, int] | None = None,
+        mode: str = 'bilinear',
+        antialias: bool = False,
+        align_corners: bool | None = None,
+        scale_factor: float | tuple[float, float] | None = None,
+        dtype=torch.float32,
+    ):
         super().__init__()
         sf = scale_factor if isinstance(scale_factor, (tuple, list)) else (scale_factor, scale_factor)
         out_hw = out_hw or tuple(int(math.floor(n * s)) for n, s in zip(in_hw, sf))
-        self.register_buffer('wh', _resize_weights(in_hw[0], out_hw[0], mode, antialias, align_corners, sf[0]).to(dtype))
-        self.register_buffer('ww', _resize_weights(in_hw[1], out_hw[1], mode, antialias, align_corners, sf[1]).to(dtype))
+        self.register_buffer(
+            'wh', _resize_weights(in_hw[0], out_hw[0], mode, antialias, align_corners, sf[0]).to(dtype)
+        )
+        self.register_buffer(
+            'ww', _resize_weights(in_hw[1], out_hw[1], mode, antialias, align_corners, sf[1]).to(dtype)
+        )
     def forward(self, x): return self.wh @ x @ self.ww.T
 
 # %% ../../nbs/10d_export_rules.ipynb
-def _finding(rule: str, target: str, op: str = '', loc: SourceLoc | None = None, what: str = '', severity: str | None = None) -> Finding:
+def _finding(
+    rule: str, target: str, op: str = '', loc: SourceLoc | None = None, what: str = '', severity: str | None = None
+) -> Finding:
     "A finding of `rule` (its severity, explanation and fix from the table unless given)."
     r = RULES[rule]
-    return Finding(rule, severity or r.severity, target, op, str(loc) if loc else '', loc.code if loc else '', what or r.what, r.fix)
+    return Finding(
+        rule,
+        severity or r.severity,
+        target,
+        op,
+        str(loc) if loc else '',
+        loc.code if loc else '',
+        what or r.what,
+        r.fix,
+    )
 
 # %% ../../nbs/10d_export_rules.ipynb
-_NO_BF16_ORT_CPU = {'mm', 'bmm', 'addmm', 'matmul', 'linear', 'baddbmm', 'sort', 'topk', 'convolution', 'conv2d', 'conv1d',
-                    '_scaled_dot_product_flash_attention_for_cpu', 'scaled_dot_product_attention'}
+_NO_BF16_ORT_CPU = {
+    'mm',
+    'bmm',
+    'addmm',
+    'matmul',
+    'linear',
+    'baddbmm',
+    'sort',
+    'topk',
+    'convolution',
+    'conv2d',
+    'conv1d',
+    '_scaled_dot_product_flash_attention_for_cpu',
+    'scaled_dot_product_attention',
+}
 _CORE_NS = {'aten', 'prims', 'higher_order', ''}
 
 def _node_dtypes(node) -> set:
@@ -157,31 +290,48 @@ def _node_dtypes(node) -> set:
     vals = [node.meta.get('val')] + [a.meta.get('val') for a in node.all_input_nodes]
     return {v.dtype for v in pytree.tree_leaves(vals) if isinstance(v, torch.Tensor)}
 
+# %% ../../nbs/10d_export_rules.ipynb
 def _fractional_scale(node) -> str:
     "For an upsample node with scale factors: which dims get a fractional in×scale ('' if none)."
     sf = node.args[3] if len(node.args) > 3 else None
     inp = node.args[0].meta.get('val') if isinstance(node.args[0], torch.fx.Node) else None
     if not sf or inp is None: return ''
     ins = list(inp.shape[-len(sf):])
-    return ', '.join(f'{n}×{s:g}={n * s:g}' for n, s in zip(ins, sf) if isinstance(n, int) and abs(n * s - round(n * s)) > 1e-6)
+    return ', '.join(
+        f'{n}×{s:g}={n * s:g}' for n, s in zip(ins, sf) if isinstance(n, int) and abs(n * s - round(n * s)) > 1e-6
+    )
 
 # %% ../../nbs/10d_export_rules.ipynb
 def _antialias_finding(n, op: str, loc) -> Finding:
     "resize-antialias: an error with a fractional in×scale, info otherwise."
     frac = _fractional_scale(n)
-    what = RULES['resize-antialias'].what + (f' Here: {frac}.' if frac else ' Here the output size is integral, which was checked to match.')
+    what = RULES['resize-antialias'].what + (
+        f' Here: {frac}.' if frac else ' Here the output size is integral, which was checked to match.'
+    )
     return _finding('resize-antialias', 'onnx', op, loc, severity=None if frac else 'info', what=what)
 
+# %% ../../nbs/10d_export_rules.ipynb
 def _onnx_findings(n, op: str, loc, table: dict) -> list[Finding]:
     "The ONNX rules for one call_function node."
     ns, name, _ = _op_parts(n.target)
     out = []
     if (ra := resize_attrs(n)) is not None:
-        out.append(_finding('resize-mapping', 'onnx', op, loc, f"exported as Resize({', '.join(f'{k}={v}' for k, v in ra.items())}); checked to match eager"))
+        out.append(
+            _finding(
+                'resize-mapping',
+                'onnx',
+                op,
+                loc,
+                f"exported as Resize({', '.join(f'{k}={v}' for k, v in ra.items())}); checked to match eager",
+            )
+        )
     if name in ('_upsample_bilinear2d_aa', '_upsample_bicubic2d_aa'): out.append(_antialias_finding(n, op, loc))
-    if name in _NO_BF16_ORT_CPU and torch.bfloat16 in _node_dtypes(n): out.append(_finding('bf16-no-ort-cpu-kernel', 'onnx', op, loc))
+    if name in _NO_BF16_ORT_CPU and torch.bfloat16 in _node_dtypes(n):
+        out.append(_finding('bf16-no-ort-cpu-kernel', 'onnx', op, loc))
     if ns not in _CORE_NS and n.target not in table: out.append(_finding('custom-op-no-onnx', 'onnx', op, loc))
-    if name in ('split_with_sizes', 'split') and any(isinstance(a, torch.fx.Node) for a in pytree.tree_leaves(list(n.args[1:2]))):
+    if name in ('split_with_sizes', 'split') and any(
+        isinstance(a, torch.fx.Node) for a in pytree.tree_leaves(list(n.args[1:2]))
+    ):
         out.append(_finding('split-dynamic-sizes', 'onnx', op, loc))
     return out
 
@@ -190,10 +340,12 @@ def _trace_aoti_findings(n, op: str, loc, targets: Sequence[str]) -> list[Findin
     "The TorchScript and AOTInductor rules for one call_function node."
     ns, name, _ = _op_parts(n.target)
     out = []
-    if 'torchscript' in targets and name in ('item', '_local_scalar_dense'): out.append(_finding('trace-frozen-value', 'torchscript', op, loc))
+    if 'torchscript' in targets and name in ('item', '_local_scalar_dense'):
+        out.append(_finding('trace-frozen-value', 'torchscript', op, loc))
     if 'aoti' in targets and ns not in _CORE_NS: out.append(_finding('aoti-python-custom-op', 'aoti', op, loc))
     return out
 
+# %% ../../nbs/10d_export_rules.ipynb
 def graph_findings(ep, targets: Sequence[str], custom_translation_table: dict | None = None) -> list[Finding]:
     "Apply the graph rules of the rule table to every op of an ExportedProgram (one finding per key)."
     out, table = {}, custom_translation_table or {}
@@ -207,9 +359,17 @@ def graph_findings(ep, targets: Sequence[str], custom_translation_table: dict | 
 # %% ../../nbs/10d_export_rules.ipynb
 _ERROR_RULES = [
     (re.compile(r'expected predicate to be bool'), 'where-bool-condition'),
-    (re.compile(r'Data-dependent branching|GuardOnDataDependentSymNode|Could not guard on data-dependent|generic_jump'), 'data-dependent-branch'),
+    (
+        re.compile(
+            r'Data-dependent branching|GuardOnDataDependentSymNode|Could not guard on data-dependent|generic_jump'
+        ),
+        'data-dependent-branch',
+    ),
     (re.compile(r"No ONNX function found for <OpOverload\(op='([\w.]+)'"), 'custom-op-no-onnx'),
-    (re.compile(r"Could not find an implementation for (\w+)\(\d+\)|Type 'tensor\(bfloat16\)'"), 'bf16-no-ort-cpu-kernel'),
+    (
+        re.compile(r"Could not find an implementation for (\w+)\(\d+\)|Type 'tensor\(bfloat16\)'"),
+        'bf16-no-ort-cpu-kernel',
+    ),
 ]
 
 def error_findings(e: BaseException, target: str) -> list[Finding]:

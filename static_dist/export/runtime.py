@@ -12,13 +12,27 @@ from .source import op_name, quiet, require
 __all__ = ['onnx_export', 'ort_session', 'ort_run', 'onnx_nodes', 'aoti_readiness']
 
 # %% ../../nbs/10c_export_runtime.ipynb
-def onnx_export(model_or_ep, args: tuple, *, opset: int | None = None, custom_translation_table: dict | None = None, dynamic_shapes=None):
+def onnx_export(
+    model_or_ep,
+    args: tuple,
+    *,
+    opset: int | None = None,
+    custom_translation_table: dict | None = None,
+    dynamic_shapes=None,
+):
     "`torch.onnx.export(dynamo=True)` with the noise captured; returns the ONNXProgram."
     require('onnx'); require('onnxscript')
     if isinstance(model_or_ep, torch.export.ExportedProgram): dynamic_shapes = None
     with quiet():
-        return torch.onnx.export(model_or_ep, args, dynamo=True, opset_version=opset, custom_translation_table=custom_translation_table,
-                                 dynamic_shapes=dynamic_shapes, optimize=True)
+        return torch.onnx.export(
+            model_or_ep,
+            args,
+            dynamo=True,
+            opset_version=opset,
+            custom_translation_table=custom_translation_table,
+            dynamic_shapes=dynamic_shapes,
+            optimize=True,
+        )
 
 # %% ../../nbs/10c_export_runtime.ipynb
 def ort_session(onnx_program):
@@ -40,7 +54,11 @@ def onnx_nodes(onnx_program, op_type: str) -> list[dict]:
     "Attributes of every node of `op_type` in the ONNX graph."
     onnx = require('onnx')
     proto = getattr(onnx_program, 'model_proto', onnx_program)
-    return [{a.name: onnx.helper.get_attribute_value(a) for a in n.attribute} for n in proto.graph.node if n.op_type == op_type]
+    return [
+        {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
+        for n in proto.graph.node
+        if n.op_type == op_type
+    ]
 
 # %% ../../nbs/10c_export_runtime.ipynb
 def aoti_readiness(ep) -> dict:

@@ -18,13 +18,16 @@ __all__ = ['INSTALL_HINT', 'MissingDependency', 'require', 'quiet', 'SourceLoc',
 INSTALL_HINT = 'pip install "static_dist[export]"'
 
 class MissingDependency(StaticDistError, ImportError):
-    "An optional dependency of a check is not installed (the stage is skipped, not failed; the command line prints one line)."
+    """An optional dependency of a check is not installed (the stage is skipped, not failed; the command line prints one
+    line)."""
 
 def require(module: str):
     "Import an optional dependency, or fail with the install hint."
     try: return importlib.import_module(module)
     except ImportError as e:
-        raise MissingDependency(f"`{module}` is needed for this check but is not installed; install the extra: {INSTALL_HINT}") from e
+        raise MissingDependency(
+            f"`{module}` is needed for this check but is not installed; install the extra: {INSTALL_HINT}"
+        ) from e
 
 # %% ../../nbs/10a_export_source.ipynb
 def _console_handlers() -> list[logging.StreamHandler]:
@@ -59,8 +62,17 @@ class SourceLoc:
 
 # %% ../../nbs/10a_export_source.ipynb
 _FRAME_RE = re.compile(r'File "([^"]+)", line (\d+), in [^\n]*\n[ \t]*([^\n]*)')
-_NOT_USER = (f'{os.sep}torch{os.sep}', f'{os.sep}onnxscript{os.sep}', f'{os.sep}onnx{os.sep}', f'{os.sep}onnxruntime{os.sep}',
-             f'{os.sep}_pytest{os.sep}', f'{os.sep}execnb{os.sep}', f'{os.sep}IPython{os.sep}', '<frozen', '<string>')
+_NOT_USER = (
+    f'{os.sep}torch{os.sep}',
+    f'{os.sep}onnxscript{os.sep}',
+    f'{os.sep}onnx{os.sep}',
+    f'{os.sep}onnxruntime{os.sep}',
+    f'{os.sep}_pytest{os.sep}',
+    f'{os.sep}execnb{os.sep}',
+    f'{os.sep}IPython{os.sep}',
+    '<frozen',
+    '<string>',
+)
 _OWN_FILES = (f'static_dist{os.sep}export{os.sep}', f'static_dist{os.sep}artifact{os.sep}')
 _STDLIB = sysconfig.get_paths().get('stdlib', '\0')
 
@@ -92,13 +104,17 @@ def _own_ranges() -> list[tuple[str, int, int]]:
 
 def is_user_frame(file: str, line: int, own=None) -> bool:
     "User code, and not inside one of static_dist.export's own functions."
-    return is_user_file(file) and not any(file == f and a <= line <= b for f, a, b in (own if own is not None else _own_ranges()))
+    return is_user_file(file) and not any(
+        file == f and a <= line <= b for f, a, b in (own if own is not None else _own_ranges())
+    )
 
 # %% ../../nbs/10a_export_source.ipynb
 def loc_from_text(text: str) -> SourceLoc | None:
     "Last user frame in a formatted stack (a node's `stack_trace`, an error message)."
     own = _own_ranges()
-    locs = [SourceLoc(f, int(l), c.strip()) for f, l, c in _FRAME_RE.findall(text or '') if is_user_frame(f, int(l), own)]
+    locs = [
+        SourceLoc(f, int(l), c.strip()) for f, l, c in _FRAME_RE.findall(text or '') if is_user_frame(f, int(l), own)
+    ]
     return locs[-1] if locs else None
 
 def loc_from_exception(e: BaseException) -> SourceLoc | None:

@@ -54,10 +54,18 @@ def _plan_view(profile: GraphProfile, budget_mib: float, world: int, replicas: i
                accumulation: int) -> View:
     "The plan for these settings: its table, whether it fits, its memory and timeline; or why there is none."
     if world % replicas: return View(f"{replicas} replicas do not divide world {world}",
-                                     f"**Not a valid mesh**: {replicas} replicas do not divide world {world}; pick another.")
+                                     f"**Not a valid mesh**: {replicas} replicas do not divide world {world}; pick "
+                                     "another.")
     dt, budget = None if precision == "fp32" else "bfloat16", int(budget_mib * 2**20)
-    rep = plan_fsdp(profile, world_size=world, budget=budget, param_dtype=dt, reduce_dtype=dt and "float32",
-                    mesh_shape=(replicas, world // replicas) if replicas > 1 else (world,), accumulation_steps=accumulation)
+    rep = plan_fsdp(
+        profile,
+        world_size=world,
+        budget=budget,
+        param_dtype=dt,
+        reduce_dtype=dt and "float32",
+        mesh_shape=(replicas, world // replicas) if replicas > 1 else (world,),
+        accumulation_steps=accumulation,
+    )
     verdict = "fits" if rep.fits else "**does not fit**"
     return View(rep, f"Planned peak {fmt_bytes(rep.memory.peak_bytes)} per rank: {verdict} in {fmt_bytes(budget)}.\n\n"
                 + rep.table(), _plan_figure(rep, budget))
@@ -67,7 +75,9 @@ def fsdp_widget(profile: GraphProfile):
     "Harness: budget, world size, replicas, precision, accumulation -> the plan's table, fit, memory and timeline."
     if isinstance(profile, StaticGraph): profile = profile_graph(profile)
     if not isinstance(profile, GraphProfile):
-        raise PlanError(f"fsdp_widget takes a GraphProfile (profile_graph(graph)) or a StaticGraph, got a {type(profile).__name__}")
+        raise PlanError(
+            f"fsdp_widget takes a GraphProfile (profile_graph(graph)) or a StaticGraph, got a {type(profile).__name__}"
+        )
     W, b0 = widgets(), _default_budget_mib(profile)
     wide = dict(style={"description_width": "initial"}, continuous_update=False)
     return harness(lambda **kw: _plan_view(profile, **kw),
@@ -79,5 +89,14 @@ def fsdp_widget(profile: GraphProfile):
                    accumulation=W.IntSlider(value=1, min=1, max=8, description="accumulation", **wide))
 
 # %% ../../nbs/40_fsdp.ipynb
-__all__ = [*_profile.__all__, *_few_blocks.__all__, *_plan.__all__, *_memory.__all__, *_steptime.__all__, *_search.__all__,
-           *_apply.__all__, *_verify.__all__, "fsdp_widget"]
+__all__ = [
+    *_profile.__all__,
+    *_few_blocks.__all__,
+    *_plan.__all__,
+    *_memory.__all__,
+    *_steptime.__all__,
+    *_search.__all__,
+    *_apply.__all__,
+    *_verify.__all__,
+    "fsdp_widget",
+]

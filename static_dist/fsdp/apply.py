@@ -21,7 +21,8 @@ __all__ = ['plan_mesh', 'apply_plan']
 # %% ../../nbs/40f_fsdp_apply.ipynb
 def plan_mesh(plan: FSDPPlan, device: str | None = None):
     """The DeviceMesh `plan` shards over: `axes.device_mesh` of its `mesh_shape` (dp_shard, or dp_replicate × dp_shard
-    for HSDP), sliced to FSDP's dims (`dp_shard_cp`, `dp_replicate` in front). `device`: default CUDA if any, else CPU."""
+    for HSDP), sliced to FSDP's dims (`dp_shard_cp`, `dp_replicate` in front). `device`: default CUDA if any, else
+    CPU."""
     return fsdp_mesh(device_mesh(fsdp_degrees(plan.mesh_shape), device))
 
 # %% ../../nbs/40f_fsdp_apply.ipynb
@@ -59,8 +60,10 @@ def apply_plan(model: nn.Module, plan: FSDPPlan, mesh=None) -> nn.Module:
     mods = dict(model.named_modules())
     import torch.distributed as dist
     if mesh is None and dist.is_initialized() and dist.get_world_size() != plan.world_size:
-        raise PlanError(f"the plan is for {plan.world_size} ranks but the process group has {dist.get_world_size()}: "
-                        f"plan for world {dist.get_world_size()}, or pass a mesh of {plan.mesh_shape} built on a subgroup.")
+        raise PlanError(
+            f"the plan is for {plan.world_size} ranks but the process group has {dist.get_world_size()}: "
+            f"plan for world {dist.get_world_size()}, or pass a mesh of {plan.mesh_shape} built on a subgroup."
+        )
     mesh = plan_mesh(plan) if mesh is None else mesh
     if tuple(mesh.shape) != tuple(plan.mesh_shape):
         raise PlanError(f"mesh shape {tuple(mesh.shape)} differs from the plan's {plan.mesh_shape}: build the mesh "

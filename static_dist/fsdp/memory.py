@@ -194,7 +194,8 @@ def _add_unsharded(C: _Curves, l: UnitLayout, u, plan: FSDPPlan) -> None:
 # %% ../../nbs/40c_fsdp_memory.ipynb
 def _add_gradients(C: _Curves, l: UnitLayout, pinfo: dict, plan: FSDPPlan, reduce_at: int | None = None) -> None:
     """Unit `l`'s unsharded gradients up to its post-backward, then its sharded gradients (all step when accumulating).
-    `reduce_at`: the op after which every unit is reduced at once (a pipeline schedule's), instead of its post-backward."""
+    `reduce_at`: the op after which every unit is reduced at once (a pipeline schedule's), instead of its
+    post-backward."""
     acc, sync_all = plan.accumulation_steps > 1, plan.sync_every_microbatch
     # accumulating without sync, autograd adds each new gradient into the one held in place; FSDP2 keeps a second,
     # separate accumulator only when it upcasts to another reduce dtype
@@ -204,7 +205,8 @@ def _add_gradients(C: _Curves, l: UnitLayout, pinfo: dict, plan: FSDPPlan, reduc
         # a unit's grads are freed as its reduce-scatter input is filled; the root's post-backward runs in
         # autograd's final callback, with its grads still alive while the reduce-scatter input is allocated
         end = reduce_at if reduce_at is not None else l.bwd[1] if l.module == "" else l.bwd[1] - 1
-        if q.grad_created >= 0 and not in_place: C.add("gradients", q.grad_created, end, q.numel * _dtype_size(plan.param_dtype, q.itemsize))
+        if q.grad_created >= 0 and not in_place:
+            C.add("gradients", q.grad_created, end, q.numel * _dtype_size(plan.param_dtype, q.itemsize))
     if acc and not sync_all: C.add("gradients", 0, l.bwd[1] if reduce_at is None else reduce_at, l.grad_bytes)
     # the reduce-scatter output (the sharded gradient) is allocated once the input is filled and the unsharded grads
     # freed (`foreach_reduce`): the root's, whose grads live through its last op, after that op
@@ -260,7 +262,9 @@ def _add_all_gathers(C: _Curves, profile: GraphProfile, plan: FSDPPlan, lays) ->
 def _add_reduce_scatters(C: _Curves, profile: GraphProfile, lays, reduce_at: int | None = None) -> None:
     """One reduce-scatter input alive from a unit's post-backward to the next unit's (the last to the end of backward);
     with `reduce_at`, the units reduce one after another at that op: the largest input counts there."""
-    last_bwd = int(np.flatnonzero(profile.op_phase == BACKWARD)[-1]) if (profile.op_phase == BACKWARD).any() else C.n - 1
+    last_bwd = (
+        int(np.flatnonzero(profile.op_phase == BACKWARD)[-1]) if (profile.op_phase == BACKWARD).any() else C.n - 1
+    )
     rs = [l for l in sorted(lays, key=lambda l: (l.bwd[1], l.module == "")) if l.params]
     if reduce_at is not None:
         if rs: C.add("reduce_scatter", reduce_at, reduce_at, max(l.rs_bytes for l in rs))
@@ -274,8 +278,10 @@ def _checkpointed(profile: GraphProfile, plan: FSDPPlan) -> list[str]:
     "The plan's checkpointed units, each one the profile models checkpointing for (else a PlanError)."
     ckpt = [u.module for u in plan.units if u.module and u.checkpoint.checkpoints]
     missing = [m for m in ckpt if m not in profile.checkpoint]
-    if missing: raise PlanError(f"unit {missing[0]!r} is checkpointed, but the profile models checkpointing only for the "
-                                f"modules below the main stack or beside it ({len(profile.checkpoint)}): checkpoint its "
+    if missing: raise PlanError(f"unit {missing[0]!r} is checkpointed, but the profile models checkpointing only for "
+                                "the "
+                                f"modules below the main stack or beside it ({len(profile.checkpoint)}): checkpoint "
+                                "its "
                                 f"blocks instead, or profile a full capture (`profile_graph`)")
     return ckpt
 

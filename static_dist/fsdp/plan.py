@@ -135,7 +135,9 @@ _PLAN_KEYS = (*(f.name for f in dataclasses.fields(FSDPPlan)), "schema")
 # %% ../../nbs/40b_fsdp_plan.ipynb
 _MODULE = string().named("a module FQN ('' is the root)")
 _IGNORED = string(nonempty=True).named("a module FQN, not '' (that would leave the whole model unsharded)")
-_RESHARD = either(boolean(), integer(2, MAX_WORLD)).named("true, false or a group size >= 2 that divides the shard size")
+_RESHARD = either(boolean(), integer(2, MAX_WORLD)).named(
+    "true, false or a group size >= 2 that divides the shard size"
+)
 _MESH = list_of(integer(1, MAX_WORLD), 1, 2).named("[world] for FSDP or [replicate, shard] for HSDP")
 _REASONS = list_of(list_of(string(), 2, 2).named("a [decision, why] pair of strings"))
 _POLICY = either(string(nonempty=True), mapping()).named('a checkpointing policy: "none", "full" or {"name": ...}')
@@ -158,7 +160,8 @@ def _unit_from(f: Fields) -> FSDPUnit:
 def _mesh_from(f: Fields) -> tuple[int, tuple[int, ...]]:
     "(world_size, mesh_shape), the mesh multiplying to the world."
     W, ms = f("world_size", integer(1, MAX_WORLD, "the number of ranks")), tuple(f("mesh_shape", _MESH))
-    if math.prod(ms) != W: f.fail(f"{shown(list(ms))} multiplies to {math.prod(ms)}, not world_size {W}: give [{W}] for "
+    if math.prod(ms) != W: f.fail(f"{shown(list(ms))} multiplies to {math.prod(ms)}, not world_size {W}: give [{W}] "
+                                  "for "
                                   f"FSDP or [replicate, shard] with replicate*shard == {W}", "mesh_shape")
     return W, ms
 
@@ -184,16 +187,26 @@ def _plan_from_dict(d) -> FSDPPlan:
     W, ms = _mesh_from(f)
     units = f.each("units", _UNIT_KEYS, 1, 'a non-empty list of units, the root {"module": ""} first')
     dt, ahead = optional(dtype_name()), integer(0, 1024, "units all-gathered ahead; 0: none")
-    return FSDPPlan(W, ms, tuple(_unit_from(u) for u in units), tuple(f("ignored", list_of(_IGNORED), ())),
-                    f("param_dtype", dt, None), f("reduce_dtype", dt, None), f("forward_prefetch", ahead, 1),
-                    f("backward_prefetch", ahead, 1), f("accumulation_steps", integer(1, 2**20, "micro-batches per step"), 1),
-                    f("sync_every_microbatch", boolean(), False), f("name", string(), "plan"),
-                    tuple(map(tuple, f("reasons", _REASONS, ()))))
+    return FSDPPlan(
+        W,
+        ms,
+        tuple(_unit_from(u) for u in units),
+        tuple(f("ignored", list_of(_IGNORED), ())),
+        f("param_dtype", dt, None),
+        f("reduce_dtype", dt, None),
+        f("forward_prefetch", ahead, 1),
+        f("backward_prefetch", ahead, 1),
+        f("accumulation_steps", integer(1, 2**20, "micro-batches per step"), 1),
+        f("sync_every_microbatch", boolean(), False),
+        f("name", string(), "plan"),
+        tuple(map(tuple, f("reasons", _REASONS, ()))),
+    )
 
 # %% ../../nbs/40b_fsdp_plan.ipynb
 def _plan_from_json(s) -> FSDPPlan:
     "From JSON text or a path (a bounded, depth-limited read); unreadable files and bad JSON are PlanErrors too."
-    if not isinstance(s, (str, bytes, bytearray, os.PathLike)): raise PlanError(f"expected JSON text or a path, got a {type(s).__name__}")
+    if not isinstance(s, (str, bytes, bytearray, os.PathLike)):
+        raise PlanError(f"expected JSON text or a path, got a {type(s).__name__}")
     text = isinstance(s, (bytes, bytearray)) or isinstance(s, str) and s.lstrip().startswith(("{", "["))
     with errors_as(PlanError, "; give a plan written by `static-dist plan-fsdp --out` or FSDPPlan.to_json"):
         d = loads_json(s, "FSDP plan") if text else read_json(s, "FSDP plan", MAX_PLAN_BYTES)
@@ -212,7 +225,8 @@ def innermost(name: str, modules) -> str | None:
     return next((m for m in _prefixes(name) if m in modules), None)
 
 def unit_finder(plan: FSDPPlan) -> Callable[[str], str | None]:
-    "`unit_of` for many names: the plan's unit and ignored sets built once, so a look-up costs the name's depth, not the plan's size."
+    """`unit_of` for many names: the plan's unit and ignored sets built once, so a look-up costs the name's depth, not
+    the plan's size."""
     units, ignored = {u.module for u in plan.units}, set(plan.ignored)
     return lambda name: None if ignored and innermost(name, ignored) is not None else innermost(name, units)
 
@@ -229,7 +243,8 @@ def _tied_groups(model: nn.Module | None, profile: GraphProfile | None) -> list[
 
 # %% ../../nbs/40b_fsdp_plan.ipynb
 def _check_names(plan: FSDPPlan, mods: set) -> None:
-    "The root is a unit, no unit twice, every name in the model, no unit inside an ignored module (linear in the units)."
+    """The root is a unit, no unit twice, every name in the model, no unit inside an ignored module (linear in the
+    units)."""
     names = [u.module for u in plan.units]
     if "" not in names: raise PlanError("the root module ('') must be an FSDP unit: FSDP2 needs a root to run its "
                                         "lazy init and to own the parameters no other unit takes. Add FSDPUnit('').")
@@ -282,8 +297,10 @@ def _check_divisible(plan: FSDPPlan, profile: GraphProfile | None, model: nn.Mod
 # %% ../../nbs/40b_fsdp_plan.ipynb
 def validate(plan: FSDPPlan, profile: GraphProfile | None = None, model: nn.Module | None = None,
              *, require_divisible: bool = False) -> FSDPPlan:
-    "Raise PlanError if `plan` cannot be applied to the model (or its profile) as written; return it unchanged otherwise."
-    if profile is None and model is None: raise PlanError("validate needs the model or its profile to check module names")
+    """Raise PlanError if `plan` cannot be applied to the model (or its profile) as written; return it unchanged
+    otherwise."""
+    if profile is None and model is None:
+        raise PlanError("validate needs the model or its profile to check module names")
     if not isinstance(plan, FSDPPlan): raise PlanError(f"expected an FSDPPlan, got a {type(plan).__name__}")
     _plan_from_dict(plan.to_dict())                      # the types and ranges a plan file is checked for
     _check_names(plan, set(dict(model.named_modules())) if model is not None else set(profile.modules))

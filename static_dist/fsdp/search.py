@@ -51,9 +51,14 @@ _PIN_KEYS = {"reshard_after_forward", "checkpoint"}
 def _check_overrides(ov: Overrides, profile: GraphProfile):
     mods = set(profile.modules)
     if ov.plan is not None and (ov.ignored or ov.units or ov.pinned):
-        raise PlanError("Overrides(plan=...) pins the whole plan; leave ignored/units/pinned empty (edit the plan instead)")
+        raise PlanError(
+            "Overrides(plan=...) pins the whole plan; leave ignored/units/pinned empty (edit the plan instead)"
+        )
     if ov.plan is not None and not isinstance(ov.plan, FSDPPlan):
-        raise PlanError(f"Overrides(plan=...) takes an FSDPPlan, not a {type(ov.plan).__name__}; load a file with FSDPPlan.from_json")
+        raise PlanError(
+            f"Overrides(plan=...) takes an FSDPPlan, not a {type(ov.plan).__name__}; load a file with "
+            "FSDPPlan.from_json"
+        )
     for n in [*ov.ignored, *ov.units, *ov.pinned]:
         if n not in mods: raise PlanError(f"override names module {n!r}, which is not in the model; known modules "
                                           f"include {sorted(mods)[:8]}...")
@@ -178,8 +183,11 @@ def predict_plan(profile: GraphProfile, plan: FSDPPlan, *, cost: CostModel | Non
     cost = cost or default_cost_model(plan.world_size)
     mem, step = predict_memory(profile, plan), predict_step(profile, plan, cost)
     fits = budget is None or mem.peak_bytes <= budget
-    notes = ("evaluated as given: nothing searched",) + ((f"the plan's {len(plan.reasons)} stored reasons were replaced by "
-                                                          "reasons computed for the plan as it is",) if plan.reasons else ())
+    notes = ("evaluated as given: nothing searched",) + (
+        (f"the plan's {len(plan.reasons)} stored reasons were replaced by reasons computed for the plan as it is",)
+        if plan.reasons
+        else ()
+    )
     explained = dataclasses.replace(plan, units=_unit_reasons(plan, profile, _blocks(profile), searched=False),
                                     reasons=given_reasons(profile, plan, budget))
     return PlanReport(explained, mem, step, None if budget is None else int(budget), fits, (), 1,
@@ -223,7 +231,8 @@ def _reshard_options(cost: CostModel, shard: int) -> list:
 # %% ../../nbs/40e_fsdp_search.ipynb
 def _search_units(run: _Runner, base: FSDPPlan, sets: dict, reshards: list, blocks: list, ov: Overrides,
                   progress=None) -> list:
-    "Stages 1-3: each unit set and resharding, with the fewest checkpointed blocks that fit; [(set, reshard, ac, Evaluated)]."
+    """Stages 1-3: each unit set and resharding, with the fewest checkpointed blocks that fit; [(set, reshard, ac,
+    Evaluated)]."""
     seen = []
     for sname, mods in sets.items():
         if progress: progress(f"plan-fsdp: unit set {sname}")
@@ -262,10 +271,12 @@ def plan_fsdp(graph: StaticGraph | GraphProfile, *, world_size: int, budget: int
     "Search FSDP2 configurations for the highest predicted tokens/s whose predicted per-rank peak fits `budget`."
     t0 = time.perf_counter()
     prof = graph if isinstance(graph, GraphProfile) else profile_graph(graph)
-    if not isinstance(world_size, int) or world_size < 1: raise PlanError(f"world_size={world_size!r}: must be a positive int.")
+    if not isinstance(world_size, int) or world_size < 1:
+        raise PlanError(f"world_size={world_size!r}: must be a positive int.")
     if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0 < budget < math.inf:
         raise PlanError(f"budget={budget!r}: must be a positive, finite number of bytes per rank.")
-    if not isinstance(overrides, Overrides): raise PlanError(f"overrides must be an Overrides, got a {type(overrides).__name__}")
+    if not isinstance(overrides, Overrides):
+        raise PlanError(f"overrides must be an Overrides, got a {type(overrides).__name__}")
     if overrides.plan is None: mesh_shape = tuple(mesh_shape or (world_size,))
     cost = cost or default_cost_model(world_size)
     _check_overrides(overrides, prof)
@@ -281,7 +292,9 @@ def plan_fsdp(graph: StaticGraph | GraphProfile, *, world_size: int, budget: int
     plan = _explain_plan(best.plan, prof, cost, budget, sets, sname, r, ac, blocks, seen, final, overrides)
     validate(plan, prof, model)
     mem, step = predict_memory(prof, plan), predict_step(prof, plan, cost)
-    return PlanReport(plan, mem, step, int(budget), mem.peak_bytes <= budget, baselines, run.n, time.perf_counter() - t0)
+    return PlanReport(
+        plan, mem, step, int(budget), mem.peak_bytes <= budget, baselines, run.n, time.perf_counter() - t0
+    )
 
 # %% ../../nbs/40e_fsdp_search.ipynb
 def _pinned(prof, plan: FSDPPlan, world_size, mesh_shape, cost, budget, model) -> PlanReport:
@@ -315,7 +328,9 @@ def _gib(b: float) -> str: return fmt_bytes(b)
 def _search_reasons(plan: FSDPPlan, budget: int, sets: dict, sname: str, r, ac: int, blocks: list, seen: list) -> list:
     "Why this unit set, this resharding and this much checkpointing, against what the search saw."
     by = {(s, rr, a): e for s, rr, a, e in seen}
-    alt = lambda s: max((e for (ss, _, _), e in by.items() if ss == s and e.fits), key=lambda e: e.tokens_per_second, default=None)
+    alt = lambda s: max(
+        (e for (ss, _, _), e in by.items() if ss == s and e.fits), key=lambda e: e.tokens_per_second, default=None
+    )
     why_set = [f"{s}: " + (f"{alt(s).tokens_per_second:,.0f} tok/s at {_gib(alt(s).peak_bytes)}" if alt(s) else
                            "no configuration fits the budget") for s in sets]
     reasons = [("units", f"chose unit set '{sname}' ({len(plan.units)} units); best fitting plan of each set: "
@@ -334,15 +349,30 @@ def _search_reasons(plan: FSDPPlan, budget: int, sets: dict, sname: str, r, ac: 
 
 # %% ../../nbs/40e_fsdp_search.ipynb
 def _setting_reasons(plan: FSDPPlan, prof: GraphProfile, searched: bool = True) -> list:
-    "Why this prefetch, accumulation and precision (or, not `searched`, what they do), and the reduce-scatter order they give."
+    """Why this prefetch, accumulation and precision (or, not `searched`, what they do), and the reduce-scatter order
+    they give."""
     reasons = [("prefetch", f"forward {plan.forward_prefetch}, backward {plan.backward_prefetch}: " +
                 ("the fastest of the depths tried (deeper prefetch holds more gathered units)" if searched else
                  "as written; deeper prefetch overlaps more all-gathers and holds more gathered units"))]
     if plan.accumulation_steps > 1:
-        reasons.append(("accumulation", ("reduce-scatter every micro-batch" + (": holding unsharded gradients across "
-                        "micro-batches (no-sync) did not fit or was slower" if searched else ", as written")) if plan.sync_every_microbatch else
-                        ("set_requires_gradient_sync(False) until the last micro-batch: one reduce-scatter per unit "
-                         "per step; costs the unsharded gradients between micro-batches")))
+        reasons.append(
+            (
+                "accumulation",
+                (
+                    "reduce-scatter every micro-batch"
+                    + (
+                        ": holding unsharded gradients across micro-batches (no-sync) did not fit or was slower"
+                        if searched
+                        else ", as written"
+                    )
+                )
+                if plan.sync_every_microbatch
+                else (
+                    "set_requires_gradient_sync(False) until the last micro-batch: one reduce-scatter per unit "
+                    "per step; costs the unsharded gradients between micro-batches"
+                ),
+            )
+        )
     reasons.append(("reduce_scatter_order", "one bucket per unit, in backward order: " +
                     ", ".join(repr(u) for u in reduce_scatter_order(prof, plan)[:6]) +
                     (" ..." if len(plan.units) > 6 else "")))
@@ -378,14 +408,19 @@ def _reshard_reason(plan: FSDPPlan) -> str:
     rs = [u.reshard_after_forward for u in plan.units if u.module]
     if not rs: return "one unit, the root: FSDP2 keeps its parameters gathered from forward to backward"
     if all(r is True for r in rs): return "every unit frees its gathered parameters after forward (lowest memory)"
-    if all(r is False for r in rs): return "no unit reshards: one all-gather per unit per micro-batch instead of two, paid in memory"
+    if all(r is False for r in rs):
+        return "no unit reshards: one all-gather per unit per micro-batch instead of two, paid in memory"
     kept = [u.module for u in plan.units if u.module and u.reshard_after_forward is False]
     groups = sorted({r for r in rs if not isinstance(r, bool)})
-    return (f"{len(rs) - len(kept)} of {len(rs)} units reshard" + (f" (to groups of {groups} ranks)" if groups else "") +
-            (f"; kept gathered: {', '.join(kept[:3])}{' ...' if len(kept) > 3 else ''}" if kept else ""))
+    return (
+        f"{len(rs) - len(kept)} of {len(rs)} units reshard"
+        + (f" (to groups of {groups} ranks)" if groups else "")
+        + (f"; kept gathered: {', '.join(kept[:3])}{' ...' if len(kept) > 3 else ''}" if kept else "")
+    )
 
 def given_reasons(prof: GraphProfile, plan: FSDPPlan, budget: int | None = None) -> tuple:
-    "Reasons for `plan` as written (nothing searched): what its units, resharding and checkpointing do, with this profile's numbers."
+    """Reasons for `plan` as written (nothing searched): what its units, resharding and checkpointing do, with this
+    profile's numbers."""
     blocks = set(_blocks(prof))
     inner = [u.module for u in plan.units if u.module]
     nb = sum(m in blocks for m in inner)
@@ -398,7 +433,11 @@ def given_reasons(prof: GraphProfile, plan: FSDPPlan, budget: int | None = None)
         off = dataclasses.replace(plan, units=tuple(dataclasses.replace(u, checkpoint=NoCheckpoint())
                                                     for u in plan.units))
         p0 = predict_memory(prof, off).peak_bytes
-        vs = "" if budget is None else (f" > budget {_gib(budget)}" if p0 > budget else f" <= budget {_gib(budget)}: it fits without")
+        vs = (
+            ""
+            if budget is None
+            else (f" > budget {_gib(budget)}" if p0 > budget else f" <= budget {_gib(budget)}: it fits without")
+        )
         reasons.append(("checkpoint", f"{len(ac)} units recompute activations ({', '.join(ac[:3])}"
                         f"{' ...' if len(ac) > 3 else ''}); without it the predicted peak is {_gib(p0)}{vs}"))
     return tuple(reasons + _setting_reasons(plan, prof, searched=False))

@@ -153,7 +153,9 @@ def _gather_ahead(S: TwoStreams, ph: int, o: str, seq: list, p: int, plan: FSDPP
     name); the backward's first run outside them (the root's) prefetches the first of them (FSDP2's root
     pre-backward)."""
     need = lambda u: ph == FORWARD or units[u].reshard_after_forward is not False
-    group = lambda u: None if ph == FORWARD or units[u].reshard_after_forward is True else units[u].reshard_after_forward
+    group = lambda u: (
+        None if ph == FORWARD or units[u].reshard_after_forward is True else units[u].reshard_after_forward
+    )
     gather = lambda u: S.issue((ph, u), _gather_time(cost, plan, lays[u], group(u)), S.tc, "all_gather", u)
     if ph == BACKWARD and o not in seq and seq and (1, "root") not in S.done:
         S.done[(1, "root")] = 1
@@ -182,7 +184,8 @@ def _micro_batch(segs, lays: dict, plan: FSDPPlan, cost: CostModel, sync: bool, 
     run = lambda a, b: float(cs[b] - cs[a])
     fwd = {}
     for ph, o, a, b in segs:
-        if ph == FORWARD: fwd[o] = fwd.get(o, 0.0) + run(a, b)             # a checkpointed unit recomputes its own forward
+        if ph == FORWARD:
+            fwd[o] = fwd.get(o, 0.0) + run(a, b)  # a checkpointed unit recomputes its own forward
     fseq = [u for u in dict.fromkeys(o for ph, o, _, _ in segs if ph == FORWARD) if lays[u].params]
     bseq = [u for u in dict.fromkeys(o for ph, o, _, _ in segs if ph == BACKWARD) if lays[u].params and u]
     last_b = {o: i for i, (ph, o, _, _) in enumerate(segs) if ph == BACKWARD}

@@ -31,14 +31,17 @@ __all__ = ['memtracker_fsdp_peak', 'Verification', 'verify_plan', 'verify_worklo
 
 # %% ../../nbs/40g_fsdp_verify.ipynb
 def _check_masters(m: nn.Module, master: str) -> None:
-    "PlanError unless every floating parameter of the built model is in `master`, the dtype the prediction keeps them in."
+    """PlanError unless every floating parameter of the built model is in `master`, the dtype the prediction keeps them
+    in."""
     found = sorted({str(p.dtype).removeprefix("torch.") for p in m.parameters() if p.is_floating_point()})
     if master and found and found != [master]:
         raise PlanError(f"the model to measure was built with {' and '.join(found)} parameters, but the prediction "
                         f"keeps {master} master weights: build it in {master} (the plan's param_dtype casts them for "
                         f"compute), or profile with master_dtype={found[0]!r}")
 
-def _tracked(build, plan: FSDPPlan, inputs, kwargs, targets, loss_fn, optimizer: str, master: str = "") -> tuple[int, dict]:
+def _tracked(
+    build, plan: FSDPPlan, inputs, kwargs, targets, loss_fn, optimizer: str, master: str = ""
+) -> tuple[int, dict]:
     """(FSDPMemTracker's peak on rank 0, CommDebugMode's counts) of the second (steady) step under a fake process group;
     the model's parameters checked to be in `master` (when given)."""
     if optimizer not in OPTIMIZERS: raise PlanError(f"optimizer {optimizer!r}: use one of {', '.join(OPTIMIZERS)}")
@@ -67,7 +70,8 @@ class Verification:
     "Collectives of one steady-state optimizer step."
     seconds: float
     master_dtype: str = ""
-    "The dtype of the parameters and optimizer state (master weights), the same in the prediction and the measured model."
+    """The dtype of the parameters and optimizer state (master weights), the same in the prediction and the measured
+    model."""
 
     @property
     def ratio(self) -> float: return self.predicted_bytes / self.measured_bytes if self.measured_bytes else math.inf
@@ -75,15 +79,19 @@ class Verification:
     def counts_match(self) -> bool: return self.predicted_counts == self.measured_counts
     def to_dict(self) -> dict: return dict(dataclasses.asdict(self), ratio=self.ratio, counts_match=self.counts_match)
     def line(self) -> str:
-        return (f"world {self.world_size}{f', {self.master_dtype} masters' if self.master_dtype else ''}: predicted "
-                f"{fmt_bytes(self.predicted_bytes)} / measured {fmt_bytes(self.measured_bytes)} = {self.ratio:.4f}; collectives "
-                f"{'match' if self.counts_match else f'differ: {self.predicted_counts} vs {self.measured_counts}'}")
+        return (
+            f"world {self.world_size}{f', {self.master_dtype} masters' if self.master_dtype else ''}: predicted "
+            f"{fmt_bytes(self.predicted_bytes)} / measured {fmt_bytes(self.measured_bytes)} = {self.ratio:.4f}; "
+            "collectives "
+            f"{'match' if self.counts_match else f'differ: {self.predicted_counts} vs {self.measured_counts}'}"
+        )
 
 # %% ../../nbs/40g_fsdp_verify.ipynb
 def verify_plan(build, plan: FSDPPlan, profile: GraphProfile, inputs=(), *, kwargs: dict | None = None, targets=None,
                 loss_fn=None, optimizer: str = "adamw") -> Verification:
     """Measure `plan` on `build()` (a meta-device model) with FSDPMemTracker and CommDebugMode under a fake process
-    group, next to `profile`'s prediction. `build()` must make the parameters in the profile's master dtype (checked)."""
+    group, next to `profile`'s prediction. `build()` must make the parameters in the profile's master dtype
+    (checked)."""
     t0 = time.perf_counter()
     validate(plan, profile)
     inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
@@ -117,7 +125,8 @@ from .search import PlanReport
 # %% ../../nbs/40g_fsdp_verify.ipynb
 _BENCH_PLANS = (("tiny", 2, 64, 8), ("small", 2, 128, 8), ("llama3-8b", 1, 4096, 64), ("llama3-70b", 1, 64, 1024),
                 ("llama3-70b", 1, 4096, 1024), ("llama3-405b", 1, 4096, 1024))
-"(zoo preset, batch, seq, world); ('llama3-70b', 1, 64, 1024) is `plan-fsdp --model llama3-70b --world 1024`'s own case."
+"""(zoo preset, batch, seq, world); ('llama3-70b', 1, 64, 1024) is `plan-fsdp --model llama3-70b --world 1024`'s own
+case."""
 
 def _plan_once(name: str, batch: int, seq: int, world: int, expand: bool) -> tuple[dict, PlanReport, GraphProfile]:
     "Profile (the fast path, or the full capture) and plan one case at 80 GiB per rank: (its record, report, profile)."

@@ -34,7 +34,12 @@ def forward_drops(g: StaticGraph) -> dict[int, int]:
     """{storage id: the forward op after which the forward's own code no longer references it}, for what autograd would
     not keep: its last forward read, or, when a module call read it, the end of that call (the caller holds its argument
     until the call returns). A storage no forward op read is not in it: it goes when it is made."""
-    phase, last_op, anc, last = g.op_phases(), {}, {}, {}    # each module's last forward op; per storage: common module, last read
+    phase, last_op, anc, last = (
+        g.op_phases(),
+        {},
+        {},
+        {},
+    )  # each module's last forward op; per storage: common module, last read
     for i, o in enumerate(g.ops):
         if phase[i] != FORWARD: continue
         for m in _ancestors(o.module): last_op[m] = i
@@ -116,7 +121,8 @@ class _Index:
 # %% ../../nbs/00ea_graph_checkpoint.ipynb
 @patch
 def _module(self: _Index, m: str, kept: frozenset, saved: list, absent: dict, held: dict) -> tuple[int, int] | None:
-    "Checkpoint module `m` (keeping the outputs of ops `kept`) into `absent` and `held`: (its recompute's op, first op)."
+    """Checkpoint module `m` (keeping the outputs of ops `kept`) into `absent` and `held`: (its recompute's op, first
+    op)."""
     g, phase, (f0, f1, b0, b1) = self.g, self.phase, self.spans[m]
     if f0 < 0 or b0 < 0: return None
     ids = {s.id for s in saved}
@@ -129,7 +135,8 @@ def _module(self: _Index, m: str, kept: frozenset, saved: list, absent: dict, he
         if phase[i] != FORWARD or not _under(g.ops[i].module, m): continue
         for t in g.ops[i].inputs:
             s = g.storages[self.storage_of[t]]
-            if 0 <= s.created < f0 and s.role in ("activation", "temporary", "other"): held[s.id] = max(held.get(s.id, -1), release)
+            if 0 <= s.created < f0 and s.role in ("activation", "temporary", "other"):
+                held[s.id] = max(held.get(s.id, -1), release)
     for s in saved:
         if s.created in kept or (s.freed is not None and s.freed < at): continue
         start = self.drops.get(s.id, s.created) + 1
@@ -158,7 +165,8 @@ def lifetimes(self: _Index, checkpointed: dict[str, frozenset]) -> CheckpointLif
 
 # %% ../../nbs/00ea_graph_checkpoint.ipynb
 def checkpoint_lifetimes(g: StaticGraph, checkpointed: dict[str, frozenset]) -> CheckpointLifetimes:
-    """How non-reentrant checkpointing of `checkpointed` ({module FQN: forward ops whose outputs a selective policy keeps;
+    """How non-reentrant checkpointing of `checkpointed` ({module FQN: forward ops whose outputs a selective policy
+    keeps;
     empty for full checkpointing}) changes what the step holds. A saved tensor made inside a checkpointed module goes
     when the forward drops it (`forward_drops`) and is made again when backward first unpacks one of the module's
     saved tensors (`Recompute`); the module's inputs, which the recompute runs on, are held until its last saved
@@ -166,8 +174,11 @@ def checkpoint_lifetimes(g: StaticGraph, checkpointed: dict[str, frozenset]) -> 
     return _Index(g, checkpointed).lifetimes(checkpointed)
 
 # %% ../../nbs/00ea_graph_checkpoint.ipynb
-def recompute_bytes(g: StaticGraph, life: CheckpointLifetimes, r: Recompute, weight=lambda s: s.nbytes) -> tuple[float, float, float]:
-    """(bytes recompute `r` remakes, what it holds beyond them at its high point, bytes op `r.at` makes). Beyond: what it
+def recompute_bytes(
+    g: StaticGraph, life: CheckpointLifetimes, r: Recompute, weight=lambda s: s.nbytes
+) -> tuple[float, float, float]:
+    """(bytes recompute `r` remakes, what it holds beyond them at its high point, bytes op `r.at` makes). Beyond: what
+    it
     makes and does not keep, as long as the forward kept it, less the remade storages it has not made yet. `weight`: a
     storage's bytes as the caller holds them (a shard of it, say)."""
     k = r.last - r.first + 1

@@ -48,7 +48,8 @@ def to_dict(self: StaticGraph) -> dict:
 # %% ../../nbs/00f_graph_files.ipynb
 @patch
 def save(self: StaticGraph, path, *, force: bool = True) -> Path:
-    "Write the graph as JSON to `path`, atomically (a temporary file, then a rename); force=False refuses to replace a file."
+    """Write the graph as JSON to `path`, atomically (a temporary file, then a rename); force=False refuses to replace a
+    file."""
     return atomic_write(path, json.dumps(self.to_dict(), separators=(",", ":")), force=force)
 
 # %% ../../nbs/00f_graph_files.ipynb
@@ -57,7 +58,8 @@ class GraphFileError(StaticDistError, ValueError):
 
 # %% ../../nbs/00f_graph_files.ipynb
 def _columns(f: Fields, name: str, keys, optional: tuple = ()) -> tuple[Fields, int]:
-    "Table `name` of the file as Fields, and its number of rows: its columns (each required unless `optional`) are lists of one length."
+    """Table `name` of the file as Fields, and its number of rows: its columns (each required unless `optional`) are
+    lists of one length."""
     t = f.nested(name, keys=keys)
     lens = {k: len(t(k, list_of())) for k in keys if k not in optional or k in t}
     first = next(iter(lens))
@@ -65,27 +67,37 @@ def _columns(f: Fields, name: str, keys, optional: tuple = ()) -> tuple[Fields, 
         if n != lens[first]: t.fail(f"{n} entries, but {name}.{first} has {lens[first]}; give one per row", k)
     return t, lens[first]
 
+# %% ../../nbs/00f_graph_files.ipynb
 def _values(t: Fields, checks: dict) -> dict[str, list]:
     "The columns of table `t` that it has, every item passing its column's check."
     return {k: t(k, list_of(c)) for k, c in checks.items() if k in t}
 
+# %% ../../nbs/00f_graph_files.ipynb
 def _rows(table: dict, n: int) -> list[dict]:
     return [{k: v[i] for k, v in table.items()} for i in range(n)]
 
 # %% ../../nbs/00f_graph_files.ipynb
-_TABLES = dict(ops=("op", "phase", "module", "inputs", "outputs", "flops"), saves=("op", "tensor"), unpacks=("op", "tensor"),
-               tensors=tuple(f.name for f in dataclasses.fields(TensorRecord)),
-               storages=tuple(f.name for f in dataclasses.fields(StorageRecord)))
+_TABLES = dict(
+    ops=("op", "phase", "module", "inputs", "outputs", "flops"),
+    saves=("op", "tensor"),
+    unpacks=("op", "tensor"),
+    tensors=tuple(f.name for f in dataclasses.fields(TensorRecord)),
+    storages=tuple(f.name for f in dataclasses.fields(StorageRecord)),
+)
 
 def _header(d) -> tuple[Fields, dict, list, bool]:
-    "(the file as Fields, meta, op names, whether it is a version-1 file) of a graph dict whose schema this reader knows."
+    """(the file as Fields, meta, op names, whether it is a version-1 file) of a graph dict whose schema this reader
+    knows."""
     if not isinstance(d, dict): raise GraphFileError(f"expected a JSON object (a static_dist graph), found {shown(d)}")
     if d.get("schema") not in _READABLE:
-        raise GraphFileError(f"schema: expected {GRAPH_SCHEMA!r}, found {d.get('schema')!r}; this is not a static_dist "
-                             "graph file (or one from a newer version): give a file written by capture/StaticGraph.save")
+        raise GraphFileError(
+            f"schema: expected {GRAPH_SCHEMA!r}, found {d.get('schema')!r}; this is not a static_dist "
+            "graph file (or one from a newer version): give a file written by capture/StaticGraph.save"
+        )
     f = Fields(d, "", GraphFileError, keys=("schema", "meta", "op_names", *_TABLES))
     return f, f("meta", mapping()), f("op_names", list_of(string())), d["schema"] != GRAPH_SCHEMA
 
+# %% ../../nbs/00f_graph_files.ipynb
 def _check_structure(meta: dict) -> None:
     if "structure" in meta:
         try: ModelStructure.from_dict(meta["structure"], "meta.structure")
@@ -93,24 +105,55 @@ def _check_structure(meta: dict) -> None:
 
 # %% ../../nbs/00f_graph_files.ipynb
 def _checked_tables(f: Fields, n_names: int, v1: bool) -> tuple[dict, dict, dict, dict]:
-    "The ops, tensors, storages and hook tables of the file (columns), every value checked; GraphFileError at the first bad one."
-    (ot, n_ops), (tt, n_t), (st, n_s) = (_columns(f, k, _TABLES[k], ("saved_in",) if v1 else ()) for k in ("ops", "tensors", "storages"))
+    """The ops, tensors, storages and hook tables of the file (columns), every value checked; GraphFileError at the
+    first bad one."""
+    (ot, n_ops), (tt, n_t), (st, n_s) = (
+        _columns(f, k, _TABLES[k], ("saved_in",) if v1 else ()) for k in ("ops", "tensors", "storages")
+    )
     hooks = {k: _columns(f, k, _TABLES[k])[0] for k in ("saves", "unpacks") if not v1 or k in f}
     tid, op = integer(0, n_t - 1, "a tensor id"), integer(-1, n_ops, "an op index; -1: before the step")
-    ops = _values(ot, dict(op=integer(0, n_names - 1, "an index into op_names"), phase=integer(0, 2, "forward, backward, optimizer"),
-                           module=string(), inputs=list_of(tid), outputs=list_of(tid), flops=integer(0)))
+    ops = _values(
+        ot,
+        dict(
+            op=integer(0, n_names - 1, "an index into op_names"),
+            phase=integer(0, 2, "forward, backward, optimizer"),
+            module=string(),
+            inputs=list_of(tid),
+            outputs=list_of(tid),
+            flops=integer(0),
+        ),
+    )
     tensors = _values(tt, dict(id=integer(0), storage=integer(0, n_s - 1, "a storage id"), shape=list_of(integer(0)),
                                dtype=dtype_name(None)))
-    storages = _values(st, dict(id=integer(0), nbytes=integer(0, MAX_BYTES), device=string(), role=one_of(*ROLES), name=string(),
-                                created=op, freed=optional(op), saved_in=optional(string())))
-    hooks = {k: _values(h, dict(op=integer(0, n_ops, "an op index"), tensor=integer(-1 if k == "unpacks" else 0, n_t - 1, "a tensor id")))
-             for k, h in hooks.items()}
+    storages = _values(
+        st,
+        dict(
+            id=integer(0),
+            nbytes=integer(0, MAX_BYTES),
+            device=string(),
+            role=one_of(*ROLES),
+            name=string(),
+            created=op,
+            freed=optional(op),
+            saved_in=optional(string()),
+        ),
+    )
+    hooks = {
+        k: _values(
+            h,
+            dict(
+                op=integer(0, n_ops, "an op index"), tensor=integer(-1 if k == "unpacks" else 0, n_t - 1, "a tensor id")
+            ),
+        )
+        for k, h in hooks.items()
+    }
     _check_rows(dict(ops=ot, tensors=tt, storages=st), ops, tensors, storages)
     return ops, tensors, storages, hooks
 
 # %% ../../nbs/00f_graph_files.ipynb
 def _first(pairs) -> int | None: return next((i for i, bad in enumerate(pairs) if bad), None)
 
+# %% ../../nbs/00f_graph_files.ipynb
 def _check_rows(t: dict[str, Fields], ops: dict, tensors: dict, storages: dict) -> None:
     "The rules between rows: ids are positions, phases in order, created <= freed, sizes within int64."
     for name, col in (("tensors", tensors["id"]), ("storages", storages["id"])):
@@ -118,18 +161,24 @@ def _check_rows(t: dict[str, Fields], ops: dict, tensors: dict, storages: dict) 
             t[name].fail(f"expected {i} (rows are numbered in order, so no id repeats), found {col[i]}", f"id[{i}]")
     ph = ops["phase"]
     if (i := _first(b < a for a, b in zip(ph, ph[1:]))) is not None:
-        t["ops"].fail(f"expected {ph[i]} or more (op {i}'s phase: forward, backward and optimizer ops run in that order), "
-                      f"found {ph[i + 1]}", f"phase[{i + 1}]")
+        t["ops"].fail(
+            f"expected {ph[i]} or more (op {i}'s phase: forward, backward and optimizer ops run in that order), "
+            f"found {ph[i + 1]}",
+            f"phase[{i + 1}]",
+        )
     c, fr = storages["created"], storages["freed"]
     if (i := _first(f is not None and f < a for a, f in zip(c, fr))) is not None:
         t["storages"].fail(f"expected null or an op index >= created ({c[i]}), found {fr[i]}", f"freed[{i}]")
     _check_sizes(t, tensors, storages)
 
+# %% ../../nbs/00f_graph_files.ipynb
 def _check_sizes(t: dict[str, Fields], tensors: dict, storages: dict) -> None:
     item = {n: getattr(torch, n).itemsize for n in set(tensors["dtype"])}
     for i, (shape, dt) in enumerate(zip(tensors["shape"], tensors["dtype"])):
         if (b := math.prod(shape) * item[dt]) > MAX_BYTES:
-            t["tensors"].fail(f"expected a shape of at most 2**62 bytes, found {shown(shape)} ({dt}: {b:.3g} bytes)", f"shape[{i}]")
+            t["tensors"].fail(
+                f"expected a shape of at most 2**62 bytes, found {shown(shape)} ({dt}: {b:.3g} bytes)", f"shape[{i}]"
+            )
     if (total := sum(storages["nbytes"])) > MAX_BYTES:
         t["storages"].fail(f"expected at most 2**62 bytes in all the storages, found {total:.3g}", "nbytes")
 
@@ -149,7 +198,8 @@ def graph_from_dict(d: dict) -> StaticGraph:
 
 # %% ../../nbs/00f_graph_files.ipynb
 def load_graph(path) -> StaticGraph:
-    "Read a graph written by `StaticGraph.save` (a bounded, depth-limited read); GraphFileError naming the file and the bad field."
+    """Read a graph written by `StaticGraph.save` (a bounded, depth-limited read); GraphFileError naming the file and
+    the bad field."""
     with errors_as(GraphFileError, "; give the path of a graph JSON written by capture/StaticGraph.save"):
         d = read_json(path, "graph file")
     try: return graph_from_dict(d)

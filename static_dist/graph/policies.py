@@ -44,7 +44,8 @@ class CheckpointPolicy:
         return (self,)
 
     def kept(self, ops: Sequence[str]) -> frozenset[int] | None:
-        "Positions in `ops` (a block's forward aten op names, in order) whose outputs stay saved; None: not checkpointed."
+        """Positions in `ops` (a block's forward aten op names, in order) whose outputs stay saved; None: not
+        checkpointed."""
         raise PolicyError(f"{type(self).__name__} does not say what a block keeps: define kept(), or for_block() "
                           "when it differs by block")
 
@@ -71,12 +72,14 @@ def _changed(p: CheckpointPolicy) -> dict:
         if v != f.default: out[f.name] = list(v) if isinstance(v, tuple) else v
     return out
 
+# %% ../../nbs/00eb_graph_policies.ipynb
 @patch_to(CheckpointPolicy)
 def to_json(self) -> str | dict:
     "Its name, or {'name': name, field: value} with the fields that differ from their defaults."
     ch = _changed(self)
     return {"name": self.name, **ch} if ch else self.name
 
+# %% ../../nbs/00eb_graph_policies.ipynb
 @patch_to(CheckpointPolicy, as_prop=True)
 def label(self) -> str:
     "A short human name: `full`, `selective(mm_recompute_every=0)`."
@@ -89,12 +92,17 @@ def parse_policy(x) -> CheckpointPolicy:
     if isinstance(x, CheckpointPolicy): return x
     d = {"name": x} if isinstance(x, str) else x
     if not isinstance(d, dict) or not isinstance(d.get("name"), str):
-        raise PolicyError(f"checkpointing policy {x!r}: give a name ({', '.join(POLICIES)}) or {{'name': ..., field: value}}")
+        raise PolicyError(
+            f"checkpointing policy {x!r}: give a name ({', '.join(POLICIES)}) or {{'name': ..., field: value}}"
+        )
     cls = POLICIES.get(d["name"])
     if cls is None: raise PolicyError(f"unknown checkpointing policy {d['name']!r}; use one of {', '.join(POLICIES)}")
     fields = {f.name for f in dataclasses.fields(cls)}
     if bad := sorted(set(d) - fields - {"name"}):
-        raise PolicyError(f"checkpointing policy {d['name']!r} has no field {bad[0]!r}; its fields: {', '.join(sorted(fields)) or 'none'}")
+        raise PolicyError(
+            f"checkpointing policy {d['name']!r} has no field {bad[0]!r}; its fields: "
+            f"{', '.join(sorted(fields)) or 'none'}"
+        )
     try: return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items() if k != "name"})
     except TypeError as e: raise PolicyError(f"checkpointing policy {d['name']!r}: {e}") from None
 
@@ -105,6 +113,7 @@ class NoCheckpoint(CheckpointPolicy):
     name: ClassVar[str] = "none"
     def kept(self, ops): return None
 
+# %% ../../nbs/00eb_graph_policies.ipynb
 @dataclass(frozen=True)
 class FullCheckpoint(CheckpointPolicy):
     "The block keeps only its inputs; backward runs its whole forward again (torchtitan's `full`)."
@@ -121,7 +130,8 @@ class SelectiveOps(CheckpointPolicy):
     save: tuple[str, ...] = ("aten.mm", "aten.addmm", "aten._scaled_dot_product")
     "Op-name prefixes (`aten.mm` matches `aten.mm.default`) whose outputs are kept."
     mm_recompute_every: int = 2
-    "Recompute the matmuls whose count in the block is a multiple of this (torchtitan: 2, every other one); 0: keep all."
+    """Recompute the matmuls whose count in the block is a multiple of this (torchtitan: 2, every other one); 0: keep
+    all."""
 
     def __post_init__(self):
         if not isinstance(self.save, tuple) or not all(isinstance(s, str) and s for s in self.save):
@@ -145,10 +155,12 @@ class SelectiveOps(CheckpointPolicy):
 
 # %% ../../nbs/00eb_graph_policies.ipynb
 def kept_ops(g, policy: CheckpointPolicy, ops: Sequence[int]) -> frozenset[int] | None:
-    "Ids of the ops of `ops` (a block's forward ops in `g`, in order) whose outputs `policy` keeps; None: not checkpointed."
+    """Ids of the ops of `ops` (a block's forward ops in `g`, in order) whose outputs `policy` keeps; None: not
+    checkpointed."""
     k = policy.kept([g.ops[i].op for i in ops])
     return None if k is None else frozenset(ops[j] for j in k)
 
+# %% ../../nbs/00eb_graph_policies.ipynb
 def recomputed_ops(g, policy: CheckpointPolicy, ops: Sequence[int]) -> tuple[int, ...]:
     "Ids of the ops of `ops` (a block's forward ops in `g`, in order) that backward runs again under `policy`."
     return tuple(ops[j] for j in policy.recomputed([g.ops[i].op for i in ops]))
@@ -164,6 +176,7 @@ def _ignore_profiler_ops() -> None:
         packet = getattr(torch.ops.profiler, name, None)
         if packet is not None: ignored.update(getattr(packet, o) for o in packet.overloads())
 
+# %% ../../nbs/00eb_graph_policies.ipynb
 def _sac_context(policy: SelectiveOps):
     "Selective checkpointing's two contexts for `policy`, with a fresh matmul count per forward and per recompute."
     from torch.utils.checkpoint import CheckpointPolicy as Decision, create_selective_checkpoint_contexts
@@ -175,6 +188,7 @@ def _sac_context(policy: SelectiveOps):
         return Decision.MUST_SAVE if policy.saves(name, count[key]) else Decision.PREFER_RECOMPUTE
     return create_selective_checkpoint_contexts(decide)
 
+# %% ../../nbs/00eb_graph_policies.ipynb
 @patch_to(SelectiveOps)
 def context_fn(self): return functools.partial(_sac_context, self)
 
@@ -190,7 +204,8 @@ def apply_checkpointing(module, policy: CheckpointPolicy, block: int = 0):
 # %% ../../nbs/00eb_graph_policies.ipynb
 @dataclass(frozen=True)
 class SelectiveLayers(CheckpointPolicy):
-    "Full checkpointing of every `every`-th block of the main stack (blocks every-1, 2·every-1, ...), none of the others."
+    """Full checkpointing of every `every`-th block of the main stack (blocks every-1, 2·every-1, ...), none of the
+    others."""
     name: ClassVar[str] = "layers"
     every: int = 2
     "Checkpoint the blocks whose number, counted from 1, is a multiple of this (torchtitan's `selective_ac_option`)."

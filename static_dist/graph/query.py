@@ -99,7 +99,8 @@ def memtracker_peak(model: nn.Module, example_inputs=(), *, example_kwargs: dict
                       *([targets] if targets is not None else []))
     try:
         with mt: _plain_step(work, inputs, kwargs, loss_fn, targets, opt)
-    except Exception as e: raise explain_failure(e, "the step under MemTracker", _module_in(e.__traceback__, work)) from None
+    except Exception as e:
+        raise explain_failure(e, "the step under MemTracker", _module_in(e.__traceback__, work)) from None
     return int(sum(d["Total"] for d in mt.get_tracker_snapshot("peak").values()))
 
 # %% ../../nbs/00e_graph_query.ipynb
@@ -160,7 +161,8 @@ def op_bytes(g: StaticGraph) -> np.ndarray:
     return out
 
 def roofline_seconds(g: StaticGraph, flops_per_s: float, bytes_per_s: float, overhead: float = 0.0) -> np.ndarray:
-    "Seconds of each op of the step: `overhead` plus the slower of its FLOPs at `flops_per_s` and its `op_bytes` at `bytes_per_s`."
+    """Seconds of each op of the step: `overhead` plus the slower of its FLOPs at `flops_per_s` and its `op_bytes` at
+    `bytes_per_s`."""
     flops = np.array([o.flops for o in g.ops], dtype=np.float64)
     return overhead + np.maximum(flops / flops_per_s, op_bytes(g) / bytes_per_s)
 

@@ -178,7 +178,8 @@ def computes(func) -> bool:
 class ModuleScopes(ModuleTracker):
     """`ModuleTracker` whose backward scopes also close on keyword tensor inputs (for modules of `model`), and which
     knows the pass-through modules (`nn.Dropout(0.0)`, `nn.Identity`: forward returns an input tensor itself): their
-    backward scope opens and closes on the same gradient, in either order, so it can stay open (see `_Recorder.module`)."""
+    backward scope opens and closes on the same gradient, in either order, so it can stay open (see
+    `_Recorder.module`)."""
     def __init__(self, model: nn.Module):
         super().__init__()
         self.model, self._kw_handles, self.passthrough = model, [], set()
@@ -195,7 +196,9 @@ class ModuleScopes(ModuleTracker):
 
     def __enter__(self):
         super().__enter__()        # the global hooks first, so the root's name is settled before ours run
-        self._kw_handles = [m.register_forward_pre_hook(self._kw_pre_hook, with_kwargs=True) for m in self.model.modules()]
+        self._kw_handles = [
+            m.register_forward_pre_hook(self._kw_pre_hook, with_kwargs=True) for m in self.model.modules()
+        ]
         self._kw_handles += [m.register_forward_hook(self._pass_hook, with_kwargs=True) for m in self.model.modules()]
         return self
 
@@ -250,7 +253,9 @@ class _Recorder(TorchDispatchMode):
         self._closed = False
         self.failed_in: str | None = None
         self._packed: set[int] = set()          # storage ids of tensors saved for backward
-        self._writes: dict[int, tuple] = {}     # storage id -> (op, module, source line) of the first in-place write after its save
+        self._writes: dict[
+            int, tuple
+        ] = {}  # storage id -> (op, module, source line) of the first in-place write after its save
         self.uncounted: dict[str, int] = {}     # op -> calls, for ops that compute but have no FLOP formula
         self.model_forward: list[int] | None = None       # [first, last] op of the model's own forward
         self.model_backward_start: int | None = None      # op before which a gradient first reached its outputs

@@ -17,7 +17,15 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .records import StaticGraph
-from .recorder import CaptureError, CaptureTypeError, ModuleScopes, explain_failure, _module_in, quiet_torch_logs, _Recorder
+from static_dist.graph.recorder import (
+    CaptureError,
+    CaptureTypeError,
+    ModuleScopes,
+    explain_failure,
+    _module_in,
+    quiet_torch_logs,
+    _Recorder,
+)
 from ..structure import find_structure
 from ..step import StepError, make_optimizer, step_loss
 
@@ -56,7 +64,9 @@ def _rebuild_optimizer(optimizer: torch.optim.Optimizer, mapping: dict[int, torc
         if missing:
             raise CaptureError(f"the optimizer holds {len(missing)} tensor(s) that are not parameters of the "
                                "model; build it over model.parameters() or pass a factory")
-        groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": [mapping[id(p)] for p in g["params"]]})
+        groups.append(
+            {**{k: v for k, v in g.items() if k != "params"}, "params": [mapping[id(p)] for p in g["params"]]}
+        )
     defaults = dict(optimizer.defaults)
     if foreach is not None and defaults.get("foreach", False) is None: defaults["foreach"] = foreach
     return type(optimizer)(groups, **defaults)
@@ -67,7 +77,10 @@ def _build_optimizer(optimizer, model: nn.Module, mapping: dict[int, torch.Tenso
     if optimizer is None: return None
     if isinstance(optimizer, str):                   # the package's one table of optimizers by name
         try: return make_optimizer(optimizer, work.parameters(), foreach=foreach)
-        except StepError as e: raise CaptureError(f"{e}; or pass a factory `params -> torch.optim.Optimizer`, or an optimizer instance") from None
+        except StepError as e:
+            raise CaptureError(
+                f"{e}; or pass a factory `params -> torch.optim.Optimizer`, or an optimizer instance"
+            ) from None
     if isinstance(optimizer, torch.optim.Optimizer): return _rebuild_optimizer(optimizer, mapping, foreach)
     if callable(optimizer):
         opt = optimizer(_trainable(work))
@@ -97,8 +110,10 @@ def _check_kwargs(example_kwargs) -> dict:
     "example_kwargs as a dict of keyword arguments for the model; a clear error otherwise."
     if example_kwargs is None: return {}
     if not isinstance(example_kwargs, dict) or not all(isinstance(k, str) for k in example_kwargs):
-        raise CaptureTypeError(f"example_kwargs must be a dict of keyword arguments (str -> tensor), not "
-                               f"{type(example_kwargs).__name__}; e.g. capture(model, example_kwargs=dict(input_ids=x))")
+        raise CaptureTypeError(
+            f"example_kwargs must be a dict of keyword arguments (str -> tensor), not "
+            f"{type(example_kwargs).__name__}; e.g. capture(model, example_kwargs=dict(input_ids=x))"
+        )
     _check_leaves(dict(example_kwargs), "example_kwargs")
     return dict(example_kwargs)
 
@@ -112,7 +127,9 @@ def _to_capture(x, mode: str, fake_mode, device):
         if not isinstance(t, torch.Tensor) or mode == "real": return t
         if not t.is_meta and _same_device(t.device, device): return fake_mode.from_tensor(t)
         with fake_mode:   # meta inputs, and inputs on another device than the capture's: an empty fake there
-            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device).requires_grad_(t.requires_grad)
+            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device).requires_grad_(
+                t.requires_grad
+            )
     return tree_map(one, x)
 
 # %% ../../nbs/00d_graph_step.ipynb
@@ -163,9 +180,11 @@ def _check_token_ids(work: nn.Module, ranges: dict[int, tuple]) -> None:
         if not isinstance(t, torch.Tensor): return
         st, numel, lo, hi, name = ranges.get(id(t.untyped_storage()), (None, -1, 0, 0, ""))
         if numel == t.numel() and (lo < 0 or hi >= m.num_embeddings):
-            raise CaptureError(f"{name} holds token ids in [{lo}, {hi}] but embedding '{fqn}' has num_embeddings="
-                               f"{m.num_embeddings} (ids 0..{m.num_embeddings - 1}); eager would fail with 'index out "
-                               "of range'. Fix: give ids below the vocabulary size, or a model with a larger vocabulary.")
+            raise CaptureError(
+                f"{name} holds token ids in [{lo}, {hi}] but embedding '{fqn}' has num_embeddings="
+                f"{m.num_embeddings} (ids 0..{m.num_embeddings - 1}); eager would fail with 'index out "
+                "of range'. Fix: give ids below the vocabulary size, or a model with a larger vocabulary."
+            )
     for fqn, m in work.named_modules():
         if isinstance(m, nn.Embedding): m.register_forward_pre_hook(lambda m, args, fqn=fqn: check(fqn, m, args))
 
@@ -202,7 +221,8 @@ def _run_step(rec: _Recorder, work: nn.Module, inputs, kwargs, loss_fn, targets,
     def step(stage: str, f):
         try: return f()
         except CaptureError: raise
-        except Exception as e: raise explain_failure(e, stage, rec.failed_in or _module_in(e.__traceback__, work)) from None
+        except Exception as e:
+            raise explain_failure(e, stage, rec.failed_in or _module_in(e.__traceback__, work)) from None
     if progress: progress("forward", 0)
     out = step("the model's forward", lambda: work(*inputs, **kwargs))
     loss = step("the loss function", lambda: step_loss(loss_fn, out, targets))

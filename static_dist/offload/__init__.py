@@ -43,7 +43,10 @@ def offload_report(seq: int = 128, cpu_gbps: float = 1.0, nvme_gbps: float = 0.5
                    model: str = "tiny", batch: int = 4, device: str = "cpu") -> tuple[StaticGraph, OffloadPlan]:
     "The graph of `model` at `seq` and its plan for the given tier bandwidths (GB/s) and host limit (MiB)."
     g = _graph_at(model, batch, seq)
-    tiers = (Tier("cpu", cpu_gbps * 1e9, 10e-6, math.inf, "cpu"), Tier("nvme", nvme_gbps * 1e9, 100e-6, math.inf, "disk"))
+    tiers = (
+        Tier("cpu", cpu_gbps * 1e9, 10e-6, math.inf, "cpu"),
+        Tier("nvme", nvme_gbps * 1e9, 100e-6, math.inf, "disk"),
+    )
     return g, plan_offload(g, tiers, host_limit=host_limit_mib * 2**20, device=device)
 
 # %% ../../nbs/50_offload.ipynb
@@ -57,7 +60,8 @@ def _transfers(plan: OffloadPlan) -> str:
         n, moved = 2 * sum(d.tier == t.name for d in plan.decisions), plan.bytes_per_tier.get(t.name, 0)
         parts.append(f"`{t.name}` {fmt_bytes(moved)} at {t.bandwidth / 1e9:.3g} GB/s, "
                      f"{(n * t.latency + moved / t.bandwidth) * 1e3:.3g} ms")
-    return f"Transfers per step: {'; '.join(parts)}. Compute {plan.step_s * 1e3:.3g} ms, stall {plan.stall_s * 1e3:.3g} ms."
+    return (f"Transfers per step: {'; '.join(parts)}. Compute {plan.step_s * 1e3:.3g} ms, stall "
+            f"{plan.stall_s * 1e3:.3g} ms.")
 
 # %% ../../nbs/50_offload.ipynb
 def _host_note(plan: OffloadPlan, host_limit_mib: float, g: StaticGraph) -> str:
@@ -75,18 +79,28 @@ def _offload_view(model: str, batch: int, seq: int, cpu_gbps: float, nvme_gbps: 
     g, plan = offload_report(seq, cpu_gbps, nvme_gbps, host_limit_mib, model, batch)
     fig, (mem, life) = harness_figure(9, 8, rows=2, heights=(2, 3))
     plot_offload_memory(g, plan, ax=mem); plot_lifetimes(g, plan, ax=life, top=24)
-    off = {"cpu_gbps": "host limit 0 MiB: the CPU tier holds nothing, so its bandwidth changes nothing"} if host_limit_mib <= 0 else {}
+    off = (
+        {"cpu_gbps": "host limit 0 MiB: the CPU tier holds nothing, so its bandwidth changes nothing"}
+        if host_limit_mib <= 0
+        else {}
+    )
     return View(plan, plan_markdown(plan) + "\n\n" + _transfers(plan) + _host_note(plan, host_limit_mib, g), fig, off)
 
 # %% ../../nbs/50_offload.ipynb
 def offload_widget(model: str = "tiny", batch: int = 4, seqs: Sequence[int] = (32, 64, 128, 256)):
     "Harness: tier bandwidths, host-memory limit and sequence length -> plan table, traffic and plots."
-    seqs, pos = list(seqs) if isinstance(seqs, (list, tuple, range)) else [], lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0
-    if not seqs or not all(map(pos, seqs)): raise OffloadUsageError(f"seqs must be one or more positive sequence lengths, got {seqs!r}")
+    seqs, pos = (
+        list(seqs) if isinstance(seqs, (list, tuple, range)) else [],
+        lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0,
+    )
+    if not seqs or not all(map(pos, seqs)):
+        raise OffloadUsageError(f"seqs must be one or more positive sequence lengths, got {seqs!r}")
     if not pos(batch): raise OffloadUsageError(f"batch must be a positive integer, got {batch!r}")
     W, style = widgets(), dict(continuous_update=False)
-    return harness(lambda **kw: _offload_view(model, batch, **kw),
-                   seq=W.SelectionSlider(options=seqs, value=seqs[max(len(seqs) - 2, 0)], description="seq len", **style),
-                   cpu_gbps=W.FloatLogSlider(value=1.0, base=10, min=-2, max=2, description="CPU GB/s", **style),
-                   nvme_gbps=W.FloatLogSlider(value=0.5, base=10, min=-2, max=2, description="NVMe GB/s", **style),
-                   host_limit_mib=W.FloatSlider(value=4.0, min=0, max=64, step=0.5, description="host MiB", **style))
+    return harness(
+        lambda **kw: _offload_view(model, batch, **kw),
+        seq=W.SelectionSlider(options=seqs, value=seqs[max(len(seqs) - 2, 0)], description="seq len", **style),
+        cpu_gbps=W.FloatLogSlider(value=1.0, base=10, min=-2, max=2, description="CPU GB/s", **style),
+        nvme_gbps=W.FloatLogSlider(value=0.5, base=10, min=-2, max=2, description="NVMe GB/s", **style),
+        host_limit_mib=W.FloatSlider(value=4.0, min=0, max=64, step=0.5, description="host MiB", **style),
+    )

@@ -32,8 +32,10 @@ def _profiled_peak(fn: Callable[[], object]) -> int:
     from torch.profiler import ProfilerActivity, profile
     with silent_stderr_fd(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof: fn()
     cpu = torch._C._autograd.DeviceType.CPU
-    evs = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]" and e.device_type() == cpu),
-                 key=lambda e: e.start_ns())
+    evs = sorted(
+        (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]" and e.device_type() == cpu),
+        key=lambda e: e.start_ns(),
+    )
     cur = peak = 0
     for e in evs:
         cur += e.nbytes(); peak = max(peak, cur)
@@ -49,8 +51,11 @@ def measure_peak(fn: Callable[[], object], device: str = "cpu") -> int:
     return torch.cuda.max_memory_allocated() - base
 
 # %% ../../nbs/50f_offload_bench.ipynb
-def step_peak(graph: StaticGraph, plan: OffloadPlan | None = None, phases: Sequence[str] = ("forward", "backward")) -> int:
-    "Predicted peak bytes allocated during `phases` of the step (storages alive before it excluded), with `plan` if given."
+def step_peak(
+    graph: StaticGraph, plan: OffloadPlan | None = None, phases: Sequence[str] = ("forward", "backward")
+) -> int:
+    """Predicted peak bytes allocated during `phases` of the step (storages alive before it excluded), with `plan` if
+    given."""
     idx = [o.index for o in graph.ops if o.phase in phases]
     if not idx: return 0
     n = len(graph.ops)
@@ -75,7 +80,9 @@ def _write_file(path: str, buf: bytes, nbytes: int, sync: bool) -> float:
     return time.perf_counter() - t0
 
 # %% ../../nbs/50f_offload_bench.ipynb
-def disk_bandwidth(directory: str | os.PathLike | None = None, nbytes: int = 256 * 2**20, chunk: int = 8 * 2**20) -> dict:
+def disk_bandwidth(
+    directory: str | os.PathLike | None = None, nbytes: int = 256 * 2**20, chunk: int = 8 * 2**20
+) -> dict:
     "Sequential write (buffered, and with fsync) and read bandwidth of the disk under `directory`, bytes/s."
     buf = np.random.default_rng(0).integers(0, 256, chunk, dtype=np.uint8).tobytes()
     fd, path = tempfile.mkstemp(prefix="static_dist_disk_", dir=directory); os.close(fd)
@@ -156,8 +163,11 @@ def _bench_plan(g: StaticGraph, cuda: bool, disk: dict) -> OffloadPlan:
 # %% ../../nbs/50f_offload_bench.ipynb
 def _io_rates(st: dict, disk: dict) -> dict:
     "The executor's write and read rates (bytes over the summed time the workers spent), against the disk's own."
-    io = dict(executor_write_Bps=st["written_bytes"] / st["write_s"] if st["write_s"] else None,
-              executor_read_Bps=st["read_bytes"] / st["read_s"] if st["read_s"] else None, **{f"disk_{k}": v for k, v in disk.items()})
+    io = dict(
+        executor_write_Bps=st["written_bytes"] / st["write_s"] if st["write_s"] else None,
+        executor_read_Bps=st["read_bytes"] / st["read_s"] if st["read_s"] else None,
+        **{f"disk_{k}": v for k, v in disk.items()},
+    )
     if io["executor_write_Bps"]:
         io["write_vs_disk_buffered"] = io["executor_write_Bps"] / disk["write_Bps"]
         io["write_vs_disk_fsync"] = io["executor_write_Bps"] / disk["write_fsync_Bps"]
@@ -172,13 +182,16 @@ def _checksum_cost(st: dict) -> dict:
 
 # %% ../../nbs/50f_offload_bench.ipynb
 def bench_offload(progress=None, model: str = "tiny", batch: int = 8, seq: int = 256, repeat: int = 5) -> dict:
-    "No offload vs torch.autograd.graph.save_on_cpu vs OffloadExecutor on one step: time, peak, gradients, disk rate, checksum cost."
+    """No offload vs torch.autograd.graph.save_on_cpu vs OffloadExecutor on one step: time, peak, gradients, disk rate,
+    checksum cost."""
     from static_dist.util import check_real_size, environment
     from static_dist.graph import capture
     from static_dist.workload import load_workload
     say, cuda = progress or (lambda s: None), torch.cuda.is_available()
     dev, w = "cuda" if cuda else "cpu", load_workload(model, batch=batch, seq=seq)
-    check_real_size(sum(p.numel() for p in w.build(device="meta").parameters()), f"{model} (bench offload runs it on real weights)")
+    check_real_size(
+        sum(p.numel() for p in w.build(device="meta").parameters()), f"{model} (bench offload runs it on real weights)"
+    )
     m = w.build(device=dev)
     args, kwargs, y = w.inputs(device=dev)
     def step():
@@ -189,7 +202,20 @@ def bench_offload(progress=None, model: str = "tiny", batch: int = 8, seq: int =
     plan = _bench_plan(g, cuda, disk)
     ex = OffloadExecutor(g, plan, model=m)
     out = compare_offload(m, step, ex, repeat=repeat, progress=say)
-    return dict(bench="offload", environment=environment(), model=model, batch=batch, seq=seq, device=dev, repeat=repeat,
-                results=dict(variants=out, io=_io_rates(ex.stats, disk), checksum=_checksum_cost(ex.stats),
-                             predicted=dict(step_peak=step_peak(g), step_peak_with_plan=step_peak(g, plan), stall_ms=plan.stall_s * 1e3),
-                             plan=plan_summary(plan), executor_stats=ex.stats))
+    return dict(
+        bench="offload",
+        environment=environment(),
+        model=model,
+        batch=batch,
+        seq=seq,
+        device=dev,
+        repeat=repeat,
+        results=dict(
+            variants=out,
+            io=_io_rates(ex.stats, disk),
+            checksum=_checksum_cost(ex.stats),
+            predicted=dict(step_peak=step_peak(g), step_peak_with_plan=step_peak(g, plan), stall_ms=plan.stall_s * 1e3),
+            plan=plan_summary(plan),
+            executor_stats=ex.stats,
+        ),
+    )

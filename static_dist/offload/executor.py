@@ -4,6 +4,8 @@
 
 # %% ../../nbs/50e_offload_executor.ipynb 3
 from __future__ import annotations
+# One idea over 500 lines: the executor of one plan during one step (pack, unpack, prefetch, spill and the
+# checks that stop it), whose parts share its state; split, a reader would follow one tensor's trip across files.
 
 import errno
 import os
@@ -18,10 +20,24 @@ from fastcore.basics import patch
 
 from .. import structure
 from ..graph import StaticGraph, fmt_bytes
-from .plan import OffloadDecision, OffloadPlan, OffloadUsageError, Tier, _hook_ticks, _tick_at_or_after
+from static_dist.offload.plan import (
+    OffloadDecision,
+    OffloadPlan,
+    OffloadUsageError,
+    Tier,
+    _hook_ticks,
+    _tick_at_or_after,
+)
 from .planfile import OffloadError, OffloadPlanError, check_plan
-from .spill import (CHECKSUM, OffloadDiskError, _close_spill, _file_readinto, _file_write, _open_spill,
-                                       checksum)
+from static_dist.offload.spill import (
+    CHECKSUM,
+    OffloadDiskError,
+    _close_spill,
+    _file_readinto,
+    _file_write,
+    _open_spill,
+    checksum,
+)
 
 # %% auto 0
 __all__ = ['OffloadMismatchError', 'OffloadCompiledError', 'OffloadCorruptionError', 'OffloadInplaceError', 'refuse_compiled',
@@ -35,7 +51,8 @@ class OffloadCompiledError(OffloadMismatchError):
     "The step runs torch.compile'd code, which saves other tensors for backward than the captured eager step."
 
 class OffloadCorruptionError(OffloadError):
-    "A spilled tensor's bytes came back different from the bytes written (checksum or size): refused before backward uses them."
+    """A spilled tensor's bytes came back different from the bytes written (checksum or size): refused before backward
+    uses them."""
 
 class OffloadInplaceError(OffloadError):
     "A tensor saved for backward was changed in place after the save; the message is the one eager autograd gives."
@@ -59,7 +76,8 @@ def _bytes_of(t: torch.Tensor) -> torch.Tensor:
 
 # %% ../../nbs/50e_offload_executor.ipynb
 def _version_alias(t: torch.Tensor) -> torch.Tensor | None:
-    "A tensor sharing `t`'s version counter but none of its memory: an in-place edit of `t` after the save stays visible."
+    """A tensor sharing `t`'s version counter but none of its memory: an in-place edit of `t` after the save stays
+    visible."""
     if t.is_inference(): return None                          # inference tensors have no version counter
     a = t.detach()                                            # detach shares the counter (and, until set_, the storage)
     with torch._C._AutoDispatchBelowADInplaceOrView():        # so that the alias' own set_ does not bump the counter
@@ -71,7 +89,13 @@ class _Handle:
     "What autograd keeps instead of an offloaded tensor: the entry, how to view its bytes, the version at the save."
     __slots__ = ("entry", "dtype", "size", "stride", "offset", "alias", "version")
     def __init__(self, entry, t: torch.Tensor):
-        self.entry, self.dtype, self.size, self.stride, self.offset = entry, t.dtype, t.size(), t.stride(), t.storage_offset()
+        self.entry, self.dtype, self.size, self.stride, self.offset = (
+            entry,
+            t.dtype,
+            t.size(),
+            t.stride(),
+            t.storage_offset(),
+        )
         self.alias = _version_alias(t)
         self.version = None if self.alias is None else t._version
 
@@ -82,24 +106,31 @@ class _Kept:
 
 # %% ../../nbs/50e_offload_executor.ipynb
 def _check_version(saved: int | None, now: torch.Tensor | None, dtype, device, shape, what: str) -> None:
-    "Eager autograd's in-place check, with its words: the counter of the saved tensor must not have moved since the save."
+    """Eager autograd's in-place check, with its words: the counter of the saved tensor must not have moved since the
+    save."""
     if saved is None or now is None or now._version == saved: return
     kind = torch.empty(0, dtype=dtype, device=device).type()          # e.g. torch.FloatTensor, as autograd names it
-    raise OffloadInplaceError(f"one of the variables needed for gradient computation has been modified by an inplace "
-                              f"operation: [{kind} {list(shape)}], which is {what}, is at version {now._version}; expected "
-                              f"version {saved} instead. Hint: the in-place op ran between the forward that saved it and "
-                              "backward; use an out-of-place op (or clone first)")
+    raise OffloadInplaceError(
+        f"one of the variables needed for gradient computation has been modified by an inplace "
+        f"operation: [{kind} {list(shape)}], which is {what}, is at version {now._version}; expected "
+        f"version {saved} instead. Hint: the in-place op ran between the forward that saved it and "
+        "backward; use an out-of-place op (or clone first)"
+    )
 
 def _kept(h: _Kept) -> torch.Tensor:
     "The kept tensor, once its version is checked."
-    _check_version(h.version, h.t, h.t.dtype, h.t.device, h.t.shape, "a tensor saved for backward under the OffloadExecutor (kept)")
+    _check_version(
+        h.version, h.t, h.t.dtype, h.t.device, h.t.shape, "a tensor saved for backward under the OffloadExecutor (kept)"
+    )
     return h.t
 
 # %% ../../nbs/50e_offload_executor.ipynb
-_FIX_COMPILED = ("a compiled region saves other tensors for backward than the eager step the plan was made from "
-                 "(AOTAutograd's partitioner chooses them) and capture() records the eager step, so the planned tensors "
-                 "cannot be found: run the offloaded step on the model without torch.compile (build it again without "
-                 ".compile()), or compile it and run without the executor")
+_FIX_COMPILED = (
+    "a compiled region saves other tensors for backward than the eager step the plan was made from "
+    "(AOTAutograd's partitioner chooses them) and capture() records the eager step, so the planned tensors "
+    "cannot be found: run the offloaded step on the model without torch.compile (build it again without "
+    ".compile()), or compile it and run without the executor"
+)
 
 def refuse_compiled(model: torch.nn.Module) -> None:
     "Raise an OffloadCompiledError naming the compiled modules of `model`, if it has any."
@@ -135,24 +166,36 @@ def _work_list(graph: StaticGraph, plan: OffloadPlan) -> list[tuple[int, int, in
 # %% ../../nbs/50e_offload_executor.ipynb
 def _check_executor_args(graph, plan, disk_dir, workers, model) -> None:
     "OffloadUsageError for arguments of the wrong kind, before anything else runs."
-    if not isinstance(graph, StaticGraph): raise OffloadUsageError(f"graph must be a StaticGraph (from capture), found {type(graph).__name__}")
-    if not isinstance(plan, OffloadPlan): raise OffloadUsageError(f"plan must be an OffloadPlan (from plan_offload or load_plan), found {type(plan).__name__}")
+    if not isinstance(graph, StaticGraph):
+        raise OffloadUsageError(f"graph must be a StaticGraph (from capture), found {type(graph).__name__}")
+    if not isinstance(plan, OffloadPlan):
+        raise OffloadUsageError(
+            f"plan must be an OffloadPlan (from plan_offload or load_plan), found {type(plan).__name__}"
+        )
     if isinstance(workers, bool) or not isinstance(workers, int) or not 1 <= workers <= 64:
-        raise OffloadUsageError(f"workers must be an integer from 1 to 64 (threads moving bytes to disk), found {workers!r}")
+        raise OffloadUsageError(
+            f"workers must be an integer from 1 to 64 (threads moving bytes to disk), found {workers!r}"
+        )
     if disk_dir is not None and (not isinstance(disk_dir, (str, os.PathLike)) or not str(disk_dir).strip()):
-        raise OffloadUsageError(f"disk_dir must be a directory path, or None for the system's temporary directory; found {disk_dir!r}")
-    if model is not None and not isinstance(model, torch.nn.Module): raise OffloadUsageError(f"model must be an nn.Module or None, found {type(model).__name__}")
+        raise OffloadUsageError(
+            f"disk_dir must be a directory path, or None for the system's temporary directory; found {disk_dir!r}"
+        )
+    if model is not None and not isinstance(model, torch.nn.Module):
+        raise OffloadUsageError(f"model must be an nn.Module or None, found {type(model).__name__}")
 
 # %% ../../nbs/50e_offload_executor.ipynb
 class OffloadExecutor:
-    "Carry out `plan` for one run of the captured step: `with OffloadExecutor(graph, plan): loss_fn(model(x), y).backward()`."
+    """Carry out `plan` for one run of the captured step: `with OffloadExecutor(graph, plan): loss_fn(model(x),
+    y).backward()`."""
     def __init__(self, graph: StaticGraph, plan: OffloadPlan, *, disk_dir: str | os.PathLike | None = None,
                  workers: int = 2, model: torch.nn.Module | None = None):
         _check_executor_args(graph, plan, disk_dir, workers, model)
         check_plan(plan, graph)
         if plan.offloaded and not graph.saves:
-            raise OffloadPlanError("this graph has no record of autograd's saves (it was written by an older static_dist, "
-                                   "graph schema 1): capture the step again, re-plan, and run that plan")
+            raise OffloadPlanError(
+                "this graph has no record of autograd's saves (it was written by an older static_dist, "
+                "graph schema 1): capture the step again, re-plan, and run that plan"
+            )
         if model is not None: refuse_compiled(model)
         self.graph, self.plan, self.disk_dir, self.workers, self.model = graph, plan, disk_dir, workers, model
         self._dec, self._tier = {d.storage: d for d in plan.offloaded}, {t.name: t for t in plan.tiers}
@@ -180,7 +223,9 @@ def __enter__(self: OffloadExecutor):
     if self.model is not None: refuse_compiled(self.model)        # compiled after the executor was made
     disk = [d for d in self._dec.values() if self._tier[d.tier].kind == "disk"]
     self.dir = str(self.disk_dir if self.disk_dir is not None else tempfile.gettempdir()) if disk else None
-    self._spill = _open_spill(self.dir, sum(d.nbytes for d in disk)) if disk else None   # typed error before anything runs
+    self._spill = (
+        _open_spill(self.dir, sum(d.nbytes for d in disk)) if disk else None
+    )  # typed error before anything runs
     self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="offload") if disk else None
     self._reset_step()
     self._cleanup = weakref.finalize(self, _close_spill, self._spill, self._pool)   # even if __exit__ never runs
@@ -193,7 +238,9 @@ def __enter__(self: OffloadExecutor):
 def _check_complete(self: OffloadExecutor):
     "After a step that raised nothing: every captured save happened and every planned tensor was saved."
     if self._k < len(self._saves):
-        raise self._mismatch(self._k, f"the step ended after {self._k} saves for backward, the captured one makes {len(self._saves)}")
+        raise self._mismatch(
+            self._k, f"the step ended after {self._k} saves for backward, the captured one makes {len(self._saves)}"
+        )
     missing = [self._dec[s] for s in self._dec if s not in self._packed]
     if missing:
         raise OffloadMismatchError(f"{len(missing)} tensor(s) the plan offloads were never saved for backward in "
@@ -223,9 +270,11 @@ def _mismatch(self: OffloadExecutor, k: int, what: str) -> OffloadMismatchError:
         where += f" (captured before op {op}: {o.op} in {o.module or 'the root module'!r}, {o.phase})"
     if (mods := _compiled_callers()) is not None:
         inside = ", ".join(mods) if mods else "a compiled function"
-        return OffloadCompiledError(f"the run left the captured step at {where}, inside torch.compile'd code ({inside}): "
-                                    f"{what}. {_FIX_COMPILED[0].upper()}{_FIX_COMPILED[1:]}; pass model= to "
-                                    "OffloadExecutor to have it refused before the step runs.")
+        return OffloadCompiledError(
+            f"the run left the captured step at {where}, inside torch.compile'd code ({inside}): "
+            f"{what}. {_FIX_COMPILED[0].upper()}{_FIX_COMPILED[1:]}; pass model= to "
+            "OffloadExecutor to have it refused before the step runs."
+        )
     return OffloadMismatchError(f"the run left the captured step at {where}: {what}. Run exactly the captured "
                                 "step (same model, input shapes, dtypes and device) inside the executor, or "
                                 "capture this step and re-plan.")
@@ -311,8 +360,10 @@ def _unpack(self: OffloadExecutor, h):
     "Autograd's unpack hook: move the clock, then the saved tensor (kept, or restored from its entry)."
     if not self._active:
         if isinstance(h, _Kept): return _kept(h)
-        raise OffloadError(f"{_label(h.entry.dec)} is needed by backward after the OffloadExecutor's `with` block ended, "
-                           "which removed its offloaded copy: run backward inside the block")
+        raise OffloadError(
+            f"{_label(h.entry.dec)} is needed by backward after the OffloadExecutor's `with` block ended, "
+            "which removed its offloaded copy: run backward inside the block"
+        )
     u = self._u
     self._u = u + 1
     if u < len(self._unpack_ops): self._advance(self._unpack_ops[u])
@@ -323,7 +374,14 @@ def _unpack(self: OffloadExecutor, h):
 def _restore(self: OffloadExecutor, h: _Handle) -> torch.Tensor:
     "The saved view over its entry's bytes on the device, once the version is checked and the bytes are back."
     e = h.entry
-    _check_version(h.version, h.alias, h.dtype, e.device, h.size, f"{_label(e.dec)}, offloaded to {e.tier.name!r} by the OffloadExecutor")
+    _check_version(
+        h.version,
+        h.alias,
+        h.dtype,
+        e.device,
+        h.size,
+        f"{_label(e.dec)}, offloaded to {e.tier.name!r} by the OffloadExecutor",
+    )
     if e.state == "packed": base = e.src                          # never left (unpacked before its offload point)
     else:
         if e.state in ("away", "offloading"):                      # its prefetch has not been issued: late
@@ -372,7 +430,9 @@ def _offload(self: OffloadExecutor, e: _Entry):
 def _spill_fd(self: OffloadExecutor) -> int:
     "The descriptor of the step's spill file; OffloadDiskError if it was closed while the step ran."
     if self._spill is None or self._spill.closed:
-        raise OffloadDiskError("the step's spill file was closed while the step ran, and its tensors with it: run the step again")
+        raise OffloadDiskError(
+            "the step's spill file was closed while the step ran, and its tensors with it: run the step again"
+        )
     return self._spill.fileno()
 
 # %% ../../nbs/50e_offload_executor.ipynb
@@ -386,8 +446,10 @@ def _write_entry(e: _Entry, fd: int, directory: str) -> tuple[float, float]:
     except OSError as err:
         fix = ("the disk is full: free space, pass disk_dir= on another disk, or plan less onto this tier"
                if err.errno in (errno.ENOSPC, errno.EDQUOT) else "check the disk, or pass disk_dir= another directory")
-        raise OffloadDiskError(f"{_label(e.dec)}: writing {e.dec.nbytes} bytes to the spill file in {directory} failed: "
-                               f"{err.strerror or err} — {fix}") from err
+        raise OffloadDiskError(
+            f"{_label(e.dec)}: writing {e.dec.nbytes} bytes to the spill file in {directory} failed: "
+            f"{err.strerror or err} — {fix}"
+        ) from err
     return time.perf_counter() - t0, dh
 
 # %% ../../nbs/50e_offload_executor.ipynb
@@ -435,18 +497,24 @@ def _read_entry(e: _Entry, fd: int, directory: str) -> tuple[float, float]:
     n, arr = e.dec.nbytes, (e.host if e.host is not None else e.dev).numpy()
     where = f"its spill file in {directory} (unlinked, bytes {e.offset} to {e.offset + n})"
     try: size, got = os.fstat(fd).st_size, None
-    except OSError as err: raise OffloadDiskError(f"{_label(e.dec)}: {where} cannot be read back ({err.strerror or err}): refused") from None
+    except OSError as err:
+        raise OffloadDiskError(
+            f"{_label(e.dec)}: {where} cannot be read back ({err.strerror or err}): refused"
+        ) from None
     if size < e.offset + n:
         raise OffloadCorruptionError(f"{_label(e.dec)}: {where} was truncated to {size} bytes: refusing to use it")
     try: got = _file_readinto(fd, arr, e.offset)
-    except OSError as err: raise OffloadDiskError(f"{_label(e.dec)}: reading {where} failed ({err.strerror or err}): refused") from None
+    except OSError as err:
+        raise OffloadDiskError(f"{_label(e.dec)}: reading {where} failed ({err.strerror or err}): refused") from None
     if got != n:
         raise OffloadCorruptionError(f"{_label(e.dec)}: read {got} of {n} bytes from {where}: refusing to use it")
     t1 = time.perf_counter(); digest = checksum(arr); dh = time.perf_counter() - t1
     if digest != e.digest:
-        raise OffloadCorruptionError(f"{_label(e.dec)}: {where} does not hold the bytes written ({CHECKSUM} {digest:016x}, "
-                                     f"written {e.digest:016x}): it was changed while the step ran; refused before "
-                                     "backward used it")
+        raise OffloadCorruptionError(
+            f"{_label(e.dec)}: {where} does not hold the bytes written ({CHECKSUM} {digest:016x}, "
+            f"written {e.digest:016x}): it was changed while the step ran; refused before "
+            "backward used it"
+        )
     return time.perf_counter() - t0, dh
 
 # %% ../../nbs/50e_offload_executor.ipynb

@@ -24,10 +24,12 @@ __all__ = ['GB', 'TIER_PRESETS', 'Klass', 'CLASSES', 'CLASS_COLORS', 'OffloadErr
 
 # %% ../../nbs/50b_offload_plan.ipynb
 class OffloadError(StaticDistError, RuntimeError):
-    "An offloaded tensor could not be stored or brought back, or the offload chapter was misused; the message says which."
+    """An offloaded tensor could not be stored or brought back, or the offload chapter was misused; the message says
+    which."""
 
 class OffloadUsageError(OffloadError, ValueError):
-    "A wrong argument to plan_offload, a Tier or the OffloadExecutor (a type, NaN, a negative size); the message says what to pass."
+    """A wrong argument to plan_offload, a Tier or the OffloadExecutor (a type, NaN, a negative size); the message says
+    what to pass."""
 
 # %% ../../nbs/50b_offload_plan.ipynb
 @dataclass(frozen=True)
@@ -45,10 +47,14 @@ class Tier:
     "How the executor stores it: 'cpu' = a host tensor (pinned on GPU), 'disk' = a file."
 
     def __post_init__(self):
-        if not self.bandwidth > 0: raise OffloadUsageError(f"Tier {self.name!r}: bandwidth must be > 0 bytes/s, got {self.bandwidth!r}")
-        if not self.latency >= 0: raise OffloadUsageError(f"Tier {self.name!r}: latency must be >= 0 s, got {self.latency!r}")
-        if not self.capacity >= 0: raise OffloadUsageError(f"Tier {self.name!r}: capacity must be >= 0 bytes, got {self.capacity!r}")
-        if self.kind not in ("cpu", "disk"): raise OffloadUsageError(f"Tier {self.name!r}: kind must be 'cpu' or 'disk', got {self.kind!r}")
+        if not self.bandwidth > 0:
+            raise OffloadUsageError(f"Tier {self.name!r}: bandwidth must be > 0 bytes/s, got {self.bandwidth!r}")
+        if not self.latency >= 0:
+            raise OffloadUsageError(f"Tier {self.name!r}: latency must be >= 0 s, got {self.latency!r}")
+        if not self.capacity >= 0:
+            raise OffloadUsageError(f"Tier {self.name!r}: capacity must be >= 0 bytes, got {self.capacity!r}")
+        if self.kind not in ("cpu", "disk"):
+            raise OffloadUsageError(f"Tier {self.name!r}: kind must be 'cpu' or 'disk', got {self.kind!r}")
 
     def transfer_time(self, nbytes: int) -> float:
         "Seconds to move `nbytes` one way."
@@ -70,12 +76,16 @@ def tier(preset: str, **changes) -> Tier:
     return dataclasses.replace(TIER_PRESETS[preset], **changes)
 
 # %% ../../nbs/50b_offload_plan.ipynb
-def tiers_from_topology(topo, host_capacity: float = math.inf, nvme: Tier | None = TIER_PRESETS["nvme-gen4"]) -> tuple[Tier, ...]:
+def tiers_from_topology(
+    topo, host_capacity: float = math.inf, nvme: Tier | None = TIER_PRESETS["nvme-gen4"]
+) -> tuple[Tier, ...]:
     "Tiers for the plan from a topology's device↔host link (`topo.host_link.bandwidth/.latency`), plus an NVMe tier."
     link = getattr(topo, "host_link", None)
     if link is None or not hasattr(link, "bandwidth") or not hasattr(link, "latency"):
-        raise ValueError(f"{type(topo).__name__} has no host_link with bandwidth and latency; build the topology with a "
-                         "host link (static_dist.topology) or pass tiers=(Tier(...), ...) directly")
+        raise ValueError(
+            f"{type(topo).__name__} has no host_link with bandwidth and latency; build the topology with a "
+            "host link (static_dist.topology) or pass tiers=(Tier(...), ...) directly"
+        )
     cpu = Tier("cpu", float(link.bandwidth), float(link.latency), host_capacity, "cpu")
     return (cpu,) if nvme is None else (cpu, dataclasses.replace(nvme, bandwidth=min(nvme.bandwidth, cpu.bandwidth)))
 
@@ -94,7 +104,9 @@ def _never_moved(s: SavedTensor, min_bytes: int) -> str | None:
     return None
 
 # %% ../../nbs/50b_offload_plan.ipynb
-def classify(s: SavedTensor, tiers: Sequence[Tier], safety: float = 2.0, min_bytes: int = 16384) -> tuple[str, str, tuple[str, ...]]:
+def classify(
+    s: SavedTensor, tiers: Sequence[Tier], safety: float = 2.0, min_bytes: int = 16384
+) -> tuple[str, str, tuple[str, ...]]:
     "(class, reason, names of the tiers it may go to) for one saved tensor."
     if (why := _never_moved(s, min_bytes)) is not None: return "must_retain", why, ()
     rt = {t.name: 2 * t.transfer_time(s.nbytes) for t in tiers}
@@ -164,7 +176,9 @@ def graph_signature(graph: StaticGraph) -> str:
     return h.hexdigest()[:16]
 
 # %% ../../nbs/50b_offload_plan.ipynb
-def _choose(rows: list[SavedTensor], tiers: Sequence[Tier], safety: float, min_bytes: int) -> dict[int, tuple[str, str, str | None]]:
+def _choose(
+    rows: list[SavedTensor], tiers: Sequence[Tier], safety: float, min_bytes: int
+) -> dict[int, tuple[str, str, str | None]]:
     "{storage: (class, reason, tier or None)} under the tiers' capacities."
     cls = {s.storage: classify(s, tiers, safety, min_bytes) for s in rows}
     used = {t.name: 0.0 for t in tiers}
@@ -195,8 +209,11 @@ def _tick_at_or_before(ticks: np.ndarray, i: int) -> int:
     return int(ticks[k]) if k >= 0 else -1
 
 # %% ../../nbs/50b_offload_plan.ipynb
-def _offload_releases(mine: list[SavedTensor], go: dict, tr: Tier, start: np.ndarray, ticks: np.ndarray) -> dict[int, int]:
-    "{storage: release_op}: offloads FIFO on tier `tr`, each device copy released at the first tick after its copy is done."
+def _offload_releases(
+    mine: list[SavedTensor], go: dict, tr: Tier, start: np.ndarray, ticks: np.ndarray
+) -> dict[int, int]:
+    """{storage: release_op}: offloads FIFO on tier `tr`, each device copy released at the first tick after its copy is
+    done."""
     n, free, out = len(start) - 1, 0.0, {}
     for s in sorted(mine, key=lambda s: (go[s.storage], s.storage)):
         free = max(start[go[s.storage]], free) + tr.transfer_time(s.nbytes)
@@ -205,8 +222,11 @@ def _offload_releases(mine: list[SavedTensor], go: dict, tr: Tier, start: np.nda
     return out
 
 # %% ../../nbs/50b_offload_plan.ipynb
-def _prefetch_points(mine: list[SavedTensor], due: dict, tr: Tier, start: np.ndarray, ticks: np.ndarray) -> dict[int, int]:
-    "{storage: prefetch_at}: each copy back ends by its deadline and before the next one starts, issued at the last tick before."
+def _prefetch_points(
+    mine: list[SavedTensor], due: dict, tr: Tier, start: np.ndarray, ticks: np.ndarray
+) -> dict[int, int]:
+    """{storage: prefetch_at}: each copy back ends by its deadline and before the next one starts, issued at the last
+    tick before."""
     n, nxt, out = len(start) - 1, math.inf, {}
     for s in sorted(mine, key=lambda s: (-due[s.storage], s.storage)):
         nxt = min(start[due[s.storage]], nxt) - tr.transfer_time(s.nbytes)
@@ -236,9 +256,15 @@ def _schedule(rows: list[SavedTensor], chosen: dict, tiers: dict[str, Tier], t: 
               lookahead: int = 0):
     "{storage: release_op}, {storage: prefetch_at} and the predicted stall in seconds; every point is one of `ticks`."
     start = np.concatenate([[0.0], np.cumsum(t)])
-    due = {s.storage: max(s.offload_after + 1, s.first_backward_use - lookahead) for s in rows if s.first_backward_use is not None}
+    due = {
+        s.storage: max(s.offload_after + 1, s.first_backward_use - lookahead)
+        for s in rows
+        if s.first_backward_use is not None
+    }
     moved = [s for s in rows if chosen[s.storage][2] is not None]
-    go = {s.storage: _tick_at_or_after(ticks, s.offload_after + 1, len(t)) for s in moved}   # when the executor starts it
+    go = {
+        s.storage: _tick_at_or_after(ticks, s.offload_after + 1, len(t)) for s in moved
+    }  # when the executor starts it
     release, prefetch = {}, {}
     for name, tr in tiers.items():
         mine = [s for s in moved if chosen[s.storage][2] == name]
@@ -255,7 +281,8 @@ def _schedule_kept(rows: list[SavedTensor], chosen: dict, tiers: Sequence[Tier],
         release, prefetch, stall = _schedule(rows, chosen, {x.name: x for x in tiers}, t, ticks, lookahead)
         useless = [k for k, v in release.items() if v >= prefetch[k]]
         if not useless: break
-        for k in useless: chosen[k] = (chosen[k][0], chosen[k][1] + "; kept: the copy would not finish before its prefetch", None)
+        for k in useless:
+            chosen[k] = (chosen[k][0], chosen[k][1] + "; kept: the copy would not finish before its prefetch", None)
     return release, prefetch, stall
 
 # %% ../../nbs/50b_offload_plan.ipynb
@@ -274,23 +301,32 @@ def _plan_tiers(tiers: Sequence[Tier], host_limit: float | None) -> tuple[Tier, 
     tiers = tuple(tiers) if isinstance(tiers, (tuple, list)) else (tiers,)
     if not tiers: raise OffloadUsageError("no tiers given: pass e.g. tiers=(tier('pcie5-pinned'),)")
     bad = next((t for t in tiers if not isinstance(t, Tier)), None)
-    if bad is not None: raise OffloadUsageError(f"tiers must be Tier objects, found {bad!r}: pass tier({bad!r}) for a preset" if isinstance(bad, str)
+    if bad is not None: raise OffloadUsageError(f"tiers must be Tier objects, found {bad!r}: pass tier({bad!r}) for a "
+                                                "preset" if isinstance(bad, str)
                                                 else f"tiers must be Tier objects, found {type(bad).__name__}")
-    if len({t.name for t in tiers}) != len(tiers): raise OffloadUsageError(f"tier names must be unique, got {[t.name for t in tiers]}")
+    if len({t.name for t in tiers}) != len(tiers):
+        raise OffloadUsageError(f"tier names must be unique, got {[t.name for t in tiers]}")
     if host_limit is None: return tiers
-    if isinstance(host_limit, bool) or not isinstance(host_limit, (int, float)) or not host_limit >= 0:   # NaN fails >= 0
+    # NaN fails >= 0
+    if isinstance(host_limit, bool) or not isinstance(host_limit, (int, float)) or not host_limit >= 0:
         raise OffloadUsageError(f"host_limit must be a number of bytes >= 0 (or None: no limit), got {host_limit!r}")
     return tuple(dataclasses.replace(t, capacity=min(t.capacity, host_limit)) if t.kind == "cpu" else t for t in tiers)
 
 def _check_args(graph, safety, min_bytes, lookahead, recomputed=()) -> None:
-    "OffloadUsageError for a graph that is not a StaticGraph, a safety, min_bytes or lookahead out of range, or `recomputed` not a list of names."
+    """OffloadUsageError for a graph that is not a StaticGraph, a safety, min_bytes or lookahead out of range, or
+    `recomputed` not a list of names."""
     if isinstance(recomputed, (str, bytes)) or not all(isinstance(r, str) for r in recomputed):
         raise OffloadUsageError(f"recomputed must be a list of module names (FQN prefixes), got {recomputed!r}")
-    if not isinstance(graph, StaticGraph): raise OffloadUsageError(f"graph must be a StaticGraph (from capture or Workload.graph()), found {type(graph).__name__}")
-    if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 0: raise OffloadUsageError(f"lookahead must be an integer >= 0 ops, got {lookahead!r}")
+    if not isinstance(graph, StaticGraph):
+        raise OffloadUsageError(
+            f"graph must be a StaticGraph (from capture or Workload.graph()), found {type(graph).__name__}"
+        )
+    if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 0:
+        raise OffloadUsageError(f"lookahead must be an integer >= 0 ops, got {lookahead!r}")
     if isinstance(safety, bool) or not isinstance(safety, (int, float)) or not 1 <= safety < math.inf:
         raise OffloadUsageError(f"safety must be a finite number >= 1 (a multiple of the round trip), got {safety!r}")
-    if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0: raise OffloadUsageError(f"min_bytes must be an integer >= 0 bytes, got {min_bytes!r}")
+    if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
+        raise OffloadUsageError(f"min_bytes must be an integer >= 0 bytes, got {min_bytes!r}")
 
 # %% ../../nbs/50b_offload_plan.ipynb
 def _decisions(rows: list[SavedTensor], chosen: dict, release: dict, prefetch: dict) -> tuple[OffloadDecision, ...]:
@@ -347,14 +383,24 @@ def plan_summary(plan: OffloadPlan) -> dict:
 def plan_markdown(plan: OffloadPlan) -> str:
     "The summary as markdown tables."
     s = plan_summary(plan)
-    lines = ["| class | tensors (share) | bytes (share) | mean lifetime | mean idle window |", "|---|---:|---:|---:|---:|"]
+    lines = [
+        "| class | tensors (share) | bytes (share) | mean lifetime | mean idle window |",
+        "|---|---:|---:|---:|---:|",
+    ]
     lines += [f"| {c} | {r['tensors']} ({r['tensor_share']:.0%}) | {fmt_bytes(r['bytes'])} ({r['byte_share']:.0%}) | "
               f"{r['mean_life_ms']:.3g} ms | {r['mean_idle_ms']:.3g} ms |" for c, r in s["classes"].items()]
-    lines += ["", "| | |", "|---|---|",
-              f"| device peak without / with plan | {fmt_bytes(s['peak_bytes'])} / {fmt_bytes(s['planned_peak_bytes'])} "
-              f"(−{s['peak_reduction']:.0%}) |",
-              *[f"| to `{k}` | {fmt_bytes(v)} held, {fmt_bytes(s['bytes_moved'][k])} moved |" for k, v in s["offloaded"].items()],
-              f"| predicted stall / step | {s['stall_ms']:.3g} ms / {s['step_ms']:.3g} ms ({s['device']}) |"]
+    lines += [
+        "",
+        "| | |",
+        "|---|---|",
+        f"| device peak without / with plan | {fmt_bytes(s['peak_bytes'])} / {fmt_bytes(s['planned_peak_bytes'])} "
+        f"(−{s['peak_reduction']:.0%}) |",
+        *[
+            f"| to `{k}` | {fmt_bytes(v)} held, {fmt_bytes(s['bytes_moved'][k])} moved |"
+            for k, v in s["offloaded"].items()
+        ],
+        f"| predicted stall / step | {s['stall_ms']:.3g} ms / {s['step_ms']:.3g} ms ({s['device']}) |",
+    ]
     return "\n".join(lines)
 
 # %% ../../nbs/50b_offload_plan.ipynb
@@ -374,7 +420,13 @@ def _lifetime_row(ax, y: int, d: OffloadDecision, s, n: int):
     end = n if s.freed is None else s.freed + 1
     ax.plot([max(s.created, 0), end], [y, y], color="#bbbbbb", lw=1, solid_capstyle="butt")
     if d.first_backward_use is not None:
-        ax.plot([d.offload_after + 1, d.first_backward_use], [y, y], color=CLASS_COLORS[d.klass], lw=4, solid_capstyle="butt")
+        ax.plot(
+            [d.offload_after + 1, d.first_backward_use],
+            [y, y],
+            color=CLASS_COLORS[d.klass],
+            lw=4,
+            solid_capstyle="butt",
+        )
     if d.tier is not None and d.release_op < d.prefetch_at:
         ax.barh(y, d.prefetch_at - d.release_op, left=d.release_op, height=0.8, fill=False, hatch="////",
                 edgecolor="#333333", lw=0)
@@ -408,9 +460,18 @@ def plot_offload_memory(graph: StaticGraph, plan: OffloadPlan, ax=None):
     fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(figsize=(9, 3), dpi=80)
     before = sum(graph.live_bytes().values()); after = planned_live_bytes(graph, plan)
     mib = 2**20
-    ax.plot(before / mib, color="#4c72b0", lw=1.2, label=f"no offload (peak {fmt_bytes(before.max())})", drawstyle="steps-post")
-    ax.plot(after / mib, color="#55a868", lw=1.2, label=f"with plan (peak {fmt_bytes(after.max())})", drawstyle="steps-post")
-    for c, col in ((before, "#4c72b0"), (after, "#55a868")): ax.plot([int(np.argmax(c))], [c.max() / mib], "o", color=col, ms=4)
+    ax.plot(
+        before / mib,
+        color="#4c72b0",
+        lw=1.2,
+        label=f"no offload (peak {fmt_bytes(before.max())})",
+        drawstyle="steps-post",
+    )
+    ax.plot(
+        after / mib, color="#55a868", lw=1.2, label=f"with plan (peak {fmt_bytes(after.max())})", drawstyle="steps-post"
+    )
+    for c, col in ((before, "#4c72b0"), (after, "#55a868")):
+        ax.plot([int(np.argmax(c))], [c.max() / mib], "o", color=col, ms=4)
     _phase_lines(ax, graph)
     ax.set_xlim(0, len(graph.ops)); ax.set_ylim(0, before.max() / mib * 1.15)
     ax.set_xlabel("op index"); ax.set_ylabel("device memory (MiB)"); ax.legend(fontsize=7, frameon=False)

@@ -16,7 +16,18 @@ from ..graph import StaticGraph, fmt_bytes
 from ..topology import DeviceSpec
 from .plan import CLASSES, OffloadDecision, OffloadError, OffloadPlan, Tier, graph_signature
 from ..util import MAX_BYTES
-from ..validation import Fields, boolean, dtype_name, integer, list_of, number, one_of, optional, shown, string
+from static_dist.validation import (
+    Fields,
+    boolean,
+    dtype_name,
+    integer,
+    list_of,
+    number,
+    one_of,
+    optional,
+    shown,
+    string,
+)
 from ..errors import StaticDistError, errors_as
 from ..files import atomic_write, read_json
 
@@ -43,7 +54,9 @@ def plan_to_dict(plan: OffloadPlan) -> dict:
 # %% ../../nbs/50c_offload_planfile.ipynb
 def _plan_error(where: str):
     "The error for plan file `where`: the field's message, then how to get a good plan."
-    return lambda msg: OffloadPlanError(f"{where}: {msg}; make the plan again with plan_offload or `static-dist plan-offload --save`")
+    return lambda msg: OffloadPlanError(
+        f"{where}: {msg}; make the plan again with plan_offload or `static-dist plan-offload --save`"
+    )
 
 _TIER_KEYS = tuple(f.name for f in dataclasses.fields(Tier))
 _DEVICE = dict(name=string(), flops_fp32=number(above=0), flops_tf32=number(above=0), flops_bf16=number(above=0),
@@ -51,8 +64,17 @@ _DEVICE = dict(name=string(), flops_fp32=number(above=0), flops_tf32=number(abov
                memory_bytes=integer(1, of="bytes"), link_bandwidth=number(lo=0), host_bandwidth=number(lo=0),
                matmul_efficiency=number(above=0), memory_efficiency=number(above=0), op_overhead=number(lo=0),
                source=string())
-_TOP = dict(n_ops=integer(0), signature=string(), peak_bytes=integer(0, MAX_BYTES), planned_peak_bytes=integer(0, MAX_BYTES),
-            stall_s=number(lo=0), step_s=number(lo=0), safety=number(lo=1), min_bytes=integer(0), lookahead=integer(0))
+_TOP = dict(
+    n_ops=integer(0),
+    signature=string(),
+    peak_bytes=integer(0, MAX_BYTES),
+    planned_peak_bytes=integer(0, MAX_BYTES),
+    stall_s=number(lo=0),
+    step_s=number(lo=0),
+    safety=number(lo=1),
+    min_bytes=integer(0),
+    lookahead=integer(0),
+)
 _MATMUL_DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")
 _KEYS = ("schema", "decisions", "tiers", "device", "bytes_per_tier", "matmul_dtype", *_TOP)
 
@@ -66,18 +88,36 @@ def _tier_from(f: Fields) -> Tier:
 def _decision_checks(n_ops: int) -> dict:
     "The fields of a decision in a plan file and their checks."
     op = integer(-1, n_ops, "an op index of the step; -1: before it")
-    return dict(storage=integer(0), name=string(), saved_in=optional(string()), nbytes=integer(0, MAX_BYTES),
-                shape=list_of(integer(0)), dtype=dtype_name(None), created=op, offload_after=op, first_backward_use=optional(op),
-                freed=optional(op), idle_s=number(lo=0), recomputed=boolean(), life_s=number(lo=0), klass=one_of(*CLASSES),
-                reason=string(), tier=optional(string()), release_op=optional(op), prefetch_at=optional(op))
+    return dict(
+        storage=integer(0),
+        name=string(),
+        saved_in=optional(string()),
+        nbytes=integer(0, MAX_BYTES),
+        shape=list_of(integer(0)),
+        dtype=dtype_name(None),
+        created=op,
+        offload_after=op,
+        first_backward_use=optional(op),
+        freed=optional(op),
+        idle_s=number(lo=0),
+        recomputed=boolean(),
+        life_s=number(lo=0),
+        klass=one_of(*CLASSES),
+        reason=string(),
+        tier=optional(string()),
+        release_op=optional(op),
+        prefetch_at=optional(op),
+    )
 
 def _check_points(f: Fields, v: dict, tiers: set):
-    "A kept tensor has no points; an offloaded one goes to a plan tier, is not must_retain, and has its points in order."
+    """A kept tensor has no points; an offloaded one goes to a plan tier, is not must_retain, and has its points in
+    order."""
     if v["tier"] is None:
         for k in ("release_op", "prefetch_at"):
             if v[k] is not None: f.fail(f"expected null for a tensor kept on the device (tier null), found {v[k]}", k)
         return
-    if v["tier"] not in tiers: f.fail(f"expected one of the plan's tiers {sorted(tiers)} or null, found {shown(v['tier'])}", "tier")
+    if v["tier"] not in tiers:
+        f.fail(f"expected one of the plan's tiers {sorted(tiers)} or null, found {shown(v['tier'])}", "tier")
     if v["klass"] == "must_retain": f.fail(f"expected null for a must_retain tensor, found {shown(v['tier'])}", "tier")
     chain = [v[k] for k in ("offload_after", "release_op", "prefetch_at", "first_backward_use")]
     if None in chain or not chain[0] < chain[1] <= chain[2] <= chain[3]:
@@ -87,7 +127,9 @@ def _check_points(f: Fields, v: dict, tiers: set):
 def _decision_from(f: Fields, checks: dict, tiers: set) -> OffloadDecision:
     v = {k: f(k, c) for k, c in checks.items()}
     if (b := math.prod(v["shape"]) * getattr(torch, v["dtype"]).itemsize) > MAX_BYTES:
-        f.fail(f"expected a shape of at most 2**62 bytes, found {shown(v['shape'])} ({v['dtype']}: {b:.3g} bytes)", "shape")
+        f.fail(
+            f"expected a shape of at most 2**62 bytes, found {shown(v['shape'])} ({v['dtype']}: {b:.3g} bytes)", "shape"
+        )
     _check_points(f, v, tiers)
     return OffloadDecision(**{**v, "shape": tuple(v["shape"])})
 
@@ -122,13 +164,18 @@ def _decisions_from(f: Fields, n_ops: int, tiers: set) -> tuple[OffloadDecision,
     for i, x in enumerate(f.each("decisions", checks, 1)):
         dec = _decision_from(x, checks, tiers)
         if dec.storage in seen:
-            x.fail(f"expected one decision per storage, found {dec.storage}, already decided in plan.decisions[{seen[dec.storage]}]", "storage")
+            x.fail(
+                f"expected one decision per storage, found {dec.storage}, already decided in "
+                f"plan.decisions[{seen[dec.storage]}]",
+                "storage",
+            )
         seen[dec.storage] = i; out.append(dec)
     return tuple(out)
 
 # %% ../../nbs/50c_offload_planfile.ipynb
 def plan_from_dict(d: dict, where: str = "offload plan") -> OffloadPlan:
-    "Rebuild an OffloadPlan from `plan_to_dict` output; an `OffloadPlanError` names any bad field and its path (`where` prefixes it)."
+    """Rebuild an OffloadPlan from `plan_to_dict` output; an `OffloadPlanError` names any bad field and its path
+    (`where` prefixes it)."""
     _check_schema(d, where)
     f = Fields(d, "plan", _plan_error(where), _KEYS)
     v = {k: f(k, c) for k, c in _TOP.items()}
@@ -148,8 +195,10 @@ def save_plan(plan: OffloadPlan, path, *, force: bool = True) -> Path:
 MAX_PLAN_FILE_BYTES = 256 * 2**20   # a plan holds one decision per saved tensor: ~40 MB for a 405B step
 
 def load_plan(path) -> OffloadPlan:
-    "Read a plan written by `save_plan` (a bounded, depth-limited read); an `OffloadPlanError` names the file and the bad field."
-    with errors_as(OffloadPlanError, "; give the file `plan-offload --save` wrote"): d = read_json(path, "offload plan", MAX_PLAN_FILE_BYTES)
+    """Read a plan written by `save_plan` (a bounded, depth-limited read); an `OffloadPlanError` names the file and the
+    bad field."""
+    with errors_as(OffloadPlanError, "; give the file `plan-offload --save` wrote"):
+        d = read_json(path, "offload plan", MAX_PLAN_FILE_BYTES)
     return plan_from_dict(d, str(path))
 
 # %% ../../nbs/50c_offload_planfile.ipynb
@@ -159,19 +208,24 @@ def _check_decision(d: OffloadDecision, sto: dict, tiers: set):
     what = f"decision for storage {d.storage} ({d.name!r} saved in {d.saved_in!r})"
     if s is None or s.role != "activation" or s.nbytes != d.nbytes:
         raise OffloadPlanError(f"{what}: the graph has no saved tensor of {d.nbytes} bytes with that id")
-    if d.tier not in tiers: raise OffloadPlanError(f"{what}: tier {d.tier!r} is not one of the plan's tiers {sorted(tiers)}")
+    if d.tier not in tiers:
+        raise OffloadPlanError(f"{what}: tier {d.tier!r} is not one of the plan's tiers {sorted(tiers)}")
     if not (d.offload_after < d.release_op <= d.prefetch_at <= d.first_backward_use):
         raise OffloadPlanError(f"{what}: needs offload_after < release_op <= prefetch_at <= first_backward_use, got "
                                f"{d.offload_after}, {d.release_op}, {d.prefetch_at}, {d.first_backward_use}")
 
 # %% ../../nbs/50c_offload_planfile.ipynb
 def check_plan(plan: OffloadPlan, graph: StaticGraph) -> None:
-    "Raise an OffloadPlanError saying what is wrong if `plan` was not made for `graph` or is inconsistent (e.g. hand-edited)."
+    """Raise an OffloadPlanError saying what is wrong if `plan` was not made for `graph` or is inconsistent (e.g.
+    hand-edited)."""
     if plan.n_ops != len(graph.ops) or plan.signature != graph_signature(graph):
-        raise OffloadPlanError(f"the plan was made for another step ({plan.n_ops} ops, signature {plan.signature}) than this "
-                               f"graph ({len(graph.ops)} ops, signature {graph_signature(graph)}): re-run plan_offload on it")
+        raise OffloadPlanError(
+            f"the plan was made for another step ({plan.n_ops} ops, signature {plan.signature}) than this "
+            f"graph ({len(graph.ops)} ops, signature {graph_signature(graph)}): re-run plan_offload on it"
+        )
     sto, tiers = {s.id: s for s in graph.storages}, {t.name for t in plan.tiers}
     for d in plan.offloaded: _check_decision(d, sto, tiers)
     for t in plan.tiers:
         held = sum(d.nbytes for d in plan.offloaded if d.tier == t.name)
-        if held > t.capacity: raise OffloadPlanError(f"tier {t.name!r} holds {fmt_bytes(held)} > its capacity {fmt_bytes(t.capacity)}")
+        if held > t.capacity:
+            raise OffloadPlanError(f"tier {t.name!r} holds {fmt_bytes(held)} > its capacity {fmt_bytes(t.capacity)}")

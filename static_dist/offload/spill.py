@@ -63,24 +63,34 @@ def _timed(f) -> float:
     t0 = time.perf_counter(); f(); return time.perf_counter() - t0
 
 def checksum_rate(nbytes: int = 64 * 2**20, repeat: int = 3) -> dict:
-    "This machine's speed of `checksum`: hash name, GB/s and seconds per GB (best of `repeat` over `nbytes` random bytes)."
+    """This machine's speed of `checksum`: hash name, GB/s and seconds per GB (best of `repeat` over `nbytes` random
+    bytes)."""
     buf = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
     best = min(_timed(lambda: checksum(buf)) for _ in range(repeat))
     return dict(hash=CHECKSUM, GBps=nbytes / best / 1e9, s_per_GB=best / nbytes * 1e9)
 
 # %% ../../nbs/50d_offload_spill.ipynb
 def _open_spill(directory: str, need: int):
-    "An unnamed file in `directory` for one step's spilled tensors: the OS frees it when it is closed or the process dies."
+    """An unnamed file in `directory` for one step's spilled tensors: the OS frees it when it is closed or the process
+    dies."""
     d, fix = Path(directory), "or pass disk_dir= a directory you can write to (or plan without a disk tier)"
     if not d.exists(): raise OffloadDiskError(f"offload directory {d} does not exist: create it, {fix}")
     if not d.is_dir(): raise OffloadDiskError(f"offload directory {d} is a file, not a directory: remove it, {fix}")
     try: f = tempfile.TemporaryFile(prefix="static_dist_spill_", dir=d, buffering=0)   # O_TMPFILE, or made and unlinked
-    except PermissionError: raise OffloadDiskError(f"offload directory {d}: no permission to create files there; fix its permissions, {fix}") from None
-    except OSError as e: raise OffloadDiskError(f"offload directory {d}: cannot create a spill file ({e.strerror or e}); {fix}") from None
+    except PermissionError:
+        raise OffloadDiskError(
+            f"offload directory {d}: no permission to create files there; fix its permissions, {fix}"
+        ) from None
+    except OSError as e:
+        raise OffloadDiskError(
+            f"offload directory {d}: cannot create a spill file ({e.strerror or e}); {fix}"
+        ) from None
     if (free := shutil.disk_usage(d).free) < need:
         f.close()
-        raise OffloadDiskError(f"offload directory {d} has {fmt_bytes(free)} free, the plan spills {fmt_bytes(need)} there: "
-                               f"free space, plan less onto the disk tier, {fix} on a larger disk")
+        raise OffloadDiskError(
+            f"offload directory {d} has {fmt_bytes(free)} free, the plan spills {fmt_bytes(need)} there: "
+            f"free space, plan less onto the disk tier, {fix} on a larger disk"
+        )
     return f
 
 def _close_spill(spill, pool: ThreadPoolExecutor | None):

@@ -48,7 +48,11 @@ _BENCH_CASES = (("softmax", "fwd", (4096, 781), 2, _BOTH), ("softmax", "fwd", (8
 def _softmax_case(x, dtype, pas):
     "({kernel: fn}, reference, its args) for softmax forward or backward."
     if pas == "fwd":
-        return dict(triton=lambda: _tk().softmax_fwd(x), cuda=lambda: _softmax_cuda(x, -1)), lambda x: torch.softmax(x, -1), (x,)
+        return (
+            dict(triton=lambda: _tk().softmax_fwd(x), cuda=lambda: _softmax_cuda(x, -1)),
+            lambda x: torch.softmax(x, -1),
+            (x,),
+        )
     y, g = torch.softmax(x.float(), -1).to(dtype), torch.randn_like(x)
     ref = lambda y, g: torch._softmax_backward_data(g, y, -1, dtype)
     return dict(triton=lambda: _tk().softmax_bwd(y, g)), ref, (y, g)
@@ -98,11 +102,15 @@ class NoGPUError(StaticDistError, RuntimeError):
 def bench_kernels(progress=None, cases=_BENCH_CASES) -> dict:
     "Time every kernel against eager and torch.compile on the GPU; bandwidth as a fraction of measured copy bandwidth."
     if not torch.cuda.is_available():
-        raise NoGPUError("bench kernels needs a CUDA GPU (none found); run it on a GPU machine, e.g. python tests/gpu_ops.py")
+        raise NoGPUError(
+            "bench kernels needs a CUDA GPU (none found); run it on a GPU machine, e.g. python tests/gpu_ops.py"
+        )
     from static_dist.util import environment
     copy_bw, results = copy_bandwidth(), []
     for op, pas, shape, units, dtypes in cases:
         for dt in dtypes:
             if progress: progress(f"bench {op} {pas} {shape} {dt}")
             results.append(_bench_row(op, pas, shape, units, dt, copy_bw))
-    return dict(bench="kernels", environment=environment(), copy_bandwidth_GBps=round(copy_bw / 1e9, 1), results=results)
+    return dict(
+        bench="kernels", environment=environment(), copy_bandwidth_GBps=round(copy_bw / 1e9, 1), results=results
+    )

@@ -28,7 +28,8 @@ def _rows(x: torch.Tensor, dim: int):
 def _onnx_op():
     "onnxscript's opset 18, imported when an ONNX translation runs."
     try: from onnxscript import opset18
-    except ImportError as e: raise ImportError(f"ONNX translations need onnxscript ({e}): pip install onnxscript") from None
+    except ImportError as e:
+        raise ImportError(f"ONNX translations need onnxscript ({e}): pip install onnxscript") from None
     return opset18
 
 # %% ../../nbs/20d_ops_builtin.ipynb
@@ -115,7 +116,8 @@ add_relu = bridge_once(OpDecl("static_dist::add_relu", _add_relu_ref, triton=_ad
 
 # %% ../../nbs/20d_ops_builtin.ipynb
 def _rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    "Reference: the zoo's RMSNorm, `(x * rsqrt(mean(x²) + eps)).type_as(x) * weight`, in float32 (float64 stays float64)."
+    """Reference: the zoo's RMSNorm, `(x * rsqrt(mean(x²) + eps)).type_as(x) * weight`, in float32 (float64 stays
+    float64)."""
     xf = x.to(torch.promote_types(x.dtype, torch.float32))
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).type_as(x) * weight
 
@@ -127,7 +129,9 @@ def _rms_norm_triton(x, weight, eps):
     return y.reshape(torch.broadcast_shapes(x.shape, weight.shape))
 
 # %% ../../nbs/20d_ops_builtin.ipynb
-def _rms_norm_bwd_ref(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _rms_norm_bwd_ref(
+    grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     "Reference backward: (dx, dweight), float32 (or float64) inside."
     acc = torch.promote_types(x.dtype, torch.float32)
     xf, g, w = x.to(acc), grad.to(acc), weight.to(acc)
@@ -142,7 +146,9 @@ def _rms_norm_bwd_ref(grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
 def _rms_norm_bwd_triton(grad, x, weight, eps):
     n = x.shape[-1]
     if n > 65536: return _rms_norm_bwd_ref(grad, x, weight, eps)
-    dx, dw = _tk().rms_norm_bwd(grad.reshape(-1, n).contiguous(), x.reshape(-1, n).contiguous(), weight.contiguous(), eps)
+    dx, dw = _tk().rms_norm_bwd(
+        grad.reshape(-1, n).contiguous(), x.reshape(-1, n).contiguous(), weight.contiguous(), eps
+    )
     return dx.reshape(x.shape), dw
 
 def _rms_norm_bwd_examples(dtype, device):
@@ -150,8 +156,16 @@ def _rms_norm_bwd_examples(dtype, device):
     return (torch.randn(6, 40, dtype=dtype, device=device), x, torch.rand(40, dtype=dtype, device=device) + 0.5, 1e-5)
 
 # %% ../../nbs/20d_ops_builtin.ipynb
-rms_norm_backward = bridge_once(OpDecl("static_dist::rms_norm_backward", _rms_norm_bwd_ref, triton=_rms_norm_bwd_triton,
-                                       differentiable=False, examples=_rms_norm_bwd_examples, doc="(dx, dweight) of rms_norm"))
+rms_norm_backward = bridge_once(
+    OpDecl(
+        "static_dist::rms_norm_backward",
+        _rms_norm_bwd_ref,
+        triton=_rms_norm_bwd_triton,
+        differentiable=False,
+        examples=_rms_norm_bwd_examples,
+        doc="(dx, dweight) of rms_norm",
+    )
+)
 
 # %% ../../nbs/20d_ops_builtin.ipynb
 def _rms_norm_setup(ctx, inputs, output):

@@ -28,7 +28,9 @@ def compile_cuda_sources(out_dir=None, nvcc: str = "nvcc", extra: tuple = ()) ->
     out_dir = Path(out_dir or tempfile.mkdtemp())
     res = {}
     for src in sorted(kernels_dir().glob("*.cu")):
-        p = subprocess.run([nvcc, "-c", str(src), "-o", str(out_dir / (src.stem + ".o")), *extra], capture_output=True, text=True)
+        p = subprocess.run(
+            [nvcc, "-c", str(src), "-o", str(out_dir / (src.stem + ".o")), *extra], capture_output=True, text=True
+        )
         res[src.name] = (p.returncode, p.stderr.strip())
     return res
 
@@ -39,7 +41,10 @@ _CUDA_DTYPES = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf1
 def _cuda_kernel(name: str):
     "Compile `name` from kernels/softmax.cu with NVRTC (once per process)."
     compile_kernel = getattr(torch.cuda, "_compile_kernel", None)
-    if compile_kernel is None: raise RuntimeError(f"this torch ({torch.__version__}) has no torch.cuda._compile_kernel (NVRTC); use the Triton kernel")
+    if compile_kernel is None:
+        raise RuntimeError(
+            f"this torch ({torch.__version__}) has no torch.cuda._compile_kernel (NVRTC); use the Triton kernel"
+        )
     return compile_kernel((kernels_dir() / "softmax.cu").read_text(), name)
 
 def _cuda_threads(n: int) -> int:
@@ -49,8 +54,11 @@ def _cuda_threads(n: int) -> int:
 # %% ../../nbs/20c_ops_cuda.ipynb
 def _softmax_rows_cuda(x2: torch.Tensor) -> torch.Tensor:
     "Softmax over the last dim of a contiguous 2-D CUDA tensor (float32, float16 or bfloat16) with the CUDA C++ kernel."
-    if x2.dtype not in _CUDA_DTYPES: raise TypeError(f"the CUDA softmax takes {sorted(map(str, _CUDA_DTYPES))}, not {x2.dtype}")
+    if x2.dtype not in _CUDA_DTYPES:
+        raise TypeError(f"the CUDA softmax takes {sorted(map(str, _CUDA_DTYPES))}, not {x2.dtype}")
     y = torch.empty_like(x2)
     rows, n = x2.shape
-    _cuda_kernel(f"sd_softmax_fwd_{_CUDA_DTYPES[x2.dtype]}")(grid=(rows, 1, 1), block=(_cuda_threads(n), 1, 1), args=[x2, y, rows, n])
+    _cuda_kernel(f"sd_softmax_fwd_{_CUDA_DTYPES[x2.dtype]}")(
+        grid=(rows, 1, 1), block=(_cuda_threads(n), 1, 1), args=[x2, y, rows, n]
+    )
     return y

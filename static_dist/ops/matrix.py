@@ -18,8 +18,17 @@ from pathlib import Path
 import torch
 from fastcore.basics import patch
 
-from .register import (BridgedOp, REGISTRY, assert_matches, check_fake, kernel_backend, _as_tuple, _merge,
-                                      _tensor_positions, _tk)
+from static_dist.ops.register import (
+    BridgedOp,
+    REGISTRY,
+    assert_matches,
+    check_fake,
+    kernel_backend,
+    _as_tuple,
+    _merge,
+    _tensor_positions,
+    _tk,
+)
 
 # %% auto 0
 __all__ = ['PATHS', 'CompatCell', 'CompatReport', 'compat_matrix']
@@ -31,19 +40,27 @@ PATHS = ("eager_cpu", "triton_interpreter", "eager_gpu", "fake", "opcheck", "gra
 # %% ../../nbs/20e_ops_matrix.ipynb
 _FIXES = {
     "eager_cpu": "compare the reference and the kernel on the failing inputs; check dtype promotion and broadcasting",
-    "triton_interpreter": "set TRITON_INTERPRET=1 before importing triton (CPU), then compare the kernel with the reference on small rows",
+    "triton_interpreter": "set TRITON_INTERPRET=1 before importing triton (CPU), then compare the kernel with the "
+                          "reference on small rows",
     "eager_gpu": "run the kernel alone on the failing shape/dtype; check masks and the launch grid",
-    "fake": "drop OpDecl.fake (the bridge then runs the reference on fake tensors) or make it return the reference's shape/dtype/stride",
-    "opcheck": "see the failing opcheck test: test_faketensor → fix the fake; test_autograd_registration → declare backward + setup_context or differentiable=False; test_schema → do not mutate or return inputs",
-    "gradcheck": "check the declared backward against torch.func.vjp of the reference (drop OpDecl.backward to use the derived one)",
-    "compile": "run torch._dynamo.explain(fn)(*args) to find the break; a custom_op must have a fake (the bridge registers one); with triton on CPU use custom_op, not triton_op",
+    "fake": "drop OpDecl.fake (the bridge then runs the reference on fake tensors) or make it return the reference's "
+            "shape/dtype/stride",
+    "opcheck": "see the failing opcheck test: test_faketensor → fix the fake; test_autograd_registration → declare "
+               "backward + setup_context or differentiable=False; test_schema → do not mutate or return inputs",
+    "gradcheck": "check the declared backward against torch.func.vjp of the reference (drop OpDecl.backward to use the "
+                 "derived one)",
+    "compile": "run torch._dynamo.explain(fn)(*args) to find the break; a custom_op must have a fake (the bridge "
+               "registers one); with triton on CPU use custom_op, not triton_op",
     "export": "try torch.export.draft_export for the data-dependent error report; make sure the op's fake is correct",
     "export_roundtrip": "save with torch.export.save and load in a process that imports static_dist.ops",
-    "load_without_import": "import static_dist.ops (the module that declares the op) before torch.export.load; or decompose the op into aten ops with ep.run_decompositions({op: reference}) before saving",
+    "load_without_import": "import static_dist.ops (the module that declares the op) before torch.export.load; or "
+                           "decompose the op into aten ops with ep.run_decompositions({op: reference}) before saving",
     "script": "call the op as torch.ops.<ns>.<name>(...) inside TorchScript; Python wrappers are not scriptable",
     "trace": "trace a function that calls the op with tensors only; non-tensor arguments are baked in as constants",
-    "onnx": "declare OpDecl.onnx as an onnxscript function, or rely on the decomposition into the reference (needs every aten op it uses to be exportable)",
-    "overhead": "per-call overhead is Python (and, under modes or tracing, the dispatcher); batch work into fewer, larger calls",
+    "onnx": "declare OpDecl.onnx as an onnxscript function, or rely on the decomposition into the reference (needs "
+            "every aten op it uses to be exportable)",
+    "overhead": "per-call overhead is Python (and, under modes or tracing, the dispatcher); batch work into fewer, "
+                "larger calls",
 }
 
 # %% ../../nbs/20e_ops_matrix.ipynb
@@ -104,8 +121,10 @@ def to_markdown(self: CompatReport) -> str:
             "| path | status | s | detail | error → fix |", "|---|---|---:|---|---|"]
     for c in self.cells:
         err = f"`{c.error[:160]}` → {c.fix}" if c.error else ""
-        detail, err = c.detail.replace("|", r"\|"), err.replace("|", r"\|")        # a bare pipe would end the table cell
-        rows.append(f"| {c.path} | {icon.get(c.status, '✅ pass')} | {c.seconds:.2f} | {detail} | {err} |".replace("\n", " "))
+        detail, err = c.detail.replace("|", r"\|"), err.replace("|", r"\|")  # a bare pipe would end the table cell
+        rows.append(
+            f"| {c.path} | {icon.get(c.status, '✅ pass')} | {c.seconds:.2f} | {detail} | {err} |".replace("\n", " ")
+        )
     return "\n".join(rows)
 
 # %% ../../nbs/20e_ops_matrix.ipynb
@@ -192,7 +211,8 @@ def _c_eager_gpu(ctx):
 
 # %% ../../nbs/20e_ops_matrix.ipynb
 def _c_fake(ctx):
-    for dt in (torch.float32, torch.float16, torch.bfloat16): check_fake(ctx["bop"], ctx["bop"].examples(dt, ctx["device"]))
+    for dt in (torch.float32, torch.float16, torch.bfloat16):
+        check_fake(ctx["bop"], ctx["bop"].examples(dt, ctx["device"]))
     return "fake shape/dtype/stride = reference's, for float32/16 and bfloat16"
 
 def _c_opcheck(ctx):
@@ -210,7 +230,8 @@ def _c_gradcheck(ctx):
     args = _leaves(bop.examples(torch.float64, ctx["device"]))
     ins = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
     pos = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
-    if not torch.autograd.gradcheck(lambda *t: bop(*_merge(args, pos, t)), ins): raise AssertionError("gradcheck returned False")
+    if not torch.autograd.gradcheck(lambda *t: bop(*_merge(args, pos, t)), ins):
+        raise AssertionError("gradcheck returned False")
     _compare(_grads_of(bop, args)[1], _grads_of(bop.decl.reference, args)[1], "grad vs autograd of the reference")
     return "float64 gradcheck (numerical vs analytical) and grads = autograd of the reference"
 
@@ -243,7 +264,8 @@ def _c_export_roundtrip(ctx):
     ctx["pt2"] = path
     loaded = torch.export.load(path)
     args = ctx["args"]
-    return f"torch.export.save/load; max |diff| {_compare(loaded.module()(*_tensors(args)), ctx['bop'].decl.reference(*args)):.2e}"
+    return ("torch.export.save/load; max |diff| "
+            f"{_compare(loaded.module()(*_tensors(args)), ctx['bop'].decl.reference(*args)):.2e}")
 
 # %% ../../nbs/20e_ops_matrix.ipynb
 def _load_error(stderr: str, returncode: int) -> str:
@@ -275,7 +297,8 @@ def _c_script(ctx):
     bop, args = ctx["bop"], ctx["args"]
     f = torch.jit.CompilationUnit(_script_source(bop)).f
     if bop.name not in str(f.graph): raise AssertionError(f"{bop.name} is not in the scripted graph")
-    return f"torch.jit scripted call to torch.ops.{bop.name.replace('::', '.')}; max |diff| {_compare(f(*args), bop.decl.reference(*args)):.2e}"
+    return (f"torch.jit scripted call to torch.ops.{bop.name.replace('::', '.')}; max |diff| "
+            f"{_compare(f(*args), bop.decl.reference(*args)):.2e}")
 
 # %% ../../nbs/20e_ops_matrix.ipynb
 def _c_trace(ctx):
@@ -283,7 +306,8 @@ def _c_trace(ctx):
     tr = torch.jit.trace(_Call(bop, args), _tensors(args), check_trace=False)
     if bop.name not in str(tr.graph): raise AssertionError(f"{bop.name} is not in the traced graph")
     fresh = bop.examples(ctx["dtype"], ctx["device"])             # new values, same shapes
-    return f"op node in the traced graph; max |diff| on new inputs {_compare(tr(*_tensors(fresh)), bop.decl.reference(*fresh)):.2e}"
+    return ("op node in the traced graph; max |diff| on new inputs "
+            f"{_compare(tr(*_tensors(fresh)), bop.decl.reference(*fresh)):.2e}")
 
 # %% ../../nbs/20e_ops_matrix.ipynb
 def _onnx_program(bop, m, t):
@@ -291,7 +315,9 @@ def _onnx_program(bop, m, t):
     from static_dist.export.source import quiet
     with quiet():
         if bop.decl.onnx is not None:
-            prog = torch.onnx.export(m, t, dynamo=True, custom_translation_table={bop.overload: bop.decl.onnx}, verbose=False)
+            prog = torch.onnx.export(
+                m, t, dynamo=True, custom_translation_table={bop.overload: bop.decl.onnx}, verbose=False
+            )
             return prog, "onnxscript translation"
         ep = torch.export.export(m, t).run_decompositions({bop.overload: bop.decl.reference})
         return torch.onnx.export(ep, dynamo=True, verbose=False), "decomposition into the reference"
@@ -331,8 +357,10 @@ def _c_overhead(ctx):
         op_s, via_s, ref_s = _per_call(bop, args, n), _per_call(bop.op, args, n), _per_call(bop.decl.reference, args, n)
     ctx["data"] = dict(op_us=op_s * 1e6, dispatcher_us=via_s * 1e6, reference_us=ref_s * 1e6,
                        overhead_us=(op_s - ref_s) * 1e6, dispatcher_overhead_us=(via_s - ref_s) * 1e6)
-    return (f"{op_s * 1e6:.1f} µs per call in plain eager, {via_s * 1e6:.1f} µs through the dispatcher, vs "
-            f"{ref_s * 1e6:.1f} µs calling the reference (+{(op_s - ref_s) * 1e6:.1f} / +{(via_s - ref_s) * 1e6:.1f} µs)")
+    return (
+        f"{op_s * 1e6:.1f} µs per call in plain eager, {via_s * 1e6:.1f} µs through the dispatcher, vs "
+        f"{ref_s * 1e6:.1f} µs calling the reference (+{(op_s - ref_s) * 1e6:.1f} / +{(via_s - ref_s) * 1e6:.1f} µs)"
+    )
 
 _CELLS = {p: globals()[f"_c_{p}"] for p in PATHS}
 
@@ -364,7 +392,8 @@ def compat_matrix(op: BridgedOp | str, *, device: str = "cpu", dtype: torch.dtyp
     bop, paths = _resolve(op), tuple(paths or PATHS)
     unknown = [p for p in (*paths, *skip) if p not in PATHS]
     if unknown: raise ValueError(f"unknown path(s) {unknown}; choose from {PATHS}")
-    if device == "cuda" and not torch.cuda.is_available(): raise ValueError("device='cuda' but no CUDA device is available")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but no CUDA device is available")
     with tempfile.TemporaryDirectory() as tmp:
         ctx = dict(bop=bop, device=device, dtype=dtype, tmp=tmp, overhead_calls=overhead_calls,
                    cpu_args=bop.examples(dtype, "cpu"), args=bop.examples(dtype, device))

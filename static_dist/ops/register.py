@@ -36,7 +36,8 @@ _BACKEND = contextvars.ContextVar("static_dist_kernel_backend", default="auto")
 
 @contextlib.contextmanager
 def kernel_backend(name: str):
-    "Choose the implementation bridged ops run: 'auto' (GPU kernel on CUDA, reference on CPU), 'reference', 'triton' (also on CPU, interpreted) or 'cuda'."
+    """Choose the implementation bridged ops run: 'auto' (GPU kernel on CUDA, reference on CPU), 'reference', 'triton'
+    (also on CPU, interpreted) or 'cuda'."""
     if name not in _BACKENDS: raise ValueError(f"unknown kernel backend {name!r}; choose one of {_BACKENDS}")
     tok = _BACKEND.set(name)
     try: yield
@@ -72,7 +73,9 @@ class OpDecl:
     def __post_init__(self):
         ns, _, n = self.name.partition("::")
         if not ns or not n or not n.isidentifier() or not ns.isidentifier():
-            raise ValueError(f"op name {self.name!r} must look like 'namespace::name' (identifiers), e.g. 'static_dist::softmax'")
+            raise ValueError(
+                f"op name {self.name!r} must look like 'namespace::name' (identifiers), e.g. 'static_dist::softmax'"
+            )
         if (self.backward is None) != (self.setup_context is None):
             raise ValueError(f"{self.name}: give backward and setup_context together (register_autograd needs both)")
 
@@ -147,11 +150,15 @@ def _dispatch(decl: OpDecl, device: str):
     "The kernel for `device` under the current `kernel_backend`."
     def run(*args):
         choice = _choice(decl, device)
-        fn = (getattr(decl, choice) if choice != "reference" else None) or decl.reference   # no such kernel: the reference
+        fn = (
+            getattr(decl, choice) if choice != "reference" else None
+        ) or decl.reference  # no such kernel: the reference
         if choice == "triton" and device == "cpu" and decl.triton is not None: _require_interpreter(decl)
         out = fn(*args)
         if fn is not decl.reference and any(isinstance(a, torch.Tensor) and not a.is_contiguous() for a in args):
-            out = _restride_like(out, decl.reference(*(a.to("meta") if isinstance(a, torch.Tensor) else a for a in args)))
+            out = _restride_like(
+                out, decl.reference(*(a.to("meta") if isinstance(a, torch.Tensor) else a for a in args))
+            )
         return _fresh(out, args)
     return run
 
@@ -165,7 +172,12 @@ def _require_interpreter(decl: OpDecl):
 
 def _restride_like(out, meta):
     "Kernel outputs copied into the strides the reference (hence the fake) gives, where they differ."
-    def fix(o, m): return o if o.stride() == m.stride() else torch.empty_strided(m.shape, m.stride(), dtype=o.dtype, device=o.device).copy_(o)
+    def fix(o, m):
+        return (
+            o
+            if o.stride() == m.stride()
+            else torch.empty_strided(m.shape, m.stride(), dtype=o.dtype, device=o.device).copy_(o)
+        )
     return tuple(fix(o, m) for o, m in zip(out, meta)) if isinstance(out, tuple) else fix(out, meta)
 
 # %% ../../nbs/20b_ops_register.ipynb
@@ -176,7 +188,9 @@ def _tk():
     "The triton_kernels module, imported on first use (it imports triton)."
     try: return _tk_module()
     except ImportError as e:
-        raise ImportError(f"Triton kernels need triton ({e}): pip install triton; on CPU they run under TRITON_INTERPRET=1") from None
+        raise ImportError(
+            f"Triton kernels need triton ({e}): pip install triton; on CPU they run under TRITON_INTERPRET=1"
+        ) from None
 
 # %% ../../nbs/20b_ops_register.ipynb
 def _fake_from(reference):
@@ -213,14 +227,18 @@ def _fake_outputs(bop: BridgedOp, args: tuple) -> tuple:
 
 # %% ../../nbs/20b_ops_register.ipynb
 def check_fake(bop: BridgedOp, args: tuple):
-    "Compare the op's fake outputs (shape, dtype, stride) with the reference run on real `args`; raise with a fix on mismatch."
+    """Compare the op's fake outputs (shape, dtype, stride) with the reference run on real `args`; raise with a fix on
+    mismatch."""
     real, fake = _as_tuple(bop.decl.reference(*args)), _fake_outputs(bop, args)
-    if len(fake) != len(real): raise AssertionError(f"{bop.name}: fake returns {len(fake)} outputs, the reference {len(real)}")
+    if len(fake) != len(real):
+        raise AssertionError(f"{bop.name}: fake returns {len(fake)} outputs, the reference {len(real)}")
     for i, (f, r) in enumerate(zip(fake, real)):
         for what, fv in _layout(f).items():
             if fv != (rv := _layout(r)[what]):
-                raise AssertionError(f"{bop.name}: the fake's output {i} has {what} {fv} but the reference gives {rv}; fix the "
-                                     f"declared fake (or drop it: the bridge then derives the fake from the reference)")
+                raise AssertionError(
+                    f"{bop.name}: the fake's output {i} has {what} {fv} but the reference gives {rv}; fix the "
+                    f"declared fake (or drop it: the bridge then derives the fake from the reference)"
+                )
 
 # %% ../../nbs/20b_ops_register.ipynb
 try:
@@ -235,7 +253,8 @@ _SCALARS = (int, float, bool, str, type(None))
 
 # %% ../../nbs/20b_ops_register.ipynb
 def _plain_eager(args) -> bool:
-    "Would the dispatcher do nothing but call the kernel (and autograd)? Dense plain tensors; no mode, tracer, transform, profiler."
+    """Would the dispatcher do nothing but call the kernel (and autograd)? Dense plain tensors; no mode, tracer,
+    transform, profiler."""
     if _EAGER_PROBES is None: return False
     modes, fn_mode, tracing, profiling, transforms = _EAGER_PROBES
     if (modes() or fn_mode() or tracing() is not None or profiling() or transforms() is not None
@@ -301,9 +320,13 @@ def bridge(decl: OpDecl, check: bool = True) -> BridgedOp:
 
 # %% ../../nbs/20b_ops_register.ipynb
 def bridge_once(decl: OpDecl, check: bool = False) -> BridgedOp:
-    "The op already bridged as `decl.name` from a reference of the same name (a re-run of its module's cells), else `bridge(decl, check)`."
+    """The op already bridged as `decl.name` from a reference of the same name (a re-run of its module's cells), else
+    `bridge(decl, check)`."""
     bop = REGISTRY.get(decl.name)
     if bop is None: return bridge(decl, check)
     if bop.decl.reference.__qualname__ != decl.reference.__qualname__:
-        raise ValueError(f"{decl.name} is already bridged in this process (from {bop.decl.reference.__qualname__}); pick another name")
+        raise ValueError(
+            f"{decl.name} is already bridged in this process (from {bop.decl.reference.__qualname__}); pick another "
+            "name"
+        )
     return bop

@@ -16,7 +16,13 @@ from .verify import *
 from .pipeline import *
 from .run import *
 from .plots import *
-from . import apply as _apply, memory as _memory, plan as _plan, schedule as _schedule, search as _search
+from static_dist.parallel import (
+    apply as _apply,
+    memory as _memory,
+    plan as _plan,
+    schedule as _schedule,
+    search as _search,
+)
 from . import pipeline as _pipeline, plots as _plots, run as _run, time as _time
 from . import verify as _verify
 
@@ -64,8 +70,11 @@ def _layout_view(g: StaticGraph, topo, world: int, budget_mib: float, tp: int, p
     stack = g.structure.main
     n, budget = len(stack.blocks), int(budget_mib * 2**20)
     if world % (tp * pp * cp):
-        return View(f"tp·pp·cp = {tp * pp * cp} does not divide {world}", f"**Not a layout**: tp × pp × cp = {tp * pp * cp} "
-                    f"does not divide the world of {world} ranks; pick smaller degrees.")
+        return View(
+            f"tp·pp·cp = {tp * pp * cp} does not divide {world}",
+            f"**Not a layout**: tp × pp × cp = {tp * pp * cp} "
+            f"does not divide the world of {world} ranks; pick smaller degrees.",
+        )
     d = ParallelDims(dp_shard=world // (tp * pp * cp), cp=cp, tp=tp, pp=pp)
     try:
         styles = tuple(megatron_styles(block_spec(g)).items()) if tp > 1 else ()
@@ -78,8 +87,10 @@ def _layout_view(g: StaticGraph, topo, world: int, budget_mib: float, tp: int, p
         return View(str(e), f"**Not a layout for this model**: {e}")
     step = predict_step_time(work, plan, topo)
     verdict = "fits" if mem.peak_bytes <= budget else "**does not fit**"
-    text = (f"dp_shard {d.dp_shard} × cp {cp} × tp {tp} × pp {pp}, checkpointing {ac}: peak {fmt_bytes(mem.peak_bytes)} "
-            f"(pp rank {mem.peak_rank}), {verdict} in {fmt_bytes(budget)}; {step.line()}")
+    text = (
+        f"dp_shard {d.dp_shard} × cp {cp} × tp {tp} × pp {pp}, checkpointing {ac}: peak {fmt_bytes(mem.peak_bytes)} "
+        f"(pp rank {mem.peak_rank}), {verdict} in {fmt_bytes(budget)}; {step.line()}"
+    )
     return View((plan, mem, step), text, layout_figure(mem, step, budget),
                 disabled={"cp": "the capture has no sequence to split"} if not g.meta.get("inputs") else {})
 
@@ -91,17 +102,41 @@ def parallel_widget(g: StaticGraph, topo=None, world: int = 8, budget_mib: float
     W = widgets()
     topo = topo or preset("cluster", n_nodes=max(world // 8, 1), gpus_per_node=min(world, 8))
     if budget_mib is None:
-        base = predict_parallel_memory(g, ParallelPlan(ParallelDims(dp_shard=world)) if world > 1 else ParallelPlan()).peak_bytes
+        base = predict_parallel_memory(
+            g, ParallelPlan(ParallelDims(dp_shard=world)) if world > 1 else ParallelPlan()
+        ).peak_bytes
         budget_mib = 2.0 ** math.ceil(math.log2(max(base / 2**20, 1.0)))
     degrees = [d for d in (1, 2, 4, 8) if d <= world]
     wide = dict(style={"description_width": "initial"}, continuous_update=False)
-    return harness(lambda **kw: _layout_view(g, topo, world, **kw),
-                   budget_mib=W.FloatLogSlider(value=budget_mib, base=2, min=math.log2(budget_mib) - 4,
-                                               max=math.log2(budget_mib) + 2, description="budget MiB", readout_format=".4g", **wide),
-                   tp=W.Dropdown(options=degrees, value=1), pp=W.Dropdown(options=degrees, value=1),
-                   cp=W.Dropdown(options=degrees, value=1), ac=W.ToggleButtons(options=list(POLICIES)))
+    return harness(
+        lambda **kw: _layout_view(g, topo, world, **kw),
+        budget_mib=W.FloatLogSlider(
+            value=budget_mib,
+            base=2,
+            min=math.log2(budget_mib) - 4,
+            max=math.log2(budget_mib) + 2,
+            description="budget MiB",
+            readout_format=".4g",
+            **wide,
+        ),
+        tp=W.Dropdown(options=degrees, value=1),
+        pp=W.Dropdown(options=degrees, value=1),
+        cp=W.Dropdown(options=degrees, value=1),
+        ac=W.ToggleButtons(options=list(POLICIES)),
+    )
 
 # %% ../../nbs/45_parallel.ipynb
-__all__ = [*_plan.__all__, *_schedule.__all__, *_memory.__all__, *_time.__all__, *_search.__all__, *_apply.__all__, *_verify.__all__,
-           *_pipeline.__all__, *_run.__all__, *_plots.__all__,
-           "layout_figure", "parallel_widget"]
+__all__ = [
+    *_plan.__all__,
+    *_schedule.__all__,
+    *_memory.__all__,
+    *_time.__all__,
+    *_search.__all__,
+    *_apply.__all__,
+    *_verify.__all__,
+    *_pipeline.__all__,
+    *_run.__all__,
+    *_plots.__all__,
+    "layout_figure",
+    "parallel_widget",
+]

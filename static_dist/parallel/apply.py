@@ -23,7 +23,8 @@ __all__ = ['plan_blocks', 'apply_tp', 'apply_ac', 'apply_compile', 'apply_fsdp',
 
 # %% ../../nbs/45e_parallel_apply.ipynb
 def plan_blocks(plan: ParallelPlan, stack, stage: int | None = None) -> tuple[tuple[int, str], ...]:
-    "(number in the main stack, FQN) of the blocks a model runs: every block of `stack`, or those of pipeline stage `stage`."
+    """(number in the main stack, FQN) of the blocks a model runs: every block of `stack`, or those of pipeline stage
+    `stage`."""
     blocks = stack.blocks if stack is not None else ()
     if stage is None: return tuple(enumerate(blocks))
     rng = stage_ranges(plan, len(blocks))
@@ -37,7 +38,8 @@ def _blocks(model: nn.Module, plan: ParallelPlan, blocks) -> tuple[tuple[int, st
     return plan_blocks(plan, find_structure(model).main) if blocks is None else tuple(blocks)
 
 def apply_tp(model: nn.Module, plan: ParallelPlan, tp_mesh, blocks=None) -> None:
-    "`parallelize_module` of each block (default: every block of the main stack) on the tp mesh, with the plan's style per linear."
+    """`parallelize_module` of each block (default: every block of the main stack) on the tp mesh, with the plan's style
+    per linear."""
     from torch.distributed.tensor.parallel import parallelize_module
     if plan.dims.tp == 1 or not plan.tp_styles: return
     styles = {n: parallel_style(s) for n, s in plan.tp_styles if s != "replicate"}
@@ -45,8 +47,10 @@ def apply_tp(model: nn.Module, plan: ParallelPlan, tp_mesh, blocks=None) -> None
 
 # %% ../../nbs/45e_parallel_apply.ipynb
 def apply_ac(model: nn.Module, plan: ParallelPlan, blocks=None) -> None:
-    "Checkpoint each block under its policy (`plan.ac[i]` for block number i) with `graph.policies.apply_checkpointing`."
-    for i, b in (_blocks(model, plan, blocks) if plan.ac else ()): apply_checkpointing(model.get_submodule(b), plan.ac[i], i)
+    """Checkpoint each block under its policy (`plan.ac[i]` for block number i) with
+    `graph.policies.apply_checkpointing`."""
+    for i, b in _blocks(model, plan, blocks) if plan.ac else ():
+        apply_checkpointing(model.get_submodule(b), plan.ac[i], i)
 
 # %% ../../nbs/45e_parallel_apply.ipynb
 def apply_compile(model: nn.Module, plan: ParallelPlan, backend: str = "inductor", blocks=None) -> None:
@@ -70,15 +74,18 @@ def apply_fsdp(model: nn.Module, plan: ParallelPlan, mesh) -> None:
 def apply_parallel_plan(model: nn.Module, plan: ParallelPlan, mesh=None, *, seq: int | None = None,
                         compile_backend: str = "inductor", stack=None, stage: int | None = None) -> nn.Module:
     """Apply `plan` to `model` in place, in torchtitan's order: tensor parallelism, checkpointing, compile, FSDP.
-    `mesh`: the plan's DeviceMesh (default: `axes.device_mesh(plan.dims)`). With pp > 1, `model` is pipeline stage `stage`
+    `mesh`: the plan's DeviceMesh (default: `axes.device_mesh(plan.dims)`). With pp > 1, `model` is pipeline stage
+    `stage`
     (`parallel.pipeline.build_pipeline` splits the model and calls this on each stage) and `stack` the whole model's
     main stack, which the stage no longer holds. Context parallelism shards the sequence in the step
     (`parallel.run.cp_context`), not here."""
     stack = find_structure(model).main if stack is None else stack
     check_layout(plan, stack, seq)
     if plan.dims.pp > 1 and stage is None:
-        raise ParallelPlanError(f"pp={plan.dims.pp}: apply the plan to one pipeline stage; parallel.pipeline.build_pipeline "
-                                "splits the model and applies it to each stage (or give stage= and the whole model's stack=)")
+        raise ParallelPlanError(
+            f"pp={plan.dims.pp}: apply the plan to one pipeline stage; parallel.pipeline.build_pipeline "
+            "splits the model and applies it to each stage (or give stage= and the whole model's stack=)"
+        )
     blocks = plan_blocks(plan, stack, stage)
     mesh = device_mesh(plan.dims) if mesh is None else mesh
     if "tp" in mesh.mesh_dim_names: apply_tp(model, plan, mesh["tp"], blocks)

@@ -4,6 +4,8 @@
 
 # %% ../../nbs/45b_parallel_memory.ipynb 4
 from __future__ import annotations
+# One idea over 500 lines: one rank's view of the captured step (its stage, tp shards, sequence slice and what
+# checkpointing keeps), each view feeding the next; split, the order of the views would be lost.
 
 import dataclasses
 import math
@@ -14,7 +16,16 @@ import numpy as np
 from ..cost import GraphProfile
 from ..fsdp import FSDPPlan, FSDPUnit, MemoryPrediction, block_units, predict_memory
 from ..fsdp.plan import unit_finder
-from ..cost.profile import ParamInfo, captured_param_dtype, main_stack, module_order, param_infos, shared_params, to_master, tokens_of
+from static_dist.cost.profile import (
+    ParamInfo,
+    captured_param_dtype,
+    main_stack,
+    module_order,
+    param_infos,
+    shared_params,
+    to_master,
+    tokens_of,
+)
 from ..graph import StaticGraph, fmt_bytes, op_bytes
 from ..topology import op_dtypes
 from ..graph.checkpoint import CheckpointLifetimes, checkpoint_lifetimes, recompute_bytes
@@ -126,8 +137,9 @@ def tp_views(g: StaticGraph, f: np.ndarray, tp: int) -> dict[int, int]:
     for i, o in enumerate(g.ops[:-1]):
         nxt = g.ops[i + 1]
         if f[i] >= 1 or not o.op.startswith("aten.clone") or len(o.inputs) != 1 or len(o.outputs) != 1: continue
-        e = made.get(o.inputs[0])                                  # reshape's copy: clone of an expand, then _unsafe_view
-        if e is None or not g.ops[e].op.startswith("aten.expand") or not nxt.op.startswith("aten._unsafe_view"): continue
+        e = made.get(o.inputs[0])  # reshape's copy: clone of an expand, then _unsafe_view
+        if e is None or not g.ops[e].op.startswith("aten.expand") or not nxt.op.startswith("aten._unsafe_view"):
+            continue
         if o.outputs[0] not in nxt.inputs: continue
         src, big, new = (g.tensors[t].shape for t in (g.ops[e].inputs[0], o.inputs[0], nxt.outputs[0]))
         grown = [d for d, (a, b) in enumerate(zip(src, big)) if a == 1 and b > 1] if len(src) == len(big) else []
@@ -158,7 +170,8 @@ def _tp_local(g: StaticGraph, plan: ParallelPlan, blocks) -> StaticGraph:
 
 # %% ../../nbs/45b_parallel_memory.ipynb
 def tp_param_shape(name: str, shape: tuple, plan: ParallelPlan, styles: dict) -> tuple:
-    "The local shape of parameter `name` under tensor parallelism (colwise: rows / tp, bias too; rowwise: columns / tp)."
+    """The local shape of parameter `name` under tensor parallelism (colwise: rows / tp, bias too; rowwise: columns /
+    tp)."""
     s, tp = styles.get(name.rpartition(".")[0]), plan.dims.tp
     if s is None or tp == 1 or not shape: return tuple(shape)
     if s in _COL: return (shape[0] // tp, *shape[1:])
@@ -188,7 +201,9 @@ def ac_effects(g: StaticGraph, plan: ParallelPlan, ob: np.ndarray, blocks) -> Ch
     if not any(p.checkpoints for p in pols): return CheckpointLifetimes({}, {}, ())
     def make():
         ff, lf, _ = _block_spans(ob, g.op_phases(), len(blocks))
-        kept = {blocks[b]: kept_ops(g, p, _block_forward(ob, b, ff[b], lf[b])) for b, p in enumerate(pols) if ff[b] >= 0}
+        kept = {
+            blocks[b]: kept_ops(g, p, _block_forward(ob, b, ff[b], lf[b])) for b, p in enumerate(pols) if ff[b] >= 0
+        }
         return checkpoint_lifetimes(g, {m: k for m, k in kept.items() if k is not None})
     return _remember("ac_effects", g, (pols, tuple(blocks), ob.tobytes()), make)   # per `tp_local_graph`'s graph
 
@@ -200,8 +215,10 @@ class _View:
     op_factor: np.ndarray       # fraction of each op's outputs the rank holds (tp x cp)
     stage_of_op: np.ndarray     # pipeline stage of each op (-1: optimizer, every stage)
     stages: frozenset           # the (virtual) stages this pipeline rank runs
-    checkpoint: CheckpointLifetimes  # what checkpointing changes (`ac_effects`): what is not held when, held longer, recomputes
-    param_fraction: float       # the rank's parameter bytes / the captured model's (optimizer temporaries scale with it)
+    checkpoint: (
+        CheckpointLifetimes  # what checkpointing changes (`ac_effects`): what is not held when, held longer, recomputes
+    )
+    param_fraction: float  # the rank's parameter bytes / the captured model's (optimizer temporaries scale with it)
     styles: dict                # linear FQN -> tp style
     read: frozenset             # storage ids this stage's ops read (what the previous stage sends, the inputs it takes)
 
@@ -221,7 +238,8 @@ def _param_stage(params, g: StaticGraph, so: np.ndarray) -> dict[str, int]:
 # %% ../../nbs/45b_parallel_memory.ipynb
 def _storage_fraction(s, v: _View, g: StaticGraph, cp: int) -> float:
     "The fraction of storage `s` (not a parameter, gradient or optimizer state) this rank holds."
-    if s.created < 0:                             # inputs and buffers (position tables): this rank's share of the sequence
+    # inputs and buffers (position tables): this rank's share of the sequence
+    if s.created < 0:
         return 1 / cp if (s.role != "input" or s.id in v.read) else 0.0
     if g.ops[s.created].phase == "optimizer": return v.param_fraction
     if v.stage_of_op[s.created] not in v.stages and s.id not in v.read: return 0.0   # another stage's, not sent here
@@ -286,17 +304,23 @@ def _saved_at(g: StaticGraph, v: _View, cp: int, at: int, stage: int | None = No
 # %% ../../nbs/45b_parallel_memory.ipynb
 def _others_held(g: StaticGraph, plan: ParallelPlan, pp_rank: int, v: _View, K: np.ndarray, phase: np.ndarray,
                  output: float, boundary: float, mine, prior_grads: bool) -> np.ndarray:
-    """Bytes the rank holds at each of its ops (`K`) beyond one micro-batch's step, from its schedule (`held_by_action`):
-    at an op of stage s in forward (backward), the most a forward (backward) of s holds, over the actions whose stage ran
+    """Bytes the rank holds at each of its ops (`K`) beyond one micro-batch's step, from its schedule
+    (`held_by_action`):
+    at an op of stage s in forward (backward), the most a forward (backward) of s holds, over the actions whose stage
+    ran
     a backward before (`prior_grads`: the FSDP model holds all gradients from the start) or over the others (it makes
-    them as one micro-batch does). Another micro-batch's (stage, micro-batch) pair holds what the stage saved for backward
+    them as one micro-batch does). Another micro-batch's (stage, micro-batch) pair holds what the stage saved for
+    backward
     (and on the last stage its output, in `fwd_cache`); a finished backward leaves its stage output and input gradient
-    (`boundary` each) in sends that GPipe and Interleaved1F1B wait at the step's end; the rank's other virtual stages are
+    (`boundary` each) in sends that GPipe and Interleaved1F1B wait at the step's end; the rank's other virtual stages
+    are
     where the schedule left them: a later stage gathered until its last backward, gradients once a backward ran."""
     if plan.dims.pp == 1: return np.zeros(len(K))
     cp, d, last = plan.dims.cp, plan.dims, max(len(plan.stages), 1) - 1
     grads, gath = dict.fromkeys(v.stages, 0.0), dict.fromkeys(v.stages, 0.0)
-    ends = {s: max((i for i in K if g.ops[i].phase == "forward" and v.stage_of_op[i] == s), default=-1) for s in v.stages}
+    ends = {
+        s: max((i for i in K if g.ops[i].phase == "forward" and v.stage_of_op[i] == s), default=-1) for s in v.stages
+    }
     saved = {s: _saved_at(g, v, cp, ends[s], s) + (output if s == last else 0.0) for s in v.stages}
     if len(v.stages) > 1:                                 # bytes of each stage's parameters, gathered (not the root's)
         pst, unit = _param_stage(mine, g, v.stage_of_op), unit_finder(plan.fsdp) if plan.fsdp else (lambda n: "")
@@ -313,11 +337,14 @@ def _others_held(g: StaticGraph, plan: ParallelPlan, pp_rank: int, v: _View, K: 
             b += gath[o] * (kind == "B" and o > s and o in h.gathered)     # resharded here in one micro-batch's step
             b += grads[o] * ((o in h.backed) - (1 if prior_grads else kind == "B" and o > s))
         most[s, kind] = max(most.get((s, kind), -math.inf), b)
-    return np.array([most.get((int(v.stage_of_op[i]), "FB"[ph]), 0.0) if ph < OPTIMIZER else 0.0 for i, ph in zip(K, phase)])
+    return np.array(
+        [most.get((int(v.stage_of_op[i]), "FB"[ph]), 0.0) if ph < OPTIMIZER else 0.0 for i, ph in zip(K, phase)]
+    )
 
 # %% ../../nbs/45b_parallel_memory.ipynb
 def boundary_bytes(g: StaticGraph, ob: np.ndarray, cp: int = 1, nb: list | None = None) -> float:
-    "Bytes of the largest tensor block 0's forward makes and block 1's forward reads (the residual stream), on one rank."
+    """Bytes of the largest tensor block 0's forward makes and block 1's forward reads (the residual stream), on one
+    rank."""
     if len(set(ob[ob >= 0].tolist())) < 2: return 0.0
     made = {t for i, o in enumerate(g.ops) if ob[i] == 0 and o.phase == "forward" for t in o.outputs}
     read = {t for i, o in enumerate(g.ops) if ob[i] == 1 and o.phase == "forward" for t in o.inputs}
@@ -325,7 +352,8 @@ def boundary_bytes(g: StaticGraph, ob: np.ndarray, cp: int = 1, nb: list | None 
     return max((nb[t] for t in made & read), default=0) / cp
 
 def model_output_bytes(g: StaticGraph) -> float:
-    "Bytes of the model's outputs that the loss reads (the logits): what the pipeline's last stage keeps for its backward."
+    """Bytes of the model's outputs that the loss reads (the logits): what the pipeline's last stage keeps for its
+    backward."""
     fwd = g.meta.get("model_forward")
     if not fwd: return 0.0
     made = {t for o in g.ops[fwd[0]:fwd[1] + 1] for t in o.outputs}
@@ -362,16 +390,20 @@ def _flops(g: StaticGraph, plan: ParallelPlan, v: _View) -> np.ndarray:
 # %% ../../nbs/45b_parallel_memory.ipynb
 def _root_marks(g: StaticGraph, K: np.ndarray) -> dict:
     """The capture's marks of the model's own forward end and first output gradient (FSDP's root post-forward and
-    pre-backward, which issues the first backward all-gather), as the rank's op numbers; -1 where the rank has not that op."""
+    pre-backward, which issues the first backward all-gather), as the rank's op numbers; -1 where the rank has not that
+    op."""
     at = {int(i): j for j, i in enumerate(K)}
     fwd, bwd = g.meta.get("model_forward"), g.meta.get("model_backward_start")
-    return dict(model_forward_end=at.get(fwd[1], -1) if fwd else -1, model_backward_start=-1 if bwd is None else at.get(bwd, -1))
+    return dict(
+        model_forward_end=at.get(fwd[1], -1) if fwd else -1, model_backward_start=-1 if bwd is None else at.get(bwd, -1)
+    )
 
 # %% ../../nbs/45b_parallel_memory.ipynb
 def rank_profile(g: StaticGraph, plan: ParallelPlan, pp_rank: int = 0, master_dtype: str | None = None,
                  prior_grads: bool = True) -> GraphProfile:
     """The FSDP planner's profile of the captured step as one rank of pipeline rank `pp_rank` holds it under `plan`: at
-    the schedule's actions whose stage ran a backward before (`prior_grads`), or at those that did not (`_others_held`)."""
+    the schedule's actions whose stage ran a backward before (`prior_grads`), or at those that did not
+    (`_others_held`)."""
     stack, blocks = main_stack(g)
     params, by_storage = param_infos(g)
     g = tp_local_graph(g, plan, blocks)
@@ -382,12 +414,17 @@ def rank_profile(g: StaticGraph, plan: ParallelPlan, pp_rank: int = 0, master_dt
     output, boundary = model_output_bytes(g) / plan.dims.cp, boundary_bytes(g, ob, plan.dims.cp)
     extra = _others_held(g, plan, pp_rank, v, K, phase, output, boundary, mine, prior_grads)
     inputs = sum(s.nbytes * _storage_fraction(s, v, g, plan.dims.cp) for s in g.storages if s.role == "input")
-    extra = extra + pipeline_held(plan, pp_rank, phase, boundary, output, _root_marks(g, K)["model_forward_end"], inputs)
+    extra = extra + pipeline_held(
+        plan, pp_rank, phase, boundary, output, _root_marks(g, K)["model_forward_end"], inputs
+    )
     native = (sum(live[r] for r in live)[K] + extra).astype(np.int64)
     temp = live["temporary"][K].astype(np.int64)
     m = to_master(_local_params(mine, v, plan, newix), native, temp, phase, master_dtype)
     ps, native, temp, cap = m.params, m.native, m.temporary, m.compute_itemsize
-    seen, weight = {}, lambda s: s.nbytes * _storage_fraction(s, v, g, plan.dims.cp)   # a recompute's, as the rank holds it
+    seen, weight = (
+        {},
+        lambda s: s.nbytes * _storage_fraction(s, v, g, plan.dims.cp),
+    )  # a recompute's, as the rank holds it
     for j, i in enumerate(K):
         if g.ops[i].phase == "forward": seen.setdefault(g.ops[i].module, j)
     nbytes, _dts = _remember("per_op", g, (), lambda: (op_bytes(g), op_dtypes(g)))
@@ -408,8 +445,11 @@ def rank_profile(g: StaticGraph, plan: ParallelPlan, pp_rank: int = 0, master_dt
 def _saved(g: StaticGraph, v: _View, cp: int, newix) -> tuple:
     "The rank's saved activations: (bytes, saved_in, created, freed) on its ops."
     n = int(v.keep.sum())
-    return tuple((int(s.nbytes * f), s.saved_in or "", int(newix(s.created)), n if s.freed is None else int(newix(s.freed)))
-                 for s in g.storages if s.role == "activation" and (f := _storage_fraction(s, v, g, cp)) > 0)
+    return tuple(
+        (int(s.nbytes * f), s.saved_in or "", int(newix(s.created)), n if s.freed is None else int(newix(s.freed)))
+        for s in g.storages
+        if s.role == "activation" and (f := _storage_fraction(s, v, g, cp)) > 0
+    )
 
 def _tied(g: StaticGraph, by_storage, ps) -> tuple:
     "Tied-weight groups among the rank's parameters."
@@ -423,7 +463,8 @@ def _stage_blocks(plan: ParallelPlan, blocks, v: _View) -> tuple[str, ...]:
 
 # %% ../../nbs/45b_parallel_memory.ipynb
 def _forward_between_backwards(plan: ParallelPlan, pp_rank: int) -> bool:
-    "Does every backward of pipeline rank `pp_rank` follow a forward of its own micro-batch (the last stage under 1F1B)?"
+    """Does every backward of pipeline rank `pp_rank` follow a forward of its own micro-batch (the last stage under
+    1F1B)?"""
     return plan.schedule == "1F1B" and max(len(plan.stages), 1) - 1 in rank_stages(plan, pp_rank)
 
 def rank_fsdp_plan(plan: ParallelPlan, profile: GraphProfile, pp_rank: int = 0) -> FSDPPlan:
@@ -457,8 +498,11 @@ class ParallelMemory:
     def peak_rank(self) -> int: return max(range(len(self.ranks)), key=lambda r: self.ranks[r].peak_bytes)
 
 # %% ../../nbs/45b_parallel_memory.ipynb
-def predict_rank_memory(profile: GraphProfile, plan: ParallelPlan, pp_rank: int = 0, prior_grads: bool = True) -> MemoryPrediction:
-    """`fsdp.predict_memory` of pipeline rank `pp_rank`'s profile under its FSDP plan, reduced as the pipeline reduces it;
+def predict_rank_memory(
+    profile: GraphProfile, plan: ParallelPlan, pp_rank: int = 0, prior_grads: bool = True
+) -> MemoryPrediction:
+    """`fsdp.predict_memory` of pipeline rank `pp_rank`'s profile under its FSDP plan, reduced as the pipeline reduces
+    it;
     not `prior_grads`: at a stage's first backward, no earlier micro-batch's gradients held (as one micro-batch)."""
     f = rank_fsdp_plan(plan, profile, pp_rank)
     if not prior_grads: f = dataclasses.replace(f, accumulation_steps=1)
@@ -479,10 +523,14 @@ def predict_parallel_memory(g: StaticGraph, plan: ParallelPlan, master_dtype: st
 def placement_other_bytes(g: StaticGraph, dp: int, tp: int, master_dtype: str | None = None) -> int:
     """A rank's bytes at its peak besides the repeated block's linears' parameter state, for the placement search's
     memory constraint (`placement.search_plan(other_bytes=...)`): the peak of dp_shard `dp` × tp `tp` with Megatron's
-    styles and every block an FSDP unit, less those linears' state as placement counts it (`placement.linear_memory`)."""
+    styles and every block an FSDP unit, less those linears' state as placement counts it
+    (`placement.linear_memory`)."""
     spec, blocks = block_spec(g), g.structure.main.blocks
     styles = megatron_styles(spec)
-    plan = ParallelPlan(ParallelDims(dp_shard=dp, tp=tp), tuple((n, s) for n, s in styles.items() if s != "replicate") if tp > 1 else (),
-                        fsdp=FSDPPlan(dp, (dp,), block_units(blocks)) if dp > 1 else None)
+    plan = ParallelPlan(
+        ParallelDims(dp_shard=dp, tp=tp),
+        tuple((n, s) for n, s in styles.items() if s != "replicate") if tp > 1 else (),
+        fsdp=FSDPPlan(dp, (dp,), block_units(blocks)) if dp > 1 else None,
+    )
     linears = spec.n_layers * sum(linear_memory(l, styles[l.name], True, dp, tp) for l in spec.linears)
     return max(int(predict_parallel_memory(g, plan, master_dtype).peak_bytes - linears), 0)

@@ -34,8 +34,10 @@ def _parents(path: str) -> list[str]:
     parts = path.split(".") if path else []
     return [".".join(parts[:i]) for i in range(len(parts) + 1)]
 
+# %% ../../nbs/45g_parallel_pipeline.ipynb
 def stage_units(model: nn.Module, stack: BlockStack) -> tuple[str, ...]:
-    "The modules a pipeline split moves whole besides the blocks: every other child of the modules from the root to the stack."
+    """The modules a pipeline split moves whole besides the blocks: every other child of the modules from the root to
+    the stack."""
     on_path, blocks, out = set(_parents(stack.path)), set(stack.blocks), []
     for p in _parents(stack.path):
         for n, _ in model.get_submodule(p).named_children():
@@ -52,11 +54,19 @@ class TensorSpec:
 
     def zeros(self, device) -> torch.Tensor: return torch.zeros(self.shape, dtype=self.dtype, device=device)
     def meta(self, grad: bool = False) -> torch.Tensor:
-        "A meta tensor of this spec (what `PipelineStage` is told); `grad`: a floating one requires grad, as activations do."
-        return torch.empty(self.shape, dtype=self.dtype, device="meta", requires_grad=grad and self.dtype.is_floating_point)
+        """A meta tensor of this spec (what `PipelineStage` is told); `grad`: a floating one requires grad, as
+        activations do."""
+        return torch.empty(
+            self.shape, dtype=self.dtype, device="meta", requires_grad=grad and self.dtype.is_floating_point
+        )
 
+# %% ../../nbs/45g_parallel_pipeline.ipynb
 def _spec(x): return TensorSpec(tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else x
+
+# %% ../../nbs/45g_parallel_pipeline.ipynb
 def _zeros(spec, device): return tree_map(lambda s: s.zeros(device) if isinstance(s, TensorSpec) else s, spec)
+
+# %% ../../nbs/45g_parallel_pipeline.ipynb
 def _metas(spec, grad): return tree_map(lambda s: s.meta(grad) if isinstance(s, TensorSpec) else s, spec)
 
 # %% ../../nbs/45g_parallel_pipeline.ipynb
@@ -91,8 +101,9 @@ def _run_fake(model: nn.Module, args, kwargs):
     from torch._subclasses.fake_tensor import FakeTensorMode
     dev = next((p.device for p in model.parameters()), torch.device("cpu"))
     with torch.no_grad():
-        if dev.type == "meta": return model(*tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, args),
-                                            **tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, kwargs))
+        if dev.type == "meta":
+            meta = lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t
+            return model(*tree_map(meta, args), **tree_map(meta, kwargs))
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:
             fake = lambda t: mode.from_tensor(t) if isinstance(t, torch.Tensor) else t
             return model(*tree_map(fake, args), **tree_map(fake, kwargs))
@@ -108,8 +119,10 @@ def _record(model: nn.Module, names: list[str], blocks: tuple, args, kwargs) -> 
             if name not in order: order.append(name)
             if name in prev or name == blocks[0]:
                 if not (a and isinstance(a[0], torch.Tensor)):
-                    raise ParallelPlanError(f"block {name} is not called with a tensor as its first argument: a pipeline passes "
-                                            "the hidden state from block to block as that argument")
+                    raise ParallelPlanError(
+                        f"block {name} is not called with a tensor as its first argument: a pipeline passes "
+                        "the hidden state from block to block as that argument"
+                    )
                 leaves = tree_flatten(outs.get(prev.get(name), (None, ())))[0]
                 firsts.setdefault(name, (_spec(a[0]), next((i for i, t in enumerate(leaves) if t is a[0]), None)))
         return hook
@@ -121,7 +134,10 @@ def _record(model: nn.Module, names: list[str], blocks: tuple, args, kwargs) -> 
         return hook
     for n in names:
         m = model.get_submodule(n)
-        hooks += [m.register_forward_pre_hook(pre(n), with_kwargs=True), m.register_forward_hook(post(n), with_kwargs=True)]
+        hooks += [
+            m.register_forward_pre_hook(pre(n), with_kwargs=True),
+            m.register_forward_hook(post(n), with_kwargs=True),
+        ]
     try: out = _run_fake(model, args, kwargs)
     finally:
         for h in hooks: h.remove()
@@ -130,32 +146,47 @@ def _record(model: nn.Module, names: list[str], blocks: tuple, args, kwargs) -> 
 # %% ../../nbs/45g_parallel_pipeline.ipynb
 def _holds_params(m: nn.Module) -> bool: return any(True for _ in m.parameters())
 
+# %% ../../nbs/45g_parallel_pipeline.ipynb
 def plan_split(model: nn.Module, plan: ParallelPlan, example, stack: BlockStack | None = None) -> PipelineSplit:
     """The split of `model` into `plan`'s pipeline stages, read from one forward of the micro-batch `example`
     (any form `static_dist.step.micro_batch` reads) on fake tensors; the model is not changed."""
     stack = find_structure(model).main if stack is None else stack
     check_layout(plan, stack)
-    if plan.dims.pp == 1 or not plan.stages: raise ParallelPlanError("plan_split needs a pipeline: give dims.pp > 1 and its stages")
+    if plan.dims.pp == 1 or not plan.stages:
+        raise ParallelPlanError("plan_split needs a pipeline: give dims.pp > 1 and its stages")
     mb = micro_batch(example)
     units = [u for u in stage_units(model, stack) if _holds_params(model.get_submodule(u))]
     order, outs, firsts, out = _record(model, units + list(stack.blocks), stack.blocks, mb.args, mb.kwargs)
     missing = [b for b in stack.blocks if b not in firsts]
-    if missing: raise ParallelPlanError(f"blocks {missing[:3]} did not run in the forward: a pipeline stage needs every block of the stack to run")
+    if missing:
+        raise ParallelPlanError(
+            f"blocks {missing[:3]} did not run in the forward: a pipeline stage needs every block of the stack to run"
+        )
     start = order.index(stack.blocks[0])
     pre = [u for u in order[:start] if u in units]
     post = [u for u in units if u not in pre]
     rng = stage_ranges(plan, len(stack.blocks))
     for a, _ in rng[1:]:
         if firsts[stack.blocks[a]][1] is None:
-            raise ParallelPlanError(f"{stack.blocks[a]} is not given what {stack.blocks[a - 1]} returned as its first argument "
-                                    "(the model changes the hidden state between them): a stage cannot begin there")
+            raise ParallelPlanError(
+                f"{stack.blocks[a]} is not given what {stack.blocks[a - 1]} returned as its first argument "
+                "(the model changes the hidden state between them): a stage cannot begin there"
+            )
     owned = [list(stack.blocks[a:e]) for a, e in rng]
     owned[0], owned[-1] = pre + owned[0], owned[-1] + post
     names = lambda mods: tuple(n for n, _ in model.named_parameters(remove_duplicate=False)
                                if any(n.startswith(m + ".") for m in mods))
-    return PipelineSplit(tuple(map(tuple, owned)), tuple(names(o) for o in owned),
-                         tuple(firsts[stack.blocks[a]][0] for a, _ in rng[1:]), tuple(firsts[stack.blocks[a]][1] for a, _ in rng[1:]),
-                         tree_map(_spec, (mb.args, mb.kwargs)), out, outs, tuple(stack.blocks[a] for a, _ in rng), tuple(rng))
+    return PipelineSplit(
+        tuple(map(tuple, owned)),
+        tuple(names(o) for o in owned),
+        tuple(firsts[stack.blocks[a]][0] for a, _ in rng[1:]),
+        tuple(firsts[stack.blocks[a]][1] for a, _ in rng[1:]),
+        tree_map(_spec, (mb.args, mb.kwargs)),
+        out,
+        outs,
+        tuple(stack.blocks[a] for a, _ in rng),
+        tuple(rng),
+    )
 
 # %% ../../nbs/45g_parallel_pipeline.ipynb
 class _StageOutput(Exception):
@@ -171,7 +202,7 @@ class _StageState:
     inputs: Any                    # specs of the model's (args, kwargs): stand-in inputs after the first stage
     forward: Callable              # the model class's own forward
     device: Any = None
-    received: Any = None           # the activation from the previous stage, until the stand-in before the stage hands it over
+    received: Any = None  # the activation from the previous stage, until the stand-in before the stage hands it over
 
 # %% ../../nbs/45g_parallel_pipeline.ipynb
 class StageSkip(nn.Module):
@@ -190,11 +221,13 @@ class StageSkip(nn.Module):
         leaves[self.carry], st.received = st.received, None
         return spec.unflatten(leaves) if hasattr(spec, "unflatten") else leaves[0]
 
-    def extra_repr(self) -> str: return f"{self.name!r}, {'after' if self.after else 'before'} stage {self._state.index}"
+    def extra_repr(self) -> str:
+        return f"{self.name!r}, {'after' if self.after else 'before'} stage {self._state.index}"
 
 # %% ../../nbs/45g_parallel_pipeline.ipynb
 def _stage_forward(self, *args, **kwargs):
-    "A stage's forward: the model's own, on the micro-batch (first stage) or on stand-in inputs and the received activation."
+    """A stage's forward: the model's own, on the micro-batch (first stage) or on stand-in inputs and the received
+    activation."""
     st = self.pipeline_stage
     x = next((t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)), None)
     st.device = x.device if x is not None else torch.device("cpu")
@@ -206,9 +239,12 @@ def _stage_forward(self, *args, **kwargs):
     except _StageOutput as e: out = e.output
     else:
         if st.index < st.n_stages - 1:
-            raise ParallelPlanError(f"stage {st.index}: the model's forward returned before the next stage's first block ran")
+            raise ParallelPlanError(
+                f"stage {st.index}: the model's forward returned before the next stage's first block ran"
+            )
     finally: left, st.received = st.received, None
-    if left is not None: raise ParallelPlanError(f"stage {st.index}: the forward never reached the block before the stage")
+    if left is not None:
+        raise ParallelPlanError(f"stage {st.index}: the forward never reached the block before the stage")
     return out
 
 # %% ../../nbs/45g_parallel_pipeline.ipynb
@@ -216,10 +252,13 @@ def split_stage(model: nn.Module, split: PipelineSplit, stage: int) -> nn.Module
     "Make `model` (a copy of the whole model: it is changed in place) pipeline stage `stage` of `split`; returns it."
     if not (isinstance(stage, int) and 0 <= stage < split.n_stages):
         raise ParallelPlanError(f"stage={stage!r}: the split has stages 0..{split.n_stages - 1}")
-    if hasattr(model, "pipeline_stage"): raise ParallelPlanError("the model is a pipeline stage already: split a copy of the whole model")
+    if hasattr(model, "pipeline_stage"):
+        raise ParallelPlanError("the model is a pipeline stage already: split a copy of the whole model")
     mine = set(split.owned[stage])
     st = _StageState(stage, split.n_stages, split.inputs, type(model).forward)
-    before = split.owned[stage - 1][-1] if stage > 0 else None   # the previous stage's last block hands over the activation
+    before = (
+        split.owned[stage - 1][-1] if stage > 0 else None
+    )  # the previous stage's last block hands over the activation
     for s, mods in enumerate(split.owned):
         for name in mods:
             if name in mine: continue
@@ -227,14 +266,17 @@ def split_stage(model: nn.Module, split: PipelineSplit, stage: int) -> nn.Module
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent), child, StageSkip(name, split.outputs.get(name), s > stage, st, carry))
     cls = type(model)
-    model.__class__ = type(f"{cls.__name__}Stage{stage}", (cls,), {"forward": _stage_forward, "__module__": cls.__module__})
+    model.__class__ = type(
+        f"{cls.__name__}Stage{stage}", (cls,), {"forward": _stage_forward, "__module__": cls.__module__}
+    )
     model.pipeline_stage = st
     return model
 
 # %% ../../nbs/45g_parallel_pipeline.ipynb
 @dataclass
 class PipelineRank:
-    "One pipeline rank's part of a plan: its stage modules, their `PipelineStage`s, the schedule, and the tied parameters it syncs."
+    """One pipeline rank's part of a plan: its stage modules, their `PipelineStage`s, the schedule, and the tied
+    parameters it syncs."""
     plan: ParallelPlan
     split: PipelineSplit
     pp_rank: int
@@ -244,7 +286,8 @@ class PipelineRank:
     "`torch.distributed.pipelining.PipelineStage` of each module."
     schedule: Any
     tied: tuple = ()
-    "(((module index, parameter name), ...), process group or None) per parameter shared across stages that this rank holds."
+    """(((module index, parameter name), ...), process group or None) per parameter shared across stages that this rank
+    holds."""
 
     @property
     def is_last(self) -> bool:
@@ -263,10 +306,15 @@ def _micro(example, m: int):
     "The first of the `m` equal micro-batches the schedule cuts from the batch `example` along dim 0."
     mb = micro_batch(example)
     ts = [t for t in tree_flatten((mb.args, mb.kwargs))[0] if isinstance(t, torch.Tensor)]
-    if not ts: raise StepError("the batch has no tensor inputs: a pipeline schedule splits its tensors into micro-batches")
-    if mb.targets is None: raise StepError("a pipeline needs targets: the schedule's loss_fn(output, targets) runs on the last stage")
+    if not ts:
+        raise StepError("the batch has no tensor inputs: a pipeline schedule splits its tensors into micro-batches")
+    if mb.targets is None:
+        raise StepError("a pipeline needs targets: the schedule's loss_fn(output, targets) runs on the last stage")
     b = ts[0].shape[0]
-    if b % m: raise ParallelPlanError(f"batch {b} does not split into microbatches={m} equal micro-batches: use a batch divisible by {m}")
+    if b % m:
+        raise ParallelPlanError(
+            f"batch {b} does not split into microbatches={m} equal micro-batches: use a batch divisible by {m}"
+        )
     cut = lambda t: t[: b // m] if isinstance(t, torch.Tensor) else t
     return tree_map(cut, (mb.args, mb.kwargs))
 
@@ -300,8 +348,10 @@ def build_pipeline(model: nn.Module, plan: ParallelPlan, mesh, batch, loss_fn: C
     (the last one is `model` itself, changed in place), each with the plan applied, and the plan's schedule over
     `plan.microbatches` micro-batches of `batch` (the step's batch on this data-parallel rank, with targets)."""
     from torch.distributed import pipelining
-    if plan.dims.pp == 1: raise ParallelPlanError("build_pipeline needs pp > 1: apply a plan without pipelining with apply_parallel_plan")
-    if "pp" not in (mesh.mesh_dim_names or ()): raise ParallelPlanError("the mesh has no 'pp' dim: make it with axes.device_mesh(plan.dims)")
+    if plan.dims.pp == 1:
+        raise ParallelPlanError("build_pipeline needs pp > 1: apply a plan without pipelining with apply_parallel_plan")
+    if "pp" not in (mesh.mesh_dim_names or ()):
+        raise ParallelPlanError("the mesh has no 'pp' dim: make it with axes.device_mesh(plan.dims)")
     stack = find_structure(model).main
     check_layout(plan, stack, seq)
     split = plan_split(model, plan, _micro(batch, plan.microbatches), stack)
@@ -309,17 +359,25 @@ def build_pipeline(model: nn.Module, plan: ParallelPlan, mesh, batch, loss_fn: C
     r = pp.get_local_rank()
     mine = sorted(rank_stages(plan, r))
     tied = _tied(model, split, plan, mesh, mine)
-    dev = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else torch.device(mesh.device_type)
+    dev = (
+        torch.device(mesh.device_type, torch.cuda.current_device())
+        if mesh.device_type == "cuda"
+        else torch.device(mesh.device_type)
+    )
     mods, stages = [], []
     for k, s in enumerate(mine):
         m = split_stage(model if k == len(mine) - 1 else copy.deepcopy(model), split, s)
         apply_parallel_plan(m, plan, mesh, seq=seq, compile_backend=compile_backend, stack=stack, stage=s)
         ins = _metas(split.inputs[0], False) if s == 0 else (split.sends[s - 1].meta(True),)
         outs = _metas(split.output, True) if s == split.n_stages - 1 else split.sends[s].meta(True)
-        stages.append(pipelining.PipelineStage(m, s, split.n_stages, dev, input_args=ins, output_args=outs, group=pp.get_group()))
+        stages.append(
+            pipelining.PipelineStage(m, s, split.n_stages, dev, input_args=ins, output_args=outs, group=pp.get_group())
+        )
         mods.append(m)
     cls = getattr(pipelining, SCHEDULES[plan.schedule])
-    sched = cls(stages if plan.schedule == "Interleaved1F1B" else stages[0], n_microbatches=plan.microbatches, loss_fn=loss_fn)
+    sched = cls(
+        stages if plan.schedule == "Interleaved1F1B" else stages[0], n_microbatches=plan.microbatches, loss_fn=loss_fn
+    )
     return PipelineRank(plan, split, r, tuple(mods), tuple(stages), sched, tied)
 
 # %% ../../nbs/45g_parallel_pipeline.ipynb
@@ -327,6 +385,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     "A DTensor's local shard (sharing its storage), or the tensor itself."
     return t.to_local() if hasattr(t, "to_local") else t
 
+# %% ../../nbs/45g_parallel_pipeline.ipynb
 def sync_tied(rank: PipelineRank) -> None:
     "Sum the gradients of each parameter that several stages hold, over the stages and pipeline ranks that hold it."
     import torch.distributed as dist
@@ -341,15 +400,20 @@ def sync_tied(rank: PipelineRank) -> None:
 
 # %% ../../nbs/45g_parallel_pipeline.ipynb
 def pipeline_accumulate(rank: PipelineRank) -> Callable:
-    "What `train_step(accumulate=...)` calls for a pipeline: the rank's schedule over the step's one batch, then the tied gradients summed."
+    """What `train_step(accumulate=...)` calls for a pipeline: the rank's schedule over the step's one batch, then the
+    tied gradients summed."""
     def run(model, micro_batches, loss_fn=None, *, around=None, autocast=None, sync_every_microbatch=True):
-        if autocast is not None: raise StepError("autocast with a pipeline: give the FSDP plan a mixed-precision policy instead")
+        if autocast is not None:
+            raise StepError("autocast with a pipeline: give the FSDP plan a mixed-precision policy instead")
         if len(micro_batches) != 1:
-            raise StepError(f"a pipeline step takes the step's batch as one item, not {len(micro_batches)}: the schedule "
-                            f"cuts it into microbatches={rank.plan.microbatches}")
+            raise StepError(
+                f"a pipeline step takes the step's batch as one item, not {len(micro_batches)}: the schedule "
+                f"cuts it into microbatches={rank.plan.microbatches}"
+            )
         mb, losses = micro_batch(micro_batches[0]), []
         with (around or nullcontext)():
-            # return_outputs=False: the last stage would otherwise keep every micro-batch's output (the logits) to the end
+            # return_outputs=False: the last stage would otherwise keep every micro-batch's output (the logits) to the
+            # end
             rank.schedule.step(*mb.args, target=mb.targets, losses=losses, return_outputs=False, **mb.kwargs)
         sync_tied(rank)
         return torch.stack([l.detach().float() for l in losses]).mean() if rank.is_last else None
@@ -383,8 +447,10 @@ def _units(plan: ParallelPlan, split: PipelineSplit, s: int) -> tuple[int, bool]
 
 # %% ../../nbs/45g_parallel_pipeline.ipynb
 def predict_pipeline_counts(plan: ParallelPlan, split: PipelineSplit, pp_rank: int) -> dict[str, int]:
-    "Sends, receives and FSDP collectives of one steady step on pipeline rank `pp_rank` (the pp and dp axes; no tp or cp)."
-    if plan.dims.tp > 1 or plan.dims.cp > 1: raise ParallelPlanError("predict_pipeline_counts covers the pp and dp axes: use tp=1 and cp=1")
+    """Sends, receives and FSDP collectives of one steady step on pipeline rank `pp_rank` (the pp and dp axes; no tp or
+    cp)."""
+    if plan.dims.tp > 1 or plan.dims.cp > 1:
+        raise ParallelPlanError("predict_pipeline_counts covers the pp and dp axes: use tp=1 and cp=1")
     m, n, out = plan.microbatches, split.n_stages, Counter()
     reshard = plan.fsdp is None or any(u.reshard_after_forward is not False for u in plan.fsdp.units if u.module)
     for s in rank_stages(plan, pp_rank):

@@ -48,21 +48,28 @@ def world(self: ParallelDims) -> int:
     "Ranks in all: the product of the degrees."
     return math.prod(getattr(self, d) for d in MESH_DIMS)
 
+# %% ../../nbs/45a_parallel_plan.ipynb
 @patch(as_prop=True)
 def fsdp_size(self: ParallelDims) -> int:
     "Ranks FSDP shards the parameters over: `dp_shard × cp` (the axes of the flattened `dp_shard_cp`)."
     return math.prod(getattr(self, a) for a in FLAT["dp_shard_cp"].axes)
 
+# %% ../../nbs/45a_parallel_plan.ipynb
 @patch(as_prop=True)
 def mesh(self: ParallelDims) -> tuple[tuple[int, ...], tuple[str, ...]]:
     "(shape, names) of the device mesh (`axes.mesh_dims`): the dims larger than 1 in mesh order."
     return mesh_dims(self)
 
 # %% ../../nbs/45a_parallel_plan.ipynb
-SCHEDULES = {"GPipe": "ScheduleGPipe", "1F1B": "Schedule1F1B", "Interleaved1F1B": "ScheduleInterleaved1F1B"}   # name -> torch.distributed.pipelining class
+SCHEDULES = {
+    "GPipe": "ScheduleGPipe",
+    "1F1B": "Schedule1F1B",
+    "Interleaved1F1B": "ScheduleInterleaved1F1B",
+}  # name -> torch.distributed.pipelining class
 
 def _policies(ac) -> tuple[CheckpointPolicy, ...]:
-    "Each entry of a plan's `ac` as a policy object (a name or JSON form is parsed); ParallelPlanError naming the entry."
+    """Each entry of a plan's `ac` as a policy object (a name or JSON form is parsed); ParallelPlanError naming the
+    entry."""
     out = []
     for j, a in enumerate(ac):
         try: out.append(parse_policy(a))
@@ -77,7 +84,8 @@ class ParallelPlan:
     tp_styles: tuple[tuple[str, str], ...] = ()
     "(linear inside a block, style) for every block of the main stack, e.g. ('attention.wq', 'colwise')."
     stages: tuple[int, ...] = ()
-    "Blocks of the main stack per pipeline stage, in order (pp of them, or a multiple for Interleaved1F1B); () with pp 1."
+    """Blocks of the main stack per pipeline stage, in order (pp of them, or a multiple for Interleaved1F1B); () with pp
+    1."""
     schedule: str = "1F1B"
     "`torch.distributed.pipelining` schedule: 'GPipe', '1F1B' or 'Interleaved1F1B'."
     microbatches: int = 1
@@ -103,9 +111,13 @@ def _check_axes(p: ParallelPlan) -> None:
     if d.tp == 1 and p.tp_styles: raise ParallelPlanError("tp_styles given with tp=1: drop them or raise dims.tp")
     bad = [s for _, s in p.tp_styles if s not in STYLES]
     if bad: raise ParallelPlanError(f"tp_styles: unknown style {bad[0]!r}; use one of {', '.join(STYLES)}")
-    if p.schedule not in SCHEDULES: raise ParallelPlanError(f"schedule {p.schedule!r}: use one of {', '.join(SCHEDULES)}")
-    if d.pp == 1 and len(p.stages) > 1: raise ParallelPlanError(f"{len(p.stages)} stages with pp=1: set dims.pp={len(p.stages)}")
-    if d.pp > 1 and (not p.stages or len(p.stages) % d.pp or (len(p.stages) != d.pp and p.schedule != "Interleaved1F1B")):
+    if p.schedule not in SCHEDULES:
+        raise ParallelPlanError(f"schedule {p.schedule!r}: use one of {', '.join(SCHEDULES)}")
+    if d.pp == 1 and len(p.stages) > 1:
+        raise ParallelPlanError(f"{len(p.stages)} stages with pp=1: set dims.pp={len(p.stages)}")
+    if d.pp > 1 and (
+        not p.stages or len(p.stages) % d.pp or (len(p.stages) != d.pp and p.schedule != "Interleaved1F1B")
+    ):
         raise ParallelPlanError(f"pp={d.pp} needs {d.pp} stages (a multiple with Interleaved1F1B), got {len(p.stages)}")
     if any(s < 1 for s in p.stages): raise ParallelPlanError(f"stages {p.stages}: every stage needs at least one block")
     if d.pp > 1 and p.microbatches < d.pp:
@@ -125,15 +137,19 @@ def _check_fsdp(p: ParallelPlan) -> None:
         raise ParallelPlanError("fsdp units ask for activation checkpointing: in a parallel plan it is per block, "
                                 "in `ac`; leave the units' `checkpoint` at NoCheckpoint()")
 
+# %% ../../nbs/45a_parallel_plan.ipynb
 def _check_self(p: ParallelPlan) -> None:
-    if not isinstance(p.dims, ParallelDims): raise ParallelPlanError(f"dims must be a ParallelDims, not {type(p.dims).__name__}")
+    if not isinstance(p.dims, ParallelDims):
+        raise ParallelPlanError(f"dims must be a ParallelDims, not {type(p.dims).__name__}")
     _check_axes(p); _check_fsdp(p)
 
 # %% ../../nbs/45a_parallel_plan.ipynb
 def block_policies(plan: ParallelPlan, n_blocks: int) -> tuple[CheckpointPolicy, ...]:
-    "The policy each of `n_blocks` blocks runs under, resolved block by block (`for_block`); none when the plan gives none."
+    """The policy each of `n_blocks` blocks runs under, resolved block by block (`for_block`); none when the plan gives
+    none."""
     return tuple(p.for_block(i) for i, p in enumerate(plan.ac or (NoCheckpoint(),) * n_blocks))
 
+# %% ../../nbs/45a_parallel_plan.ipynb
 def stage_ranges(plan: ParallelPlan, n_blocks: int) -> tuple[tuple[int, int], ...]:
     "(first block, end) of each pipeline stage, in order; one stage of every block without pipelining."
     sizes, out, a = plan.stages or (n_blocks,), [], 0
@@ -145,17 +161,23 @@ def _check_tp(plan: ParallelPlan, st: BlockStack) -> None:
     "tp divides the heads and the sharded features of each styled linear, which must exist in the block."
     tp, lins = plan.dims.tp, {l.name: l for l in st.linears}
     if tp > 1 and all(s == "replicate" for _, s in plan.tp_styles):
-        raise ParallelPlanError(f"tp={tp} shards nothing: no linear of {st.block_type} has a tensor-parallel style (Megatron's "
-                                f"pairs need separate nn.Linear projections; fused or Conv1D ones are not split), so every tp "
-                                f"rank would repeat the same work; use tp=1, or give tp_styles")
+        raise ParallelPlanError(
+            f"tp={tp} shards nothing: no linear of {st.block_type} has a tensor-parallel style (Megatron's "
+            f"pairs need separate nn.Linear projections; fused or Conv1D ones are not split), so every tp "
+            f"rank would repeat the same work; use tp=1, or give tp_styles"
+        )
     for what, n in (("attention heads", st.n_heads), ("key/value heads", st.n_kv_heads)):
-        if n and n % tp: raise ParallelPlanError(f"tp={tp} does not divide the {n} {what} of {st.block_type}: use a tp dividing {n}")
+        if n and n % tp:
+            raise ParallelPlanError(f"tp={tp} does not divide the {n} {what} of {st.block_type}: use a tp dividing {n}")
     for name, style in plan.tp_styles:
         l = lins.get(name)
-        if l is None: raise ParallelPlanError(f"tp_styles names {name!r}, not a linear of {st.block_type} ({', '.join(lins)})")
+        if l is None:
+            raise ParallelPlanError(f"tp_styles names {name!r}, not a linear of {st.block_type} ({', '.join(lins)})")
         dim, n = ("out_features", l.out_features) if style.startswith("colwise") else ("in_features", l.in_features)
         if style != "replicate" and n % tp:
-            raise ParallelPlanError(f"tp={tp} does not divide {name}.{dim}={n}: use a tp dividing it, or replicate {name}")
+            raise ParallelPlanError(
+                f"tp={tp} does not divide {name}.{dim}={n}: use a tp dividing it, or replicate {name}"
+            )
 
 # %% ../../nbs/45a_parallel_plan.ipynb
 def check_layout(plan: ParallelPlan, stack: BlockStack | None, seq: int | None = None) -> None:
@@ -163,21 +185,31 @@ def check_layout(plan: ParallelPlan, stack: BlockStack | None, seq: int | None =
     n = len(stack.blocks) if stack is not None else 0
     d = plan.dims
     if (d.tp > 1 or d.pp > 1 or plan.ac or plan.compile) and stack is None:
-        raise ParallelPlanError("the model has no stack of repeated blocks: tensor and pipeline parallelism and per-block "
-                                "checkpointing need one (structure.find_structure found none)")
+        raise ParallelPlanError(
+            "the model has no stack of repeated blocks: tensor and pipeline parallelism and per-block "
+            "checkpointing need one (structure.find_structure found none)"
+        )
     for f in ("ac", "compile"):
         if getattr(plan, f) and len(getattr(plan, f)) != n:
             raise ParallelPlanError(f"{f} has {len(getattr(plan, f))} entries for {n} blocks: give one per block")
     if d.pp > 1 and sum(plan.stages) != n:
-        raise ParallelPlanError(f"stages {plan.stages} hold {sum(plan.stages)} blocks, the model has {n}: make them add up")
+        raise ParallelPlanError(
+            f"stages {plan.stages} hold {sum(plan.stages)} blocks, the model has {n}: make them add up"
+        )
     if d.tp > 1: _check_tp(plan, stack)
     if d.cp > 1 and seq is not None and seq % (2 * d.cp):
         raise ParallelPlanError(f"cp={d.cp}: seq {seq} does not split into 2*cp={2 * d.cp} equal chunks; use a seq "
                                 f"divisible by {2 * d.cp} or another cp")
-    if d.dp_replicate * d.fsdp_size == 1 and plan.fsdp is not None and (plan.fsdp.param_dtype or plan.fsdp.reduce_dtype):
-        raise ParallelPlanError("fsdp.param_dtype: mixed precision is FSDP's MixedPrecisionPolicy, and a layout with one "
-                                "data-parallel rank (dp_replicate × dp_shard × cp = 1) applies no FSDP: build the model in "
-                                "the compute dtype instead (--dtype bfloat16), or shard it over 2 or more ranks")
+    if (
+        d.dp_replicate * d.fsdp_size == 1
+        and plan.fsdp is not None
+        and (plan.fsdp.param_dtype or plan.fsdp.reduce_dtype)
+    ):
+        raise ParallelPlanError(
+            "fsdp.param_dtype: mixed precision is FSDP's MixedPrecisionPolicy, and a layout with one "
+            "data-parallel rank (dp_replicate × dp_shard × cp = 1) applies no FSDP: build the model in "
+            "the compute dtype instead (--dtype bfloat16), or shard it over 2 or more ranks"
+        )
 
 # %% ../../nbs/45a_parallel_plan.ipynb
 PARALLEL_SCHEMA = "static_dist.parallel_plan/1"
@@ -191,6 +223,7 @@ def to_dict(self: ParallelPlan) -> dict:
     d["ac"] = [p.to_json() for p in self.ac]
     return {"schema": PARALLEL_SCHEMA, **d}
 
+# %% ../../nbs/45a_parallel_plan.ipynb
 @patch
 def to_json(self: ParallelPlan) -> str:
     "The plan as JSON text."
@@ -199,13 +232,19 @@ def to_json(self: ParallelPlan) -> str:
 # %% ../../nbs/45a_parallel_plan.ipynb
 def _degree(what: str): return integer(1, _MAX_DEGREE, what)
 
+# %% ../../nbs/45a_parallel_plan.ipynb
 def _dims_from(f: Fields) -> ParallelDims:
     return ParallelDims(**{a.name: f(a.name, _degree(f"the {a.name} degree, >= 1"), 1) for a in AXES})
 
+# %% ../../nbs/45a_parallel_plan.ipynb
 def _ac_from(f: Fields, d: dict) -> tuple[CheckpointPolicy, ...]:
     """The per-block policies of a plan file. Files written before policies were objects give the selective one's
     fields apart, in `selective`: each plain "selective" entry takes them."""
-    ac = f("ac", list_of(either(string(nonempty=True), mapping()).named("a policy name or {\"name\": ..., field: value}")), ())
+    ac = f(
+        "ac",
+        list_of(either(string(nonempty=True), mapping()).named("a policy name or {\"name\": ..., field: value}")),
+        (),
+    )
     if "selective" in d:
         g = f.nested("selective", ("save", "mm_recompute_every"))
         old = SelectiveOps(tuple(g("save", list_of(string(nonempty=True)), SelectiveOps.save)),
@@ -218,14 +257,22 @@ _PLAN_KEYS = (*(f.name for f in dataclasses.fields(ParallelPlan)), "schema", "se
 
 def _plan_from(d) -> ParallelPlan:
     f = Fields(d, "", ParallelPlanError, _PLAN_KEYS)
-    if f("schema", string()) != PARALLEL_SCHEMA: f.fail(f"expected {PARALLEL_SCHEMA!r}: write plans with ParallelPlan.to_json", "schema")
+    if f("schema", string()) != PARALLEL_SCHEMA:
+        f.fail(f"expected {PARALLEL_SCHEMA!r}: write plans with ParallelPlan.to_json", "schema")
     pair = list_of(string(), 2, 2).named("a [name, value] pair of strings")
     fsdp = d.get("fsdp")
-    return ParallelPlan(_dims_from(f.nested("dims", tuple(a.name for a in AXES))), tuple(map(tuple, f("tp_styles", list_of(pair), ()))),
-                        tuple(f("stages", list_of(_degree("a block count >= 1")), ())), f("schedule", one_of(*SCHEDULES), "1F1B"),
-                        f("microbatches", _degree("micro-batches >= 1"), 1), _ac_from(f, d),
-                        tuple(f("compile", list_of(boolean()), ())), None if fsdp is None else FSDPPlan.from_dict({**fsdp}),
-                        f("name", string(), "plan"), tuple(map(tuple, f("reasons", list_of(pair), ()))))
+    return ParallelPlan(
+        _dims_from(f.nested("dims", tuple(a.name for a in AXES))),
+        tuple(map(tuple, f("tp_styles", list_of(pair), ()))),
+        tuple(f("stages", list_of(_degree("a block count >= 1")), ())),
+        f("schedule", one_of(*SCHEDULES), "1F1B"),
+        f("microbatches", _degree("micro-batches >= 1"), 1),
+        _ac_from(f, d),
+        tuple(f("compile", list_of(boolean()), ())),
+        None if fsdp is None else FSDPPlan.from_dict({**fsdp}),
+        f("name", string(), "plan"),
+        tuple(map(tuple, f("reasons", list_of(pair), ()))),
+    )
 
 # %% ../../nbs/45a_parallel_plan.ipynb
 @patch(cls_method=True)

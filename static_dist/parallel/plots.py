@@ -21,6 +21,7 @@ class MdTable(str):
     "Markdown text that Jupyter shows as a table (no IPython needed to make one)."
     def _repr_markdown_(self) -> str: return str(self)
 
+# %% ../../nbs/45i_parallel_plots.ipynb
 def md_table(header: list, rows: list) -> MdTable:
     "A markdown table of `rows` (lists of cells) under `header`; numeric columns right-aligned."
     isnum = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
@@ -29,6 +30,7 @@ def md_table(header: list, rows: list) -> MdTable:
     lines = ["| " + " | ".join(map(str, header)) + " |", "|" + "|".join("---:" if n else "---" for n in num) + "|"]
     return MdTable("\n".join(lines + ["| " + " | ".join(fmt(v) for v in r) + " |" for r in rows]))
 
+# %% ../../nbs/45i_parallel_plots.ipynb
 def counts_table(**columns: dict) -> MdTable:
     "Collective counts (`{'axis.kind': n}`) side by side, one column per keyword (e.g. predicted=..., measured=...)."
     keys = sorted({k for c in columns.values() for k in c})
@@ -57,6 +59,7 @@ def _bytes_unit(n: float) -> tuple[float, str]:
     "(divisor, name) that shows `n` bytes as a number a reader reads at a glance: GiB from 1 GiB, else MiB, else KiB."
     return next((d, u) for d, u in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB"), (1, "B")) if n >= d or d == 1)
 
+# %% ../../nbs/45i_parallel_plots.ipynb
 def _figure(ax, w: float = 7, h: float = 3):
     "The axes' figure, or a new small one (dpi 80) and its axes."
     if ax is not None: return ax.figure, ax
@@ -136,6 +139,7 @@ def schedule_timeline(plan: ParallelPlan, f: float = 1.0, b: float = 2.0) -> lis
         if not moved: raise ParallelPlanError(f"schedule {plan.schedule}: the ranks' orders wait on each other")
     return out
 
+# %% ../../nbs/45i_parallel_plots.ipynb
 def idle_fraction(timeline: list) -> float:
     "Share of the ranks' time from 0 to the last action's end that no action runs (the bubble)."
     end, ranks = max(e for *_, e in timeline), {r for r, *_ in timeline}

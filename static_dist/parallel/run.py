@@ -16,7 +16,13 @@ from torch.utils._pytree import tree_flatten, tree_map
 from ..axes import device_mesh, optional_mesh
 from ..cost.measure import comm_counter
 from .apply import apply_ac, apply_compile, apply_parallel_plan
-from .pipeline import PipelineRank, build_pipeline, pipeline_axis_counts, pipeline_step, predict_pipeline_counts
+from static_dist.parallel.pipeline import (
+    PipelineRank,
+    build_pipeline,
+    pipeline_axis_counts,
+    pipeline_step,
+    predict_pipeline_counts,
+)
 from .plan import ParallelPlan, ParallelPlanError
 from ..step import MicroBatch, micro_batch, train_step
 
@@ -26,25 +32,33 @@ __all__ = ['position_buffers', 'cp_context', 'dp_slice', 'plan_rows', 'split_row
 
 # %% ../../nbs/45h_parallel_run.ipynb
 def position_buffers(model: nn.Module, seq: int) -> tuple[str, ...]:
-    "The model's floating-point buffers with at least `seq` rows: position tables (RoPE cos/sin) that context parallelism shards along dim 0."
+    """The model's floating-point buffers with at least `seq` rows: position tables (RoPE cos/sin) that context
+    parallelism shards along dim 0."""
     return tuple(n for n, b in model.named_buffers() if b.is_floating_point() and b.dim() >= 1 and b.shape[0] >= seq)
 
 # %% ../../nbs/45h_parallel_run.ipynb
 _CPU_SDPA = "_scaled_dot_product_flash_attention_for_cpu"
 
 @contextmanager
-def cp_context(model: nn.Module, cp_mesh, tensors: list[torch.Tensor], seq_dims: list[int], buffers: tuple[str, ...] | None = None):
+def cp_context(
+    model: nn.Module, cp_mesh, tensors: list[torch.Tensor], seq_dims: list[int], buffers: tuple[str, ...] | None = None
+):
     """Context parallelism around a step (forward and backward): `tensors` (inputs, targets) and the model's position
     `buffers` (default `position_buffers`) sharded along the sequence by torch's `context_parallel` on `cp_mesh`, which
     also turns SDPA into ring attention. Yields this rank's shards of `tensors`; the buffers are whole again on exit."""
     from torch.distributed.tensor.experimental import context_parallel
-    if len(tensors) != len(seq_dims) or not tensors: raise ParallelPlanError("cp_context: give one sequence dim per tensor, and at least one tensor")
+    if len(tensors) != len(seq_dims) or not tensors:
+        raise ParallelPlanError("cp_context: give one sequence dim per tensor, and at least one tensor")
     seq, cp = tensors[0].shape[seq_dims[0]], cp_mesh.size()
-    if seq % (2 * cp): raise ParallelPlanError(f"cp={cp}: seq {seq} does not split into 2*cp={2 * cp} equal chunks; use a seq divisible by {2 * cp}")
+    if seq % (2 * cp):
+        raise ParallelPlanError(
+            f"cp={cp}: seq {seq} does not split into 2*cp={2 * cp} equal chunks; use a seq divisible by {2 * cp}"
+        )
     names = position_buffers(model, seq) if buffers is None else tuple(buffers)
     whole = {n: model.get_buffer(n) for n in names}
     for n, b in whole.items():
-        if b.shape[0] < seq: raise ParallelPlanError(f"buffer {n} has {b.shape[0]} rows, fewer than the sequence's {seq}")
+        if b.shape[0] < seq:
+            raise ParallelPlanError(f"buffer {n} has {b.shape[0]} rows, fewer than the sequence's {seq}")
         mod, _, attr = n.rpartition(".")
         setattr(model.get_submodule(mod), attr, b[:seq].clone())     # context_parallel shards equal lengths only
     shards = [t.clone() for t in tensors]
@@ -55,9 +69,11 @@ def cp_context(model: nn.Module, cp_mesh, tensors: list[torch.Tensor], seq_dims:
             yield shards
     except NotImplementedError as e:
         if _CPU_SDPA not in str(e): raise
-        raise ParallelPlanError(f"context parallelism needs CUDA attention kernels: in torch {torch.__version__} ring attention "
-                                "handles the flash, efficient and cuDNN SDPA kernels only, and CPU SDPA runs "
-                                f"{_CPU_SDPA} ({e})") from e
+        raise ParallelPlanError(
+            f"context parallelism needs CUDA attention kernels: in torch {torch.__version__} ring attention "
+            "handles the flash, efficient and cuDNN SDPA kernels only, and CPU SDPA runs "
+            f"{_CPU_SDPA} ({e})"
+        ) from e
     finally:
         for n, b in whole.items():
             mod, _, attr = n.rpartition(".")
@@ -66,7 +82,8 @@ def cp_context(model: nn.Module, cp_mesh, tensors: list[torch.Tensor], seq_dims:
 # %% ../../nbs/45h_parallel_run.ipynb
 def dp_slice(plan: ParallelPlan, mesh, batch) -> tuple:
     """(args, kwargs, targets) of this rank's rows of the global `batch` (anything `step.micro_batch` reads): its
-    data-parallel coordinate's share; the tp, pp and cp ranks of one coordinate take the same rows. No mesh: all rows."""
+    data-parallel coordinate's share; the tp, pp and cp ranks of one coordinate take the same rows. No mesh: all
+    rows."""
     mb = micro_batch(batch)
     if mesh is None: return mb.args, mb.kwargs, mb.targets
     rows = optional_mesh(mesh, "batch")            # dp_replicate × dp_shard, flattened: coordinate r·dp_shard + s
@@ -75,7 +92,8 @@ def dp_slice(plan: ParallelPlan, mesh, batch) -> tuple:
     return tree_map(cut, (mb.args, mb.kwargs, mb.targets))
 
 def plan_rows(plan: ParallelPlan, micro_rows: int) -> int:
-    "Rows of the global batch that give every rank micro-batches of `micro_rows` rows (the size the plan was predicted for)."
+    """Rows of the global batch that give every rank micro-batches of `micro_rows` rows (the size the plan was predicted
+    for)."""
     return micro_rows * plan.dims.dp_replicate * plan.dims.dp_shard * plan.microbatches
 
 # %% ../../nbs/45h_parallel_run.ipynb
@@ -84,8 +102,10 @@ def split_rows(mb: MicroBatch, m: int) -> list[MicroBatch]:
     first = next((t for t in tree_flatten((mb.args, mb.kwargs))[0] if isinstance(t, torch.Tensor)), None)
     if m == 1 or first is None: return [mb]
     if first.shape[0] % m:
-        raise ParallelPlanError(f"this rank's batch of {first.shape[0]} rows does not split into microbatches={m}: give a "
-                                f"global batch of plan_rows(plan, rows) rows, a multiple of {m} per data-parallel rank")
+        raise ParallelPlanError(
+            f"this rank's batch of {first.shape[0]} rows does not split into microbatches={m}: give a "
+            f"global batch of plan_rows(plan, rows) rows, a multiple of {m} per data-parallel rank"
+        )
     part = lambda i: (lambda t: t.chunk(m)[i] if isinstance(t, torch.Tensor) else t)
     return [MicroBatch(*tree_map(part(i), (mb.args, mb.kwargs, mb.targets))) for i in range(m)]
 
@@ -110,14 +130,23 @@ def prepare_rank(model: nn.Module, plan: ParallelPlan, mesh, batch, loss_fn: Cal
     """Apply `plan` to this rank's `model`, in place: `apply_parallel_plan`, or for pp > 1 the pipeline stages
     (`build_pipeline`, whose boundary shapes come from `batch`, one step's global batch). `mesh`: None for one rank."""
     if plan.dims.pp > 1:
-        return PlanRank(plan, mesh, model, loss_fn, build_pipeline(model, plan, mesh, dp_slice(plan, mesh, batch), loss_fn,
-                                                                   seq=seq, compile_backend=compile_backend))
+        return PlanRank(
+            plan,
+            mesh,
+            model,
+            loss_fn,
+            build_pipeline(
+                model, plan, mesh, dp_slice(plan, mesh, batch), loss_fn, seq=seq, compile_backend=compile_backend
+            ),
+        )
     if mesh is not None: apply_parallel_plan(model, plan, mesh, seq=seq, compile_backend=compile_backend)
     else: apply_ac(model, plan); apply_compile(model, plan, compile_backend)
     return PlanRank(plan, mesh, model, loss_fn)
 
 # %% ../../nbs/45h_parallel_run.ipynb
-def plan_step(rank: PlanRank, optimizer: torch.optim.Optimizer, batch, *, around=None, local: bool = False) -> torch.Tensor | None:
+def plan_step(
+    rank: PlanRank, optimizer: torch.optim.Optimizer, batch, *, around=None, local: bool = False
+) -> torch.Tensor | None:
     """One optimizer step of the global `batch` on this rank: its data-parallel rows (`local=True`: `batch` is them
     already, as a per-rank data loader gives them), its sequence shards (cp), its micro-batches through the one
     `train_step` or the pipeline schedule. The mean loss (None on a pipeline rank without the last stage)."""
@@ -157,7 +186,9 @@ def _cp_shards_ok(rank: PlanRank, ref: nn.Module, args, targets) -> bool:
         return bool((xs == args[0][:, mine]).all() and (ys == targets[:, mine]).all() and
                     all(torch.equal(rank.model.get_buffer(b), ref.get_buffer(b)[:s][mine]) for b in bufs))
 
-def _run_one(source: str, plan: ParallelPlan, steps: int, lr: float, eps: float, batch: int, seq: int, rtol: float, atol: float) -> dict:
+def _run_one(
+    source: str, plan: ParallelPlan, steps: int, lr: float, eps: float, batch: int, seq: int, rtol: float, atol: float
+) -> dict:
     "One plan on this rank next to a single-process reference: losses, parameters, collectives (see above)."
     import time
     from static_dist.step import make_optimizer
@@ -190,7 +221,8 @@ def _run_one(source: str, plan: ParallelPlan, steps: int, lr: float, eps: float,
 # %% ../../nbs/45h_parallel_run.ipynb
 def run_plans(runs: list, steps: int = 3, lr: float = 1e-3, eps: float = 1e-6, batch: int = 4, seq: int = 32,
               rtol: float = 1e-4, atol: float = 1e-5) -> list[dict]:
-    """Every rank's target for `launch`: each `(model source, plan JSON)` of `runs` run for `steps` AdamW steps next to a
+    """Every rank's target for `launch`: each `(model source, plan JSON)` of `runs` run for `steps` AdamW steps next to
+    a
     single-process reference. Rank 0 returns one report per run: the mean loss per step and the reference's, every
     rank's report (max |parameter difference|, allclose, collectives and seconds per step, prediction, cp shards,
     error)."""
@@ -201,6 +233,12 @@ def run_plans(runs: list, steps: int = 3, lr: float = 1e-3, eps: float = 1e-6, b
         every = [None] * dist.get_world_size()
         dist.all_gather_object(every, rep)
         per_step = list(zip(*[r["losses"] for r in every]))
-        out.append(dict(source=source, losses=[sum(l for l in s if l is not None) / sum(l is not None for l in s) for s in per_step],
-                        ref_losses=rep["ref_losses"], ranks=every))
+        out.append(
+            dict(
+                source=source,
+                losses=[sum(l for l in s if l is not None) / sum(l is not None for l in s) for s in per_step],
+                ref_losses=rep["ref_losses"],
+                ranks=every,
+            )
+        )
     return out

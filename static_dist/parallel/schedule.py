@@ -35,7 +35,9 @@ def _interleaved_actions(plan: ParallelPlan, pp_rank: int) -> list[tuple[str, in
     except (ImportError, AttributeError, TypeError) as e:
         raise ParallelPlanError(f"Interleaved1F1B: this torch does not give its schedule's order the way this release "
                                 f"reads it ({type(e).__name__}: {e}); plan with 1F1B or GPipe") from None
-    return [("F" if a.computation_type == fwd else "B", a.stage_index, a.microbatch_index) for a in ops if a is not None]
+    return [
+        ("F" if a.computation_type == fwd else "B", a.stage_index, a.microbatch_index) for a in ops if a is not None
+    ]
 
 # %% ../../nbs/45ab_parallel_schedule.ipynb
 def schedule_actions(plan: ParallelPlan, pp_rank: int) -> list[tuple[str, int, int]]:
@@ -74,7 +76,9 @@ def held_by_action(plan: ParallelPlan, pp_rank: int) -> list[Held]:
     last = max(len(plan.stages), 1) - 1
     for kind, s, j in schedule_actions(plan, pp_rank):
         if kind == "F": held.add((s, j)); gathered.add(s)
-        out.append(Held((kind, s, j), frozenset(p for p in held if p[1] != j), frozenset(backed), frozenset(gathered), sending))
+        out.append(
+            Held((kind, s, j), frozenset(p for p in held if p[1] != j), frozenset(backed), frozenset(gathered), sending)
+        )
         if kind == "B":
             held.discard((s, j)); backed.add(s)
             if j == plan.microbatches - 1: gathered.discard(s)
@@ -88,7 +92,8 @@ def in_flight(plan: ParallelPlan, pp_rank: int) -> int:
 
 # %% ../../nbs/45ab_parallel_schedule.ipynb
 def pipeline_buffers(plan: ParallelPlan, pp_rank: int, boundary: float) -> float:
-    """Bytes of the receive buffers `torch.distributed.pipelining` keeps on pipeline rank `pp_rank`, for stage boundaries
+    """Bytes of the receive buffers `torch.distributed.pipelining` keeps on pipeline rank `pp_rank`, for stage
+    boundaries
     of `boundary` bytes: per stage and micro-batch, one for the activations from the stage before and one for the
     gradients from the stage after (its recv infos, made at the first step and kept across steps)."""
     if plan.dims.pp == 1: return 0.0

@@ -21,11 +21,31 @@ from ..axes import AXIS
 from ..cost import expand_profile
 from ..fsdp import FSDPPlan, FSDPUnit, block_units
 from ..graph import StaticGraph, fmt_bytes
-from .memory import (boundary_bytes, module_blocks, op_blocks, predict_parallel_memory, predict_rank_memory,
-                                         rank_profile)
+from static_dist.parallel.memory import (
+    boundary_bytes,
+    module_blocks,
+    op_blocks,
+    predict_parallel_memory,
+    predict_rank_memory,
+    rank_profile,
+)
 from .schedule import in_flight, pipeline_held
-from ..graph.policies import CheckpointPolicy, FullCheckpoint, NoCheckpoint, PolicyError, SelectiveOps, parse_policy
-from .plan import ParallelDims, ParallelPlan, ParallelPlanError, block_policies, check_layout, stage_ranges
+from static_dist.graph.policies import (
+    CheckpointPolicy,
+    FullCheckpoint,
+    NoCheckpoint,
+    PolicyError,
+    SelectiveOps,
+    parse_policy,
+)
+from static_dist.parallel.plan import (
+    ParallelDims,
+    ParallelPlan,
+    ParallelPlanError,
+    block_policies,
+    check_layout,
+    stage_ranges,
+)
 from .time import StepTime, predict_step_time, rank_work
 from ..placement import block_spec, megatron_styles
 from ..topology import Topology
@@ -68,7 +88,9 @@ def layout_dims(world: int, *, n_blocks: int, node: int, heads: int = 0, kv_head
 CHECKPOINT_POLICIES = (FullCheckpoint(), SelectiveOps())   # what the search mixes by default, most memory dropped first
 
 class _Context:
-    def __init__(self, g: StaticGraph, n_blocks: int, topo: Topology, styles: tuple, policies: tuple, master_dtype: str | None):
+    def __init__(
+        self, g: StaticGraph, n_blocks: int, topo: Topology, styles: tuple, policies: tuple, master_dtype: str | None
+    ):
         self.g, self.n, self.topo, self.styles, self.master = g, n_blocks, topo, styles, master_dtype
         self.policies = tuple(parse_policy(p) for p in policies)
         self.stack = g.structure.main
@@ -83,8 +105,11 @@ class _Context:
 
 # %% ../../nbs/45d_parallel_search.ipynb
 @patch
-def plan(self: _Context, d: ParallelDims, *, ac=(), stages=(), schedule="1F1B", m=1, reshard=None, name="layout") -> ParallelPlan:
-    "The layout `d` as a plan; `reshard` (the blocks' reshard_after_forward): by default torchtitan's, off under a pipeline."
+def plan(
+    self: _Context, d: ParallelDims, *, ac=(), stages=(), schedule="1F1B", m=1, reshard=None, name="layout"
+) -> ParallelPlan:
+    """The layout `d` as a plan; `reshard` (the blocks' reshard_after_forward): by default torchtitan's, off under a
+    pipeline."""
     dp = d.dp_replicate * d.fsdp_size
     mesh = (d.dp_replicate, d.fsdp_size) if d.dp_replicate > 1 else (d.fsdp_size,)
     units = block_units(self.blocks, d.pp == 1 if reshard is None else reshard)
@@ -96,8 +121,12 @@ def plan(self: _Context, d: ParallelDims, *, ac=(), stages=(), schedule="1F1B", 
 def work(self: _Context, d: ParallelDims):
     key = (d.tp, d.cp)
     if key not in self._work:
-        self._work[key] = rank_work(self.g, ParallelPlan(ParallelDims(cp=d.cp, tp=d.tp), self.styles if d.tp > 1 else ()),
-                                    self.topo, policies=self.policies)
+        self._work[key] = rank_work(
+            self.g,
+            ParallelPlan(ParallelDims(cp=d.cp, tp=d.tp), self.styles if d.tp > 1 else ()),
+            self.topo,
+            policies=self.policies,
+        )
     return self._work[key]
 
 @patch
@@ -172,7 +201,9 @@ def _mixed_profile(ctx: _Context, d: ParallelDims, modes: tuple[CheckpointPolicy
     for m, P in profs.items():
         s = src == num[m]
         native[s] = P.native[s] - cum(left[m])[held[s]] + mixed[held[s]]
-    runs = tuple(r for m, P in profs.items() for r in P.recomputes if src[r[0]] == num[m])   # each block's under its own mode
+    runs = tuple(
+        r for m, P in profs.items() for r in P.recomputes if src[r[0]] == num[m]
+    )  # each block's under its own mode
     return dataclasses.replace(P0, native=native, recomputes=runs)
 
 # %% ../../nbs/45d_parallel_search.ipynb
@@ -183,7 +214,8 @@ def _forward_activations(P) -> int:
 
 # %% ../../nbs/45d_parallel_search.ipynb
 def _pipelined(ctx: _Context, plan: ParallelPlan, P):
-    """`P` (a first stage's profile) with what the pipeline adds on its first rank at every op: the other micro-batches in
+    """`P` (a first stage's profile) with what the pipeline adds on its first rank at every op: the other micro-batches
+    in
     flight, the schedule's receive buffers and the stage output it keeps (`memory.pipeline_held`)."""
     d = plan.dims
     if d.pp == 1: return P
@@ -191,7 +223,9 @@ def _pipelined(ctx: _Context, plan: ParallelPlan, P):
         ctx._ext[("boundary", d.cp)] = (boundary_bytes(ctx.g, op_blocks(ctx.g, ctx.stack.blocks), d.cp),
                                         sum(s.nbytes for s in ctx.g.storages if s.role == "input") / d.cp)
     boundary, inputs = ctx._ext[("boundary", d.cp)]
-    held = (ctx.first_in_flight(plan) - 1) * _forward_activations(P) + pipeline_held(plan, 0, P.op_phase, boundary, inputs=inputs)
+    held = (ctx.first_in_flight(plan) - 1) * _forward_activations(P) + pipeline_held(
+        plan, 0, P.op_phase, boundary, inputs=inputs
+    )
     return dataclasses.replace(P, native=(P.native + held).astype(np.int64))
 
 # %% ../../nbs/45d_parallel_search.ipynb
@@ -222,11 +256,15 @@ def _memory(ctx: _Context, plan: ParallelPlan, mode: CheckpointPolicy | None = N
 # %% ../../nbs/45d_parallel_search.ipynb
 def memory_by_category(g: StaticGraph, plan: ParallelPlan, n_blocks: int | None = None,
                        master_dtype: str | None = None) -> list[tuple[str, dict, int]]:
-    """(rank, bytes at its peak by category, peak bytes) of `plan` on the step `g` extended to `n_blocks`: every pipeline
+    """(rank, bytes at its peak by category, peak bytes) of `plan` on the step `g` extended to `n_blocks`: every
+    pipeline
     rank on a full capture; else the busiest rank, as the search models it (its blocks' profile composed by mode)."""
     n = n_blocks or len(g.structure.main.blocks)
     if len(g.structure.main.blocks) == n:
-        return [(f"pp rank {r}", m.at_peak, m.peak_bytes) for r, m in enumerate(predict_parallel_memory(g, plan, master_dtype).ranks)]
+        return [
+            (f"pp rank {r}", m.at_peak, m.peak_bytes)
+            for r, m in enumerate(predict_parallel_memory(g, plan, master_dtype).ranks)
+        ]
     d, ctx = plan.dims, _Context(g, n, None, plan.tp_styles, CHECKPOINT_POLICIES, master_dtype)
     P = _pipelined(ctx, plan, _mixed_profile(ctx, d, _stage_modes(ctx, plan, None if plan.ac else NoCheckpoint())))
     pred = predict_rank_memory(P, plan)
@@ -275,7 +313,8 @@ def checkpoint_mix(excess: float, k: int, drops, costs) -> tuple[int, ...] | Non
 
 # %% ../../nbs/45d_parallel_search.ipynb
 def _ac_pattern(ranges, counts, policies) -> tuple[CheckpointPolicy, ...]:
-    "Per block: in every stage, the first `counts[0]` under `policies[0]`, the next `counts[1]` under `policies[1]`, ..."
+    """Per block: in every stage, the first `counts[0]` under `policies[0]`, the next `counts[1]` under `policies[1]`,
+    ..."""
     marks = [p for p, c in zip(policies, counts) for _ in range(c)]
     return tuple(marks[i] if i < len(marks) else NoCheckpoint() for lo, hi in ranges for i in range(hi - lo))
 
@@ -288,8 +327,10 @@ def _with_checkpointing(ctx: _Context, plan: ParallelPlan, m0: int, budget: int)
         mems.append(_memory(ctx, dataclasses.replace(plan, ac=(p,) * n), p))
         if len(mems) == 1 and mems[0] > budget and p == FullCheckpoint(): break
     if min(mems) > budget:
-        return (f"needs {fmt_bytes(m0)} without checkpointing and {fmt_bytes(min(mems))} with every block checkpointed > "
-                f"budget {fmt_bytes(budget)}")
+        return (
+            f"needs {fmt_bytes(m0)} without checkpointing and {fmt_bytes(min(mems))} with every block checkpointed > "
+            f"budget {fmt_bytes(budget)}"
+        )
     ranges = stage_ranges(plan, n) if d.pp > 1 else ((0, n),)
     k = max(hi - lo for lo, hi in ranges)
     w, tb = ctx.work(d), min(1, ctx.captured - 1)
@@ -299,18 +340,21 @@ def _with_checkpointing(ctx: _Context, plan: ParallelPlan, m0: int, budget: int)
     if ctx.full:
         # exact memory is at hand: the drop is not linear in the blocks (the peak moves), so try the mixes in order of
         # recompute, skipping those the linear estimate puts far short, up to a dozen exact evaluations
-        mixes = sorted((c for c in _counts(len(pols), k) if sum(x * y for x, y in zip(c, drops)) >= (m0 - budget) / 2), key=cost)
+        mixes = sorted(
+            (c for c in _counts(len(pols), k) if sum(x * y for x, y in zip(c, drops)) >= (m0 - budget) / 2), key=cost
+        )
         for c in mixes[:12]:
             p2 = dataclasses.replace(plan, ac=_ac_pattern(ranges, c, pols))
             if (mem := _memory(ctx, p2)) <= budget: return p2, mem
     c = checkpoint_mix(m0 - budget, k, drops, costs)
-    if c is None:                                  # the linear estimate says no mix does: the policy that drops the most
+    # the linear estimate says no mix does: the policy that drops the most
+    if c is None:
         j = int(np.argmin(mems))
         return dataclasses.replace(plan, ac=(pols[j],) * n), mems[j]
     c, top = list(c), int(np.argmax(drops))
     while True:
         p2 = dataclasses.replace(plan, ac=_ac_pattern(ranges, c, pols))
-        est = _memory(ctx, p2)                             # exact: a mixed stage's profile is composed (`_mixed_profile`)
+        est = _memory(ctx, p2)  # exact: a mixed stage's profile is composed (`_mixed_profile`)
         if est <= budget or c[top] >= k: return p2, est
         c[top] += 1                                        # the linear estimate was short: one more block under `top`
         if other := [j for j in range(len(c)) if j != top and c[j] > 0]: c[other[-1]] -= 1
@@ -358,10 +402,17 @@ class LayoutSearch:
 def table(self: LayoutSearch, lost: int = 5) -> str:
     "A Markdown table: the best, the runners-up, and the first `lost` of the layouts that lost."
     rows = ["| | layout | memory / rank | step | tokens/s/device | MFU | note |", "|---|---|---:|---:|---:|---:|---|"]
-    for tag, cs in (("**best**", [self.best] if self.best else []), ("runner-up", self.runners_up), ("lost", self.lost[:lost])):
+    for tag, cs in (
+        ("**best**", [self.best] if self.best else []),
+        ("runner-up", self.runners_up),
+        ("lost", self.lost[:lost]),
+    ):
         for c in cs:
-            rows.append(f"| {tag} | {c.label()} | {fmt_bytes(c.memory_bytes) if c.memory_bytes else 'not computed'} | {c.time.step_seconds * 1e3:.3g} ms | "
-                        f"{c.time.tokens_per_device:,.0f} | {c.time.mfu:.1%} | {c.note} |")
+            rows.append(
+                f"| {tag} | {c.label()} | {fmt_bytes(c.memory_bytes) if c.memory_bytes else 'not computed'} | "
+                f"{c.time.step_seconds * 1e3:.3g} ms | "
+                f"{c.time.tokens_per_device:,.0f} | {c.time.mfu:.1%} | {c.note} |"
+            )
     return "\n".join(rows)
 
 # %% ../../nbs/45d_parallel_search.ipynb
@@ -415,17 +466,22 @@ def search_layouts(g: StaticGraph, world: int, topo: Topology, budget_bytes: int
     except PolicyError as e: raise ParallelPlanError(f"ac {ac!r}: use auto or a checkpointing policy ({e})") from None
     if not budget_bytes > 0: raise ParallelPlanError(f"budget {budget_bytes!r}: give the bytes each rank may use (> 0)")
     stack = g.structure.main if g.structure is not None else None
-    if stack is None: raise ParallelPlanError("the captured model has no stack of repeated blocks: use plan-fsdp for it")
+    if stack is None:
+        raise ParallelPlanError("the captured model has no stack of repeated blocks: use plan-fsdp for it")
     n = n_blocks or len(stack.blocks)
     if styles is None: styles = tuple(megatron_styles(block_spec(g)).items())
     if all(s == "replicate" for _, s in styles):               # nothing to shard: tensor parallelism only repeats work
         if (pins or {}).get("tp", 1) > 1:
-            raise ParallelPlanError(f"tp={pins['tp']}: no linear of {stack.block_type} has a tensor-parallel style (Megatron's "
-                                    "pairs need separate nn.Linear projections; fused or Conv1D ones are not split): pin tp 1")
+            raise ParallelPlanError(
+                f"tp={pins['tp']}: no linear of {stack.block_type} has a tensor-parallel style (Megatron's "
+                "pairs need separate nn.Linear projections; fused or Conv1D ones are not split): pin tp 1"
+            )
         pins = {**(pins or {}), "tp": 1}
     ctx = _Context(g, n, topo, styles, policies, master_dtype)
     node = topo.levels[0].size if topo.levels else topo.n_devices
-    dims = layout_dims(world, n_blocks=n, node=node, heads=stack.n_heads, kv_heads=stack.n_kv_heads, seq=ctx.seq, pins=pins)
+    dims = layout_dims(
+        world, n_blocks=n, node=node, heads=stack.n_heads, kv_heads=stack.n_kv_heads, seq=ctx.seq, pins=pins
+    )
     heap, tick = [], 0
     for d in dims:
         stages = balanced_stages(ctx.work(d), n, d.pp)
@@ -453,7 +509,9 @@ def search_layouts(g: StaticGraph, world: int, topo: Topology, budget_bytes: int
                 if not found: lost.append(Candidate(plan, 0, ctx.step_time(plan), str(e)))
                 continue
         if mem <= budget_bytes:
-            found.append(Candidate(plan, mem, ctx.step_time(plan), "fits" if mode != "mixed" else "fits with checkpointing"))
+            found.append(
+                Candidate(plan, mem, ctx.step_time(plan), "fits" if mode != "mixed" else "fits with checkpointing")
+            )
             continue
         if ac == "auto" and mode == NoCheckpoint():
             nxt = _with_checkpointing(ctx, plan, mem, budget_bytes)
@@ -467,8 +525,15 @@ def search_layouts(g: StaticGraph, world: int, topo: Topology, budget_bytes: int
         if not found: lost.append(Candidate(plan, mem, ctx.step_time(plan), why))
         if progress: progress(f"{len(found)} fit, {evaluated} evaluated")
     best = found[0] if found else None
-    return LayoutSearch(best, tuple(found[1:]), tuple(lost), considered, evaluated + len(bounds), time.perf_counter() - t0,
-                        int(budget_bytes))
+    return LayoutSearch(
+        best,
+        tuple(found[1:]),
+        tuple(lost),
+        considered,
+        evaluated + len(bounds),
+        time.perf_counter() - t0,
+        int(budget_bytes),
+    )
 
 # %% ../../nbs/45d_parallel_search.ipynb
 def search_graph(w, capture_blocks: int = 3, progress=None) -> tuple[StaticGraph, int, str]:
@@ -480,14 +545,20 @@ def search_graph(w, capture_blocks: int = 3, progress=None) -> tuple[StaticGraph
     dtype = torch_dtype(w.dtype)
     model = w.build(device="meta", dtype=dtype)
     main = find_structure(model).main
-    if main is None: raise ParallelPlanError("the model has no stack of repeated blocks to lay out: use plan-fsdp for it")
+    if main is None:
+        raise ParallelPlanError("the model has no stack of repeated blocks to lay out: use plan-fsdp for it")
     n = len(main.blocks)
-    if n <= 2 * capture_blocks: why = f"{n} blocks: captured whole"     # cheap, and a stage may be shorter than the capture
+    if n <= 2 * capture_blocks:
+        why = f"{n} blocks: captured whole"  # cheap, and a stage may be shorter than the capture
     elif bad := block_attr_mismatch(model, main): why = "blocks differ: " + "; ".join(bad[:2])
     else:
         spare = [model]                                   # the meta model already built (70B takes seconds to build)
         def build(device="meta", dtype=dtype, seed: int = 0):
-            m = spare.pop() if spare and str(device) == "meta" and dtype == torch_dtype(w.dtype) else w.build(device=device, dtype=dtype, seed=seed)
+            m = (
+                spare.pop()
+                if spare and str(device) == "meta" and dtype == torch_dtype(w.dtype)
+                else w.build(device=device, dtype=dtype, seed=seed)
+            )
             return first_blocks(m, main.path, capture_blocks)
         g = dataclasses.replace(w, build=build).graph(progress=progress)
         try:
@@ -501,7 +572,8 @@ BENCH_PLAN_CASES = (("llama3-70b", 256), ("llama3-405b", 512))
 
 # %% ../../nbs/45d_parallel_search.ipynb
 def _measure_seconds(w, plan: ParallelPlan) -> tuple[int, float]:
-    "(FSDPMemTracker's peak on rank 0, seconds) of `plan` applied to workload `w` and stepped under a fake process group."
+    """(FSDPMemTracker's peak on rank 0, seconds) of `plan` applied to workload `w` and stepped under a fake process
+    group."""
     from static_dist.cost.measure import measure_step
     from static_dist.launch import process_group
     from static_dist.axes import device_mesh
@@ -510,7 +582,9 @@ def _measure_seconds(w, plan: ParallelPlan) -> tuple[int, float]:
     t0 = time.perf_counter()
     args, kwargs, targets = w.inputs()
     with process_group(fake_world=plan.dims.world):
-        m = apply_parallel_plan(w.build(device="meta", dtype=torch_dtype(w.dtype)), plan, device_mesh(plan.dims, "cpu"), seq=w.seq)
+        m = apply_parallel_plan(
+            w.build(device="meta", dtype=torch_dtype(w.dtype)), plan, device_mesh(plan.dims, "cpu"), seq=w.seq
+        )
         one = FSDPPlan(1, (1,), (FSDPUnit(""),))                      # one data-parallel rank: nothing sharded
         peak, _ = measure_step(m, plan.fsdp or one, args, kwargs, targets, w.loss, w.optimizer)
     return peak, time.perf_counter() - t0
@@ -551,7 +625,10 @@ def _timed_plan(kind: str, name: str, world: int, budget: int) -> dict:
     else: g, n, _ = search_graph(w)
     t1 = time.perf_counter()
     if kind == "fsdp": plan_fsdp(prof, world_size=world, budget=budget, param_dtype="bfloat16", reduce_dtype="float32")
-    else: search_layouts(g, world, preset("cluster", n_nodes=max(world // 8, 1), gpus_per_node=min(world, 8)), budget, n_blocks=n)
+    else:
+        search_layouts(
+            g, world, preset("cluster", n_nodes=max(world // 8, 1), gpus_per_node=min(world, 8)), budget, n_blocks=n
+        )
     t2 = time.perf_counter()
     return dict(capture_seconds=t1 - t0, search_seconds=t2 - t1, seconds=t2 - t0)
 
@@ -566,7 +643,8 @@ def _speed_once(cases: dict, budget: int) -> dict:
 
 # %% ../../nbs/45d_parallel_search.ipynb
 def bench_speed(progress=None, cases: dict = SPEED_CASES, repeat: int = 3, budget: int = 80 * 2**30) -> dict:
-    "Side-by-side seconds of a bare fake step, a capture, plan-fsdp and plan (`cases`), `repeat` times, and their ratios."
+    """Side-by-side seconds of a bare fake step, a capture, plan-fsdp and plan (`cases`), `repeat` times, and their
+    ratios."""
     runs = []
     for r in range(repeat):
         if progress: progress(f"speed: run {r + 1}/{repeat}")
@@ -601,10 +679,22 @@ def bench_plan(progress=None, cases=BENCH_PLAN_CASES, seq: int = 8192, budget_gb
         topo = preset("cluster", n_nodes=world // 8, gpus_per_node=8)
         say(f"{name} on {world} ranks: search")
         r = search_layouts(g, world, topo, int(budget_gb * 1e9), n_blocks=n)
-        rows.append(dict(model=name, world=world, capture=how, capture_seconds=t1 - t0, search_seconds=r.seconds,
-                         seconds=time.perf_counter() - t0, considered=r.considered, evaluated=r.evaluated,
-                         best=r.best.label() if r.best else None, best_memory_bytes=r.best.memory_bytes if r.best else None,
-                         best_step=r.best.time.to_dict() if r.best else None, table=r.table()))
+        rows.append(
+            dict(
+                model=name,
+                world=world,
+                capture=how,
+                capture_seconds=t1 - t0,
+                search_seconds=r.seconds,
+                seconds=time.perf_counter() - t0,
+                considered=r.considered,
+                evaluated=r.evaluated,
+                best=r.best.label() if r.best else None,
+                best_memory_bytes=r.best.memory_bytes if r.best else None,
+                best_step=r.best.time.to_dict() if r.best else None,
+                table=r.table(),
+            )
+        )
         if first is None: first = (w, g, n, topo, world, rows[-1])
     out = dict(bench="plan", environment=environment(), budget_bytes=int(budget_gb * 1e9), results=rows)
     if measure and first is not None:
@@ -612,8 +702,16 @@ def bench_plan(progress=None, cases=BENCH_PLAN_CASES, seq: int = 8192, budget_gb
         say(f"{row['model']}: one FSDPMemTracker measurement")
         r = search_layouts(g, world, topo, int(budget_gb * 1e9), n_blocks=n, pins={"pp": 1, "cp": 1}, runners_up=0)
         peak, secs = _measure_seconds(w, r.best.plan)
-        out["measurement"] = dict(model=row["model"], world=world, layout=r.best.label(), predicted_bytes=r.best.memory_bytes,
-                                  measured_bytes=peak, ratio=r.best.memory_bytes / peak, measure_seconds=secs,
-                                  search_seconds=row["search_seconds"], measure_over_search=secs / row["search_seconds"])
+        out["measurement"] = dict(
+            model=row["model"],
+            world=world,
+            layout=r.best.label(),
+            predicted_bytes=r.best.memory_bytes,
+            measured_bytes=peak,
+            ratio=r.best.memory_bytes / peak,
+            measure_seconds=secs,
+            search_seconds=row["search_seconds"],
+            measure_over_search=secs / row["search_seconds"],
+        )
     if speed: out["speed"] = bench_speed(say, repeat=repeat)
     return out

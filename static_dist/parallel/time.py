@@ -129,7 +129,8 @@ def rank_work(g: StaticGraph, plan: ParallelPlan, topo: Topology, device=None, p
     rc = {p: np.array([float(sec[list(recomputed_ops(g, p, fw[b]))].sum()) for b in range(k)]) for p in leaves}
     attn, kv = np.zeros(k), np.zeros(k)
     for i, o in enumerate(g.ops):
-        if o.op.startswith(_ATTENTION) and ob[i] >= 0 and phase[i] == FORWARD:      # the name first: it is the cheap test
+        # the name first: it is the cheap test
+        if o.op.startswith(_ATTENTION) and ob[i] >= 0 and phase[i] == FORWARD:
             attn[ob[i]] += sec[i]
             kv[ob[i]] += sum(nb[t] for t in o.inputs[1:3]) * fac[i]
     params, _ = param_infos(g)
@@ -151,14 +152,28 @@ def rank_work(g: StaticGraph, plan: ParallelPlan, topo: Topology, device=None, p
     tokens = tokens_of(g)
     flops = np.array([o.flops for o in g.ops], dtype=np.float64)
     tb = min(1, len(blocks) - 1) if blocks else 0
-    return RankWork(fwd_pre=float(sec[out_f & (idx < f0)].sum()), fwd_post=float(sec[out_f & (idx >= f0)].sum()),
-                    bwd_pre=float(sec[out_b & (idx >= b0)].sum()), bwd_post=float(sec[out_b & (idx < b0)].sum()),
-                    fwd_blocks=fwd_blocks, bwd_blocks=bwd_blocks, recompute=rc, attn_fwd=attn, kv_bytes=kv,
-                    optimizer=opt, boundary_bytes=boundary_bytes(g, ob, plan.dims.cp, nb), block_params=bp,
-                    pre_params=pre, post_params=post, captured_params=float(sum(p.numel * p.itemsize for p in params)),
-                    tp_bytes=_tp_collectives(g, plan, blocks, tokens, itemsize, {p.name: p.shape for p in params}),
-                    flops=float(flops[phase < OPTIMIZER].sum()), block_flops=float(flops[(phase < OPTIMIZER) & (ob == tb)].sum()),
-                    tokens=tokens, act_itemsize=itemsize)
+    return RankWork(
+        fwd_pre=float(sec[out_f & (idx < f0)].sum()),
+        fwd_post=float(sec[out_f & (idx >= f0)].sum()),
+        bwd_pre=float(sec[out_b & (idx >= b0)].sum()),
+        bwd_post=float(sec[out_b & (idx < b0)].sum()),
+        fwd_blocks=fwd_blocks,
+        bwd_blocks=bwd_blocks,
+        recompute=rc,
+        attn_fwd=attn,
+        kv_bytes=kv,
+        optimizer=opt,
+        boundary_bytes=boundary_bytes(g, ob, plan.dims.cp, nb),
+        block_params=bp,
+        pre_params=pre,
+        post_params=post,
+        captured_params=float(sum(p.numel * p.itemsize for p in params)),
+        tp_bytes=_tp_collectives(g, plan, blocks, tokens, itemsize, {p.name: p.shape for p in params}),
+        flops=float(flops[phase < OPTIMIZER].sum()),
+        block_flops=float(flops[(phase < OPTIMIZER) & (ob == tb)].sum()),
+        tokens=tokens,
+        act_itemsize=itemsize,
+    )
 
 # %% ../../nbs/45c_parallel_time.ipynb
 def _prefixes(name: str):
@@ -225,18 +240,32 @@ class StepTime:
 
     def line(self) -> str:
         top = sorted(((v, k) for k, v in self.terms.items() if v > 0), reverse=True)[:4]
-        return (f"{self.step_seconds * 1e3:.1f} ms/step, {self.tokens_per_device:,.0f} tokens/s/device, MFU {self.mfu:.1%} ("
-                + ", ".join(f"{k} {v * 1e3:.1f} ms" for v, k in top) + ")")
+        return (
+            f"{self.step_seconds * 1e3:.1f} ms/step, {self.tokens_per_device:,.0f} tokens/s/device, MFU {self.mfu:.1%} "
+            "("
+            + ", ".join(f"{k} {v * 1e3:.1f} ms" for v, k in top)
+            + ")"
+        )
     def to_dict(self) -> dict:
-        return dict(step_seconds=self.step_seconds, terms=dict(self.terms), comm=dict(self.comm),
-                    tokens_per_device=self.tokens_per_device, mfu=self.mfu, microbatches=self.microbatches, pp_rank=self.pp_rank)
+        return dict(
+            step_seconds=self.step_seconds,
+            terms=dict(self.terms),
+            comm=dict(self.comm),
+            tokens_per_device=self.tokens_per_device,
+            mfu=self.mfu,
+            microbatches=self.microbatches,
+            pp_rank=self.pp_rank,
+        )
 
 # %% ../../nbs/45c_parallel_time.ipynb
 def extend_blocks(a: np.ndarray, n: int) -> np.ndarray:
     "Per-block values for `n` blocks from captured ones: block 1 repeated after itself for the blocks not captured."
     k = len(a)
     if n == k: return a
-    if n < k or k < 3: raise ParallelPlanError(f"cannot extend {k} captured blocks to {n}: capture at least 3 blocks, and no more than the model has")
+    if n < k or k < 3:
+        raise ParallelPlanError(
+            f"cannot extend {k} captured blocks to {n}: capture at least 3 blocks, and no more than the model has"
+        )
     return np.concatenate([a[:2], np.repeat(a[1], n - k), a[2:]])
 
 # %% ../../nbs/45c_parallel_time.ipynb
@@ -255,7 +284,9 @@ class _Layout:
 
 # %% ../../nbs/45c_parallel_time.ipynb
 def _per_block(w: RankWork, plan: ParallelPlan, topo: Topology, mesh: MeshSpec, n: int) -> _Layout:
-    fwd, bwd, attn, kv, bp = (extend_blocks(a, n) for a in (w.fwd_blocks, w.bwd_blocks, w.attn_fwd, w.kv_bytes, w.block_params))
+    fwd, bwd, attn, kv, bp = (
+        extend_blocks(a, n) for a in (w.fwd_blocks, w.bwd_blocks, w.attn_fwd, w.kv_bytes, w.block_params)
+    )
     pols = block_policies(plan, n)
     if missing := [p.label for p in set(pols) if p not in w.recompute]:
         raise ParallelPlanError(f"the rank's work has no recompute seconds for policy {missing[0]}: pass it to "
@@ -265,10 +296,12 @@ def _per_block(w: RankWork, plan: ParallelPlan, topo: Topology, mesh: MeshSpec, 
     checkpointed = np.array([p.checkpoints for p in pols], dtype=bool)
     fcoll = [_coll(topo, mesh, "tp", kind, b) for kind, b, f in w.tp_bytes if f]
     tp_f = sum(fcoll)
-    tp_b = sum(_coll(topo, mesh, "tp", kind, b) for kind, b, f in w.tp_bytes if not f) + np.where(checkpointed, sum(fcoll[:-1]), 0.0)
+    tp_b = sum(_coll(topo, mesh, "tp", kind, b) for kind, b, f in w.tp_bytes if not f) + np.where(
+        checkpointed, sum(fcoll[:-1]), 0.0
+    )
     cp = plan.dims.cp
     link = topo.link(0, plan.dims.tp) if cp > 1 else None
-    ring = (cp - 1) * (link.latency + kv / link.bandwidth) if cp > 1 else np.zeros(n)       # `_p2p` of each block's bytes
+    ring = (cp - 1) * (link.latency + kv / link.bandwidth) if cp > 1 else np.zeros(n)  # `_p2p` of each block's bytes
     return _Layout(fwd, bwd, rc, tp_f, tp_b, np.maximum(ring - attn, 0), np.maximum(2 * ring - 2 * attn, 0), ring, bp)
 
 # %% ../../nbs/45c_parallel_time.ipynb
@@ -295,7 +328,8 @@ def _fsdp_costs(plan: ParallelPlan, topo: Topology, mesh: MeshSpec, itemsize: in
 
 # %% ../../nbs/45c_parallel_time.ipynb
 def _block_units(plan: ParallelPlan, blocks_known: bool = True) -> tuple[bool, object]:
-    "(are the blocks FSDP units, their reshard_after_forward): a plan without an FSDP plan shards the model as one unit."
+    """(are the blocks FSDP units, their reshard_after_forward): a plan without an FSDP plan shards the model as one
+    unit."""
     f = plan.fsdp
     if f is None: return False, True
     blk = [u for u in f.units if u.module]
@@ -343,7 +377,9 @@ def _rank_micro_batch(w: RankWork, L: _Layout, plan: ParallelPlan, stages: list,
         nxt = [x for x in (bag(j) for j in rev[i + 1:i + 1 + pb]) if x]
         end = [(("s", b), sync_cost(prm[b]))] if do_sync and units else []
         segs.append((bwd[b] + rc[b] + tp_b[b] + cp_b[b], bag(b), nxt, end))
-    segs.append((w.bwd_pre if has_pre else 0.0, None, [], [(("s", "root"), sync_cost(root))] if do_sync and root else []))
+    segs.append(
+        (w.bwd_pre if has_pre else 0.0, None, [], [(("s", "root"), sync_cost(root))] if do_sync and root else [])
+    )
     end, busy = _two_streams(segs)
     B = np.array(blocks, dtype=np.int64)
     terms = dict(forward=(w.fwd_pre if has_pre else 0) + (w.fwd_post if has_post else 0) + float(L.fwd[B].sum()),
@@ -365,12 +401,15 @@ class _SlowestRank(NamedTuple):
 
 # %% ../../nbs/45c_parallel_time.ipynb
 def predict_step_time(work: RankWork, plan: ParallelPlan, topo: Topology, *, n_blocks: int | None = None) -> StepTime:
-    "Seconds of one optimizer step of `plan` on `topo`'s devices from a rank's work (`rank_work`), for `n_blocks` blocks."
+    """Seconds of one optimizer step of `plan` on `topo`'s devices from a rank's work (`rank_work`), for `n_blocks`
+    blocks."""
     from static_dist.parallel.schedule import rank_stages
     d = plan.dims
     if topo.n_devices != d.world:
-        raise ParallelPlanError(f"topology {topo.name!r} has {topo.n_devices} devices but the layout has {d.world} ranks: "
-                                f"use a topology of {d.world} devices (e.g. preset('cluster', n_nodes={max(d.world // 8, 1)}))")
+        raise ParallelPlanError(
+            f"topology {topo.name!r} has {topo.n_devices} devices but the layout has {d.world} ranks: "
+            f"use a topology of {d.world} devices (e.g. preset('cluster', n_nodes={max(d.world // 8, 1)}))"
+        )
     n = len(work.fwd_blocks) if n_blocks is None else n_blocks
     mesh = layout_mesh(plan)
     L = _per_block(work, plan, topo, mesh, n)
@@ -388,7 +427,8 @@ def predict_step_time(work: RankWork, plan: ParallelPlan, topo: Topology, *, n_b
         if shape in seen and n > len(work.fwd_blocks): continue
         seen.add(shape)
         first = _rank_micro_batch(work, L, plan, stages, ranges, ag, sync_cost, True)
-        # a pipeline's units that do not reshard after forward stay gathered from the first micro-batch to the step's end
+        # a pipeline's units that do not reshard after forward stay gathered from the first micro-batch to the step's
+        # end
         again = not (d.pp > 1 and _block_units(plan)[1] is False)
         later = _rank_micro_batch(work, L, plan, stages, ranges, ag, sync_cost, every, again) if mbs > 1 else first
         total = first.end + (mbs - 1) * later.end

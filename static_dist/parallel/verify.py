@@ -34,13 +34,24 @@ __all__ = ['axis_counts', 'predict_axis_counts', 'ParallelVerification', 'verify
 
 # %% ../../nbs/45f_parallel_verify.ipynb
 def axis_counts(cdm) -> dict[str, int]:
-    "CommDebugMode's counts as {'axis.kind': n}: FSDP's c10d collectives are the data-parallel axis, DTensor's functional ones tensor parallelism."
+    """CommDebugMode's counts as {'axis.kind': n}: FSDP's c10d collectives are the data-parallel axis, DTensor's
+    functional ones tensor parallelism."""
     out: dict[str, int] = {}
     for op, n in cdm.get_comm_counts().items():
         s = str(op)
-        kind = next((k for k, pats in (("all_gather", ("allgather", "all_gather")), ("reduce_scatter", ("reduce_scatter",)),
-                                      ("all_reduce", ("allreduce", "all_reduce")), ("all_to_all", ("all_to_all",)))
-                     if any(p in s for p in pats)), None)
+        kind = next(
+            (
+                k
+                for k, pats in (
+                    ("all_gather", ("allgather", "all_gather")),
+                    ("reduce_scatter", ("reduce_scatter",)),
+                    ("all_reduce", ("allreduce", "all_reduce")),
+                    ("all_to_all", ("all_to_all",)),
+                )
+                if any(p in s for p in pats)
+            ),
+            None,
+        )
         if kind is None: continue
         axis = "tp" if "functional" in s else "dp"
         out[f"{axis}.{kind}"] = out.get(f"{axis}.{kind}", 0) + n
@@ -48,7 +59,8 @@ def axis_counts(cdm) -> dict[str, int]:
 
 # %% ../../nbs/45f_parallel_verify.ipynb
 def predict_axis_counts(profile, plan: ParallelPlan) -> dict[str, int]:
-    "Collectives of one step on a rank: FSDP's (fsdp.predict_comms of the rank's profile) and tensor parallelism's (per style, per block, per micro-batch)."
+    """Collectives of one step on a rank: FSDP's (fsdp.predict_comms of the rank's profile) and tensor parallelism's
+    (per style, per block, per micro-batch)."""
     f = rank_fsdp_plan(plan, profile)
     out = {f"dp.{k}": v for k, v in predict_comms(profile, f).items() if v}
     if plan.dims.tp > 1:
@@ -61,7 +73,8 @@ def predict_axis_counts(profile, plan: ParallelPlan) -> dict[str, int]:
 # %% ../../nbs/45f_parallel_verify.ipynb
 def _recomputed(profile, plan: ParallelPlan) -> list[str]:
     """Forward TP collectives a checkpointed block issues again in backward: those of its styled linears but the last
-    in forward order, whose output only feeds the residual (checkpoint's recompute stops once backward has what it needs)."""
+    in forward order, whose output only feeds the residual (checkpoint's recompute stops once backward has what it
+    needs)."""
     out, n = [], len(profile.blocks)
     first = {m: i for i, m in reversed(list(enumerate(profile.op_module))) if profile.op_phase[i] == FORWARD}
     for b, pol in zip(profile.blocks, block_policies(plan, n) if len(plan.ac) == n else (NoCheckpoint(),) * n):
@@ -73,7 +86,8 @@ def _recomputed(profile, plan: ParallelPlan) -> list[str]:
 # %% ../../nbs/45f_parallel_verify.ipynb
 @dataclass(frozen=True)
 class ParallelVerification:
-    "A layout's predicted rank-0 peak and collectives next to FSDPMemTracker's and CommDebugMode's (fake process group)."
+    """A layout's predicted rank-0 peak and collectives next to FSDPMemTracker's and CommDebugMode's (fake process
+    group)."""
     world_size: int
     predicted_bytes: int
     measured_bytes: int
@@ -90,8 +104,12 @@ class ParallelVerification:
     @property
     def counts_match(self) -> bool: return self.predicted_counts == self.measured_counts
     def line(self) -> str:
-        return (f"world {self.world_size}{f', {self.master_dtype} masters' if self.master_dtype else ''}: predicted {fmt_bytes(self.predicted_bytes)} / measured {fmt_bytes(self.measured_bytes)}"
-                f" = {self.ratio:.4f}; collectives {'match' if self.counts_match else f'differ: {self.predicted_counts} vs {self.measured_counts}'}")
+        return (
+            f"world {self.world_size}{f', {self.master_dtype} masters' if self.master_dtype else ''}: predicted "
+            f"{fmt_bytes(self.predicted_bytes)} / measured {fmt_bytes(self.measured_bytes)}"
+            f" = {self.ratio:.4f}; collectives "
+            f"{'match' if self.counts_match else f'differ: {self.predicted_counts} vs {self.measured_counts}'}"
+        )
 
 # %% ../../nbs/45f_parallel_verify.ipynb
 def verify_parallel(w, plan: ParallelPlan, graph=None, master_dtype: str | None = None) -> ParallelVerification:
@@ -99,21 +117,27 @@ def verify_parallel(w, plan: ParallelPlan, graph=None, master_dtype: str | None 
     `graph` (default: the workload's capture in the compute dtype). The model is built on meta with `master_dtype`
     parameters (default: the workload's dtype), and the prediction keeps the same masters: a graph captured in another
     dtype needs the plan's FSDP `param_dtype` to compute in it. Pipeline parallelism is not measured here."""
-    if plan.dims.pp > 1: raise ParallelPlanError("verify_parallel measures one pipeline stage's layout: use pp=1 (a stage's plan)")
-    if w.optimizer not in OPTIMIZERS: raise ParallelPlanError(f"optimizer {w.optimizer!r}: verifying needs the step's optimizer")
+    if plan.dims.pp > 1:
+        raise ParallelPlanError("verify_parallel measures one pipeline stage's layout: use pp=1 (a stage's plan)")
+    if w.optimizer not in OPTIMIZERS:
+        raise ParallelPlanError(f"optimizer {w.optimizer!r}: verifying needs the step's optimizer")
     t0 = time.perf_counter()
     compute = (plan.fsdp.param_dtype if plan.fsdp else None) or w.dtype
     g = graph if graph is not None else w.graph(dtype=compute)
     master, captured = master_dtype or w.dtype, captured_param_dtype(g)
     if captured and master != captured and (plan.fsdp is None or plan.fsdp.param_dtype != captured):
-        raise ParallelPlanError(f"the graph was captured with {captured} parameters and the masters are {master}, but the plan's "
-                                f"FSDP computes in {master}: set its param_dtype={captured!r} (mixed precision), or capture the "
-                                f"step in {master} (workload.graph(dtype={master!r}))")
+        raise ParallelPlanError(
+            f"the graph was captured with {captured} parameters and the masters are {master}, but the plan's "
+            f"FSDP computes in {master}: set its param_dtype={captured!r} (mixed precision), or capture the "
+            f"step in {master} (workload.graph(dtype={master!r}))"
+        )
     prof = rank_profile(g, plan, master_dtype=master)
     pred = predict_parallel_memory(g, plan, master).peak_bytes
     args, kwargs, targets = w.inputs(dtype=captured or master)        # floating inputs in the compute dtype
     with process_group(fake_world=plan.dims.world):
-        m = apply_parallel_plan(w.build(device="meta", dtype=torch_dtype(master)), plan, device_mesh(plan.dims, "cpu"), seq=w.seq)
+        m = apply_parallel_plan(
+            w.build(device="meta", dtype=torch_dtype(master)), plan, device_mesh(plan.dims, "cpu"), seq=w.seq
+        )
         cats, cdm = measure_step_by_category(m, rank_fsdp_plan(plan, prof), args, kwargs, targets, w.loss, w.optimizer)
     return ParallelVerification(plan.dims.world, pred, int(cats["Total"]), predict_axis_counts(prof, plan),
                                 axis_counts(cdm), time.perf_counter() - t0, master, cats)
@@ -126,12 +150,15 @@ def predicted_stack_bytes(g, plan: ParallelPlan) -> int:
     ff, lf, _ = _block_spans(op_blocks(g, blocks), phase, len(blocks))
     first, last = int(ff[0]), int(lf[-1])
     native = rank_profile(g, plan).native
-    made_next = sum(s.nbytes for s in g.storages if s.created == last + 1)     # alive at last + 1, not yet at the end of last
+    made_next = sum(
+        s.nbytes for s in g.storages if s.created == last + 1
+    )  # alive at last + 1, not yet at the end of last
     return int(native[last + 1]) - made_next - int(native[first - 1] if first else 0)
 
 # %% ../../nbs/45f_parallel_verify.ipynb
 def measured_stack_bytes(w, plan: ParallelPlan) -> int:
-    "Bytes the main stack's forward leaves held on the CPU, `plan`'s checkpointing applied (one rank: no other axis), by MemTracker."
+    """Bytes the main stack's forward leaves held on the CPU, `plan`'s checkpointing applied (one rank: no other axis),
+    by MemTracker."""
     model = w.build_model("cpu", seed=0)
     blocks = find_structure(model).main.blocks
     apply_ac(model, plan)

@@ -37,8 +37,11 @@ def _placement_view(model: str, topology: str, mesh: str) -> View:
     return View(rep, f"**{model}**, {rep['n_layers']} blocks:\n\n" + report._report_markdown(rep), fig)
 
 # %% ../../nbs/30_placement.ipynb
-def placement_widget(models=_MODELS, topologies=("dgx-h100", "pcie-box", "cpu-2socket"), meshes=("2x4", "4x2", "1x8", "2x2")):
+def placement_widget(
+    models=_MODELS, topologies=("dgx-h100", "pcie-box", "cpu-2socket"), meshes=("2x4", "4x2", "1x8", "2x2")
+):
     "Harness: model, topology and dp x tp mesh -> the found plan against Megatron's, per linear and in total."
     for name, xs in (("models", models), ("topologies", topologies), ("meshes", meshes)):
-        if isinstance(xs, str) or not xs: raise PlacementError(f"placement_widget({name}={xs!r}): give a non-empty list of choices")
+        if isinstance(xs, str) or not xs:
+            raise PlacementError(f"placement_widget({name}={xs!r}): give a non-empty list of choices")
     return harness(_placement_view, model=list(models), topology=list(topologies), mesh=list(meshes))

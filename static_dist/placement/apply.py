@@ -31,13 +31,17 @@ def _dp_mesh(device_mesh, tp_dim: str):
 def _check_for_model(model, spec: BlockSpec, plan: ShardingPlan) -> None:
     "PlacementError unless `plan` is for this model's block stack: its prefix, its block count, every linear it names."
     if (plan.prefix, plan.n_layers) != (spec.prefix, spec.n_layers):
-        raise PlacementError(f"the plan is for {plan.n_layers} blocks at {plan.prefix!r}, but the model has {spec.n_layers} "
-                             f"at {spec.prefix!r}: search a plan for this model (block_spec of its capture)")
+        raise PlacementError(
+            f"the plan is for {plan.n_layers} blocks at {plan.prefix!r}, but the model has {spec.n_layers} "
+            f"at {spec.prefix!r}: search a plan for this model (block_spec of its capture)"
+        )
     have = dict(model.named_modules())
     missing = [f for f in plan.parallelize_plan() if f not in have]
     if missing:
-        raise PlacementError(f"the plan shards {missing[0]!r} ({len(missing)} modules in all), which the model does not "
-                             f"have: search a plan for this model")
+        raise PlacementError(
+            f"the plan shards {missing[0]!r} ({len(missing)} modules in all), which the model does not "
+            f"have: search a plan for this model"
+        )
 
 # %% ../../nbs/30f_placement_apply.ipynb
 def apply_sharding_plan(model, device_mesh, spec: BlockSpec, plan: ShardingPlan):
@@ -57,5 +61,10 @@ def apply_sharding_plan(model, device_mesh, spec: BlockSpec, plan: ShardingPlan)
         from torch.distributed.fsdp import fully_shard
         dp_mesh = _dp_mesh(device_mesh, plan.tp_dim)
         for i in range(plan.n_layers):
-            for n in sharded: fully_shard(model.get_submodule(f"{plan.prefix}.{i}.{n}" if plan.prefix else f"{i}.{n}"), mesh=dp_mesh, reshard_after_forward=True)
+            for n in sharded:
+                fully_shard(
+                    model.get_submodule(f"{plan.prefix}.{i}.{n}" if plan.prefix else f"{i}.{n}"),
+                    mesh=dp_mesh,
+                    reshard_after_forward=True,
+                )
     return model

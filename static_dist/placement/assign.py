@@ -104,8 +104,13 @@ def place_ilp(mg: ModuleGroups, topo: Topology, time_limit: float = 30.0, *,
     pairs = [(d, e) for d in range(D) for e in range(D) if d != e]
     nx, n, t = G * D, G * D + len(mg.edges) * len(pairs) + 1, _times(mg)
     c, cons = _ilp_objective(mg, topo, pairs), LinearConstraint(*_ilp_constraints(mg, topo, t, pairs, pipeline))
-    res = milp(c / max(c.max(), t.max(), 1e-30), constraints=cons, integrality=np.r_[np.ones(nx), np.zeros(n - nx)],
-               bounds=Bounds(np.zeros(n), np.r_[np.ones(n - 1), np.inf]), options=dict(time_limit=time_limit, mip_rel_gap=1e-9))
+    res = milp(
+        c / max(c.max(), t.max(), 1e-30),
+        constraints=cons,
+        integrality=np.r_[np.ones(nx), np.zeros(n - nx)],
+        bounds=Bounds(np.zeros(n), np.r_[np.ones(n - 1), np.inf]),
+        options=dict(time_limit=time_limit, mip_rel_gap=1e-9),
+    )
     if res.x is None:
         raise ValueError(f"no placement fits: the groups need {sum(mg.memory):,} bytes, {D} devices hold "
                          f"{topo.device_memory:,} each ({res.message}); use more devices or less memory per group")
@@ -129,9 +134,16 @@ def check_pipeline(mg: ModuleGroups, devices) -> list:
     out = []
     for g in range(1, len(devices)):
         if devices[g] < devices[g - 1]:
-            out.append(Violation(mg.names[g], "pipeline stage order", f"stage {devices[g]} after stage {devices[g - 1]}",
-                                 f"stage >= {devices[g - 1]}", "use place_ilp(..., pipeline=True) or move the "
-                                 "group to a later stage, so activations flow one way between stages"))
+            out.append(
+                Violation(
+                    mg.names[g],
+                    "pipeline stage order",
+                    f"stage {devices[g]} after stage {devices[g - 1]}",
+                    f"stage >= {devices[g - 1]}",
+                    "use place_ilp(..., pipeline=True) or move the "
+                    "group to a later stage, so activations flow one way between stages",
+                )
+            )
     return out
 
 # %% ../../nbs/30b_placement_assign.ipynb

@@ -120,7 +120,8 @@ def llama_block_spec(graph, cfg, topo: Topology | None = None, prefix: str = "la
 
 # %% ../../nbs/30c_placement_blocks.ipynb
 def _dataflow(graph, block: str, names: list[str]) -> tuple[dict, set]:
-    "({linear: tags of its input}, linears feeding attention) from block 0's forward ops; tags: linears and 'x' (hidden input)."
+    """({linear: tags of its input}, linears feeding attention) from block 0's forward ops; tags: linears and 'x'
+    (hidden input)."""
     ops = [o for o in graph.ops if o.phase == "forward" and (o.module == block or o.module.startswith(block + "."))]
     made = {t for o in ops for t in o.outputs}
     shape = graph.tensors[ops[-1].outputs[0]].shape                 # the block's output: same shape as its hidden input

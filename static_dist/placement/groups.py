@@ -30,14 +30,17 @@ class Violation:
     found: str
     expected: str
     fix: str
-    def __str__(self): return f"{self.module}: {self.check}: found {self.found}, expected {self.expected}. Fix: {self.fix}"
+    def __str__(self):
+        return f"{self.module}: {self.check}: found {self.found}, expected {self.expected}. Fix: {self.fix}"
 
 # %% ../../nbs/30a_placement_groups.ipynb
 class LayoutError(PlacementError):
     "A plan that would run with inconsistent layouts; `.violations` lists them."
     def __init__(self, violations):
         self.violations = list(violations)
-        super().__init__(f"plan has {len(self.violations)} layout violation(s): " + "; ".join(map(str, self.violations)))
+        super().__init__(
+            f"plan has {len(self.violations)} layout violation(s): " + "; ".join(map(str, self.violations))
+        )
 
 # %% ../../nbs/30a_placement_groups.ipynb
 def _ancestors(path: str) -> list[str]:

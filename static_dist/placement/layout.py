@@ -36,7 +36,8 @@ def parallel_style(style: str):
 def _divisible(l: LinearSpec, style: str, tp: int) -> bool:
     _, _, _, _ = STYLES[style]
     if style != "replicate" and not l.shardable: return False
-    if style in ("colwise", "colwise_gather"): return l.fused == 1 and l.out_features % tp == 0 and (l.out_heads % tp == 0)
+    if style in ("colwise", "colwise_gather"):
+        return l.fused == 1 and l.out_features % tp == 0 and (l.out_heads % tp == 0)
     if style in ("rowwise", "rowwise_scatter"): return l.in_features % tp == 0 and (l.in_heads % tp == 0)
     return True
 
@@ -52,9 +53,18 @@ def _check_linear(spec: BlockSpec, l: LinearSpec, s: str, tp: int) -> Violation 
         return Violation(f"{spec.prefix}.*.{l.name}", "module type", "not an nn.Linear (e.g. transformers' Conv1D)",
                          "an nn.Linear", "replicate it: torch's ColwiseParallel/RowwiseParallel shard nn.Linear only")
     if _divisible(l, s, tp): return None
-    dim = ("out_features", l.out_features, l.out_heads) if s.startswith("colwise") else ("in_features", l.in_features, l.in_heads)
-    return Violation(f"{spec.prefix}.*.{l.name}", "divisibility", f"{dim[0]}={dim[1]}" + (f", heads={dim[2]}" if dim[2] else ""),
-                     f"divisible by tp={tp}", f"use a tp degree dividing {dim[1]} (and the heads) or replicate it")
+    dim = (
+        ("out_features", l.out_features, l.out_heads)
+        if s.startswith("colwise")
+        else ("in_features", l.in_features, l.in_heads)
+    )
+    return Violation(
+        f"{spec.prefix}.*.{l.name}",
+        "divisibility",
+        f"{dim[0]}={dim[1]}" + (f", heads={dim[2]}" if dim[2] else ""),
+        f"divisible by tp={tp}",
+        f"use a tp degree dividing {dim[1]} (and the heads) or replicate it",
+    )
 
 # %% ../../nbs/30d_placement_layout.ipynb
 def _layout(styles: dict, name: str, k: int) -> str:
@@ -71,25 +81,40 @@ def _check_chain(spec: BlockSpec, styles: dict, producers: tuple, consumer: str)
             v.append(Violation(P(p), "input layout", LAYOUT_NAMES[lay(p, 0)], "Replicate() (the norm's output)",
                                f"use colwise or rowwise_scatter for {p}"))
         if lay(p, 1) != lay(consumer, 0):
-            v.append(Violation(P(p), "producer/consumer layout",
-                               f"forward output {LAYOUT_NAMES[lay(p, 1)]} (its gradient returns as {LAYOUT_NAMES[lay(consumer, 0)]})",
-                               f"{LAYOUT_NAMES[lay(consumer, 0)]} as {consumer} reads it",
-                               f"make {consumer} {'rowwise' if lay(p, 1) == 'S' else 'replicate/colwise/rowwise_scatter'}"
-                               f" or {p} {'colwise' if lay(consumer, 0) == 'S' else 'colwise_gather'}"))
+            v.append(
+                Violation(
+                    P(p),
+                    "producer/consumer layout",
+                    f"forward output {LAYOUT_NAMES[lay(p, 1)]} (its gradient returns as "
+                    f"{LAYOUT_NAMES[lay(consumer, 0)]})",
+                    f"{LAYOUT_NAMES[lay(consumer, 0)]} as {consumer} reads it",
+                    f"make {consumer} {'rowwise' if lay(p, 1) == 'S' else 'replicate/colwise/rowwise_scatter'}"
+                    f" or {p} {'colwise' if lay(consumer, 0) == 'S' else 'colwise_gather'}",
+                )
+            )
     if lay(consumer, 1) != "R":
         v.append(Violation(P(consumer), "residual add", LAYOUT_NAMES[lay(consumer, 1)], "Replicate()",
                            f"use rowwise or colwise_gather for {consumer}"))
     return v
 
 # %% ../../nbs/30d_placement_layout.ipynb
-def check_sharding_plan(spec: BlockSpec, styles: dict, mesh: MeshSpec, tp_dim: str = "tp", dp_dims=None) -> list[Violation]:
+def check_sharding_plan(
+    spec: BlockSpec, styles: dict, mesh: MeshSpec, tp_dim: str = "tp", dp_dims=None
+) -> list[Violation]:
     "Every layout violation of a {linear: style} assignment for the block (empty list: consistent)."
     if tp_dim not in mesh.names:
         return [Violation("<mesh>", "tp dim", f"dims {mesh.names}", f"a dim named {tp_dim!r}", "name the TP mesh dim")]
     tp, v = mesh.shape[mesh.names.index(tp_dim)], []
     if dp_dims is not None and tp_dim in dp_dims:
-        v.append(Violation("<mesh>", "FSDP and TP share a mesh dim", f"dp dims {tuple(dp_dims)}", f"dims other than {tp_dim!r}",
-                           "shard parameters (FSDP) and tensor-parallelise on distinct mesh dims"))
+        v.append(
+            Violation(
+                "<mesh>",
+                "FSDP and TP share a mesh dim",
+                f"dp dims {tuple(dp_dims)}",
+                f"dims other than {tp_dim!r}",
+                "shard parameters (FSDP) and tensor-parallelise on distinct mesh dims",
+            )
+        )
     v += [x for l in spec.linears if (x := _check_linear(spec, l, styles.get(l.name, "replicate"), tp)) is not None]
     for producers, consumer in spec.chains: v += _check_chain(spec, styles, producers, consumer)
     return v

@@ -53,7 +53,8 @@ def plot_plans(report: dict, ax=None):
     ax = ax or fig.add_subplot()
     labels = [k for k in ("found", "megatron") if "per_linear" in report.get(k, {})]
     names = list(report[labels[0]]["per_linear"])
-    # compute and communication side by side on a log axis: stacked, a compute bar 100x shorter than its comm is invisible
+    # compute and communication side by side on a log axis: stacked, a compute bar 100x shorter than its comm is
+    # invisible
     w, x = 0.2, np.arange(len(names))
     for j, lab in enumerate(labels):
         per = report[lab]["per_linear"]
@@ -74,10 +75,17 @@ _BENCH_CASES = (("llama3-8b", "dgx-h100", {}, (2, 4), ("dp", "tp")),
 def _case_summary(rep: dict) -> dict:
     "The found plan's styles and its cost, bytes and memory next to Megatron's."
     f, mg = rep["found"]["plan"], rep["megatron"]["plan"]
-    return dict(ilp_seconds=f["solve_seconds"], found_styles={n: s + ("+dp_shard" if d else "") for n, s, d in f["styles"]},
-                found_seconds=f["seconds"], megatron_seconds=mg["seconds"], found_comm_bytes=f["comm_bytes"],
-                megatron_comm_bytes=mg["comm_bytes"], found_memory=f["memory"], megatron_memory=mg["memory"],
-                megatron_fits=rep["megatron"]["fits"])
+    return dict(
+        ilp_seconds=f["solve_seconds"],
+        found_styles={n: s + ("+dp_shard" if d else "") for n, s, d in f["styles"]},
+        found_seconds=f["seconds"],
+        megatron_seconds=mg["seconds"],
+        found_comm_bytes=f["comm_bytes"],
+        megatron_comm_bytes=mg["comm_bytes"],
+        found_memory=f["memory"],
+        megatron_memory=mg["memory"],
+        megatron_fits=rep["megatron"]["fits"],
+    )
 
 # %% ../../nbs/30g_placement_report.ipynb
 def solve_case(model: str, topo_name: str, topo_kw: dict, shape, names, batch: int = 1, seq: int = 4096) -> dict:
@@ -129,6 +137,10 @@ def _report_markdown(rep: dict) -> str:
     rows = ["| linear | found | Megatron |", "|---|---|---|"]
     mst = {n: s for n, s, _ in m.get("plan", {}).get("styles", [])}
     rows += [f"| `{n}` | {s}{' + dp shard' if d else ''} | {mst.get(n, '—')} |" for n, s, d in f["plan"]["styles"]]
-    rows += [f"| **{k}** | {f['plan'][k]:.4g} | {m['plan'][k]:.4g} |" if "plan" in m else f"| **{k}** | {f['plan'][k]:.4g} | — |"
-             for k in ("seconds", "comm_bytes", "memory")]
+    rows += [
+        f"| **{k}** | {f['plan'][k]:.4g} | {m['plan'][k]:.4g} |"
+        if "plan" in m
+        else f"| **{k}** | {f['plan'][k]:.4g} | — |"
+        for k in ("seconds", "comm_bytes", "memory")
+    ]
     return "\n".join(rows)

@@ -55,8 +55,15 @@ def _collectives(l: LinearSpec, style: str, dp_shard: bool, dp: int, tp: int) ->
              for ph, cs in (("forward", fwd), ("backward", bwd)) for k, w in cs] if tp > 1 else []
     local = l.param_bytes // (tp if style != "replicate" else 1)
     if dp > 1:
-        colls += ([("forward", "all_gather", "dp", local), ("backward", "all_gather", "dp", local),
-                   ("backward", "reduce_scatter", "dp", local)] if dp_shard else [("backward", "all_reduce", "dp", local)])
+        colls += (
+            [
+                ("forward", "all_gather", "dp", local),
+                ("backward", "all_gather", "dp", local),
+                ("backward", "reduce_scatter", "dp", local),
+            ]
+            if dp_shard
+            else [("backward", "all_reduce", "dp", local)]
+        )
     return colls
 
 # %% ../../nbs/30e_placement_search.ipynb
@@ -142,8 +149,17 @@ def evaluate_plan(spec: BlockSpec, styles: dict, topo: Topology, mesh: MeshSpec,
     cs = [choice_cost(spec.linear(n), styles[n], dp_shard.get(n, False), topo, mesh, tp_dim)
           for n in (l.name for l in spec.linears)]
     L = spec.n_layers
-    return ShardingPlan(spec.prefix, L, mesh, tp_dim, tuple((l.name, c.style, c.dp_shard) for l, c in zip(spec.linears, cs)),
-                        L * sum(c.seconds for c in cs), L * sum(c.comm_bytes for c in cs), L * sum(c.memory for c in cs), method)
+    return ShardingPlan(
+        spec.prefix,
+        L,
+        mesh,
+        tp_dim,
+        tuple((l.name, c.style, c.dp_shard) for l, c in zip(spec.linears, cs)),
+        L * sum(c.seconds for c in cs),
+        L * sum(c.comm_bytes for c in cs),
+        L * sum(c.memory for c in cs),
+        method,
+    )
 
 # %% ../../nbs/30e_placement_search.ipynb
 def _options(spec: BlockSpec, tp: int, dp: int, allow_dp_shard: bool):
@@ -152,7 +168,8 @@ def _options(spec: BlockSpec, tp: int, dp: int, allow_dp_shard: bool):
 
 # %% ../../nbs/30e_placement_search.ipynb
 def _layout_rows(spec: BlockSpec, opts: list) -> tuple[list, list, list]:
-    "(rows, lo, hi): one style per linear, and the layout rules of `check_sharding_plan` as equalities over the options."
+    """(rows, lo, hi): one style per linear, and the layout rules of `check_sharding_plan` as equalities over the
+    options."""
     rows, lo, hi = [], [], []
     def row(coef: dict, a, b):
         r = np.zeros(len(opts))
@@ -188,8 +205,13 @@ def search_plan(spec: BlockSpec, topo: Topology, mesh: MeshSpec, tp_dim: str = "
     c = np.array([cost[o].seconds for o in opts]) * L
     rows, lo, hi = _layout_rows(spec, opts)
     rows.append(np.array([L * cost[o].memory for o in opts])); lo.append(-np.inf); hi.append(budget - other_bytes)
-    res = milp(c / max(c.max(), 1e-30), constraints=LinearConstraint(np.array(rows), lo, hi), integrality=np.ones(len(opts)),
-               bounds=Bounds(0, 1), options=dict(time_limit=time_limit, mip_rel_gap=1e-9))   # scaled: see place_ilp
+    res = milp(
+        c / max(c.max(), 1e-30),
+        constraints=LinearConstraint(np.array(rows), lo, hi),
+        integrality=np.ones(len(opts)),
+        bounds=Bounds(0, 1),
+        options=dict(time_limit=time_limit, mip_rel_gap=1e-9),
+    )  # scaled: see place_ilp
     if res.x is None: raise ValueError(_no_fit_message(spec, opts, cost, other_bytes, budget, res.message))
     chosen = [opts[i] for i in np.flatnonzero(res.x > 0.5)]
     plan = evaluate_plan(spec, {l.name: s for l, s, _ in chosen}, topo, mesh, tp_dim,
@@ -234,7 +256,8 @@ def from_dict(cls: ShardingPlan, d: dict) -> ShardingPlan:
 _NO = object()
 
 def _getter(d: dict):
-    "get(key, ok, what, default): `d[key]` when `ok` of it, the default when missing; else a PlacementError naming `key`."
+    """get(key, ok, what, default): `d[key]` when `ok` of it, the default when missing; else a PlacementError naming
+    `key`."""
     def get(k, ok, what, default=_NO):
         if k not in d:
             if default is _NO: raise PlacementError(f"{k}: missing; give {what}")
@@ -253,9 +276,18 @@ def _is_mesh(v) -> bool:
 
 def _is_styles(v) -> bool:
     "A non-empty list of [linear, style, dp_shard] triples with a known style."
-    return isinstance(v, (list, tuple)) and bool(v) and all(
-        isinstance(x, (list, tuple)) and len(x) == 3 and isinstance(x[0], str) and x[1] in STYLES and isinstance(x[2], bool)
-        for x in v)
+    return (
+        isinstance(v, (list, tuple))
+        and bool(v)
+        and all(
+            isinstance(x, (list, tuple))
+            and len(x) == 3
+            and isinstance(x[0], str)
+            and x[1] in STYLES
+            and isinstance(x[2], bool)
+            for x in v
+        )
+    )
 
 # %% ../../nbs/30e_placement_search.ipynb
 def _sharding_from_dict(d) -> ShardingPlan:
@@ -271,9 +303,15 @@ def _sharding_from_dict(d) -> ShardingPlan:
     except (KeyError, TypeError, ValueError) as e: raise PlacementError(f"mesh: {e}") from None
     tp = get("tp_dim", lambda v: isinstance(v, str) and v in mesh.names, f"one of the mesh dims {mesh.names}")
     styles = get("styles", _is_styles, f"a list of [linear, style, dp_shard] with style in {tuple(STYLES)}")
-    return ShardingPlan(get("prefix", lambda v: isinstance(v, str), "the stack's FQN"),
-                        get("n_layers", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "an int >= 1"),
-                        mesh, tp, tuple(tuple(x) for x in styles), get("seconds", num, "a number >= 0"),
-                        get("comm_bytes", lambda v: num(v) and isinstance(v, int), "an int >= 0"),
-                        get("memory", num, "a number >= 0"), get("method", lambda v: isinstance(v, str), "a string", "ilp"),
-                        get("solve_seconds", num, "a number >= 0", 0.0))
+    return ShardingPlan(
+        get("prefix", lambda v: isinstance(v, str), "the stack's FQN"),
+        get("n_layers", lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1, "an int >= 1"),
+        mesh,
+        tp,
+        tuple(tuple(x) for x in styles),
+        get("seconds", num, "a number >= 0"),
+        get("comm_bytes", lambda v: num(v) and isinstance(v, int), "an int >= 0"),
+        get("memory", num, "a number >= 0"),
+        get("method", lambda v: isinstance(v, str), "a string", "ilp"),
+        get("solve_seconds", num, "a number >= 0", 0.0),
+    )

@@ -69,21 +69,27 @@ def _plot_rule(ax, run: RunReport, s: Strategy):
     "The statistic `s`'s rule thresholds, replayed from `run`, and the threshold the controls set."
     steps, norms = [r.step for r in run.records], [r.grad_norm for r in run.records]
     if _WINDOW(s):
-        ax.plot(steps, _noise(norms, s.window), lw=1, color="C1", label=f"std / mean of the last {s.window.window} norms")
+        ax.plot(
+            steps, _noise(norms, s.window), lw=1, color="C1", label=f"std / mean of the last {s.window.window} norms"
+        )
         ax.axhline(s.window.ratio, color="k", ls="--", lw=0.8, label=f"ratio {s.window.ratio:g}")
         ax.set_ylabel("window noise")
     else:
         if "grad" in s.detect: ax.plot(steps, _zscores(norms, s.grad_rule), lw=1, color="C1", label="grad-norm z-score")
-        if "loss" in s.detect: ax.plot(steps, _zscores([r.loss for r in run.records], s.loss_rule), lw=1, color="C2", label="loss z-score")
+        if "loss" in s.detect:
+            ax.plot(steps, _zscores([r.loss for r in run.records], s.loss_rule), lw=1, color="C2", label="loss z-score")
         ax.axhline(s.grad_rule.z, color="k", ls="--", lw=0.8, label=f"z {s.grad_rule.z:g}")
         ax.set_yscale("symlog", linthresh=10); ax.set_ylabel("z-score")
     ax.set_xlabel("step"); ax.legend(fontsize=7, loc="upper left")
 
 # %% ../../nbs/60_stability.ipynb
 def _stability_figure(runs, s: Strategy):
-    "Loss and gradient norm of both runs (`plot_run`), over the statistic the strategy's rule thresholds, if it has one."
+    """Loss and gradient norm of both runs (`plot_run`), over the statistic the strategy's rule thresholds, if it has
+    one."""
     rule = _WINDOW(s) or _SPIKES(s)
-    fig, axs = harness_figure(7, 6.5 if rule else 4.5, rows=3 if rule else 2, heights=(3, 2, 2) if rule else (3, 2), sharex=True)
+    fig, axs = harness_figure(
+        7, 6.5 if rule else 4.5, rows=3 if rule else 2, heights=(3, 2, 2) if rule else (3, 2), sharex=True
+    )
     plot_run(runs, ax=axs[:2])
     if rule:
         axs[1].set_xlabel(""); _plot_rule(axs[2], runs[1], s); fig.tight_layout()
@@ -117,9 +123,12 @@ def _stability_view(strategy: str = "rewind", fault: str = "lr_spike", fault_ste
 
 # %% ../../nbs/60_stability.ipynb
 def stability_widget(steps: int = 120):
-    "Harness over `_stability_view`: strategy, fault, its step, lr and the rules' settings -> both runs, the rule's statistic."
+    """Harness over `_stability_view`: strategy, fault, its step, lr and the rules' settings -> both runs, the rule's
+    statistic."""
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 40:
-        raise InputError(f"steps must be an integer of at least 40 (the fault step slider runs from 25 to steps - 10), got {steps!r}")
+        raise InputError(
+            f"steps must be an integer of at least 40 (the fault step slider runs from 25 to steps - 10), got {steps!r}"
+        )
     W, cu = widgets(), dict(continuous_update=False)
     return harness(_stability_view, strategy=W.Dropdown(options=list(STRATEGIES), value="rewind"),
                    fault=W.Dropdown(options=list(FAULT_KINDS), value="lr_spike"),

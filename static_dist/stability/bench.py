@@ -19,7 +19,15 @@ from .mitigate import STRATEGIES, Trainer
 from ..step import forward_backward, make_optimizer, train_step
 from ..structure import find_structure
 from .monitors import _local, grad_norms, total_norm
-from .run import RunConfig, RunReport, detection, localized, measure_overhead, recover_steps, run_stability
+from static_dist.stability.run import (
+    RunConfig,
+    RunReport,
+    detection,
+    localized,
+    measure_overhead,
+    recover_steps,
+    run_stability,
+)
 
 # %% auto 0
 __all__ = ['BENCH_FAULTS', 'CONFIGS', 'stability_bench', 'config_checks', 'fsdp_check', 'run_fsdp_check', 'bench_markdown',
@@ -59,7 +67,9 @@ def _strategy_summary(mine: list, clean: RunReport, clean_steps: int, ref: float
 def _bench_overhead(config: RunConfig, strategies: Sequence[str], steps: int) -> dict:
     "measure_overhead of the bench's strategies and of zscore_clip with the hooks always on."
     hooks = replace(STRATEGIES["zscore_clip"], name="zscore_clip+hooks", localize="hooks")
-    names = [s for s in ("unmonitored", "zscore_clip", "rewind", "seed_window", "zclip", "anomaly_mode") if s in strategies]
+    names = [
+        s for s in ("unmonitored", "zscore_clip", "rewind", "seed_window", "zclip", "anomaly_mode") if s in strategies
+    ]
     return measure_overhead(config, [STRATEGIES[n] for n in names] + [hooks], steps=steps)
 
 def _clean_runs(config: RunConfig, strategies, clean_steps: int, say) -> dict:
@@ -77,7 +87,10 @@ def stability_bench(config: RunConfig = RunConfig(), strategies: Sequence[str] =
     "Every strategy against every fault, side by side; JSON-ready."
     from static_dist.util import environment
     if "unmonitored" not in strategies: raise ValueError("strategies must include 'unmonitored' (the clean reference).")
-    if clean_steps < config.steps: raise ValueError(f"clean_steps={clean_steps} < config.steps={config.steps}: the clean run must cover the faulted ones.")
+    if clean_steps < config.steps:
+        raise ValueError(
+            f"clean_steps={clean_steps} < config.steps={config.steps}: the clean run must cover the faulted ones."
+        )
     t0, say = time.perf_counter(), progress or (lambda m: None)
     clean = _clean_runs(config, strategies, clean_steps, say)
     ref, ref_losses = clean["unmonitored"].evals[0][1], clean["unmonitored"].losses[: config.steps]
@@ -86,7 +99,9 @@ def stability_bench(config: RunConfig = RunConfig(), strategies: Sequence[str] =
         for f in faults:
             say(f"{s}: {f.kind}")
             rows.append(_fault_row(run_stability(config, s, [f]), ref_losses, ref))
-    summary = {s: _strategy_summary([r for r in rows if r["strategy"] == s], clean[s], clean_steps, ref) for s in strategies}
+    summary = {
+        s: _strategy_summary([r for r in rows if r["strategy"] == s], clean[s], clean_steps, ref) for s in strategies
+    }
     say("overhead")
     res = dict(config=config.to_dict(), faults=[asdict(f) for f in faults], clean_reference_loss=ref,
                entropy_rate=clean["unmonitored"].entropy_rate, summary=summary, runs=rows,
@@ -105,7 +120,9 @@ def _localization_check(cfg: RunConfig, steps: int) -> dict:
     for f in (Fault("nan_grad", steps // 2), Fault("nan_activation", steps // 2)):
         r = run_stability(cfg, "skip", [f])
         f = r.faults[0]                                          # its target, resolved on the model
-        loc[f.kind] = dict(expected=f.module, found=localized(r, f), step=r.alarm_steps, final_finite=math.isfinite(r.eval_loss))
+        loc[f.kind] = dict(
+            expected=f.module, found=localized(r, f), step=r.alarm_steps, final_finite=math.isfinite(r.eval_loss)
+        )
     return loc
 
 # %% ../../nbs/60f_stability_bench.ipynb
@@ -126,7 +143,9 @@ def config_checks(config: RunConfig = RunConfig(), names: Sequence[str] = tuple(
 def _fsdp_data(w, world: int, steps: int, accum: int, batch_per_rank: int, seq_len: int):
     "mb(step, rank, j) -> MicroBatch j of `rank` at `step` as workload `w` feeds it, all from one seeded token pool."
     from static_dist.zoo import MarkovTokens
-    tokens = MarkovTokens(min(w.vocab, 4096), seq_len, steps * world * accum * batch_per_rank, seed=0, sample_seed=7).tokens
+    tokens = MarkovTokens(
+        min(w.vocab, 4096), seq_len, steps * world * accum * batch_per_rank, seed=0, sample_seed=7
+    ).tokens
     def mb(step, r, j):
         k = ((step * world + r) * accum + j) * batch_per_rank
         return w.token_batch(tokens[k:k + batch_per_rank])
@@ -136,7 +155,7 @@ def _fsdp_data(w, world: int, steps: int, accum: int, batch_per_rank: int, seq_l
 def _norm_check(model, ref, loss, mb, rank: int, world: int, accum: int) -> dict:
     "Norms of accumulated gradients: FSDP2 shards (global via grad_norms) against the single process."
     forward_backward(model, [mb(0, rank, j) for j in range(accum)], loss, sync_every_microbatch=False)
-    forward_backward(ref, [mb(0, r, j) for r in range(world) for j in range(accum)], loss)   # the mean over every rank's
+    forward_backward(ref, [mb(0, r, j) for r in range(world) for j in range(accum)], loss)  # the mean over every rank's
     got, want = grad_norms(list(model.parameters())), grad_norms(list(ref.parameters()))
     local_only = total_norm(torch.stack([_local(p.grad).norm() for p in model.parameters()])).item()
     model.zero_grad(set_to_none=True); ref.zero_grad(set_to_none=True)
@@ -175,7 +194,8 @@ def _rank_report(model, ref, recs, rank: int, world: int) -> tuple[list, float, 
 # %% ../../nbs/60f_stability_bench.ipynb
 def fsdp_check(model: str = "tiny", steps: int = 4, nan_step: int = 2, accum: int = 2, batch_per_rank: int = 2,
                seq_len: int = 16) -> dict:
-    "On every rank of the running group: FSDP2 norms vs a single process, and a NaN on one rank skipped by all; the report."
+    """On every rank of the running group: FSDP2 norms vs a single process, and a NaN on one rank skipped by all; the
+    report."""
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
     from static_dist.workload import load_workload
@@ -189,12 +209,16 @@ def fsdp_check(model: str = "tiny", steps: int = 4, nan_step: int = 2, accum: in
     recs = _nan_run(sharded, w.loss, mb, rank, world, steps, accum, nan_step)
     _reference_run(ref, w.loss, mb, world, steps, accum, nan_step)
     every, pdiff, finite = _rank_report(sharded, ref, recs, rank, world)
-    return dict(model=model, world=world, accum=accum, **norms, final_param_max_abs_diff=pdiff, finite=finite, ranks=every)
+    return dict(
+        model=model, world=world, accum=accum, **norms, final_param_max_abs_diff=pdiff, finite=finite, ranks=every
+    )
 
 # %% ../../nbs/60f_stability_bench.ipynb
 def run_fsdp_check(nproc: int = 2, timeout: float = 300, model: str = "tiny") -> dict:
     "`fsdp_check` of `model` on `nproc` gloo ranks of this host (`launch`); rank 0's report."
-    return launch("static_dist.stability.bench:fsdp_check", nproc, model, timeout=timeout)   # by name: a rank imports the package's copy
+    return launch(
+        "static_dist.stability.bench:fsdp_check", nproc, model, timeout=timeout
+    )  # by name: a rank imports the package's copy
 
 # %% ../../nbs/60f_stability_bench.ipynb
 def _distributed_and_configs(config: RunConfig, say) -> dict:
@@ -213,13 +237,21 @@ def _pct(v) -> str:
 
 def _summary_table(res: dict, faults: list) -> list:
     "Per strategy: recall, precision, false alarms, runs within 2%, final loss per fault."
-    L = ["| strategy | recall | precision | false alarms (clean) | runs within 2% | " + " | ".join(f"{k}: final" for k in faults) + " |",
-         "|---|---:|---:|---:|---:|" + "---:|" * len(faults)]
+    L = [
+        "| strategy | recall | precision | false alarms (clean) | runs within 2% | "
+        + " | ".join(f"{k}: final" for k in faults)
+        + " |",
+        "|---|---:|---:|---:|---:|" + "---:|" * len(faults),
+    ]
     for s, v in res["summary"].items():
         finals = {r["fault"]: r for r in res["runs"] if r["strategy"] == s}
         prec = "—" if v["precision"] is None else f"{v['precision']:.2f}"
-        L.append(f"| `{s}` | {v['recall']:.2f} | {prec} | {v['clean_false_alarms']} / {v['clean_steps']} | "
-                 f"{v['within_2pct']} / {len(finals)} | " + " | ".join(_pct(finals[k]["final_vs_clean"]) for k in faults) + " |")
+        L.append(
+            f"| `{s}` | {v['recall']:.2f} | {prec} | {v['clean_false_alarms']} / {v['clean_steps']} | "
+            f"{v['within_2pct']} / {len(finals)} | "
+            + " | ".join(_pct(finals[k]["final_vs_clean"]) for k in faults)
+            + " |"
+        )
     return L
 
 # %% ../../nbs/60f_stability_bench.ipynb
@@ -228,16 +260,28 @@ def _runs_table(res: dict) -> list:
     L = ["| strategy | fault | detected | alarm steps | localized | steps to recover | skips | rewinds |",
          "|---|---|---|---:|---|---:|---:|---:|"]
     for r in res["runs"]:
-        loc = "—" if r["localized"] is None else f"`{r['localized']}`" + ("" if r["localized_ok"] in (None, True) else " ✗")
-        L.append(f"| `{r['strategy']}` | {r['fault']} | {'yes' if r['detected'] else 'no'} | {r['alarm_steps']} | {loc} | "
-                 f"{'never' if r['recover_steps'] is None else r['recover_steps']} | {r['skips']} | {r['rewinds']} |")
+        loc = (
+            "—"
+            if r["localized"] is None
+            else f"`{r['localized']}`" + ("" if r["localized_ok"] in (None, True) else " ✗")
+        )
+        L.append(
+            f"| `{r['strategy']}` | {r['fault']} | {'yes' if r['detected'] else 'no'} | {r['alarm_steps']} | {loc} | "
+            f"{'never' if r['recover_steps'] is None else r['recover_steps']} | {r['skips']} | {r['rewinds']} |"
+        )
     return L
 
 def _overhead_table(res: dict) -> list:
-    L = ["| strategy | median step (ms) | ratio of medians | median paired ratio | tokens/s |", "|---|---:|---:|---:|---:|"]
+    L = [
+        "| strategy | median step (ms) | ratio of medians | median paired ratio | tokens/s |",
+        "|---|---:|---:|---:|---:|",
+    ]
     for s, v in res["overhead"].items():
-        L.append(f"| `{s}` | {1e3 * v['median_step_s']:.2f} | {v['ratio']:.3f} | {v.get('paired_ratio', float('nan')):.3f} | "
-                 f"{v['tokens_per_s']:,.0f} |")
+        L.append(
+            f"| `{s}` | {1e3 * v['median_step_s']:.2f} | {v['ratio']:.3f} | {v.get('paired_ratio', float('nan')):.3f} "
+            "| "
+            f"{v['tokens_per_s']:,.0f} |"
+        )
     return L
 
 # %% ../../nbs/60f_stability_bench.ipynb
@@ -249,8 +293,11 @@ def _fsdp_line(f: dict) -> list:
             + "; ".join(f"rank {r['rank']}: {'/'.join(r['actions'])}" for r in f["ranks"]) + "."]
 
 def _configs_table(configs: dict) -> list:
-    L = ["", "| configuration | NaN in embedding grad → | NaN in attention output → | monitor overhead | anomaly mode |",
-         "|---|---|---|---:|---:|"]
+    L = [
+        "",
+        "| configuration | NaN in embedding grad → | NaN in attention output → | monitor overhead | anomaly mode |",
+        "|---|---|---|---:|---:|",
+    ]
     for c, v in configs.items():
         lo = v["localization"]
         L.append(f"| {c} | `{lo['nan_grad']['found']}` | `{lo['nan_activation']['found']}` | "

@@ -45,8 +45,10 @@ class Fault:
     def __post_init__(self):
         if self.kind not in FAULT_KINDS:
             raise ValueError(f"Fault kind {self.kind!r}: choose one of {', '.join(FAULT_KINDS)}.")
-        if not (isinstance(self.step, int) and self.step >= 0): raise ValueError(f"Fault.step={self.step!r}: use an int >= 0.")
-        if not (isinstance(self.duration, int) and self.duration >= 1): raise ValueError(f"Fault.duration={self.duration!r}: use an int >= 1.")
+        if not (isinstance(self.step, int) and self.step >= 0):
+            raise ValueError(f"Fault.step={self.step!r}: use an int >= 0.")
+        if not (isinstance(self.duration, int) and self.duration >= 1):
+            raise ValueError(f"Fault.duration={self.duration!r}: use an int >= 1.")
         if self.kind not in _MODULE_KINDS: object.__setattr__(self, "module", "")
         if self.factor is None: object.__setattr__(self, "factor", _DEFAULT_FACTOR[self.kind])
 
@@ -114,7 +116,8 @@ def resolve_faults(model: nn.Module, faults: Sequence[Fault]) -> tuple[Fault, ..
 
 # %% ../../nbs/60c_stability_faults.ipynb
 class FaultInjector:
-    "Applies `faults` to a model, its optimizer and its batches, step by step; `faults` holds them with their targets resolved."
+    """Applies `faults` to a model, its optimizer and its batches, step by step; `faults` holds them with their targets
+    resolved."""
     def __init__(self, model: nn.Module, faults: Sequence[Fault] = ()):
         self.faults = resolve_faults(model, faults)
         self.modules = {clean_fqn(n): m for n, m in model.named_modules()}
@@ -132,7 +135,8 @@ def _unknown_module(f: Fault, modules: dict) -> str:
             + (f"; did you mean {', '.join(map(repr, close))}?" if close else "."))
 
 def _hidden_by_compile(f: Fault, block: str) -> str:
-    "The refusal for a hook fault inside a compiled block (its hook would not run: the fault would silently not happen)."
+    """The refusal for a hook fault inside a compiled block (its hook would not run: the fault would silently not
+    happen)."""
     return (f"Fault {f.kind} targets {f.module!r}, inside the torch.compile'd block {block or '(the whole model)'!r}, "
             "whose compiled code does not run hooks added after compilation: target the block itself or a module "
             "outside the compiled blocks, or inject it into the uncompiled model")
@@ -140,13 +144,20 @@ def _hidden_by_compile(f: Fault, block: str) -> str:
 # %% ../../nbs/60c_stability_faults.ipynb
 @patch
 def batch(self: FaultInjector, data_index: int, mb) -> MicroBatch:
-    "Micro-batch `mb` (any form `step.micro_batch` reads), degenerate for bad_batches: every row of its token ids (positional or keyword, and integer targets or labels of their shape) is its first token repeated."
+    """Micro-batch `mb` (any form `step.micro_batch` reads), degenerate for bad_batches: every row of its token ids
+    (positional or keyword, and integer targets or labels of their shape) is its first token repeated."""
     mb = micro_batch(mb)
     if not any(f.kind == "bad_batches" and f.active(data_index) for f in self.faults): return mb
-    tokens = [t for t in (*mb.args, *mb.kwargs.values()) if isinstance(t, torch.Tensor) and t.dim() == 2 and not t.is_floating_point()]
+    tokens = [
+        t
+        for t in (*mb.args, *mb.kwargs.values())
+        if isinstance(t, torch.Tensor) and t.dim() == 2 and not t.is_floating_point()
+    ]
     if not tokens: raise ValueError("bad_batches needs token (integer, batch x seq) inputs, as language models take.")
     shape, first = tokens[0].shape, tokens[0][:, :1].expand_as(tokens[0]).clone()
-    bad = lambda t: first.clone() if isinstance(t, torch.Tensor) and t.shape == shape and not t.is_floating_point() else t
+    bad = lambda t: (
+        first.clone() if isinstance(t, torch.Tensor) and t.shape == shape and not t.is_floating_point() else t
+    )
     return MicroBatch(tuple(bad(a) for a in mb.args), {k: bad(v) for k, v in mb.kwargs.items()}, bad(mb.targets))
 
 # %% ../../nbs/60c_stability_faults.ipynb

@@ -69,8 +69,11 @@ def _quiet_backward_hooks():
     "Silence torch's 'Full backward hook is firing ... since no inputs require gradients' UserWarning (see above)."
     with warnings.catch_warnings():
         # safe: the hook then gets grad_output and an all-None grad_input, which the Localizer records as no value
-        warnings.filterwarnings("ignore", category=UserWarning,
-                                message="Full backward hook is firing when gradients are computed with respect to module outputs")
+        warnings.filterwarnings(
+            "ignore",
+            category=UserWarning,
+            message="Full backward hook is firing when gradients are computed with respect to module outputs",
+        )
         yield
 
 # %% ../../nbs/60b_stability_localize.ipynb
@@ -132,7 +135,8 @@ def _kind(self: Localizer, v: float | None):
 # %% ../../nbs/60b_stability_localize.ipynb
 @patch
 def _judge(self: Localizer, n: int, phase: str, name: str, va, vb, b) -> Localization | None:
-    "The localization of event `n` if it is bad (va, vb: its two reduced values; b: the parameter name of a grad event)."
+    """The localization of event `n` if it is bad (va, vb: its two reduced values; b: the parameter name of a grad
+    event)."""
     if phase == "grad":
         k = self._kind(va)
         return Localization(name, "backward", f"grad:{b}", k, va, n + 1) if k else None

@@ -22,9 +22,25 @@ from fastcore.basics import patch
 
 from .faults import Fault, FaultInjector, first_embedding
 from ..step import batch_loss, forward_backward, micro_batch
-from .localize import (CompiledHookError, Localization, Localizer, _eager_replay, _quiet_backward_hooks,
-                                            clean_fqn, compiled_blocks, compiled_owner)
-from .monitors import SpikeDetector, SpikeRule, WindowClipper, WindowRule, _local, grad_norms, total_norm
+from static_dist.stability.localize import (
+    CompiledHookError,
+    Localization,
+    Localizer,
+    _eager_replay,
+    _quiet_backward_hooks,
+    clean_fqn,
+    compiled_blocks,
+    compiled_owner,
+)
+from static_dist.stability.monitors import (
+    SpikeDetector,
+    SpikeRule,
+    WindowClipper,
+    WindowRule,
+    _local,
+    grad_norms,
+    total_norm,
+)
 
 # %% auto 0
 __all__ = ['Clip', 'Response', 'STRATEGIES', 'Strategy', 'StepRecord', 'Trainer']
@@ -57,7 +73,8 @@ class Strategy:
     detect: tuple[str, ...] = ("nonfinite", "grad", "loss")
     "Detectors that raise alarms: 'nonfinite' (loss or global grad norm), 'grad' and 'loss' (EMA z-score spikes)."
     clip: Clip = "none"
-    "'fixed' (max_norm), 'window' (the seed's rule), 'zscore' (to the running level on grad spikes), 'zclip' (the package)."
+    """'fixed' (max_norm), 'window' (the seed's rule), 'zscore' (to the running level on grad spikes), 'zclip' (the
+    package)."""
     max_norm: float = 1.0
     "Threshold of fixed clipping."
     window: WindowRule = WindowRule()
@@ -171,7 +188,11 @@ class Trainer:
         self.injector, self.handles, self.world = FaultInjector(model, faults), [], _world_size()
         self._refuse_hooks_in_compiled(embedding)
         if strategy.embed_grad_shrink is not None: self._shrink_embedding(embedding)
-        self.window, self.gdet, self.ldet = WindowClipper(strategy.window), SpikeDetector(strategy.grad_rule), SpikeDetector(strategy.loss_rule)
+        self.window, self.gdet, self.ldet = (
+            WindowClipper(strategy.window),
+            SpikeDetector(strategy.grad_rule),
+            SpikeDetector(strategy.loss_rule),
+        )
         self.localizer = Localizer(model)
         if strategy.localize == "hooks": self.localizer.attach()
         self.zc = _zclip(strategy.zclip_kwargs) if strategy.clip == "zclip" else None
@@ -189,9 +210,11 @@ class Trainer:
 @patch
 def _shrink_embedding(self: Trainer, embedding: str | None):
     "Install GLM-130B's embedding-gradient shrink on the module named `embedding`."
-    if embedding is None: raise ValueError("embed_grad_shrink: the model has no nn.Embedding; pass embedding=<the module to shrink>.")
+    if embedding is None:
+        raise ValueError("embed_grad_shrink: the model has no nn.Embedding; pass embedding=<the module to shrink>.")
     emb = self.injector.modules.get(embedding)
-    if emb is None: raise ValueError(f"embed_grad_shrink: the model has no module {embedding!r}; pass embedding=<its name>.")
+    if emb is None:
+        raise ValueError(f"embed_grad_shrink: the model has no module {embedding!r}; pass embedding=<its name>.")
     self.handles.append(emb.register_forward_hook(_shrink_hook(self.s.embed_grad_shrink), prepend=True))
 
 # %% ../../nbs/60d_stability_mitigate.ipynb
@@ -201,12 +224,16 @@ def _refuse_hooks_in_compiled(self: Trainer, embedding: str):
     blocks = compiled_blocks(self.model)
     if not blocks: return
     if self.s.localize == "hooks":
-        raise CompiledHookError(f"Strategy {self.s.name!r}: localize='hooks' cannot see inside the torch.compile'd blocks "
-                                f"{blocks}; use localize='replay', which replays a bad step eagerly")
+        raise CompiledHookError(
+            f"Strategy {self.s.name!r}: localize='hooks' cannot see inside the torch.compile'd blocks "
+            f"{blocks}; use localize='replay', which replays a bad step eagerly"
+        )
     owner = compiled_owner(embedding, blocks) if embedding is not None else None
     if self.s.embed_grad_shrink is not None and owner is not None:
-        raise CompiledHookError(f"Strategy {self.s.name!r}: embed_grad_shrink hooks {embedding!r}, inside the "
-                                f"torch.compile'd block {owner or '(the whole model)'!r}; compile the blocks after the embedding only")
+        raise CompiledHookError(
+            f"Strategy {self.s.name!r}: embed_grad_shrink hooks {embedding!r}, inside the "
+            f"torch.compile'd block {owner or '(the whole model)'!r}; compile the blocks after the embedding only"
+        )
 
 # %% ../../nbs/60d_stability_mitigate.ipynb
 @patch
@@ -216,7 +243,9 @@ def _autocast(self: Trainer):
 @patch
 def _forward_backward(self: Trainer, mbs) -> torch.Tensor:
     "Forward and backward of every micro-batch (`step.forward_backward`); the mean loss (a 0-dim tensor, not synced)."
-    return forward_backward(self.model, mbs, self.loss_fn, sync_every_microbatch=self.sync_every, autocast=self._autocast)
+    return forward_backward(
+        self.model, mbs, self.loss_fn, sync_every_microbatch=self.sync_every, autocast=self._autocast
+    )
 
 # %% ../../nbs/60d_stability_mitigate.ipynb
 @patch
@@ -276,7 +305,8 @@ def _restore(self: Trainer, ps: list, st: dict):
 
 @patch
 def _rewind(self: Trainer, i) -> bool:
-    "Restore the newest snapshot taken before step i; False (skip instead) if none, or nothing changed since the last rewind."
+    """Restore the newest snapshot taken before step i; False (skip instead) if none, or nothing changed since the last
+    rewind."""
     while self.snapshots and self.snapshots[-1][0] > i - 1: self.snapshots.pop()
     if not self.snapshots or self.rewinds >= self.max_rewinds or not self.updates_since_rewind: return False
     self._restore(*self.snapshots[-1][1:])
@@ -407,7 +437,8 @@ def _zclip_step(self: Trainer, st: _StepState):
 @patch
 def _update(self: Trainer, st: _StepState):
     "Apply the step: clip, then optimizer.step."
-    if st.threshold is not None and st.norm is not None and _clip(self.params, st.norm, st.threshold): st.action = "clip"
+    if st.threshold is not None and st.norm is not None and _clip(self.params, st.norm, st.threshold):
+        st.action = "clip"
     if self.zc is not None: self._zclip_step(st)
     self.opt.step()
     self.updates_since_rewind += 1
@@ -420,7 +451,8 @@ def _respond(self: Trainer, st: _StepState, i: int):
     nonfinite = "nonfinite" in st.alarms or "anomaly" in st.alarms
     spike = "grad_spike" in st.alarms or "loss_spike" in st.alarms
     response = self.s.on_nonfinite if nonfinite else self.s.on_spike if spike else "none"
-    if response == "rewind" and "loss_spike" in st.alarms and self._weights_damaged() and self._rewind(i): st.action = "rewind"
+    if response == "rewind" and "loss_spike" in st.alarms and self._weights_damaged() and self._rewind(i):
+        st.action = "rewind"
     elif response in ("skip", "rewind"): st.action = "skip"
     else: self._update(st)
     if st.action in ("skip", "rewind"): self.opt.zero_grad(set_to_none=True)
@@ -428,7 +460,8 @@ def _respond(self: Trainer, st: _StepState, i: int):
 # %% ../../nbs/60d_stability_mitigate.ipynb
 @patch
 def step(self: Trainer, i: int, data_index: int, microbatches: Sequence) -> StepRecord:
-    "Iteration `i` on `microbatches` (each `(inputs, targets)`, `(args, kwargs, targets)` or a `MicroBatch`; gradients accumulated)."
+    """Iteration `i` on `microbatches` (each `(inputs, targets)`, `(args, kwargs, targets)` or a `MicroBatch`; gradients
+    accumulated)."""
     t0 = time.perf_counter()
     st = _StepState([self.injector.batch(data_index, mb) for mb in microbatches])
     self._maybe_snapshot(i)

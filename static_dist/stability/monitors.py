@@ -61,7 +61,8 @@ def _sum_over_shards(per: torch.Tensor, params: list, idx: list[int]) -> torch.T
 
 # %% ../../nbs/60a_stability_monitors.ipynb
 def grad_norms(params: Sequence[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
-    "L2 norm of each parameter's gradient (0 where there is none), global across ranks for DTensor shards; float32 vector."
+    """L2 norm of each parameter's gradient (0 where there is none), global across ranks for DTensor shards; float32
+    vector."""
     if norm_type != 2.0: raise ValueError(f"norm_type={norm_type}: only the L2 norm (2.0) is supported.")
     params = list(params)
     if not params: raise ValueError("grad_norms needs at least one parameter.")
@@ -91,8 +92,10 @@ class WindowRule:
     "Initial clip threshold."
 
     def __post_init__(self):
-        if not (isinstance(self.window, int) and self.window >= 2): raise ValueError(f"WindowRule.window={self.window!r}: use an int >= 2.")
-        if not (isinstance(self.patience, int) and self.patience >= 1): raise ValueError(f"WindowRule.patience={self.patience!r}: use an int >= 1.")
+        if not (isinstance(self.window, int) and self.window >= 2):
+            raise ValueError(f"WindowRule.window={self.window!r}: use an int >= 2.")
+        if not (isinstance(self.patience, int) and self.patience >= 1):
+            raise ValueError(f"WindowRule.patience={self.patience!r}: use an int >= 1.")
         if not self.ratio > 0: raise ValueError(f"WindowRule.ratio={self.ratio!r}: must be > 0.")
         if not 0 < self.decay <= 1: raise ValueError(f"WindowRule.decay={self.decay!r}: must be in (0, 1].")
         if not self.max_norm > 0: raise ValueError(f"WindowRule.max_norm={self.max_norm!r}: must be > 0.")
@@ -157,7 +160,8 @@ class SpikeRule:
         if not 0 < self.alpha < 1: raise ValueError(f"SpikeRule.alpha={self.alpha!r}: must be in (0, 1).")
         if not self.z > 0: raise ValueError(f"SpikeRule.z={self.z!r}: must be > 0.")
         if not self.min_ratio >= 1: raise ValueError(f"SpikeRule.min_ratio={self.min_ratio!r}: must be >= 1.")
-        if not (isinstance(self.warmup, int) and self.warmup >= 2): raise ValueError(f"SpikeRule.warmup={self.warmup!r}: use an int >= 2.")
+        if not (isinstance(self.warmup, int) and self.warmup >= 2):
+            raise ValueError(f"SpikeRule.warmup={self.warmup!r}: use an int >= 2.")
 
 # %% ../../nbs/60a_stability_monitors.ipynb
 class SpikeDetector:

@@ -53,7 +53,8 @@ class RunConfig:
     snapshot_every: int = 10
     "Rewind snapshot interval."
     threads: int | None = 1
-    "torch.set_num_threads during the run (None: leave it). One thread: tiny steps do not gain from more, and on a shared CPU they lose."
+    """torch.set_num_threads during the run (None: leave it). One thread: tiny steps do not gain from more, and on a
+    shared CPU they lose."""
 
     def __post_init__(self):
         object.__setattr__(self, "checkpoint", parse_policy(self.checkpoint))
@@ -115,7 +116,10 @@ def to_json(self: RunReport) -> str:
 def _checkpoint_blocks(model: torch.nn.Module, policy: CheckpointPolicy) -> None:
     "Checkpoint each block of the model's main stack as `policy` says for it (`apply_checkpointing`), in place."
     st = find_structure(model).main
-    if st is None: raise ValueError(f"{type(model).__name__} has no stack of repeated blocks to checkpoint; run without checkpoint.")
+    if st is None:
+        raise ValueError(
+            f"{type(model).__name__} has no stack of repeated blocks to checkpoint; run without checkpoint."
+        )
     for i, fqn in enumerate(st.blocks): apply_checkpointing(model.get_submodule(fqn), policy, i)
 
 def _build_lm(config: RunConfig):
@@ -169,13 +173,15 @@ def _eval(model, w, held, batch_size) -> float:
 
 def _strategy(strategy: Strategy | str) -> Strategy:
     if isinstance(strategy, Strategy): return strategy
-    if strategy not in STRATEGIES: raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}.")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}.")
     return STRATEGIES[strategy]
 
 # %% ../../nbs/60e_stability_run.ipynb
 def run_stability(config: RunConfig = RunConfig(), strategy: Strategy | str = "rewind", faults: Sequence[Fault] = (),
           progress: Callable[[str], None] | None = None, eval_at: Sequence[int] = ()) -> RunReport:
-    "Train the config's model under `strategy` with `faults` injected (their targets resolved on the model); the full record of the run."
+    """Train the config's model under `strategy` with `faults` injected (their targets resolved on the model); the full
+    record of the run."""
     strategy = _strategy(strategy)
     with _threads(config.threads):
         w, model, microbatches, held, h = _lm_setup(config)
@@ -188,7 +194,9 @@ def run_stability(config: RunConfig = RunConfig(), strategy: Strategy | str = "r
             if progress and i % 50 == 0: progress(f"{strategy.name}: step {i}/{config.steps}")
         tr.close()
         ev = _eval(model, w, held, config.batch_size)
-        return RunReport(strategy, config, tr.injector.faults, tuple(recs), ev, h, time.perf_counter() - t0, tuple(evals))
+        return RunReport(
+            strategy, config, tr.injector.faults, tuple(recs), ev, h, time.perf_counter() - t0, tuple(evals)
+        )
 
 # %% ../../nbs/60e_stability_run.ipynb
 def _smooth(xs: Sequence[float], k: int = 5, skip: range = range(0)) -> list[float]:
@@ -200,12 +208,15 @@ def _smooth(xs: Sequence[float], k: int = 5, skip: range = range(0)) -> list[flo
     return out
 
 # %% ../../nbs/60e_stability_run.ipynb
-def recover_steps(run: RunReport, clean_losses: Sequence[float], fault: Fault, tol: float = 0.05, hold: int = 5) -> int | None:
+def recover_steps(
+    run: RunReport, clean_losses: Sequence[float], fault: Fault, tol: float = 0.05, hold: int = 5
+) -> int | None:
     "Steps from the fault until the smoothed loss stays within `tol` of the clean run for `hold` steps; None if never."
-    own = range(fault.step, fault.step + fault.duration)      # the faulty batches' own losses say nothing about recovery
+    own = range(fault.step, fault.step + fault.duration)  # the faulty batches' own losses say nothing about recovery
     a, b = _smooth(run.losses, skip=own), _smooth(list(clean_losses)[: len(run.losses)], skip=own)
     for t in range(fault.step + fault.duration, len(b) - hold + 1):
-        if all(math.isfinite(a[u]) and abs(a[u] - b[u]) <= tol * b[u] for u in range(t, t + hold)): return t - fault.step
+        if all(math.isfinite(a[u]) and abs(a[u] - b[u]) <= tol * b[u] for u in range(t, t + hold)):
+            return t - fault.step
     return None
 
 # %% ../../nbs/60e_stability_run.ipynb
@@ -243,8 +254,13 @@ def _interleaved_times(config: RunConfig, strategies: list, steps: int, warmup: 
     return [(s, t) for s, _, t in runs]
 
 # %% ../../nbs/60e_stability_run.ipynb
-def measure_overhead(config: RunConfig = RunConfig(), strategies: Sequence[Strategy | str] = ("unmonitored", "zscore_clip"),
-                     steps: int = 200, warmup: int = 20, progress=None) -> dict:
+def measure_overhead(
+    config: RunConfig = RunConfig(),
+    strategies: Sequence[Strategy | str] = ("unmonitored", "zscore_clip"),
+    steps: int = 200,
+    warmup: int = 20,
+    progress=None,
+) -> dict:
     "Median step time per strategy, interleaved round-robin; `ratio` is against the first strategy."
     with _threads(config.threads):
         runs = _interleaved_times(config, [_strategy(s) for s in strategies], steps, warmup, progress)

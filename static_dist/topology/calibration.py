@@ -264,7 +264,16 @@ def calibration_on_ranks(kinds, sizes, repeat: int = 5) -> dict:
 def launch_calibration(nproc: int = 4, sizes=(2**12, 2**16, 2**20), kinds=COLLECTIVES, *, repeat: int = 5,
                        timeout: float = 300) -> Calibration:
     "Run `calibrate` on `nproc` gloo ranks of this host (`launch`); return its Calibration."
-    return Calibration.from_dict(launch("static_dist.topology.calibration:calibration_on_ranks", nproc, list(kinds), list(sizes), repeat, timeout=timeout))
+    return Calibration.from_dict(
+        launch(
+            "static_dist.topology.calibration:calibration_on_ranks",
+            nproc,
+            list(kinds),
+            list(sizes),
+            repeat,
+            timeout=timeout,
+        )
+    )
 
 # %% ../../nbs/02b_topology_calibration.ipynb
 def plot_calibration(cal: Calibration, ax=None):
@@ -276,7 +285,8 @@ def plot_calibration(cal: Calibration, ax=None):
     for kind in dict.fromkeys(q.kind for q in cal.points):
         qs = [q for q in cal.points if q.kind == kind]
         ax.loglog([q.measured for q in qs], [q.predicted for q in qs], "o-", label=kind, ms=4)
-    lo = min(min(q.measured, q.predicted) for q in cal.points); hi = max(max(q.measured, q.predicted) for q in cal.points)
+    lo = min(min(q.measured, q.predicted) for q in cal.points)
+    hi = max(max(q.measured, q.predicted) for q in cal.points)
     ax.plot([lo, hi], [lo, hi], "k:", lw=1)
     ax.set(xlabel="measured (s)", ylabel="predicted (s)",
            title=f"{cal.backend}, {cal.world_size} ranks: α={cal.alpha * 1e6:.0f} µs, β={cal.beta / 1e9:.2f} GB/s")

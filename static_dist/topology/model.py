@@ -139,7 +139,9 @@ _TOPOLOGY_KEYS = ("schema", "name", "n_devices", "device", "device_flops", "devi
 
 def _link_from(f: Fields) -> Link:
     "The Link of checked fields `f`: a known kind, a finite bandwidth > 0 and a finite latency >= 0."
-    return Link(f("kind", one_of(*LINK_KINDS)), float(f("bandwidth", number(above=0))), float(f("latency", number(lo=0))))
+    return Link(
+        f("kind", one_of(*LINK_KINDS)), float(f("bandwidth", number(above=0))), float(f("latency", number(lo=0)))
+    )
 
 @patch
 def to_dict(self: Topology) -> dict:
@@ -153,9 +155,15 @@ def from_dict(cls: Topology, d: dict) -> Topology:
     f = Fields(d, "topology", TopologyError, _TOPOLOGY_KEYS)
     levels = tuple(Level(l("name", string(nonempty=True)), l("size", integer(1, MAX_DEVICES, "devices or groups")),
                          _link_from(l.nested("link", _LINK_KEYS))) for l in f.each("levels", _LEVEL_KEYS))
-    return cls(f("name", string()), f("n_devices", integer(1, MAX_DEVICES, "devices")), f("device", string(nonempty=True)),
-               float(f("device_flops", number(above=0))), f("device_memory", integer(1, of="bytes")),
-               _link_from(f.nested("host_link", _LINK_KEYS)), levels)
+    return cls(
+        f("name", string()),
+        f("n_devices", integer(1, MAX_DEVICES, "devices")),
+        f("device", string(nonempty=True)),
+        float(f("device_flops", number(above=0))),
+        f("device_memory", integer(1, of="bytes")),
+        _link_from(f.nested("host_link", _LINK_KEYS)),
+        levels,
+    )
 
 # %% ../../nbs/02a_topology_model.ipynb
 @patch
@@ -240,7 +248,9 @@ class MeshSpec:
         object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
         object.__setattr__(self, "names", tuple(self.names))
         if len(self.shape) != len(self.names):
-            raise ValueError(f"mesh shape {self.shape} has {len(self.shape)} dims but names {self.names} has {len(self.names)}")
+            raise ValueError(
+                f"mesh shape {self.shape} has {len(self.shape)} dims but names {self.names} has {len(self.names)}"
+            )
         if not self.shape: raise ValueError("a mesh needs at least one dimension")
         if any(s < 1 for s in self.shape): raise ValueError(f"mesh dims must be positive, got shape {self.shape}")
         if len(set(self.names)) != len(self.names): raise ValueError(f"mesh dim names must be unique, got {self.names}")
@@ -353,7 +363,7 @@ def collective_time(topo: Topology, mesh: MeshSpec, dim: int | str, kind: str, n
     times, seen = [], set()
     period = math.prod(l.size for l in topo.levels[:-1])                   # ranks under one outermost-level entry
     for g in mesh.groups(dim):                                             # the slowest group sets the time
-        shape = (g[0] % period, tuple(r - g[0] for r in g))                # moved by whole inner levels: the same levels
+        shape = (g[0] % period, tuple(r - g[0] for r in g))  # moved by whole inner levels: the same levels
         if shape in seen: continue                                         # crossed, the same time
         seen.add(shape)
         if algorithm == "hierarchical": times.append(_hier(topo, g, kind, nbytes, topo.levels_spanned(g)))

@@ -27,7 +27,9 @@ from urllib.parse import unquote, urljoin, urlsplit
 
 ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-CHROMEDRIVER = shutil.which("chromedriver") or ("/usr/bin/chromedriver" if Path("/usr/bin/chromedriver").exists() else None)
+CHROMEDRIVER = shutil.which("chromedriver") or (
+    "/usr/bin/chromedriver" if Path("/usr/bin/chromedriver").exists() else None
+)
 MISSING_BROWSER = None if (CHROMIUM and CHROMEDRIVER) else \
     "chromium and chromium-driver are not installed: apt-get update && apt-get install -y chromium chromium-driver"
 
@@ -51,8 +53,16 @@ def chrome(width: int = 1400, height: int = 1000, offline: bool = False):
     from selenium.webdriver.chrome.service import Service
     opts = webdriver.ChromeOptions()
     opts.binary_location = CHROMIUM
-    for a in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", f"--window-size={width},{height}",
-              "--no-first-run", "--disable-extensions", "--disable-background-networking"):
+    for a in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        f"--window-size={width},{height}",
+        "--no-first-run",
+        "--disable-extensions",
+        "--disable-background-networking",
+    ):
         opts.add_argument(a)
     if offline: opts.add_argument(f"--proxy-server=http://127.0.0.1:{free_port()}")   # loopback itself bypasses it
     opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
@@ -71,7 +81,9 @@ def wait_for(pred, timeout: float, what: str, every: float = 0.5):
             if v: return v
         except Exception as e: last = e  # page still loading: try again
         time.sleep(every)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}" + (f" (last error: {last})" if last else ""))
+    raise AssertionError(
+        f"timed out after {timeout:.0f} s waiting for {what}" + (f" (last error: {last})" if last else "")
+    )
 
 
 # ---------------------------------------------------------------- 1. docs site
@@ -94,7 +106,8 @@ def serve(folder: Path):
 JS_PAGE = """
 const imgs = [...document.images].map(i => ({src: i.currentSrc.slice(0, 120), ok: i.complete && i.naturalWidth > 0}));
 const links = [...document.querySelectorAll('a[href]')].map(a => a.getAttribute('href'));
-const ids = [...document.querySelectorAll('[id]')].map(e => e.id).concat([...document.querySelectorAll('a[name]')].map(a => a.name));
+const ids = [...document.querySelectorAll('[id]')].map(e => e.id)
+  .concat([...document.querySelectorAll('a[name]')].map(a => a.name));
 return {imgs, links, ids, title: document.title, nav: document.querySelectorAll('nav.docs-nav a').length,
         api: document.querySelectorAll('.api-entry').length};
 """
@@ -115,7 +128,8 @@ def check_docs(docs: Path, shots: Path) -> dict:
             seen[name] = r
             bad_imgs = [i["src"] for i in r["imgs"] if not i["ok"]]
             if bad_imgs: problems.append(f"{name}: {len(bad_imgs)} image(s) did not load: {bad_imgs[:3]}")
-            if r["nav"] < len(pages): problems.append(f"{name}: sidebar links {r['nav']} pages, the site has {len(pages)}")
+            if r["nav"] < len(pages):
+                problems.append(f"{name}: sidebar links {r['nav']} pages, the site has {len(pages)}")
             for e in drv.get_log("browser"):
                 if e.get("level") == "SEVERE" and base in e.get("message", ""):
                     problems.append(f"{name}: browser error: {e['message'][:200]}")
@@ -140,7 +154,9 @@ def check_docs(docs: Path, shots: Path) -> dict:
                     if u.fragment and f'id="{u.fragment}"' not in text:
                         problems.append(f"{name}: link {href!r}: no element with id {u.fragment!r} in {target}")
                     continue
-                if target not in seen: problems.append(f"{name}: link {href!r} to a page that is not in the site"); continue
+                if target not in seen:
+                    problems.append(f"{name}: link {href!r} to a page that is not in the site")
+                    continue
                 frag = u.fragment
                 if frag and frag not in seen[target]["ids"] and unquote(frag) not in seen[target]["ids"]:
                     problems.append(f"{name}: link {href!r}: no element with id {frag!r} in {target}")
@@ -177,7 +193,9 @@ def _only_local(drv, allowed: tuple[str, ...], what: str) -> list[str]:
     r = drv.execute_script(JS_REQUESTS)
     far = [u for u in r["resources"] + r["scripts"] + r["styles"] if not u.startswith(allowed + ("data:",))]
     errs = [e["message"][:160] for e in drv.get_log("browser") if e.get("level") == "SEVERE"]
-    return [f"{what}: requested from outside the site: {far[:3]}"] * bool(far) + [f"{what}: browser error: {e}" for e in errs]
+    return [f"{what}: requested from outside the site: {far[:3]}"] * bool(far) + [
+        f"{what}: browser error: {e}" for e in errs
+    ]
 
 
 def _search(drv, query: str) -> list[dict]:
@@ -202,11 +220,17 @@ def source_lines_ok(docs: Path) -> tuple[int, list[str]]:
             anchor, src, line = m.group(1), m.group(2), int(m.group(3))
             if src not in cache:
                 text = (docs / src).read_text(encoding="utf-8") if (docs / src).is_file() else ""
-                cache[src] = [_html.unescape(re.sub(r"<[^>]+>", "", l)) for l in re.findall(r'<span class="line" id="L\d+"><a class="ln"[^>]*>\d+</a>(.*?)</span>', text)]
+                cache[src] = [
+                    _html.unescape(re.sub(r"<[^>]+>", "", l))
+                    for l in re.findall(r'<span class="line" id="L\d+"><a class="ln"[^>]*>\d+</a>(.*?)</span>', text)
+                ]
             name, lines = anchor.rsplit(".", 1)[-1], cache[src]
             near = lines[line - 1: line + 12]   # the first line, then decorators, then the def
             n += 1
-            if not any(re.search(rf"(def|class)\s+{re.escape(name)}\b|^\s*{re.escape(name)}\b|\b{re.escape(name)}\s*[,=:]", l) for l in near):
+            if not any(
+                re.search(rf"(def|class)\s+{re.escape(name)}\b|^\s*{re.escape(name)}\b|\b{re.escape(name)}\s*[,=:]", l)
+                for l in near
+            ):
                 problems.append(f"{page.name}: {anchor} links to {src}#L{line}, which reads {near[:1]}")
     return n, problems
 
@@ -310,12 +334,28 @@ def jupyterlab(root_dir: Path, python: str = sys.executable, timeout: float = 90
         (state / "settings" / ext).mkdir(parents=True, exist_ok=True)
         (state / "settings" / ext / f"{name}.jupyterlab-settings").write_text(json.dumps(values))
     log = open(state / "lab.log", "w")
-    proc = subprocess.Popen([python, "-m", "jupyter", "lab", "--no-browser", "--allow-root", "--ip=127.0.0.1",
-                             f"--ServerApp.port={port}", "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}",
-                             f"--ServerApp.root_dir={root_dir}", "--LabApp.expose_app_in_browser=True",
-                             "--LabApp.news_url=None",
-                             "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"],
-                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        [
+            python,
+            "-m",
+            "jupyter",
+            "lab",
+            "--no-browser",
+            "--allow-root",
+            "--ip=127.0.0.1",
+            f"--ServerApp.port={port}",
+            "--ServerApp.port_retries=0",
+            f"--IdentityProvider.token={token}",
+            f"--ServerApp.root_dir={root_dir}",
+            "--LabApp.expose_app_in_browser=True",
+            "--LabApp.news_url=None",
+            "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+        ],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     base = f"http://127.0.0.1:{port}/"
     try:
         def up():
@@ -333,10 +373,13 @@ def jupyterlab(root_dir: Path, python: str = sys.executable, timeout: float = 90
         shutil.rmtree(state, ignore_errors=True)
 
 
-JS_APP_READY = "return !!(window.jupyterapp && window.jupyterapp.shell && window.jupyterapp.shell.currentWidget " \
-               "&& window.jupyterapp.shell.currentWidget.sessionContext && window.jupyterapp.shell.currentWidget.sessionContext.session " \
-               "&& window.jupyterapp.shell.currentWidget.sessionContext.session.kernel " \
-               "&& window.jupyterapp.shell.currentWidget.sessionContext.session.kernel.status === 'idle')"
+JS_APP_READY = (
+    "return !!(window.jupyterapp && window.jupyterapp.shell && window.jupyterapp.shell.currentWidget "
+    "&& window.jupyterapp.shell.currentWidget.sessionContext && "
+    "window.jupyterapp.shell.currentWidget.sessionContext.session "
+    "&& window.jupyterapp.shell.currentWidget.sessionContext.session.kernel "
+    "&& window.jupyterapp.shell.currentWidget.sessionContext.session.kernel.status === 'idle')"
+)
 JS_RUN_ALL = """const done = arguments[arguments.length - 1];
 window.jupyterapp.commands.execute('notebook:run-all-cells').then(() => done('ok'), e => done('error: ' + e));"""
 JS_STATE = """
@@ -349,7 +392,8 @@ nb.content.widgets.forEach((c, i) => {
   cells.push({i, count: c.model.executionCount, running: (c.promptNode && c.promptNode.textContent || '').includes('*'),
               errors: outs.filter(o => o.output_type === 'error').map(o => o.ename + ': ' + o.evalue)});
 });
-const domErrors = [...nb.node.querySelectorAll('.jp-OutputArea-output[data-mime-type="application/vnd.jupyter.stderr"]')]
+const domErrors = [...nb.node.querySelectorAll(
+  '.jp-OutputArea-output[data-mime-type="application/vnd.jupyter.stderr"]')]
   .map(e => e.textContent.slice(0, 200));
 return {kernel, cells, domErrors};
 """
@@ -357,7 +401,9 @@ return {kernel, cells, domErrors};
 
 def open_notebook(drv, base: str, token: str, rel: str, timeout: float = 120):
     drv.get(f"{base}lab/tree/{rel}?token={token}")
-    wait_for(lambda: drv.execute_script(JS_APP_READY), timeout, f"JupyterLab to open {rel} with an idle kernel", every=1)
+    wait_for(
+        lambda: drv.execute_script(JS_APP_READY), timeout, f"JupyterLab to open {rel} with an idle kernel", every=1
+    )
 
 
 def run_all(drv, timeout: float) -> dict:
@@ -367,7 +413,11 @@ def run_all(drv, timeout: float) -> dict:
     assert r == "ok", f"notebook:run-all-cells failed: {r}"
     def finished():
         s = drv.execute_script(JS_STATE)
-        return s if s["kernel"] == "idle" and all(c["count"] is not None and not c["running"] for c in s["cells"]) else None
+        return (
+            s
+            if s["kernel"] == "idle" and all(c["count"] is not None and not c["running"] for c in s["cells"])
+            else None
+        )
     return wait_for(finished, timeout, "Run All to finish", every=1)
 
 
@@ -399,10 +449,14 @@ def check_lab_run_all(shots: Path, notebook: Path | None = None, timeout: float 
     file_errors = [f"cell {i}: {o.get('ename')}: {o.get('evalue')}" for i, c in enumerate(saved["cells"])
                    for o in c.get("outputs", []) if o.get("output_type") == "error"]
     ran = sum(1 for c in saved["cells"] if c["cell_type"] == "code" and c.get("execution_count"))
-    assert not errors and not file_errors, f"Run All of {nb.name} in JupyterLab left error outputs: {errors or file_errors}"
+    assert not errors and not file_errors, (
+        f"Run All of {nb.name} in JupyterLab left error outputs: {errors or file_errors}"
+    )
     assert ran == sum(1 for c in saved["cells"] if c["cell_type"] == "code" and "".join(c["source"]).strip()), \
         f"Run All of {nb.name}: only {ran} code cells have run"
-    return dict(notebook=nb.name, seconds=round(secs, 1), code_cells=len(state["cells"]), stderr_outputs=len(state["domErrors"]))
+    return dict(
+        notebook=nb.name, seconds=round(secs, 1), code_cells=len(state["cells"]), stderr_outputs=len(state["domErrors"])
+    )
 
 
 def docs_dir() -> Path:

@@ -33,7 +33,7 @@ FULL = bool(os.environ.get("BROWSER_HARNESS_FULL"))
 
 SETUP = """import warnings
 warnings.filterwarnings("ignore", message="(FSDP2-wrapped module|Full backward hook)")"""
-HARNESS_CELLS = {   # name -> the cell that displays it, as a reader would write it
+HARNESS_CELLS = {  # name -> the cell that displays it, as a reader would write it
     "placement": "from static_dist.placement import placement_widget\nplacement_widget()",
     "fsdp": """from static_dist.fsdp import fsdp_widget, profile_graph
 from static_dist.graph import capture
@@ -41,7 +41,8 @@ from static_dist.zoo import get_model
 zm = get_model("small"); (x,), y = zm.batch(2, 128, seed=0)
 fsdp_widget(profile_graph(capture(zm.build(), (x,), loss_fn=zm.loss, targets=y, optimizer="adamw")))""",
     "offload": "from static_dist.offload import offload_widget\noffload_widget()",
-    "stability": "from static_dist.stability import stability_widget\nstability_widget(steps=80)   # shorter runs than the chapter's 120: the same code, less CI time",
+    "stability": "from static_dist.stability import stability_widget\nstability_widget(steps=80)   # shorter runs than "
+                 "the chapter's 120: the same code, less CI time",
 }
 PLANS = {   # the CI sweep: every control moved at least once
     "placement": ["*"],
@@ -64,12 +65,15 @@ const w = document.querySelectorAll('.widget-interact')[arguments[0]];
 if (!w) return null;
 const out = w.querySelector('.widget-output');
 const controls = [...w.children].filter(c => !c.classList.contains('widget-output')).map(c => {
-  const label = c.querySelector('.widget-label'), sel = c.querySelector('select'), slider = c.querySelector('.noUi-target');
+  const label = c.querySelector('.widget-label'), sel = c.querySelector('select');
+  const slider = c.querySelector('.noUi-target');
   const handle = c.querySelector('.noUi-handle'), buttons = [...c.querySelectorAll('button')];
   const kind = sel ? 'dropdown' : slider ? 'slider' : buttons.length ? 'toggle' : 'other';
-  const disabled = sel ? sel.disabled : slider ? slider.hasAttribute('disabled') : buttons.length ? buttons.every(b => b.disabled) : false;
+  const disabled = sel ? sel.disabled : slider ? slider.hasAttribute('disabled')
+    : buttons.length ? buttons.every(b => b.disabled) : false;
   const tip = [c.title, label && label.title].filter(t => t && t !== 'null').join(' ');
-  const value = sel ? sel.value : handle ? handle.getAttribute('aria-valuenow') + '/' + handle.getAttribute('aria-valuemax')
+  const value = sel ? sel.value
+    : handle ? handle.getAttribute('aria-valuenow') + '/' + handle.getAttribute('aria-valuemax')
               : (buttons.find(b => b.classList.contains('mod-active')) || {}).textContent;
   return {name: label ? label.textContent : '', kind, disabled, tip, value,
           options: sel ? [...sel.options].map(o => o.value) : buttons.map(b => b.textContent)};
@@ -84,10 +88,12 @@ const stats = imgs.map(i => {
   for (let k = 0; k < d.length; k += 4) { const v = (d[k] + d[k + 1] + d[k + 2]) / 3; s += v; s2 += v * v; }
   return {w: i.naturalWidth, h: i.naturalHeight, variance: s2 / n - (s / n) * (s / n)};
 });
-const errs = out ? [...out.querySelectorAll('[data-mime-type="application/vnd.jupyter.stderr"], .jp-RenderedText[data-mime-type*="error"]')]
+const errs = out ? [...out.querySelectorAll(
+  '[data-mime-type="application/vnd.jupyter.stderr"], .jp-RenderedText[data-mime-type*="error"]')]
   .map(e => e.textContent.slice(0, 300)) : [];
 const runs = w.className.match(/harness-runs-(\d+)/);
-return {controls, html: out ? out.innerHTML : '', images: stats, errors: errs, text: out ? out.innerText.slice(0, 400) : '',
+return {controls, html: out ? out.innerHTML : '', images: stats, errors: errs,
+        text: out ? out.innerText.slice(0, 400) : '',
         runs: runs ? parseInt(runs[1]) : null};
 """
 JS_LOG_COUNT = """const e = document.querySelector('.jp-LogConsoleStatusItem');
@@ -111,8 +117,10 @@ def log_count(drv) -> int:
 def log_text(drv) -> str:
     "What the log console holds (opened for the message, then closed again)."
     drv.set_script_timeout(20)
-    drv.execute_async_script("const d = arguments[arguments.length - 1];"
-                             "window.jupyterapp.commands.execute('logconsole:open').then(() => d(1), e => d(String(e)))")
+    drv.execute_async_script(
+        "const d = arguments[arguments.length - 1];"
+        "window.jupyterapp.commands.execute('logconsole:open').then(() => d(1), e => d(String(e)))"
+    )
     time.sleep(1)
     t = drv.execute_script("return [...document.querySelectorAll('.jp-LogConsolePanel .jp-OutputArea-output')]"
                            ".map(e => e.querySelector('img') ? '<image>' : e.textContent.slice(0, 200)).join(' | ')")
@@ -201,7 +209,10 @@ def _check_state(r: Result, s: dict, what: str, log0: int, drv) -> None:
     for c in s["controls"]:
         if c["disabled"]:
             r.disabled_seen[c["name"]] = c["tip"]
-            if not c["tip"]: r.problems.append(f"{r.name}: after {what}: control {c['name']!r} is disabled with no tooltip saying why")
+            if not c["tip"]:
+                r.problems.append(
+                    f"{r.name}: after {what}: control {c['name']!r} is disabled with no tooltip saying why"
+                )
 
 
 def drive(drv, k: int, name: str, plan: list[str], timeout: float, shots: Path) -> Result:
@@ -336,7 +347,9 @@ def _open(drv, path: str, timeout: float):
                                            "w.context.isReady && w.isVisible"), timeout, f"{path} to open")
 
 
-ALLOWED_ON_OPEN = {".metadata.kernelspec.display_name"}   # nbdev_clean writes the kernel's name there, JupyterLab its display name
+ALLOWED_ON_OPEN = {
+    ".metadata.kernelspec.display_name"
+}  # nbdev_clean writes the kernel's name there, JupyterLab its display name
 
 
 def check_fresh_clone(shots: Path, names: list[str] | None = None, timeout: float = 120, settle: float = 6) -> dict:
@@ -359,8 +372,15 @@ def check_fresh_clone(shots: Path, names: list[str] | None = None, timeout: floa
                     all(v is not None for v in h["imgs"]) for h in f) and f, timeout, f"{n}'s harness output to render")
                 for h in found:
                     ok = h["imgs"] and all(v > MIN_VARIANCE for v in h["imgs"]) and "interactive(" not in h["text"]
-                    if h["trusted"]: problems.append(f"{CHAPTERS[n]}: cell {h['cell']} opened trusted; the check needs an untrusted copy")
-                    if not ok: problems.append(f"{CHAPTERS[n]}: cell {h['cell']} shows {h['text'][:80]!r} and images {h['imgs']}, not a picture")
+                    if h["trusted"]:
+                        problems.append(
+                            f"{CHAPTERS[n]}: cell {h['cell']} opened trusted; the check needs an untrusted copy"
+                        )
+                    if not ok:
+                        problems.append(
+                            f"{CHAPTERS[n]}: cell {h['cell']} shows {h['text'][:80]!r} and images {h['imgs']}, not a "
+                            "picture"
+                        )
                 cell = drv.execute_script("return window.__nb.content.widgets[arguments[0]].node",
                                           found[0]["cell"])
                 drv.execute_script("arguments[0].scrollIntoView()", cell)
@@ -368,13 +388,16 @@ def check_fresh_clone(shots: Path, names: list[str] | None = None, timeout: floa
                 out[n] = dict(harness_cells=len(found), pictures=sum(len(h["imgs"]) for h in found))
             bc.wait_for(lambda: drv.execute_script(JS_ALL_IDLE), timeout, "every notebook's kernel to start")
             time.sleep(settle)
-            dirty = drv.execute_script("return window.jupyterapp.shell.widgets ? [...window.jupyterapp.shell.widgets('main')]"
-                                       ".filter(w => w.context && w.context.model.dirty).map(w => w.context.path) : []")
+            dirty = drv.execute_script(
+                "return window.jupyterapp.shell.widgets ? [...window.jupyterapp.shell.widgets('main')]"
+                ".filter(w => w.context && w.context.model.dirty).map(w => w.context.path) : []"
+            )
         for n in names:
             f = f"{CHAPTERS[n]}.ipynb"
             diff = _json_diff(json.loads((bc.ROOT / "nbs" / f).read_text()), json.loads((tmp / f).read_text()))
             out[n]["changed_on_open"] = diff
-            if set(diff) - ALLOWED_ON_OPEN: problems.append(f"{f}: opening it in JupyterLab changed {sorted(set(diff) - ALLOWED_ON_OPEN)[:8]}")
+            if set(diff) - ALLOWED_ON_OPEN:
+                problems.append(f"{f}: opening it in JupyterLab changed {sorted(set(diff) - ALLOWED_ON_OPEN)[:8]}")
         out["dirty_after_autosave"] = dirty
     if problems: raise AssertionError(f"{len(problems)} problem(s):\n  " + "\n  ".join(problems))
     return out

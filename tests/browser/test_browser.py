@@ -1,4 +1,5 @@
-"""Browser checks (marked `browser`): the built docs (every page; offline load, search, [source] links, sidebar), Run All
+"""Browser checks (marked `browser`): the built docs (every page; offline load, search, [source] links, sidebar), Run
+All
 in JupyterLab, every control of the four chapter harnesses, and the chapter notebooks as a fresh clone opens them.
 
 They need Debian's chromium and chromium-driver (installed by .ci/setup) and skip with one reason without them.
@@ -30,7 +31,9 @@ def docs(tmp_path_factory):
     if os.environ.get("BROWSER_DOCS"): return Path(os.environ["BROWSER_DOCS"])
     d = bc.ROOT / "_docs"
     nbs = [bc.ROOT / "index.ipynb", *(bc.ROOT / "nbs").rglob("*.ipynb")]
-    if (d / "index.html").exists() and (d / "index.html").stat().st_mtime >= max(p.stat().st_mtime for p in nbs if p.exists()):
+    if (d / "index.html").exists() and (d / "index.html").stat().st_mtime >= max(
+        p.stat().st_mtime for p in nbs if p.exists()
+    ):
         return d
     d = tmp_path_factory.mktemp("docs")
     subprocess.run([sys.executable, str(bc.ROOT / "tools" / "build_docs.py"), "--out", str(d)], check=True)
@@ -61,7 +64,10 @@ def test_harnesses_every_control(shots):
     and every strategy): the output changes, no plot is blank, nothing lands in the log console."""
     r = hc.check_harnesses(shots)
     for name in hc.HARNESS_CELLS:
-        assert r[name]["changes"] >= r[name]["controls_moved"] > 0 and r[name]["blank_plots"] == r[name]["log_console"] == 0, r
+        assert (
+            r[name]["changes"] >= r[name]["controls_moved"] > 0
+            and r[name]["blank_plots"] == r[name]["log_console"] == 0
+        ), r
 
 
 def test_fresh_clone_shows_pictures_and_opens_clean(shots):

@@ -21,7 +21,9 @@ _ids = iter(range(10**6))
 
 
 def code(src, outputs=()):
-    return dict(cell_type="code", id=f"c{next(_ids)}", metadata={}, execution_count=None, source=src, outputs=list(outputs))
+    return dict(
+        cell_type="code", id=f"c{next(_ids)}", metadata={}, execution_count=None, source=src, outputs=list(outputs)
+    )
 
 
 def nb_of(*cells, widgets=None):
@@ -33,14 +35,33 @@ def nb_of(*cells, widgets=None):
 def widget_nb(err=False):
     "A harness as nbclient saves it: an interactive VBox holding a Dropdown and an Output widget."
     ids = ["a" * 32, "b" * 32, "c" * 32]
-    out = [dict(output_type="error", ename="ValueError", evalue="bad mesh", traceback=["ValueError: bad mesh"])] if err else \
-          [dict(output_type="display_data", metadata={}, data={"image/png": "iVBORw0KGgo=", "text/plain": "<Figure>"})]
-    state = {ids[0]: dict(model_name="VBoxModel", state=dict(_model_name="VBoxModel", children=[f"IPY_MODEL_{ids[1]}", f"IPY_MODEL_{ids[2]}"])),
-             ids[1]: dict(model_name="DropdownModel", state=dict(_model_name="DropdownModel", description="mesh",
-                                                                  _options_labels=["2x4", "4x2"], index=1)),
-             ids[2]: dict(model_name="OutputModel", state=dict(_model_name="OutputModel", outputs=out))}
-    view = dict(output_type="execute_result", execution_count=1, metadata={},
-                data={rn.WIDGET_MIME: dict(model_id=ids[0], version_major=2, version_minor=0), "text/plain": "interactive(...)"})
+    out = (
+        [dict(output_type="error", ename="ValueError", evalue="bad mesh", traceback=["ValueError: bad mesh"])]
+        if err
+        else [
+            dict(output_type="display_data", metadata={}, data={"image/png": "iVBORw0KGgo=", "text/plain": "<Figure>"})
+        ]
+    )
+    state = {
+        ids[0]: dict(
+            model_name="VBoxModel",
+            state=dict(_model_name="VBoxModel", children=[f"IPY_MODEL_{ids[1]}", f"IPY_MODEL_{ids[2]}"]),
+        ),
+        ids[1]: dict(
+            model_name="DropdownModel",
+            state=dict(_model_name="DropdownModel", description="mesh", _options_labels=["2x4", "4x2"], index=1),
+        ),
+        ids[2]: dict(model_name="OutputModel", state=dict(_model_name="OutputModel", outputs=out)),
+    }
+    view = dict(
+        output_type="execute_result",
+        execution_count=1,
+        metadata={},
+        data={
+            rn.WIDGET_MIME: dict(model_id=ids[0], version_major=2, version_minor=0),
+            "text/plain": "interactive(...)",
+        },
+    )
     return nb_of(code("w"), code("w", [view]), widgets=state)
 
 
@@ -49,9 +70,14 @@ def test_cell_and_widget_errors():
                traceback=["\x1b[31mZeroDivisionError\x1b[39m: division by zero"])
     nb = nb_of(code("1"), code("#| hide\n1/0", [err]))
     (e,) = rn.cell_errors(nb)
-    assert (e["cell"], e["ename"], e["source"], e["traceback"]) == (1, "ZeroDivisionError", "1/0", ["ZeroDivisionError: division by zero"])
+    assert (e["cell"], e["ename"], e["source"], e["traceback"]) == (
+        1,
+        "ZeroDivisionError",
+        "1/0",
+        ["ZeroDivisionError: division by zero"],
+    )
     assert rn.widget_errors(widget_nb()) == [] and rn.has_widget(widget_nb()) and not rn.has_widget(nb)
-    assert rn.widgets_without_picture(widget_nb()) == [1]                 # interactive(...) text is all an untrusted copy shows
+    assert rn.widgets_without_picture(widget_nb()) == [1]  # interactive(...) text is all an untrusted copy shows
     pictured = widget_nb(); pictured["cells"][1]["outputs"][0]["data"]["image/png"] = "iVBORw0KGgo="
     assert rn.widgets_without_picture(pictured) == []
     (w,) = rn.widget_errors(widget_nb(err=True))
@@ -68,7 +94,9 @@ def test_clean_outputs_strips_paths_and_renames_widget_ids(tmp_path):
     assert a["cells"][0]["outputs"][0]["text"] == ["nbs/x.json <tmp>/plan.json ~/data\n"]
     new_id = a["cells"][1]["outputs"][0]["data"][rn.WIDGET_MIME]["model_id"]
     state = a["metadata"]["widgets"][WS]["state"]
-    assert new_id != "a" * 32 and new_id in state and not any(k in json.dumps(a) for k in ("a" * 32, "b" * 32, "c" * 32))
+    assert (
+        new_id != "a" * 32 and new_id in state and not any(k in json.dumps(a) for k in ("a" * 32, "b" * 32, "c" * 32))
+    )
     assert state[new_id]["state"]["children"][0][len("IPY_MODEL_"):] in state   # references follow the rename
     # another notebook gets other ids, so two notebooks' widgets never collide
     c = rn.clean_outputs(json.loads(json.dumps(nb)), "nbs/50_offload.ipynb")
@@ -93,9 +121,15 @@ def test_run_check_and_write(tmp_path, capsys):
     "End to end in a real kernel: an error cell and a harness without a widget fail --check; --write keeps outputs."
     bad = tmp_path / "bad.ipynb"; bad.write_text(json.dumps(nb_of(code("import os\nprint(os.getcwd())"), code("1/0"))))
     good = tmp_path / "good.ipynb"; good.write_text(json.dumps(nb_of(
-        code("import os, matplotlib.pyplot as plt\nprint(os.environ.get('PYTHONHASHSEED'), os.environ.get('MPLBACKEND'))"),
+        code("import os, matplotlib.pyplot as plt\nprint(os.environ.get('PYTHONHASHSEED'), "
+             "os.environ.get('MPLBACKEND'))"),
         code("fig, ax = plt.subplots(figsize=(2, 1), dpi=40); ax.plot([0, 1]); plt.show()"))))
-    assert rn.main(["--check", "-j", "2", "--harness", str(good), "--timing", str(tmp_path / "t.json"), str(bad), str(good)]) == 1
+    assert (
+        rn.main(
+            ["--check", "-j", "2", "--harness", str(good), "--timing", str(tmp_path / "t.json"), str(bad), str(good)]
+        )
+        == 1
+    )
     out = capsys.readouterr().out
     assert "bad.ipynb cell 1 ('1/0'): ZeroDivisionError: division by zero" in out
     assert "good.ipynb: harness notebook shows no widget" in out
@@ -108,7 +142,9 @@ def test_run_check_and_write(tmp_path, capsys):
     saved = json.loads(saved_path.read_text())
     assert good.read_text() == src_before
     outs = [o for c in saved["cells"] for o in c["outputs"]]
-    assert outs[0]["text"] == ["0 module://matplotlib_inline.backend_inline\n"]   # as in JupyterLab, even under MPLBACKEND=Agg
+    assert outs[0]["text"] == [
+        "0 module://matplotlib_inline.backend_inline\n"
+    ]  # as in JupyterLab, even under MPLBACKEND=Agg
     assert "image/png" in outs[1]["data"] and str(tmp_path) not in saved_path.read_text()
     # a notebook with an error is not written (unless --keep-errors)
     assert rn.main(["--write", "--harness", "--out", str(tmp_path / "o"), str(bad)]) == 1
@@ -120,10 +156,13 @@ def test_run_check_and_write(tmp_path, capsys):
 
 UTIL_CELLS = [  # (source, is the notebook's code) of a small module notebook, in the style of the repo's
     "#| default_exp util",
-    '#| export\nfrom __future__ import annotations\nfrom typing import Literal\nimport triton, triton.language as tl\nfrom fastcore.basics import patch\nfrom dataclasses import dataclass',
+    '#| export\nfrom __future__ import annotations\nfrom typing import Literal\nimport triton, triton.language as '
+    'tl\nfrom fastcore.basics import patch\nfrom dataclasses import dataclass',
     '#| export\nKind = Literal["a", "b"]\n"Which kind of thing."',
-    '#| export\n@dataclass(frozen=True)\nclass Pt:\n    "A point."\n    x: int = 0\n    "across"\n    y: int | None = None',
-    '#| export\ndef f_one(a: int, b: Pt | None = None, *, c=print) -> str:\n    "Uses `a` and **b**; never <b>raw</b> HTML."\n    return str(a)',
+    '#| export\n@dataclass(frozen=True)\nclass Pt:\n    "A point."\n    x: int = 0\n    "across"\n    y: int | None = '
+    'None',
+    '#| export\ndef f_one(a: int, b: Pt | None = None, *, c=print) -> str:\n    "Uses `a` and **b**; never <b>raw</b> '
+    'HTML."\n    return str(a)',
     "f_one(1)",
     '#| export\n@patch\ndef norm(self: Pt) -> float:\n    "Its length."\n    return 0.0',
     "#| exporti\ndef _hidden(): pass",
@@ -156,11 +195,19 @@ def _docs_project(tmp_path):
     "A project with three notebooks in two chapters, an exported module, settings.ini, and an index."
     nbs = tmp_path / "nbs"; nbs.mkdir()
     md = lambda s: dict(cell_type="markdown", id=f"m{next(_ids)}", metadata={}, source=s)
-    w = widget_nb(); w["cells"] = [md("# Harness\n\n> sub\n\nSee [util](00a_util.ipynb#Utilities)."), code("#| hide\nsecret_hidden_cell = 1")] + w["cells"]
+    w = widget_nb()
+    w["cells"] = [
+        md("# Harness\n\n> sub\n\nSee [util](00a_util.ipynb#Utilities)."),
+        code("#| hide\nsecret_hidden_cell = 1"),
+    ] + w["cells"]
     (nbs / "10_harness.ipynb").write_text(json.dumps(w))
     (nbs / "00_core.ipynb").write_text(json.dumps(nb_of(md("# Core\n\n> The chapter's overview"))))
-    util = [md("# Utilities\n\n> Small helpers"), md("## Section A\n\nThe first one."), md("## Section A\n\nSame title."),
-            md("### Sub part")] + [code(c) for c in UTIL_CELLS]
+    util = [
+        md("# Utilities\n\n> Small helpers"),
+        md("## Section A\n\nThe first one."),
+        md("## Section A\n\nSame title."),
+        md("### Sub part"),
+    ] + [code(c) for c in UTIL_CELLS]
     (nbs / "00a_util.ipynb").write_text(json.dumps(nb_of(*util)))
     (tmp_path / "index.ipynb").write_text(json.dumps(nb_of(md("# Home"))))
     (tmp_path / "static_dist").mkdir(); (tmp_path / "static_dist" / "util.py").write_text(UTIL_PY)
@@ -172,14 +219,21 @@ def _sig(page: str, anchor: str) -> str:
     "The signature shown in an entry, as text."
     import html, re
     entry = page.split(f'id="{anchor}"', 1)[1]
-    return html.unescape(re.sub(r"<[^>]+>", "", entry.split('<div class="highlight api-sig"><pre>', 1)[1].split("</pre>", 1)[0]))
+    return html.unescape(
+        re.sub(r"<[^>]+>", "", entry.split('<div class="highlight api-sig"><pre>', 1)[1].split("</pre>", 1)[0])
+    )
 
 
 def test_build_docs_site(tmp_path):
     "Widget snapshot, hidden cells, chapters in the sidebar, contents, search index, unique ids, the link checker."
     nbs, _ = _docs_project(tmp_path)
     s = bd.build(tmp_path / "site", nbs, tmp_path / "index.ipynb", root=tmp_path, progress=lambda m: None)
-    assert s["problems"] == [] and [p["page"] for p in s["pages"]] == ["index.html", "core.html", "util.html", "harness.html"]
+    assert s["problems"] == [] and [p["page"] for p in s["pages"]] == [
+        "index.html",
+        "core.html",
+        "util.html",
+        "harness.html",
+    ]
     h = (tmp_path / "site" / "harness.html").read_text()
     assert "secret_hidden_cell" not in h and 'href="util.html#Utilities"' in h
     assert "<th>mesh</th><td>4x2</td>" in h and 'src="data:image/png;base64,iVBORw0KGgo="' in h
@@ -201,15 +255,18 @@ def test_build_docs_site(tmp_path):
     assert any(r["k"] == "api" and r["t"] == "f_one" and r["u"] == "util.html#static_dist.util.f_one" for r in recs)
     assert any(r["k"] == "section" and r["u"] == "util.html#Section-A-2" for r in recs)
     # the checker finds what is broken
-    (tmp_path / "site" / "bad.html").write_text('<a href="/abs.html">a</a><a href="nope.html">b</a>'
-                                                '<a href="util.html#no-such-id">c</a><img src="">'
-                                                '<script src="https://cdn.example/x.js"></script><h2 id="d">1</h2><h3 id="d">2</h3>')
+    (tmp_path / "site" / "bad.html").write_text(
+        '<a href="/abs.html">a</a><a href="nope.html">b</a>'
+        '<a href="util.html#no-such-id">c</a><img src="">'
+        '<script src="https://cdn.example/x.js"></script><h2 id="d">1</h2><h3 id="d">2</h3>'
+    )
     probs = bd.check_site(tmp_path / "site")
     assert len(probs) == 6 and all(p.startswith("bad.html") for p in probs), probs
 
 
 def test_build_docs_api_entries(tmp_path):
-    "API entries after the cell that defines them, read from the source text: signatures, Markdown docs, [source] links."
+    """API entries after the cell that defines them, read from the source text: signatures, Markdown docs, [source]
+    links."""
     nbs, util = _docs_project(tmp_path)
     s = bd.build(tmp_path / "site", nbs, tmp_path / "index.ipynb", root=tmp_path, progress=lambda m: None)
     assert s["problems"] == [] and s["api"] == {"util": 5}
