@@ -42,20 +42,24 @@ def import_transformers():
 # %% ../nbs/03a_workload_hf.ipynb
 @contextlib.contextmanager
 def quiet_transformers(heard: list):
-    """Inside, transformers' log records (WARNING and up) and Python warnings are not printed; their first lines go to
-    `heard`."""
-    log = logging.getLogger("transformers")
+    """Inside, transformers' log records (WARNING and up), those of torchao (which transformers imports when it is
+    installed: on CPU it logs that its CUDA kernels do not load) and Python warnings are not printed; their first lines
+    go to `heard`."""
+    logs = [logging.getLogger(name) for name in ("transformers", "torchao")]
     class Heard(logging.Handler):
         def emit(self, record): heard.append(first_line(record.getMessage()))
-    saved = log.handlers[:], log.propagate, log.level
-    log.handlers, log.propagate = [Heard(logging.WARNING)], False
-    log.setLevel(logging.WARNING)
+    saved = [(log.handlers[:], log.propagate, log.level) for log in logs]
+    for log in logs:
+        log.handlers, log.propagate = [Heard(logging.WARNING)], False
+        log.setLevel(logging.WARNING)
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             yield heard
         heard.extend(first_line(w.message) for w in caught)
-    finally: log.handlers, log.propagate, log.level = saved
+    finally:
+        for log, (handlers, propagate, level) in zip(logs, saved):
+            log.handlers, log.propagate, log.level = handlers, propagate, level
 
 # %% ../nbs/03a_workload_hf.ipynb
 def hf_config(path: str):
