@@ -204,9 +204,9 @@ def _real_case(c: Context):
 def export_section(c: Context):
     "torch.export / ONNX / TorchScript / AOTI readiness of the model at the workload's shape."
     from static_dist.export import check_export
-    model, inputs, ds, flags = _real_case(c)
-    rep = check_export(model, inputs, targets=("onnx", "torchscript", "aoti"), dynamic_shapes=ds, flags=flags,
-                       name=c.workload.source)
+    case = _real_case(c)
+    rep = check_export(case.model, case.inputs, targets=("onnx", "torchscript", "aoti"),
+                       dynamic_shapes=case.dynamic_shapes, flags=case.flags, name=c.workload.source)
     rep.meta["dtype"] = c.workload.dtype           # the model and inputs were built in the workload's dtype
     atomic_write(c.out / "export_report.json", rep.to_json())
     verdict = "✅ clean" if rep.ok else "❌ problems found"
@@ -219,13 +219,13 @@ def export_section(c: Context):
 def passes_section(c: Context):
     "Which bridged kernels the exported forward can use, the rewrite, and its check against the original."
     from static_dist.passes import PATTERNS, profile_nodes
-    model, inputs, _, _ = _real_case(c)
-    try: new, rep = rewrite_case(model, inputs)
+    case = _real_case(c)
+    try: new, rep = rewrite_case(case.model, case.inputs)
     except StaticDistError as e:
         raise NotApplicable(f"{str(e).split(';')[0]}, so there is no program to rewrite") from None
     if not sum(rep.matches.values()):
         raise NotApplicable("no RMSNorm/softmax/add+relu pattern to rewrite in the exported forward")
-    prof = profile_nodes(new, *inputs)
+    prof = profile_nodes(new, *case.inputs)
     prof.to_chrome_trace(c.out / "ops_trace.json")
     return _passes_markdown(rep, prof, PATTERNS), rep.to_dict()
 

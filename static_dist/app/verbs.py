@@ -286,11 +286,10 @@ def cmd_check_export(args) -> int:
     folder = OutputFolder(args.out, EXPORT_FILES, force=args.force, what="export report").check()
     w = workload_of(args)
     from static_dist.export import workload_case
-    model, inputs, ds, flags = workload_case(w)
+    case = workload_case(w)
     with status(f"checking export of {w.source}"):
-        rep = check_export(
-            model, inputs, targets=targets, dynamic_shapes=ds, flags=flags, opset=args.opset, name=w.source
-        )
+        rep = check_export(case.model, case.inputs, targets=targets, dynamic_shapes=case.dynamic_shapes,
+                           flags=case.flags, opset=args.opset, name=w.source)
     rep.meta["dtype"] = w.dtype                    # what the model and its inputs were checked in (--dtype)
     diff = base.diff(rep) if base is not None else None
     with folder as stage:
@@ -324,14 +323,14 @@ def cmd_passes(args) -> int:
     if args.trace: check_writable(args.trace, force=args.force)
     w = workload_of(args)
     from static_dist.export import workload_case
-    model, inputs, _, _ = workload_case(w)
-    new, rep = rewrite_case(model, inputs)
+    case = workload_case(w)
+    new, rep = rewrite_case(case.model, case.inputs)
     print(json.dumps(dict(workload=w.describe(), **rep.to_dict()), indent=2))
     if args.trace:
         import tempfile
         # the trace written whole, exclusively without --force, never over a device
         with tempfile.TemporaryDirectory() as d:
-            trace = profile_nodes(new, *inputs).to_chrome_trace(Path(d) / "trace.json").read_bytes()
+            trace = profile_nodes(new, *case.inputs).to_chrome_trace(Path(d) / "trace.json").read_bytes()
         print(f"wrote {atomic_write(args.trace, trace, force=args.force)}")
     return 0
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib, io, logging, os, stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
+from typing import Mapping, NamedTuple
 import torch
 from ..files import read_bounded
 from static_dist.artifact.keys import (
@@ -183,8 +183,17 @@ def _artifact_bytes(data, here: Fingerprint, pol: PlatformPolicy) -> bytes:
     return data
 
 # %% ../../nbs/11c_artifact_verify.ipynb
-def _parse_top(data: bytes) -> tuple[int, bytes, bytes, str, bytes]:
-    "(version, raw header, payload, key id, signature) of the artifact, after structure, magic and version checks."
+class _Top(NamedTuple):
+    "The outer CBOR array of an artifact, past its magic: what `_parse_top` returns."
+    version: int
+    raw_header: bytes
+    payload: bytes
+    key_id: str
+    signature: bytes
+
+# %% ../../nbs/11c_artifact_verify.ipynb
+def _parse_top(data: bytes) -> _Top:
+    "The artifact's `_Top`, after structure, magic and version checks."
     top = _decode_one(data, 'the artifact')
     _expect(
         isinstance(top, list) and len(top) == 6,
@@ -203,7 +212,7 @@ def _parse_top(data: bytes) -> tuple[int, bytes, bytes, str, bytes]:
         (sig, bytes, 'signature'),
     ):
         _expect(type(v) is t, f"{n} must be {t.__name__}, found {type(v).__name__}")
-    return version, raw_header, payload, kid, sig
+    return _Top(version, raw_header, payload, kid, sig)
 
 # %% ../../nbs/11c_artifact_verify.ipynb
 def _check_device_policy(header: dict, version: int, payload: bytes, here: Fingerprint, pol: PlatformPolicy) -> None:
@@ -269,12 +278,12 @@ def verify_artifact(
     trusted = _trusted(trusted_keys)
     here = _fingerprint(device)
     pol = policy_for(here, policy)
-    version, raw_header, payload, kid, sig = _parse_top(_artifact_bytes(data, here, pol))
-    header = _parse_header(raw_header)
-    _check_device_policy(header, version, payload, here, pol)
-    _check_signature(trusted, kid, header, sig, version, raw_header)
-    _check_digest(header, payload)
-    return VerifiedArtifact(version, header, payload)
+    top = _parse_top(_artifact_bytes(data, here, pol))
+    header = _parse_header(top.raw_header)
+    _check_device_policy(header, top.version, top.payload, here, pol)
+    _check_signature(trusted, top.key_id, header, top.signature, top.version, top.raw_header)
+    _check_digest(header, top.payload)
+    return VerifiedArtifact(top.version, header, top.payload)
 
 # %% ../../nbs/11c_artifact_verify.ipynb
 def load_artifact(path, *, trusted_keys, device=None, policy: Mapping | None = None):

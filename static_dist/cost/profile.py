@@ -19,7 +19,7 @@ import torch
 
 from ..graph import StaticGraph, fmt_bytes, op_bytes
 from ..topology import op_dtypes
-from ..graph.checkpoint import CheckpointDeltas, checkpoint_deltas, checkpointable
+from ..graph.checkpoint import CheckpointDeltas, DeltaSpan, InputHold, checkpoint_deltas, checkpointable
 from ..util import DTYPE_BYTES
 from ..errors import StaticDistError
 from ..graph.records import FORWARD, OPTIMIZER
@@ -535,10 +535,11 @@ def _expand_checkpoint(P: GraphProfile, where: _Where, ren, extra: int) -> tuple
     out, copies = {}, lambda m: [None, *(range(extra) if _block_of(m, c) == 1 else ())]
     for m, d in P.checkpoint.items():
         for j in copies(m):
-            holds = [((k, j) if j is not None and ob[cr] in (0, 1) else k, at(cr, j), at(end, j), at(to, j), b)
-                     for k, cr, end, to, b in d.holds]      # an input made by the block before is the copy's own
+            holds = [InputHold((h.key, j) if j is not None and ob[h.created] in (0, 1) else h.key,  # the copy's own
+                               at(h.created, j), at(h.end, j), at(h.to, j), h.nbytes)     # (made by the block before)
+                     for h in d.holds]
             out[ren(m) if j is None else _rename_block(m, c, j + 2)] = CheckpointDeltas(
-                ok((at(a, j), at(e, j), b) for a, e, b in d.spans),
+                ok(DeltaSpan(at(s.first, j), at(s.last, j), s.nbytes) for s in d.spans),
                 ok(holds),
                 ok((at(a, j), *r) for a, *r in d.recomputes),
             )

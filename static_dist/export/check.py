@@ -5,7 +5,7 @@
 # %% ../../nbs/10g_export_check.ipynb 2
 from __future__ import annotations
 import math, os, time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 import torch
 from .source import MissingDependency, SourceLoc, _first_line, is_user_frame, op_name, quiet
 from .report import ExportReport, Finding, NumericCheck, Stage
@@ -16,7 +16,7 @@ from .guards import analyze_guards
 from ..util import check_real_size
 
 # %% auto 0
-__all__ = ['check_export', 'KwargsCall', 'workload_case', 'zoo_case', 'check_zoo']
+__all__ = ['check_export', 'KwargsCall', 'ExportCase', 'workload_case', 'zoo_case', 'check_zoo']
 
 # %% ../../nbs/10g_export_check.ipynb
 def _stage(report: ExportReport, name: str, fn: Callable, target: str = 'export'):
@@ -327,20 +327,31 @@ def _flags(model) -> dict | None:
     return {'training': [False, True], **own} if own else None
 
 # %% ../../nbs/10g_export_check.ipynb
-def workload_case(w) -> tuple[torch.nn.Module, tuple, Any, dict | None]:
-    """(model in eval mode on CPU with real weights, positional inputs, dynamic shapes, flags) of a
-    `static_dist.workload.Workload`."""
+class ExportCase(NamedTuple):
+    "What `check_export` takes for one workload: `workload_case` returns it."
+    model: torch.nn.Module
+    "In eval mode on CPU with real weights (a `KwargsCall` when the workload has keyword inputs)."
+    inputs: tuple
+    "Positional inputs of one micro-batch."
+    dynamic_shapes: Any
+    "Dynamic dims for `torch.export` (None: static)."
+    flags: dict | None
+    "Attributes to flip in the guard analysis (None: none)."
+
+# %% ../../nbs/10g_export_check.ipynb
+def workload_case(w) -> ExportCase:
+    "The `ExportCase` of a `static_dist.workload.Workload`: its model, inputs, dynamic shapes and flags."
     check_real_size(sum(p.numel() for p in w.build(device='meta').parameters()),
                     f"{w.source} (the export checks run real forward passes on CPU)", bytes_per_param=4)
     mb = w.micro_batch()
     model, args = w.build_model(seed=0).eval(), tuple(mb.args)
     keys = tuple(k for k in mb.kwargs if k != 'labels')
     if keys:                                    # export takes positional inputs: bind the keyword ones into a wrapper
-        return KwargsCall(model, keys), (*args, *(mb.kwargs[k] for k in keys)), None, _flags(model)
-    return model, args, _token_dims(model, args, w.batch, w.seq or 16), _flags(model)
+        return ExportCase(KwargsCall(model, keys), (*args, *(mb.kwargs[k] for k in keys)), None, _flags(model))
+    return ExportCase(model, args, _token_dims(model, args, w.batch, w.seq or 16), _flags(model))
 
 # %% ../../nbs/10g_export_check.ipynb
-def zoo_case(name: str, batch: int = 2, seq: int = 16) -> tuple[torch.nn.Module, tuple, Any, dict | None]:
+def zoo_case(name: str, batch: int = 2, seq: int = 16) -> ExportCase:
     "`workload_case` of zoo model `name` at (batch, seq)."
     from static_dist.workload import load_workload
     return workload_case(load_workload(name, batch=batch, seq=seq))
@@ -354,5 +365,6 @@ def check_zoo(
     opset: int | None = None,
 ) -> ExportReport:
     "`check_export` on a zoo model with its dims and flags."
-    model, inputs, ds, flags = zoo_case(name, batch, seq)
-    return check_export(model, inputs, targets=targets, dynamic_shapes=ds, flags=flags, opset=opset, name=name)
+    c = zoo_case(name, batch, seq)
+    return check_export(c.model, c.inputs, targets=targets, dynamic_shapes=c.dynamic_shapes, flags=c.flags,
+                        opset=opset, name=name)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import numpy as np
 from fastcore.basics import patch
@@ -18,8 +19,8 @@ from .records import BACKWARD, FORWARD, OPTIMIZER
 
 # %% auto 0
 __all__ = ['common_module', 'forward_drops', 'module_spans', 'Recompute', 'CheckpointLifetimes', 'checkpoint_lifetimes',
-           'recompute_bytes', 'recompute_extra', 'CheckpointDeltas', 'checkpoint_deltas', 'apply_deltas',
-           'checkpointable']
+           'recompute_bytes', 'recompute_extra', 'DeltaSpan', 'InputHold', 'CheckpointDeltas', 'checkpoint_deltas',
+           'apply_deltas', 'checkpointable']
 
 # %% ../../nbs/00ea_graph_checkpoint.ipynb
 def common_module(a: str, b: str) -> str:
@@ -203,14 +204,38 @@ def recompute_extra(remade: float, beyond: float, made: float, let_go: float = 0
     return max(let_go, remade + beyond, cover) - let_go - cover
 
 # %% ../../nbs/00ea_graph_checkpoint.ipynb
+class DeltaSpan(NamedTuple):
+    "Bytes to add over a run of ops (negative: a saved tensor checkpointing lets go)."
+    first: int
+    "The first op of the run."
+    last: int
+    "The last op of the run."
+    nbytes: int
+    "Bytes to add at each op from `first` to `last`."
+
+# %% ../../nbs/00ea_graph_checkpoint.ipynb
+class InputHold(NamedTuple):
+    "An input of a checkpointed module, held past the step's last use for the recompute."
+    key: Any
+    "The storage (its id; `(id, copy)` for an input made by a copy of a block)."
+    created: int
+    "The op that made it."
+    end: int
+    "The last op the step held it to."
+    to: int
+    "The op checkpointing holds it to."
+    nbytes: int
+    "Its bytes."
+
+# %% ../../nbs/00ea_graph_checkpoint.ipynb
 @dataclass(frozen=True)
 class CheckpointDeltas:
     "What checkpointing one module in full changes in the bytes the step holds."
     spans: tuple
-    "(first op, last op, bytes to add over them): where a saved tensor is let go (negative)."
+    "`DeltaSpan`s: where a saved tensor is let go (negative bytes)."
     holds: tuple
-    """(storage key, op that made it, last op the step held it to, op checkpointing holds it to, bytes): the inputs,
-    each held as long as the longest of the checkpointed modules that read it holds it (they do not add up)."""
+    """`InputHold`s: the inputs, each held as long as the longest of the checkpointed modules that read it holds it
+    (they do not add up)."""
     recomputes: tuple = ()
     "(op, remade, beyond, made) of the recompute that runs before that op (`recompute_bytes`, `recompute_extra`)."
 
@@ -221,14 +246,14 @@ def checkpoint_deltas(g: StaticGraph, modules) -> dict[str, CheckpointDeltas]:
     out = {}
     for m in modules:
         life = ix.lifetimes({m: frozenset()})
-        spans = [(a, e, -g.storages[sid].nbytes) for sid, (a, e) in life.absent.items()]
+        spans = [DeltaSpan(a, e, -g.storages[sid].nbytes) for sid, (a, e) in life.absent.items()]
         holds = []
         for sid, h in life.held.items():
             s = g.storages[sid]
             end = n - 1 if s.freed is None else s.freed
-            if h > end: holds.append((sid, s.created, end, min(h, n - 1), s.nbytes))
+            if h > end: holds.append(InputHold(sid, s.created, end, min(h, n - 1), s.nbytes))
         runs = tuple((r.at, *map(int, recompute_bytes(g, life, r))) for r in life.recomputes)
-        out[m] = CheckpointDeltas(tuple(sorted(x for x in spans if x[2])), tuple(sorted(holds)), runs)
+        out[m] = CheckpointDeltas(tuple(sorted(x for x in spans if x.nbytes)), tuple(sorted(holds)), runs)
     return out
 
 # %% ../../nbs/00ea_graph_checkpoint.ipynb
@@ -237,11 +262,11 @@ def apply_deltas(curve: np.ndarray, deltas, recomputes: bool = True) -> np.ndarr
     recomputes too, unless `recomputes=False`: a caller that adds them itself)."""
     held = {}
     for d in deltas:
-        for key, _, end, to, b in d.holds:
-            if to > held.get(key, (end, -1, 0))[1]: held[key] = (end, to, b)
+        for h in d.holds:                           # held from the op after the step's last use to the longest `to`
+            if h.key not in held or h.to > held[h.key].last: held[h.key] = DeltaSpan(h.end + 1, h.to, h.nbytes)
     diff = np.zeros(len(curve) + 1, dtype=np.int64)
-    for a, e, b in [x for d in deltas for x in d.spans] + [(end + 1, to, b) for end, to, b in held.values()]:
-        diff[a] += b; diff[e + 1] -= b
+    for s in [x for d in deltas for x in d.spans] + list(held.values()):
+        diff[s.first] += s.nbytes; diff[s.last + 1] -= s.nbytes
     out = curve + np.cumsum(diff)[:-1]
     for at, *run in (r for d in deltas for r in d.recomputes) if recomputes else ():
         out[at] += int(recompute_extra(*run))

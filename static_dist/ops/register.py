@@ -10,7 +10,7 @@ import contextvars
 import functools
 import importlib
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.autograd.forward_ad as _forward_ad   # its _current_level: is a dual level (forward AD) open?
@@ -291,28 +291,38 @@ def __call__(self: BridgedOp, *args):
     return kernel(*args)
 
 # %% ../../nbs/20b_ops_register.ipynb
+class _CustomOp(NamedTuple):
+    "What `_custom_op` registered: the op, its kernel per device, its autograd pair (None, None: none)."
+    op: Callable
+    kernels: dict
+    setup: Callable | None
+    backward: Callable | None
+
+# %% ../../nbs/20b_ops_register.ipynb
 def _autograd_pair(decl: OpDecl) -> tuple:
     "(setup_context, backward) the op registers: the declared pair, one derived from the reference, or (None, None)."
     if not decl.differentiable: return None, None
     return (decl.setup_context, decl.backward) if decl.backward else _vjp_autograd(decl.reference)
 
-def _custom_op(decl: OpDecl):
-    "(op, {device: kernel}, setup_context, backward): `decl` registered as a torch.library custom op."
+def _custom_op(decl: OpDecl) -> _CustomOp:
+    "`decl` registered as a torch.library custom op (`_CustomOp`)."
     op = torch.library.custom_op(decl.name, mutates_args=())(decl.reference)   # schema from the annotations
     kernels = {d: _dispatch(decl, d) for d in ("cpu", "cuda")}
     for d, k in kernels.items(): op.register_kernel(d, k)
     op.register_fake(decl.fake or _fake_from(decl.reference))
     setup, bwd = _autograd_pair(decl)
     if bwd: op.register_autograd(bwd, setup_context=setup)
-    return op, kernels, setup, bwd
+    return _CustomOp(op, kernels, setup, bwd)
 
 # %% ../../nbs/20b_ops_register.ipynb
 def bridge(decl: OpDecl, check: bool = True) -> BridgedOp:
     "Register `decl` as a torch.library custom op (fake, autograd, CPU/CUDA kernels) and return the callable op."
     if decl.name in REGISTRY: raise ValueError(f"{decl.name} is already bridged in this process; pick another name")
-    op, kernels, setup, bwd = _custom_op(decl)
-    fast = {d: (k, _autograd_function(decl, k, setup, bwd) if bwd else None) for d, k in kernels.items()}
-    bop = BridgedOp(decl, op, fast)
+    c = _custom_op(decl)
+    fast = {
+        d: (k, _autograd_function(decl, k, c.setup, c.backward) if c.backward else None) for d, k in c.kernels.items()
+    }
+    bop = BridgedOp(decl, c.op, fast)
     if check and decl.examples is not None:
         for dt in (torch.float32, torch.float16): check_fake(bop, bop.examples(dt))
     REGISTRY[decl.name] = bop
