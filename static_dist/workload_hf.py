@@ -43,9 +43,10 @@ def import_transformers():
 @contextlib.contextmanager
 def quiet_transformers(heard: list):
     """Inside, transformers' log records (WARNING and up), those of torchao (which transformers imports when it is
-    installed: on CPU it logs that its CUDA kernels do not load) and Python warnings are not printed; their first lines
+    installed: on CPU it logs that its CUDA kernels do not load, and torch's pytree logs its enums) and Python warnings
+    are not printed; their first lines
     go to `heard`."""
-    logs = [logging.getLogger(name) for name in ("transformers", "torchao")]
+    logs = [logging.getLogger(name) for name in ("transformers", "torchao", "torch.utils._pytree")]
     class Heard(logging.Handler):
         def emit(self, record): heard.append(first_line(record.getMessage()))
     saved = [(log.handlers[:], log.propagate, log.level) for log in logs]
