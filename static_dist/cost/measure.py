@@ -18,10 +18,11 @@ from ..step import MicroBatch, make_optimizer, train_step
 __all__ = ['comm_counter', 'comm_counts', 'to_empty_tied', 'peak_by_category', 'measure_step_by_category', 'measure_step']
 
 # %% ../../nbs/06c_cost_measure.ipynb
-def _one_step(m, opt, inputs, kwargs, targets, loss_fn, plan):
+def _one_step(m, opt, inputs, kwargs, targets, loss_fn, plan, around=None):
     """The package's one step over `plan.accumulation_steps` (any plan the step takes: FSDP's, a layout's) copies of the
-    micro-batch, synced as the plan says."""
-    train_step(m, opt, [MicroBatch(inputs, kwargs, targets)] * plan.accumulation_steps, loss_fn, plan=plan)
+    micro-batch, synced as the plan says; `around()` entered around each micro-batch (loss parallelism's context)."""
+    train_step(m, opt, [MicroBatch(inputs, kwargs, targets)] * plan.accumulation_steps, loss_fn, plan=plan,
+               around=around)
 
 # %% ../../nbs/06c_cost_measure.ipynb
 class _FlatModules:
@@ -96,7 +97,7 @@ def peak_by_category(tracker) -> dict[str, int]:
     return out
 
 def measure_step_by_category(m: nn.Module, plan, inputs, kwargs, targets, loss_fn,
-                             optimizer: str) -> tuple[dict, object]:
+                             optimizer: str, around=None) -> tuple[dict, object]:
     """`measure_step` with the peak by the tracker's categories (`peak_by_category`: FSDPMemTracker's 'Sharded Param',
     'All Gather', ..., or MemTracker's 'Parameter', ..., and 'Total'), and the second step's CommDebugMode."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -115,14 +116,14 @@ def measure_step_by_category(m: nn.Module, plan, inputs, kwargs, targets, loss_f
                 warnings.filterwarnings(
                     "ignore", message="(FSDP2-wrapped module|Full backward hook|For backward hooks to be called)"
                 )  # torch's notes
-                with fmt, where: _one_step(m, opt, inputs, kwargs, targets, loss_fn, plan)
+                with fmt, where: _one_step(m, opt, inputs, kwargs, targets, loss_fn, plan, around)
                 # clears the modules' stats only: the tracker's own peak restarts when it is entered again
                 fmt.reset_mod_stats()
                 # (the first step's peak is no steady state's: its optimizer makes its state, and DTensor's sharding
                 # propagation,
                 # cold, makes fake tensors of each parameter's global shape under the tracker's fake mode, which it
                 # counts)
-                with fmt, comm_counter() as cdm, where: _one_step(m, opt, inputs, kwargs, targets, loss_fn, plan)
+                with fmt, comm_counter() as cdm, where: _one_step(m, opt, inputs, kwargs, targets, loss_fn, plan, around)
         except PlanError: raise
         except Exception as e: raise explain_failure(e, "the FSDP step under FSDPMemTracker", where.failed_in) from None
     return peak_by_category(fmt), cdm

@@ -5,6 +5,7 @@
 # %% ../../nbs/45e_parallel_apply.ipynb 4
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 
@@ -19,7 +20,7 @@ from ..placement import parallel_style
 from ..structure import find_structure
 
 # %% auto 0
-__all__ = ['plan_blocks', 'apply_tp', 'apply_ac', 'apply_compile', 'apply_fsdp', 'apply_parallel_plan']
+__all__ = ['plan_blocks', 'apply_tp', 'step_context', 'apply_ac', 'apply_compile', 'apply_fsdp', 'apply_parallel_plan']
 
 # %% ../../nbs/45e_parallel_apply.ipynb
 def plan_blocks(plan: ParallelPlan, stack, stage: int | None = None) -> tuple[tuple[int, str], ...]:
@@ -37,13 +38,77 @@ def plan_blocks(plan: ParallelPlan, stack, stage: int | None = None) -> tuple[tu
 def _blocks(model: nn.Module, plan: ParallelPlan, blocks) -> tuple[tuple[int, str], ...]:
     return plan_blocks(plan, find_structure(model).main) if blocks is None else tuple(blocks)
 
+def _outermost(mods: set) -> set:
+    "The modules of `mods` not inside another one of them."
+    return {m for m in mods if not any(m.startswith(o + ".") for o in mods)}
+
+def _gather_sequence(module, args, kwargs):
+    """torch's `PrepareModuleInput` from Shard(1) to Replicate() for any signature: each argument that is a DTensor
+    sharded on the sequence is gathered whole (kept a DTensor, so that the gradients the sub-layer's column-parallel
+    linears give it add up as partial sums and are reduce-scattered back onto the sequence)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    def gather(t):
+        if isinstance(t, DTensor) and tuple(t.placements) == (Shard(1),): return t.redistribute(placements=[Replicate()])
+        return t
+    return tuple(gather(a) for a in args), {k: gather(v) for k, v in kwargs.items()}
+
+def _sequence_styles(block: nn.Module, plan: ParallelPlan) -> tuple[dict, set]:
+    """({module: SequenceParallel()} for the block's modules with parameters outside its sharded sub-layers (its norms),
+    the sub-layers that gather their input) of one block under sequence parallelism."""
+    from torch.distributed.tensor.parallel import SequenceParallel
+    regions = _outermost({n.rpartition(".")[0] for n, s in plan.tp_styles if s != "replicate"} - {""})
+    under = lambda n: any(n == r or n.startswith(r + ".") for r in regions)
+    norms = {n: SequenceParallel() for n, m in block.named_modules()
+             if n and not under(n) and any(True for _ in m.parameters(recurse=False))}
+    return norms, regions
+
+def _outer_styles(model: nn.Module, plan: ParallelPlan) -> dict:
+    "torchtitan's styles for the modules outside the blocks (`plan.tp_outer`), by role."
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+    sp, lp, out = plan.sequence_parallel, plan.loss_parallel, {}
+    seq = Shard(1) if sp else Replicate()
+    for m, role in plan.tp_outer:
+        if role == "embedding": out[m] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+        elif role == "norm" and sp: out[m] = SequenceParallel()
+        elif role == "output":
+            out[m] = ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1) if lp else Replicate(),
+                                     use_local_output=not lp)
+    return out
+
 def apply_tp(model: nn.Module, plan: ParallelPlan, tp_mesh, blocks=None) -> None:
     """`parallelize_module` of each block (default: every block of the main stack) on the tp mesh, with the plan's style
-    per linear."""
-    from torch.distributed.tensor.parallel import parallelize_module
+    per linear, and of the modules outside the blocks (`tp_outer`). With sequence parallelism, as torchtitan lays it
+    out: the norms `SequenceParallel`, each sharded sub-layer's input gathered (`_gather_sequence`), its row-parallel
+    linears reduce-scattered onto the sequence."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
     if plan.dims.tp == 1 or not plan.tp_styles: return
     styles = {n: parallel_style(s) for n, s in plan.tp_styles if s != "replicate"}
-    for _, b in _blocks(model, plan, blocks): parallelize_module(model.get_submodule(b), tp_mesh, styles)
+    if plan.sequence_parallel:
+        styles.update({n: RowwiseParallel(output_layouts=Shard(1)) for n, s in plan.tp_styles if s == "rowwise"})
+    for _, b in _blocks(model, plan, blocks):
+        block = model.get_submodule(b)
+        if plan.sequence_parallel:
+            norms, regions = _sequence_styles(block, plan)
+            parallelize_module(block, tp_mesh, {**styles, **norms})
+            for r in regions: block.get_submodule(r).register_forward_pre_hook(_gather_sequence, with_kwargs=True)
+        else: parallelize_module(block, tp_mesh, styles)
+    mods = dict(model.named_modules())
+    outer = {m: s for m, s in _outer_styles(model, plan).items() if m in mods}   # a pipeline stage holds some
+    if outer: parallelize_module(model, tp_mesh, outer)
+
+# %% ../../nbs/45e_parallel_apply.ipynb
+def step_context(plan: ParallelPlan, around=None):
+    """What each micro-batch's forward and backward runs in under `plan`: torch's `loss_parallel()` when the logits stay
+    sharded on the vocabulary (its cross-entropy and that of the backward then run on the shards), and `around()`."""
+    from torch.distributed.tensor.parallel import loss_parallel
+    if not plan.loss_parallel or plan.dims.tp == 1: return around
+    @contextlib.contextmanager
+    def both():
+        with loss_parallel(), (around or contextlib.nullcontext)(): yield
+    return both
+
 
 # %% ../../nbs/45e_parallel_apply.ipynb
 def apply_ac(model: nn.Module, plan: ParallelPlan, blocks=None) -> None:

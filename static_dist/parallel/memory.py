@@ -79,10 +79,16 @@ def op_stages(g: StaticGraph, ob: np.ndarray, block_stage: np.ndarray, n_stages:
 _COL, _ROW = ("colwise",), ("rowwise",)       # styles whose local output (col) or input (row) features are 1/tp
 _MATMUL = ("aten.mm", "aten.addmm", "aten.bmm", "aten.matmul", "aten.linear")   # a linear's product over its features
 
+_OUTER_STYLE = {"embedding": "embedding", "norm": "sequence", "output": "colwise"}   # tp_outer role -> style
+
 def _regions(plan: ParallelPlan, blocks) -> tuple[set, dict]:
-    "(sub-layer modules whose insides are sharded, {linear FQN: style}) over every block."
+    """(sub-layer modules whose insides are sharded, {module FQN: style}) over every block, and the modules outside
+    the blocks that tensor parallelism lays out (`tp_outer`: 'embedding', 'sequence' for the final norm, 'colwise'
+    for the output projection, 'colwise_gather' when its logits are gathered whole, without loss parallelism)."""
     styles = {f"{b}.{n}": s for b in blocks for n, s in plan.tp_styles}
     sharded = {n.rpartition(".")[0] for n, s in styles.items() if s in _COL + _ROW}
+    styles.update((m, _OUTER_STYLE[r]) for m, r in plan.tp_outer)
+    if not plan.loss_parallel: styles.update((m, "colwise_gather") for m, r in plan.tp_outer if r == "output")
     return {m for m in sharded if m not in blocks}, styles     # a linear straight under a block: no sub-layer
 
 def _under_any(m: str, mods: set) -> bool:
@@ -107,9 +113,11 @@ def tp_op_factor(g: StaticGraph, plan: ParallelPlan, blocks) -> np.ndarray:
     makes of a boolean attention mask, shared by every head; a scalar) is whole on every rank. A linear's own output
     (colwise forward) or input gradient (rowwise backward) is a shard; its product over the sharded features (rowwise
     forward, colwise backward) is whole, but the other ops backward runs under it (reshaping the incoming gradient
-    of sharded heads, e.g. the `clone` of q's transposed gradient) hold shards. Remembered per graph object."""
+    of sharded heads, e.g. the `clone` of q's transposed gradient) hold shards. With sequence parallelism
+    (`_sequence_factor`) what runs between the sub-layers holds a slice of the sequence, and with loss parallelism
+    the logits and what the loss makes of them a slice of the vocabulary. Remembered per graph object."""
     if plan.dims.tp == 1 or not plan.tp_styles: return np.ones(len(g.ops))
-    key = (plan.dims.tp, plan.tp_styles, tuple(blocks))
+    key = (plan.dims.tp, plan.tp_styles, tuple(blocks), plan.sequence_parallel, plan.loss_parallel, plan.tp_outer)
     return _remember("tp_op_factor", g, key, lambda: _tp_op_factor(g, plan, blocks)).copy()
 
 def _tp_op_factor(g: StaticGraph, plan: ParallelPlan, blocks) -> np.ndarray:
@@ -124,7 +132,38 @@ def _tp_op_factor(g: StaticGraph, plan: ParallelPlan, blocks) -> np.ndarray:
             if (s in _COL) == fwd or (reads and not o.op.startswith(_MATMUL)): f[i] = 1 / tp
         elif s is None and o.phase != "optimizer" and _under_any(o.module, regions) and reads: f[i] = 1 / tp
         if f[i] < 1: sharded[list(o.outputs)] = True
+    if plan.sequence_parallel or plan.tp_outer: _sequence_factor(g, plan, blocks, regions, styles, f, sharded)
     return f
+
+# %% ../../nbs/45b_parallel_memory.ipynb
+def _sequence_factor(g: StaticGraph, plan: ParallelPlan, blocks, regions: set, styles: dict, f: np.ndarray,
+                     sharded: np.ndarray) -> None:
+    """`tp_op_factor` for sequence and loss parallelism, in place. Sequence: every op in a block outside the sharded
+    sub-layers (norms, residual adds), of the final norm and the embedding's forward holds 1/tp, and so does a
+    row-parallel linear's output (reduce-scattered onto the sequence); what a sub-layer reads is gathered whole (the
+    copy its column-parallel linears save). Vocabulary: the embedding's backward makes a 1/tp gradient table; with loss
+    parallelism the output projection's logits and the ops of the loss that keep the vocabulary dim hold 1/tp."""
+    tp, sp = plan.dims.tp, plan.sequence_parallel
+    roles = {m: r for m, r in plan.tp_outer}
+    ob = module_blocks((o.module for o in g.ops), tuple(blocks))
+    vocab = next((g.tensors[o.outputs[0]].shape[-1] for o in g.ops
+                  if o.phase == "forward" and roles.get(o.module) == "output" and o.op.startswith(_MATMUL)), None)
+    feeds = set()                                   # tensors a sharded sub-layer reads from outside it: gathered
+    for o in g.ops:
+        if o.phase == "forward" and _under_any(o.module, regions): feeds.update(o.inputs)
+    for i, o in enumerate(g.ops):
+        if o.phase == "optimizer": continue
+        fwd, role, s = o.phase == "forward", roles.get(o.module), styles.get(o.module)
+        inside = _under_any(o.module, regions) or s in _COL + _ROW
+        if role == "embedding": f[i] = 1 / tp if (sp or not fwd) else 1.0
+        elif sp and (ob[i] >= 0 or role == "norm") and not inside: f[i] = 1 / tp
+        elif sp and s in _ROW and fwd and o.op.startswith(_MATMUL): f[i] = 1 / tp
+        elif plan.loss_parallel and role is None and ob[i] < 0 and not inside and sharded[list(o.inputs)].any():
+            out = g.tensors[o.outputs[0]].shape if o.outputs else ()
+            f[i] = 1 / tp if vocab and out and out[-1] == vocab else 1.0
+        if sp and fwd and f[i] < 1 and not inside and any(t in feeds for t in o.outputs): f[i] = 1.0
+        if f[i] < 1: sharded[list(o.outputs)] = True
+
 
 # %% ../../nbs/45b_parallel_memory.ipynb
 def tp_views(g: StaticGraph, f: np.ndarray, tp: int) -> dict[int, int]:
@@ -153,7 +192,7 @@ def tp_local_graph(g: StaticGraph, plan: ParallelPlan, blocks) -> StaticGraph:
     """The captured step with what a tensor-parallel rank copies differently (`tp_views`): a copy that is a view there
     holds no bytes, and keeps the storage it views alive (and saved for backward) as long as the copy was. The same
     graph object for the same (graph, tp, styles, blocks), so that what is computed from it can be remembered."""
-    key = (plan.dims.tp, plan.tp_styles, tuple(blocks))
+    key = (plan.dims.tp, plan.tp_styles, tuple(blocks), plan.sequence_parallel, plan.loss_parallel, plan.tp_outer)
     return _remember("tp_local_graph", g, key, lambda: _tp_local(g, plan, blocks))
 
 def _tp_local(g: StaticGraph, plan: ParallelPlan, blocks) -> StaticGraph:
@@ -174,8 +213,8 @@ def tp_param_shape(name: str, shape: tuple, plan: ParallelPlan, styles: dict) ->
     tp)."""
     s, tp = styles.get(name.rpartition(".")[0]), plan.dims.tp
     if s is None or tp == 1 or not shape: return tuple(shape)
-    if s in _COL: return (shape[0] // tp, *shape[1:])
-    if s in _ROW and len(shape) == 2: return (shape[0], shape[1] // tp)
+    if s in (*_COL, "colwise_gather", "embedding"): return (shape[0] // tp, *shape[1:])   # an embedding: its vocabulary rows
+    if s in (*_ROW, "rowwise_scatter") and len(shape) == 2: return (shape[0], shape[1] // tp)
     return tuple(shape)                            # a rowwise bias is whole on every rank
 
 # %% ../../nbs/45b_parallel_memory.ipynb

@@ -23,8 +23,8 @@ from ..errors import errors_as
 from ..files import loads_json, read_json
 
 # %% auto 0
-__all__ = ['ParallelDims', 'SCHEDULES', 'PARALLEL_SCHEMA', 'ParallelPlanError', 'ParallelPlan', 'block_policies', 'stage_ranges',
-           'check_layout']
+__all__ = ['ParallelDims', 'SCHEDULES', 'OUTER_ROLES', 'PARALLEL_SCHEMA', 'ParallelPlanError', 'ParallelPlan', 'block_policies',
+           'stage_ranges', 'check_layout', 'block_collectives', 'outer_collectives']
 
 # %% ../../nbs/45a_parallel_plan.ipynb
 class ParallelPlanError(PlanError):
@@ -99,17 +99,44 @@ class ParallelPlan:
     name: str = "plan"
     reasons: tuple[tuple[str, str], ...] = ()
     "(decision, why) pairs."
+    sequence_parallel: bool = False
+    """Norms, residuals and the blocks' outputs sharded on the sequence over tp, gathered into each sharded sub-layer
+    and reduce-scattered out of it (torchtitan's `enable_sequence_parallel`)."""
+    loss_parallel: bool = False
+    "The output projection's logits stay sharded on the vocabulary into the loss (`tensor.parallel.loss_parallel`)."
+    tp_outer: tuple[tuple[str, str], ...] = ()
+    """(module outside the blocks, role) that tensor parallelism also lays out, as torchtitan does: 'embedding' (its
+    vocabulary rows sharded), 'norm' (the final norm, sequence-parallel), 'output' (its vocabulary columns sharded)."""
 
     def __post_init__(self):
         object.__setattr__(self, "ac", _policies(self.ac))
         _check_self(self)
 
 # %% ../../nbs/45a_parallel_plan.ipynb
+OUTER_ROLES = ("embedding", "norm", "output")   # the roles of `ParallelPlan.tp_outer`
+
+def _check_outer(p: ParallelPlan) -> None:
+    "Sequence and loss parallelism and the outer modules' roles: only with tp > 1, each with what it needs."
+    if p.dims.tp == 1 and (p.sequence_parallel or p.loss_parallel or p.tp_outer):
+        raise ParallelPlanError("sequence_parallel, loss_parallel and tp_outer lay out tensor parallelism: with tp=1 "
+                                "drop them or raise dims.tp")
+    bad = [r for _, r in p.tp_outer if r not in OUTER_ROLES]
+    if bad: raise ParallelPlanError(f"tp_outer: unknown role {bad[0]!r}; use one of {', '.join(OUTER_ROLES)}")
+    roles = dict((r, m) for m, r in p.tp_outer)
+    if p.sequence_parallel and not p.tp_styles:
+        raise ParallelPlanError("sequence_parallel needs sharded sub-layers (tp_styles) to gather into and scatter out of")
+    if p.sequence_parallel and not {"embedding", "output"} <= set(roles):
+        raise ParallelPlanError("sequence_parallel shards the sequence at the token embedding and gathers it at the "
+                                "output projection: give tp_outer both ('embedding' and 'output' modules)")
+    if p.loss_parallel and "output" not in roles:
+        raise ParallelPlanError("loss_parallel needs the output projection sharded: give tp_outer an 'output' module")
+
 def _check_axes(p: ParallelPlan) -> None:
     "The plan's own consistency, axis by axis; ParallelPlanError naming the field and the fix."
     d = p.dims
     if d.tp == 1 and p.tp_styles: raise ParallelPlanError("tp_styles given with tp=1: drop them or raise dims.tp")
     bad = [s for _, s in p.tp_styles if s not in STYLES]
+    _check_outer(p)
     if bad: raise ParallelPlanError(f"tp_styles: unknown style {bad[0]!r}; use one of {', '.join(STYLES)}")
     if p.schedule not in SCHEDULES:
         raise ParallelPlanError(f"schedule {p.schedule!r}: use one of {', '.join(SCHEDULES)}")
@@ -212,6 +239,41 @@ def check_layout(plan: ParallelPlan, stack: BlockStack | None, seq: int | None =
         )
 
 # %% ../../nbs/45a_parallel_plan.ipynb
+def block_collectives(plan: ParallelPlan, order) -> tuple[tuple[str, str, str, bool], ...]:
+    """One block's tensor-parallel collectives per micro-batch as (kind, linear, 'in'|'out', forward?), in forward
+    order of the styled linears (`order`: their names, sorted so). Without sequence parallelism each style's own
+    (`placement.STYLES`); with it, each sharded sub-layer gathers its input and reduce-scatters its row-parallel
+    outputs in forward, and does the converse in backward (the gathered input's gradient reduce-scattered back)."""
+    styles = dict(plan.tp_styles)
+    names = [n for n in order if styles.get(n, "replicate") != "replicate"]
+    if not plan.sequence_parallel:
+        return tuple((k, n, w, fwd) for n in names for fwd, i in ((True, 2), (False, 3)) for k, w in STYLES[styles[n]][i])
+    out, seen = [], set()
+    for n in names:
+        sub = n.rpartition(".")[0]
+        if styles[n].startswith("colwise") and sub not in seen:
+            seen.add(sub); out += [("all_gather", n, "in", True), ("reduce_scatter", n, "in", False)]
+        elif styles[n].startswith("rowwise"): out += [("reduce_scatter", n, "out", True), ("all_gather", n, "out", False)]
+    return tuple(out)
+
+def outer_collectives(plan: ParallelPlan) -> tuple[tuple[str, str, bool], ...]:
+    """The collectives per micro-batch of the modules outside the blocks (`tp_outer`) as (kind, role, forward?), and
+    of the loss: the embedding's partial rows summed (reduce-scattered onto the sequence with sequence parallelism),
+    the final norm's output gathered for the output projection, whose input gradient is summed; with loss parallelism
+    the three all-reduces of the sharded cross-entropy (max, sum of exponentials, target logit), else the logits
+    gathered."""
+    if plan.dims.tp == 1: return ()
+    sp, out = plan.sequence_parallel, []
+    for _, role in plan.tp_outer:
+        if role == "embedding": out += [("reduce_scatter", role, True), ("all_gather", role, False)] if sp else \
+            [("all_reduce", role, True)]
+        elif role == "output":
+            out += [] if sp else [("all_reduce", role, False)]
+            out += [("all_reduce", "loss", True)] * 3 if plan.loss_parallel else [("all_gather", role, True)]
+    if sp: out += [("all_gather", "norm", True), ("reduce_scatter", "norm", False)]   # into the output projection
+    return tuple(out)
+
+# %% ../../nbs/45a_parallel_plan.ipynb
 PARALLEL_SCHEMA = "static_dist.parallel_plan/1"
 _MAX_DEGREE = 2**20
 
@@ -272,6 +334,9 @@ def _plan_from(d) -> ParallelPlan:
         None if fsdp is None else FSDPPlan.from_dict({**fsdp}),
         f("name", string(), "plan"),
         tuple(map(tuple, f("reasons", list_of(pair), ()))),
+        sequence_parallel=f("sequence_parallel", boolean(), False),
+        loss_parallel=f("loss_parallel", boolean(), False),
+        tp_outer=tuple(map(tuple, f("tp_outer", list_of(pair), ()))),
     )
 
 # %% ../../nbs/45a_parallel_plan.ipynb

@@ -15,7 +15,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from ..axes import device_mesh, optional_mesh
 from ..cost.measure import comm_counter
-from .apply import apply_ac, apply_compile, apply_parallel_plan
+from .apply import apply_ac, apply_compile, apply_parallel_plan, step_context
 from static_dist.parallel.pipeline import (
     PipelineRank,
     build_pipeline,
@@ -151,6 +151,7 @@ def plan_step(
     already, as a per-rank data loader gives them), its sequence shards (cp), its micro-batches through the one
     `train_step` or the pipeline schedule. The mean loss (None on a pipeline rank without the last stage)."""
     plan = rank.plan
+    around = step_context(plan, around)
     args, kwargs, targets = dp_slice(plan, None if local else rank.mesh, batch)   # no mesh: every row given
     if plan.dims.pp > 1: return pipeline_step(rank.pipeline, optimizer, (args, kwargs, targets), around=around)
     if plan.dims.cp == 1:

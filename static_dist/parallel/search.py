@@ -47,15 +47,16 @@ from static_dist.parallel.plan import (
     stage_ranges,
 )
 from .time import StepTime, predict_step_time, rank_work
-from ..placement import block_spec, megatron_styles
+from ..placement import block_spec, megatron_styles, outer_roles, tp_blockers
+from ..cost.profile import param_infos
 from ..topology import Topology
 from ..graph.records import BACKWARD, FORWARD
 
 
 # %% auto 0
 __all__ = ['CHECKPOINT_POLICIES', 'BENCH_PLAN_CASES', 'SPEED_CASES', 'layout_dims', 'memory_by_category', 'balanced_stages',
-           'checkpoint_mix', 'Candidate', 'LayoutSearch', 'search_layouts', 'search_graph', 'bare_step_seconds',
-           'bench_speed', 'bench_plan']
+           'checkpoint_mix', 'Candidate', 'LayoutSearch', 'tp_layout', 'search_layouts', 'search_graph',
+           'bare_step_seconds', 'bench_speed', 'bench_plan']
 
 # %% ../../nbs/45d_parallel_search.ipynb
 def _divisors(n: int) -> list[int]: return [d for d in range(1, n + 1) if n % d == 0]
@@ -89,9 +90,12 @@ CHECKPOINT_POLICIES = (FullCheckpoint(), SelectiveOps())   # what the search mix
 
 class _Context:
     def __init__(
-        self, g: StaticGraph, n_blocks: int, topo: Topology, styles: tuple, policies: tuple, master_dtype: str | None
+        self, g: StaticGraph, n_blocks: int, topo: Topology, styles: tuple, policies: tuple, master_dtype: str | None,
+        outer: tuple = (), sequence_parallel: bool = False, loss_parallel: bool = False
     ):
         self.g, self.n, self.topo, self.styles, self.master = g, n_blocks, topo, styles, master_dtype
+        # torchtitan's layout around the blocks, when the model maps
+        self.outer, self.sp, self.lp = outer, sequence_parallel, loss_parallel
         self.policies = tuple(parse_policy(p) for p in policies)
         self.stack = g.structure.main
         self.captured = len(self.stack.blocks)
@@ -103,6 +107,12 @@ class _Context:
         self.seq = inputs[0][1] if inputs and isinstance(inputs[0], list) and len(inputs[0]) > 1 else None
         self._work, self._prof, self._ext, self._mem, self._time, self._flight = {}, {}, {}, {}, {}, {}
 
+    def tp_fields(self, tp: int) -> dict:
+        "The plan's tensor-parallel fields at degree `tp`: the blocks' styles and, with `outer`, torchtitan's rest."
+        if tp == 1: return {}
+        return dict(tp_styles=self.styles, sequence_parallel=self.sp, loss_parallel=self.lp,
+                    tp_outer=self.outer)
+
 # %% ../../nbs/45d_parallel_search.ipynb
 @patch
 def plan(
@@ -113,8 +123,8 @@ def plan(
     dp = d.dp_replicate * d.fsdp_size
     mesh = (d.dp_replicate, d.fsdp_size) if d.dp_replicate > 1 else (d.fsdp_size,)
     units = block_units(self.blocks, d.pp == 1 if reshard is None else reshard)
-    return ParallelPlan(d, self.styles if d.tp > 1 else (), stages, schedule, m, tuple(ac),
-                        fsdp=FSDPPlan(dp, mesh, units) if dp > 1 else None, name=name)
+    return ParallelPlan(d, stages=stages, schedule=schedule, microbatches=m, ac=tuple(ac),
+                        fsdp=FSDPPlan(dp, mesh, units) if dp > 1 else None, name=name, **self.tp_fields(d.tp))
 
 # %% ../../nbs/45d_parallel_search.ipynb
 @patch
@@ -123,7 +133,7 @@ def work(self: _Context, d: ParallelDims):
     if key not in self._work:
         self._work[key] = rank_work(
             self.g,
-            ParallelPlan(ParallelDims(cp=d.cp, tp=d.tp), self.styles if d.tp > 1 else ()),
+            ParallelPlan(ParallelDims(cp=d.cp, tp=d.tp), **self.tp_fields(d.tp)),
             self.topo,
             policies=self.policies,
         )
@@ -149,7 +159,7 @@ def _uniform_profile(ctx: _Context, d: ParallelDims, mode: CheckpointPolicy, k: 
     "The rank profile of a stage of `k` blocks, all checkpointed as `mode` (extended from the captured blocks)."
     key = (d.tp, d.cp, mode)
     if key not in ctx._prof:
-        p = ParallelPlan(ParallelDims(cp=d.cp, tp=d.tp), ctx.styles if d.tp > 1 else (), ac=(mode,) * ctx.captured)
+        p = ParallelPlan(ParallelDims(cp=d.cp, tp=d.tp), ac=(mode,) * ctx.captured, **ctx.tp_fields(d.tp))
         ctx._prof[key] = rank_profile(ctx.g, p, 0, ctx.master)
     if k == ctx.captured: return ctx._prof[key]
     if (key, k) not in ctx._ext: ctx._ext[(key, k)] = expand_profile(ctx._prof[key], k)
@@ -265,7 +275,8 @@ def memory_by_category(g: StaticGraph, plan: ParallelPlan, n_blocks: int | None 
             (f"pp rank {r}", m.at_peak, m.peak_bytes)
             for r, m in enumerate(predict_parallel_memory(g, plan, master_dtype).ranks)
         ]
-    d, ctx = plan.dims, _Context(g, n, None, plan.tp_styles, CHECKPOINT_POLICIES, master_dtype)
+    d, ctx = plan.dims, _Context(g, n, None, plan.tp_styles, CHECKPOINT_POLICIES, master_dtype, plan.tp_outer,
+                      plan.sequence_parallel, plan.loss_parallel)
     P = _pipelined(ctx, plan, _mixed_profile(ctx, d, _stage_modes(ctx, plan, None if plan.ac else NoCheckpoint())))
     pred = predict_rank_memory(P, plan)
     return [("busiest stage" if d.pp > 1 else "each rank", pred.at_peak, pred.peak_bytes)]
@@ -443,6 +454,30 @@ def _hopeless(ctx: _Context, plan: ParallelPlan, ac, budget: int, bounds: dict) 
             f"{fmt_bytes(budget)}, and less sharding needs more")
 
 # %% ../../nbs/45d_parallel_search.ipynb
+def tp_layout(g: StaticGraph, styles: tuple, sequence_parallel: bool | None = None) -> tuple[tuple, tuple, bool]:
+    """(styles, outer roles, sequence parallel?) of tensor parallelism on the captured step, read from its structure:
+    a sub-layer whose column-parallel linears a parameter spans (`placement.tp_blockers`: OLMo 2's q/k norms) stays
+    replicated; the embedding, final norm and output (`placement.outer_roles`) are laid out as torchtitan does when
+    the model has them (none: the blocks only, without sequence parallelism). `sequence_parallel`: None (on where it
+    can be), or forced (True raises when the model cannot take it)."""
+    stack = g.structure.main
+    params, _ = param_infos(g)
+    b0 = stack.blocks[0] + "."
+    mine = [(p.name[len(b0):], p.numel) for p in params if p.name.startswith(b0)]
+    outs = {p.name[len(b0):].rpartition(".")[0]: p.shape[0] for p in params
+            if p.name.startswith(b0) and p.name.endswith(".weight") and len(p.shape) == 2}
+    blocked = {m.split(" ")[0].rpartition(".")[0] for m in tp_blockers(mine, dict(styles), outs)}
+    subs = {n.rpartition(".")[0] for n in blocked}
+    under = lambda n: any(n == s or n.startswith(s + ".") for s in subs if s)
+    styles = tuple((n, "replicate" if under(n.rpartition(".")[0]) else s) for n, s in styles)
+    outer = outer_roles(g)
+    if sequence_parallel and not outer:
+        raise ParallelPlanError("sequence_parallel: the model has no token embedding and output projection outside "
+                                f"its {stack.block_type} blocks to shard the sequence at and gather it back")
+    sp = bool(outer) if sequence_parallel is None else sequence_parallel
+    return styles, tuple((m, r) for m, r in outer if r != "norm" or sp), sp
+
+# %% ../../nbs/45d_parallel_search.ipynb
 class _Entry(NamedTuple):
     "A layout in the search's heap, ordered by its cost, then by when it came (so plans are never compared)."
     cost: float
@@ -456,11 +491,13 @@ class _Entry(NamedTuple):
 def search_layouts(g: StaticGraph, world: int, topo: Topology, budget_bytes: int, *, n_blocks: int | None = None,
                    pins: dict | None = None, ac="auto", microbatches: tuple[int, ...] = (2,), schedule: str = "1F1B",
                    styles: tuple | None = None, policies: tuple = CHECKPOINT_POLICIES, master_dtype: str | None = None,
-                   runners_up: int = 4, progress=None) -> LayoutSearch:
+                   runners_up: int = 4, progress=None, sequence_parallel: bool | None = None) -> LayoutSearch:
     """The fastest layout of the captured step `g` (its model extended to `n_blocks` identical blocks) on `world` ranks
     of `topo` that fits `budget_bytes` per rank. `ac`: 'auto' (the cheapest mix of `policies` that fits), or one policy
     (or its name) for every block.
-    `microbatches`: pipeline micro-batches per stage count (2: 2·pp)."""
+    `microbatches`: pipeline micro-batches per stage count (2: 2·pp). Tensor parallelism is laid out as torchtitan
+    does where the model maps (`tp_layout`): sequence and loss parallelism, vocabulary-sharded embedding and output;
+    `sequence_parallel=False` keeps the sequence whole (the vocabulary still sharded)."""
     t0 = time.perf_counter()
     try: ac = ac if ac == "auto" else parse_policy(ac)
     except PolicyError as e: raise ParallelPlanError(f"ac {ac!r}: use auto or a checkpointing policy ({e})") from None
@@ -470,6 +507,7 @@ def search_layouts(g: StaticGraph, world: int, topo: Topology, budget_bytes: int
         raise ParallelPlanError("the captured model has no stack of repeated blocks: use plan-fsdp for it")
     n = n_blocks or len(stack.blocks)
     if styles is None: styles = tuple(megatron_styles(block_spec(g)).items())
+    styles, outer, sp = tp_layout(g, styles, sequence_parallel)
     if all(s == "replicate" for _, s in styles):               # nothing to shard: tensor parallelism only repeats work
         if (pins or {}).get("tp", 1) > 1:
             raise ParallelPlanError(
@@ -477,7 +515,7 @@ def search_layouts(g: StaticGraph, world: int, topo: Topology, budget_bytes: int
                 "pairs need separate nn.Linear projections; fused or Conv1D ones are not split): pin tp 1"
             )
         pins = {**(pins or {}), "tp": 1}
-    ctx = _Context(g, n, topo, styles, policies, master_dtype)
+    ctx = _Context(g, n, topo, styles, policies, master_dtype, outer, sp, bool(outer))
     node = topo.levels[0].size if topo.levels else topo.n_devices
     dims = layout_dims(
         world, n_blocks=n, node=node, heads=stack.n_heads, kv_heads=stack.n_kv_heads, seq=ctx.seq, pins=pins

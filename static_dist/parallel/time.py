@@ -19,7 +19,8 @@ from ..topology import MeshSpec, Topology, TwoStreams, collective_time, device_s
 from ..graph.policies import FullCheckpoint, NoCheckpoint, SelectiveOps, recomputed_ops
 from .memory import (_MATMUL, _block_forward, _block_spans, _regions, boundary_bytes, op_blocks,
                                          tp_op_factor, tp_param_shape)
-from .plan import ParallelPlan, ParallelPlanError, block_policies, stage_ranges
+from .plan import (ParallelPlan, ParallelPlanError, block_collectives, block_policies,
+                                    outer_collectives, stage_ranges)
 from ..graph.records import BACKWARD, FORWARD, OPTIMIZER
 
 
@@ -66,6 +67,9 @@ class RankWork:
     tokens: int
     "Tokens of one micro-batch (the captured input's elements)."
     act_itemsize: int
+    outer_bytes: tuple = ()
+    """((kind, bytes, forward?, before the stack?), ...) tensor-parallel collectives of one micro-batch outside the
+    blocks (`outer_collectives`: the embedding's, the final norm's gather, the loss's)."""
 
 # %% ../../nbs/45c_parallel_time.ipynb
 def _op_factor(g: StaticGraph, plan: ParallelPlan, blocks) -> np.ndarray:
@@ -87,13 +91,25 @@ def _tp_collectives(g: StaticGraph, plan: ParallelPlan, blocks, tokens: int, ite
     first = {}
     for i, o in enumerate(g.ops):
         if o.phase == "forward": first.setdefault(o.module, i)
+    order = [n for n, _ in sorted(plan.tp_styles, key=lambda ns: first.get(f"{blocks[0]}.{ns[0]}", 1 << 62))]
     out = []
-    for name, style in sorted(plan.tp_styles, key=lambda ns: first.get(f"{blocks[0]}.{ns[0]}", 1 << 62)):
+    for kind, name, which, fwd in block_collectives(plan, order):
         w = shapes.get(f"{blocks[0]}.{name}.weight")
         if w is None or len(w) != 2: continue
-        feats = {"out": w[0], "in": w[1]}
-        for fwd, colls in ((True, STYLES[style][2]), (False, STYLES[style][3])):
-            out += [(kind, tokens // plan.dims.cp * feats[which] * itemsize, fwd) for kind, which in colls]
+        out.append((kind, tokens // plan.dims.cp * {"out": w[0], "in": w[1]}[which] * itemsize, fwd))
+    return tuple(out)
+
+def _outer_bytes(plan: ParallelPlan, tokens: int, itemsize: int, shapes: dict) -> tuple:
+    """`outer_collectives` with their bytes: the hidden state's for the embedding, norm and output projection (the
+    embedding table's width), 4 per token for each of the loss's all-reduces, the logits' without loss parallelism."""
+    emb = next((shapes.get(f"{m}.weight") for m, r in plan.tp_outer if r == "embedding"), None)
+    if emb is None or len(emb) != 2: return ()
+    n, vocab, dim = tokens // plan.dims.cp, emb[0], emb[1]
+    size = {"embedding": dim * itemsize, "norm": dim * itemsize, "loss": 4, "output": dim * itemsize}
+    out = []
+    for kind, role, fwd in outer_collectives(plan):
+        per = vocab * itemsize if role == "output" and kind == "all_gather" else size[role]
+        out.append((kind, n * per, fwd, role == "embedding"))
     return tuple(out)
 
 # %% ../../nbs/45c_parallel_time.ipynb
@@ -173,6 +189,7 @@ def rank_work(g: StaticGraph, plan: ParallelPlan, topo: Topology, device=None, p
         block_flops=float(flops[(phase < OPTIMIZER) & (ob == tb)].sum()),
         tokens=tokens,
         act_itemsize=itemsize,
+        outer_bytes=_outer_bytes(plan, tokens, itemsize, {p.name: p.shape for p in params}),
     )
 
 # %% ../../nbs/45c_parallel_time.ipynb
@@ -281,6 +298,8 @@ class _Layout:
     cp_b: np.ndarray
     ring: np.ndarray
     params: np.ndarray
+    outer: dict
+    "{(forward?, before the stack?): seconds} of the tensor-parallel collectives outside the blocks."
 
 # %% ../../nbs/45c_parallel_time.ipynb
 def _per_block(w: RankWork, plan: ParallelPlan, topo: Topology, mesh: MeshSpec, n: int) -> _Layout:
@@ -302,7 +321,10 @@ def _per_block(w: RankWork, plan: ParallelPlan, topo: Topology, mesh: MeshSpec, 
     cp = plan.dims.cp
     link = topo.link(0, plan.dims.tp) if cp > 1 else None
     ring = (cp - 1) * (link.latency + kv / link.bandwidth) if cp > 1 else np.zeros(n)  # `_p2p` of each block's bytes
-    return _Layout(fwd, bwd, rc, tp_f, tp_b, np.maximum(ring - attn, 0), np.maximum(2 * ring - 2 * attn, 0), ring, bp)
+    outer = {(f, pre): sum(_coll(topo, mesh, "tp", k, b) for k, b, ff, pp in w.outer_bytes if (ff, pp) == (f, pre))
+             for f in (True, False) for pre in (True, False)}
+    return _Layout(fwd, bwd, rc, tp_f, tp_b, np.maximum(ring - attn, 0), np.maximum(2 * ring - 2 * attn, 0), ring, bp,
+                   outer)
 
 # %% ../../nbs/45c_parallel_time.ipynb
 def _fsdp_costs(plan: ParallelPlan, topo: Topology, mesh: MeshSpec, itemsize: int):
@@ -365,26 +387,27 @@ def _rank_micro_batch(w: RankWork, L: _Layout, plan: ParallelPlan, stages: list,
     fwd, bwd, rc, tp_b, cp_f, cp_b, prm = (a.tolist() for a in (L.fwd, L.bwd, L.rc, L.tp_b, L.cp_f, L.cp_b, L.params))
     fag = lambda b: (("f", b), ag(prm[b])) if gather else None
     bag = lambda b: (("b", b), ag(prm[b])) if units and reshard is not False else None
-    segs = [(w.fwd_pre if has_pre else 0.0, (("f", "root"), ag(root)) if root and gather else None,
+    o = {k: v if (has_pre if k[1] else has_post) else 0.0 for k, v in L.outer.items()}
+    segs = [((w.fwd_pre if has_pre else 0.0) + o[True, True], (("f", "root"), ag(root)) if root and gather else None,
              [fag(j) for j in blocks[:pf]] if units and gather else [], [])]
     for i, b in enumerate(blocks):
         segs.append((fwd[b] + L.tp_f + cp_f[b], fag(b) if units else None,
                      [fag(j) for j in blocks[i + 1:i + 1 + pf]] if units and gather else [], []))
     rev = blocks[::-1]
-    segs.append((w.fwd_post if has_post else 0.0, None, [], []))
-    segs.append((w.bwd_post if has_post else 0.0, None, [x for x in [bag(rev[0]) if rev else None] if x], []))
+    segs.append(((w.fwd_post if has_post else 0.0) + o[True, False], None, [], []))
+    segs.append(((w.bwd_post if has_post else 0.0) + o[False, False], None, [x for x in [bag(rev[0]) if rev else None] if x], []))
     for i, b in enumerate(rev):
         nxt = [x for x in (bag(j) for j in rev[i + 1:i + 1 + pb]) if x]
         end = [(("s", b), sync_cost(prm[b]))] if do_sync and units else []
         segs.append((bwd[b] + rc[b] + tp_b[b] + cp_b[b], bag(b), nxt, end))
     segs.append(
-        (w.bwd_pre if has_pre else 0.0, None, [], [(("s", "root"), sync_cost(root))] if do_sync and root else [])
+        ((w.bwd_pre if has_pre else 0.0) + o[False, True], None, [], [(("s", "root"), sync_cost(root))] if do_sync and root else [])
     )
     end, busy = _two_streams(segs)
     B = np.array(blocks, dtype=np.int64)
     terms = dict(forward=(w.fwd_pre if has_pre else 0) + (w.fwd_post if has_post else 0) + float(L.fwd[B].sum()),
                  backward=(w.bwd_pre if has_pre else 0) + (w.bwd_post if has_post else 0) + float(L.bwd[B].sum()),
-                 recompute=float(L.rc[B].sum()), tp=L.tp_f * len(B) + float(L.tp_b[B].sum()),
+                 recompute=float(L.rc[B].sum()), tp=L.tp_f * len(B) + float(L.tp_b[B].sum()) + sum(o.values()),
                  cp=float(L.cp_f[B].sum() + L.cp_b[B].sum()))
     terms["cp_busy"] = 3 * float(L.ring[B].sum())          # forward: key/value chunks; backward: them and their grads
     return _MicroBatch(end=end, compute=sum(s[0] for s in segs), busy=busy, terms=terms,

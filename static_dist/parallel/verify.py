@@ -17,10 +17,11 @@ from ..cost.profile import captured_param_dtype
 from ..graph import fmt_bytes
 from ..launch import process_group
 from ..axes import device_mesh
-from .apply import apply_ac, apply_parallel_plan
+from .apply import apply_ac, apply_parallel_plan, step_context
 from .memory import _block_spans, op_blocks, predict_parallel_memory, rank_fsdp_plan, rank_profile
 from ..graph.policies import FullCheckpoint, NoCheckpoint, SelectiveOps
-from .plan import ParallelPlan, ParallelPlanError, block_policies
+from .plan import (ParallelPlan, ParallelPlanError, block_collectives, block_policies,
+                                    outer_collectives)
 from ..placement import STYLES
 from ..step import OPTIMIZERS, step_loss
 from ..structure import find_structure
@@ -60,14 +61,15 @@ def axis_counts(cdm) -> dict[str, int]:
 # %% ../../nbs/45f_parallel_verify.ipynb
 def predict_axis_counts(profile, plan: ParallelPlan) -> dict[str, int]:
     """Collectives of one step on a rank: FSDP's (fsdp.predict_comms of the rank's profile) and tensor parallelism's
-    (per style, per block, per micro-batch)."""
+    (`block_collectives` per block, `outer_collectives`, and with sequence parallelism one all-reduce of each
+    sequence-parallel norm's weight gradient, summed over the sequence shards; per micro-batch)."""
     f = rank_fsdp_plan(plan, profile)
     out = {f"dp.{k}": v for k, v in predict_comms(profile, f).items() if v}
     if plan.dims.tp > 1:
-        k = f.accumulation_steps * len(profile.blocks)
-        for _, style in plan.tp_styles:
-            for kind, _ in (*STYLES[style][2], *STYLES[style][3]): out[f"tp.{kind}"] = out.get(f"tp.{kind}", 0) + k
-        for kind in _recomputed(profile, plan) * f.accumulation_steps: out[f"tp.{kind}"] += 1
+        a, n = f.accumulation_steps, len(profile.blocks)
+        kinds = [kind for kind, *_ in block_collectives(plan, _styled_order(profile, plan, profile.blocks[0]))] * n
+        kinds += [kind for kind, *_ in outer_collectives(plan)] + ["all_reduce"] * _sequence_norm_params(profile, plan)
+        for kind in kinds * a + _recomputed(profile, plan) * a: out[f"tp.{kind}"] = out.get(f"tp.{kind}", 0) + 1
     return out
 
 # %% ../../nbs/45f_parallel_verify.ipynb
@@ -79,9 +81,26 @@ def _recomputed(profile, plan: ParallelPlan) -> list[str]:
     first = {m: i for i, m in reversed(list(enumerate(profile.op_module))) if profile.op_phase[i] == FORWARD}
     for b, pol in zip(profile.blocks, block_policies(plan, n) if len(plan.ac) == n else (NoCheckpoint(),) * n):
         if not pol.checkpoints: continue
-        order = sorted(plan.tp_styles, key=lambda ns: first.get(f"{b}.{ns[0]}", 1 << 62))
-        out += [kind for _, s in order[:-1] for kind, _ in STYLES[s][2]]
+        out += [kind for kind, _, _, fwd in block_collectives(plan, _styled_order(profile, plan, b)) if fwd][:-1]
     return out
+
+def _styled_order(profile, plan: ParallelPlan, block: str) -> list[str]:
+    "The plan's styled linears in forward order of `block`."
+    first = {m: i for i, m in reversed(list(enumerate(profile.op_module))) if profile.op_phase[i] == FORWARD}
+    return [n for n, _ in sorted(plan.tp_styles, key=lambda ns: first.get(f"{block}.{ns[0]}", 1 << 62))]
+
+def _sequence_norm_params(profile, plan: ParallelPlan) -> int:
+    """Parameters that sequence parallelism replicates and sums the gradients of: those in the blocks outside the
+    sharded sub-layers, and the final norm's."""
+    if not plan.sequence_parallel: return 0
+    regions = {f"{b}.{n.rpartition('.')[0]}" for b in profile.blocks for n, _ in plan.tp_styles}
+    norms = {m for m, r in plan.tp_outer if r == "norm"}
+    def sequence(name: str) -> bool:
+        m = name.rpartition(".")[0]
+        if m in norms: return True
+        if any(m == r or m.startswith(r + ".") for r in regions): return False
+        return any(m.startswith(b + ".") for b in profile.blocks)
+    return sum(sequence(p.name) for p in profile.params)
 
 # %% ../../nbs/45f_parallel_verify.ipynb
 @dataclass(frozen=True)
@@ -138,7 +157,8 @@ def verify_parallel(w, plan: ParallelPlan, graph=None, master_dtype: str | None 
         m = apply_parallel_plan(
             w.build(device="meta", dtype=torch_dtype(master)), plan, device_mesh(plan.dims, "cpu"), seq=w.seq
         )
-        cats, cdm = measure_step_by_category(m, rank_fsdp_plan(plan, prof), args, kwargs, targets, w.loss, w.optimizer)
+        cats, cdm = measure_step_by_category(m, rank_fsdp_plan(plan, prof), args, kwargs, targets, w.loss,
+                                             w.optimizer, step_context(plan))
     return ParallelVerification(plan.dims.world, pred, int(cats["Total"]), predict_axis_counts(prof, plan),
                                 axis_counts(cdm), time.perf_counter() - t0, master, cats)
 

@@ -13,7 +13,7 @@ from .groups import NoRepeatedBlocksError, PlacementError, _main, _param_memory
 from ..topology import Topology, op_seconds
 
 # %% auto 0
-__all__ = ['LinearSpec', 'BlockSpec', 'llama_block_spec', 'block_spec']
+__all__ = ['LinearSpec', 'BlockSpec', 'llama_block_spec', 'block_spec', 'outer_roles', 'tp_blockers']
 
 # %% ../../nbs/30c_placement_blocks.ipynb
 @dataclass(frozen=True)
@@ -148,15 +148,29 @@ def _chains(names: list[str], reads: dict) -> tuple:
     return tuple(out)
 
 # %% ../../nbs/30c_placement_blocks.ipynb
-def _heads(l, stack, attn: set, consumers: set) -> tuple[int, int, int]:
-    "(in_heads, out_heads, fused) of a linear from the stack's head counts, for linears around attention only."
+def _kv_grouped(graph, block: str, name: str, K: int, D: int) -> bool:
+    """Whether linear `name`'s fused output is laid out by key/value group: viewed as (..., K, R, D) with the K groups
+    outermost (torchtitan's FusedQKVLinear), so that column shards hold whole groups (each its q heads, k and v)."""
+    mod = f"{block}.{name}"
+    out = set()
+    for o in graph.ops:
+        if o.phase != "forward": continue
+        if o.module == mod: out = set(o.outputs)              # the linear's last op: its output (after _unsafe_view)
+        elif out and o.op.startswith("aten.view") and set(o.inputs) & out:
+            s = graph.tensors[o.outputs[0]].shape
+            return len(s) >= 3 and s[-3] == K and s[-1] == D
+    return False
+
+def _heads(l, stack, attn: set, consumers: set, grouped=lambda l: False) -> tuple[int, int, int]:
+    """(in_heads, out_heads, fused) of a linear from the stack's head counts, for linears around attention only. A
+    fused q/k/v laid out by key/value group (`grouped(l)`) shards by group: K out heads, not fused."""
     H, K, D = stack.n_heads, stack.n_kv_heads or stack.n_heads, stack.head_dim
     if not (H and D): return 0, 0, 1
     out_h, fused = 0, 1
     if l.name in attn:
         if l.out_features == H * D: out_h = H
         elif l.out_features == K * D: out_h = K
-        elif l.out_features == (H + 2 * K) * D: out_h, fused = H + 2 * K, 3
+        elif l.out_features == (H + 2 * K) * D: out_h, fused = (K, 1) if grouped(l) else (H + 2 * K, 3)
     return (H if l.name in consumers and l.in_features == H * D else 0), out_h, fused
 
 # %% ../../nbs/30c_placement_blocks.ipynb
@@ -182,6 +196,55 @@ def block_spec(graph, topo: Topology | None = None) -> BlockSpec:
     reads, attn = _dataflow(graph, b, [l.name for l in infos])
     chains = _chains([l.name for l in infos], reads)
     consumers = {c for ps, c in chains if set(ps) & attn}
+    grouped = lambda l: _kv_grouped(graph, b, l.name, st.n_kv_heads or st.n_heads, st.head_dim)
     lins = [_measured_linear(graph, pricing, f"{b}.{l.name}", l.name, l.in_features, l.out_features,
-                             _heads(l, st, attn, consumers), l.shardable) for l in infos]
+                             _heads(l, st, attn, consumers, grouped), l.shardable) for l in infos]
     return _block_spec(topo, st.path, len(st.blocks), lins, chains)
+
+# %% ../../nbs/30c_placement_blocks.ipynb
+_MATMULS = ("aten.mm", "aten.addmm", "aten.bmm", "aten.matmul", "aten.linear")
+
+def _param_storages(graph, o) -> set:
+    "Parameter storages op `o` reads."
+    return {graph.tensors[t].storage for t in o.inputs if graph.storages[graph.tensors[t].storage].role == "parameter"}
+
+def outer_roles(graph) -> tuple[tuple[str, str], ...]:
+    """(module, role) of what tensor parallelism lays out outside the main stack, found in the captured step as
+    torchtitan lays out a decoder: 'embedding' (the module whose `aten.embedding` runs before the stack), 'output' (the
+    module of the last forward matmul after it: the logits) and 'norm' (modules with parameters between the two). ()
+    without both, or when they share one table (a tied weight cannot take both layouts)."""
+    st = _main(graph)
+    if st is None: return ()
+    inside = lambda m: any(m == b or m.startswith(b + ".") for b in st.blocks)
+    fwd = [o for o in graph.ops if o.phase == "forward"]
+    ix = [i for i, o in enumerate(fwd) if inside(o.module)]
+    if not ix: return ()
+    emb = next((o for o in fwd[:ix[0]] if o.op.startswith("aten.embedding") and o.module), None)
+    mm = [i for i in range(ix[-1] + 1, len(fwd)) if fwd[i].op.startswith(_MATMULS) and fwd[i].module]
+    if emb is None or not mm: return ()
+    out = fwd[mm[-1]].module
+    if _param_storages(graph, emb) & set().union(*(_param_storages(graph, o) for o in fwd if o.module == out)):
+        return ()
+    first_out = next(i for i, o in enumerate(fwd) if o.module == out)
+    norms = dict.fromkeys(o.module for o in fwd[ix[-1] + 1:first_out]
+                          if o.module and o.module != out and _param_storages(graph, o))
+    return ((emb.module, "embedding"), *((m, "norm") for m in norms), (out, "output"))
+
+# %% ../../nbs/30c_placement_blocks.ipynb
+def tp_blockers(params, styles: dict, out_features: dict) -> list[str]:
+    """Why the column-parallel linears of `styles` ({linear in the block: style}) cannot run sharded, one line each
+    (empty: none): a parameter inside their sub-layer, not a linear's own, as long as a column-parallel linear's output
+    there (OLMo 2's q_norm/k_norm normalize every head at once: weight [n_heads × head_dim]); on a tp rank it would
+    meet a slice. `params`: (FQN in the block, numel) pairs; `out_features`: {linear: out_features}."""
+    col = {n: out_features[n] for n, s in styles.items() if s.startswith("colwise") and n in out_features}
+    out = []
+    for name, numel in params:
+        owner = name.rpartition(".")[0]
+        if owner in styles: continue
+        for lin, width in col.items():
+            sub = lin.rpartition(".")[0]
+            if numel == width and (owner == sub or owner.startswith(sub + ".")) and sub:
+                out.append(f"{name} ({numel} values) spans every head {lin}'s columns shard: a tp rank would hold "
+                           f"a slice of its input; replicate {lin}'s sub-layer or use tp=1")
+                break
+    return out
