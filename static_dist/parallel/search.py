@@ -47,7 +47,7 @@ from static_dist.parallel.plan import (
     stage_ranges,
 )
 from .time import StepTime, predict_step_time, rank_work
-from ..placement import block_spec, megatron_styles, outer_roles, tp_blockers
+from ..placement import block_spec, megatron_styles, outer_roles, sequence_blocker, tp_blockers
 from ..cost.profile import param_infos
 from ..topology import Topology
 from ..graph.records import BACKWARD, FORWARD
@@ -459,7 +459,8 @@ def tp_layout(g: StaticGraph, styles: tuple, sequence_parallel: bool | None = No
     a sub-layer whose column-parallel linears a parameter spans (`placement.tp_blockers`: OLMo 2's q/k norms) stays
     replicated; the embedding, final norm and output (`placement.outer_roles`) are laid out as torchtitan does when
     the model has them (none: the blocks only, without sequence parallelism). `sequence_parallel`: None (on where it
-    can be), or forced (True raises when the model cannot take it)."""
+    can be: not where `placement.sequence_blocker` says why not), or forced (True raises when the model
+    cannot take it)."""
     stack = g.structure.main
     params, _ = param_infos(g)
     b0 = stack.blocks[0] + "."
@@ -474,7 +475,9 @@ def tp_layout(g: StaticGraph, styles: tuple, sequence_parallel: bool | None = No
     if sequence_parallel and not outer:
         raise ParallelPlanError("sequence_parallel: the model has no token embedding and output projection outside "
                                 f"its {stack.block_type} blocks to shard the sequence at and gather it back")
-    sp = bool(outer) if sequence_parallel is None else sequence_parallel
+    why = sequence_blocker(g) if outer else None
+    if sequence_parallel and why: raise ParallelPlanError(f"sequence_parallel: {why}; search without it")
+    sp = bool(outer) and not why if sequence_parallel is None else sequence_parallel
     return styles, tuple((m, r) for m, r in outer if r != "norm" or sp), sp
 
 # %% ../../nbs/45d_parallel_search.ipynb

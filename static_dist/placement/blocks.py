@@ -13,7 +13,7 @@ from .groups import NoRepeatedBlocksError, PlacementError, _main, _param_memory
 from ..topology import Topology, op_seconds
 
 # %% auto 0
-__all__ = ['LinearSpec', 'BlockSpec', 'llama_block_spec', 'block_spec', 'outer_roles', 'tp_blockers']
+__all__ = ['LinearSpec', 'BlockSpec', 'llama_block_spec', 'block_spec', 'outer_roles', 'sequence_blocker', 'tp_blockers']
 
 # %% ../../nbs/30c_placement_blocks.ipynb
 @dataclass(frozen=True)
@@ -229,6 +229,27 @@ def outer_roles(graph) -> tuple[tuple[str, str], ...]:
     norms = dict.fromkeys(o.module for o in fwd[ix[-1] + 1:first_out]
                           if o.module and o.module != out and _param_storages(graph, o))
     return ((emb.module, "embedding"), *((m, "norm") for m in norms), (out, "output"))
+
+# %% ../../nbs/30c_placement_blocks.ipynb
+_FACTORIES = ("aten.arange", "aten.ones", "aten.zeros", "aten.full", "aten.empty")
+
+def sequence_blocker(graph) -> str | None:
+    """Why the sequence cannot be sharded at the token embedding (None: it can): after the embedding and before the
+    first block the model makes a tensor from nothing as long as the sequence (Hugging Face's position ids and causal
+    mask, built from `inputs_embeds.shape[1]`), which on a sequence shard would be a shard's length."""
+    st, roles = _main(graph), dict((r, m) for m, r in outer_roles(graph))
+    if st is None or "embedding" not in roles: return None
+    fwd = [o for o in graph.ops if o.phase == "forward"]
+    emb = next(i for i, o in enumerate(fwd) if o.module == roles["embedding"])
+    seq = graph.tensors[fwd[emb].inputs[-1]].shape[-1]              # the token ids' last dim
+    first = next((i for i, o in enumerate(fwd) if o.module == st.blocks[0] or o.module.startswith(st.blocks[0] + ".")),
+                 len(fwd))
+    for o in fwd[emb + 1:first]:
+        if o.op.startswith(_FACTORIES) and not o.inputs and seq in graph.tensors[o.outputs[0]].shape:
+            return (f"{o.module or 'the model'} makes a {o.op.split('.')[1]} of the sequence length after "
+                    f"{roles['embedding']} (positions or a mask from the embeddings' shape), which a sequence shard "
+                    "would cut short")
+    return None
 
 # %% ../../nbs/30c_placement_blocks.ipynb
 def tp_blockers(params, styles: dict, out_features: dict) -> list[str]:

@@ -1,0 +1,83 @@
+"""Sequence and loss parallelism as torchtitan lays them out (parallel.tp_layout, apply_tp), on the zoo's tiny Llama:
+4 real gloo ranks train as a single process does; the predicted peak and collectives meet FSDPMemTracker's and
+CommDebugMode's under the fake process group; the roles come from the structure, and what cannot map is refused."""
+import math
+
+import pytest
+
+from static_dist.fsdp import FSDPPlan, FSDPUnit
+from static_dist.launch import launch
+from static_dist.parallel import (ParallelDims, ParallelPlan, ParallelPlanError, predict_axis_counts, rank_profile,
+                                  tp_layout, verify_parallel)
+from static_dist.placement import block_spec, megatron_styles, outer_roles, sequence_blocker, tp_blockers
+from static_dist.workload import load_workload
+
+BATCH, SEQ = 4, 32
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    w = load_workload("tiny", batch=BATCH, seq=SEQ)
+    return w, w.graph()
+
+
+def _plan(g, blocks, sp=True, lp=True):
+    styles, outer, _ = tp_layout(g, tuple(megatron_styles(block_spec(g)).items()), sp)
+    units = FSDPPlan(2, (2,), (FSDPUnit(""), *(FSDPUnit(b) for b in blocks)))
+    return ParallelPlan(ParallelDims(dp_shard=2, tp=2), styles, fsdp=units, sequence_parallel=sp, loss_parallel=lp,
+                        tp_outer=outer if lp or sp else ())
+
+
+def test_roles_from_the_structure(tiny):
+    _, g = tiny
+    assert outer_roles(g) == (("tok_embeddings", "embedding"), ("norm", "norm"), ("output", "output"))
+    assert sequence_blocker(g) is None
+    # by hand: torchtitan's counts at 2 blocks (see the chapter): 2 gathers and 2 scatters per block each way, the
+    # embedding's scatter and gather, the final norm's gather and scatter; 3 loss all-reduces and 2 x 2 + 1 norm weights
+    p = _plan(g, g.structure.main.blocks)
+    c = predict_axis_counts(rank_profile(g, p), p)
+    assert (c["tp.all_gather"], c["tp.reduce_scatter"], c["tp.all_reduce"]) == (10, 10, 8)
+
+
+def test_sequence_parallel_trains_like_one_process(tiny):
+    _, g = tiny
+    plan = _plan(g, g.structure.main.blocks)
+    (rep,) = launch("static_dist.parallel.run:run_plans", 4, [["tiny", plan.to_json()]], timeout=900)
+    assert len(rep["losses"]) == 3
+    for a, b in zip(rep["losses"], rep["ref_losses"]): assert abs(a - b) <= 1e-5 * max(1.0, abs(b)), rep["losses"]
+    for r in rep["ranks"]: assert r["error"] is None and r["close"], (r["error"], r.get("max_abs"))
+    wr = load_workload("tiny", batch=BATCH // 2, seq=SEQ)        # a rank's rows
+    want = predict_axis_counts(rank_profile(wr.graph(), plan), plan)
+    for r in rep["ranks"]:
+        for c in r["counts"]: assert c == want, (c, want)
+
+
+@pytest.mark.parametrize("sp,lp", [(False, True), (True, True)])
+def test_verified_under_the_fake_group(tiny, sp, lp):
+    w, g = tiny
+    v = verify_parallel(w, _plan(g, g.structure.main.blocks, sp, lp), graph=g)
+    print(v.line())
+    assert v.counts_match, (v.predicted_counts, v.measured_counts)
+    assert abs(v.ratio - 1) <= 0.03, v.line()   # measured 0.976 (loss parallel) and 0.984 (with sequence)
+
+
+def test_a_norm_over_every_head_keeps_its_sublayer_whole():
+    # OLMo 2's q_norm normalizes q over all heads: colwise q would hand it a slice (the block's own names)
+    params = [("self_attn.q_norm.weight", 64), ("self_attn.k_norm.weight", 32), ("input_layernorm.weight", 64)]
+    styles = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.o_proj": "rowwise"}
+    why = tp_blockers(params, styles, {"self_attn.q_proj": 64, "self_attn.k_proj": 32, "self_attn.o_proj": 64})
+    assert [m.split(" ")[0] for m in why] == ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+    assert tp_blockers([("self_attn.q_norm.weight", 16)], styles, {"self_attn.q_proj": 64}) == []   # Qwen3: per head
+
+
+def test_plan_refuses_half_layouts():
+    d = ParallelDims(dp_shard=2, tp=2)
+    with pytest.raises(ParallelPlanError, match="tp=1"):
+        ParallelPlan(ParallelDims(dp_shard=4), sequence_parallel=True)
+    with pytest.raises(ParallelPlanError, match="embedding' and 'output'"):
+        ParallelPlan(d, (("attention.wq", "colwise"),), sequence_parallel=True)
+    with pytest.raises(ParallelPlanError, match="unknown role"):
+        ParallelPlan(d, (("attention.wq", "colwise"),), tp_outer=(("head", "lm"),))
+    p = ParallelPlan(d, (("attention.wq", "colwise"),), sequence_parallel=True, loss_parallel=True,
+                     tp_outer=(("tok", "embedding"), ("out", "output")))
+    assert ParallelPlan.from_json(p.to_json()) == p
