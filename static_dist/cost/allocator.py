@@ -263,8 +263,10 @@ class Hold:
     stream: str = "default"
     kept: bool = False
     "Outlives the step (optimizer state): allocated in the first step only."
-    late: bool = False
-    "Allocated after the frees at op `start`, not before them."
+    after: int = 0
+    "Order at op `start`: allocated after that op's frees of `free_order` below this (0: before them all)."
+    free_order: int = 0
+    "Order of its free at op `end`, among that op's frees."
 
 # %% ../../nbs/06d_cost_allocator.ipynb
 def step_events(holds: Iterable[Hold], n_ops: int, steps: int = 2) -> tuple[list[AllocEvent], int]:
@@ -277,8 +279,12 @@ def step_events(holds: Iterable[Hold], n_ops: int, steps: int = 2) -> tuple[list
         for k, h in enumerate(holds):
             if h.start < 0 or (h.kept and s): continue
             i = (0 if h.kept else s, k)
-            timed.append(((min(h.start, n_ops - 1), 2 if h.late else 0, k), AllocEvent("alloc", i, h.nbytes, h.stream)))
-            if not h.kept: timed.append(((n_ops if h.end is None else h.end, 1, k), AllocEvent("free", i)))
+            at = (min(h.start, n_ops - 1), 2 * h.after)
+            timed.append(((*at, k), AllocEvent("alloc", i, h.nbytes, h.stream)))
+            if h.kept: continue
+            # freed after its allocation, even when both fall on one op
+            free = max((n_ops if h.end is None else h.end, 2 * h.free_order + 1), (at[0], at[1] + 1))
+            timed.append(((*free, k), AllocEvent("free", i)))
         events += [e for _, e in sorted(timed, key=lambda t: t[0])]
     return events, last
 
