@@ -51,7 +51,7 @@ def _graph_hold(s, owner, pinfo: dict, plan: FSDPPlan, grad_end: dict, opt_ratio
     if s.role == "parameter": return None if owner(s.name) is not None else Hold(s.name, s.nbytes, -1)
     if s.role == "gradient":
         p = s.name.removesuffix(".grad")
-        if owner(p) is None: return Hold(s.name, s.nbytes, s.created, s.freed)
+        if owner(p) is None or p not in pinfo: return Hold(s.name, s.nbytes, s.created, s.freed)
         q = pinfo[p]
         return Hold(s.name, q.numel * _dtype_size(plan.param_dtype, q.itemsize), s.created, grad_end[owner(p)],
                     free_order=1)
