@@ -12,7 +12,8 @@ PY="${PYTHON:-python3}"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/nvidia-smi.csv" 2>&1
 "$PY" -c "import sys, torch, triton; print(sys.version.split()[0], torch.__version__, triton.__version__)" > "$OUT/versions.txt" 2>&1
 failed=0
-for check in "gpu_ops.py" "gpu_offload.py" "gpu_fsdp.py $OUT/gpu_fsdp.json" "gpu_compile.py $OUT/gpu_compile.json"; do
+for check in "gpu_ops.py" "gpu_offload.py" "gpu_fsdp.py $OUT/gpu_fsdp.json" "gpu_compile.py $OUT/gpu_compile.json" \
+             "gpu_reserved.py $OUT/gpu_reserved.json"; do
   name="${check%% *}"
   start=$(date +%s)
   timeout "${GPU_CHECK_TIMEOUT:-190}" "$PY" tests/$check > "$OUT/${name%.py}.log" 2>&1

@@ -9,6 +9,8 @@ __all__ = []
 from .profile import *
 from .few_blocks import *
 from .measure import *
-from . import few_blocks as _few_blocks, measure as _measure, profile as _profile
+from .allocator import *
+from . import allocator as _allocator, few_blocks as _few_blocks, measure as _measure
+from . import profile as _profile
 
-__all__ = [*_profile.__all__, *_few_blocks.__all__, *_measure.__all__]
+__all__ = [*_profile.__all__, *_few_blocks.__all__, *_measure.__all__, *_allocator.__all__]
