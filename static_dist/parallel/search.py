@@ -89,9 +89,11 @@ CHECKPOINT_POLICIES = (FullCheckpoint(), SelectiveOps())   # what the search mix
 
 class _Context:
     def __init__(
-        self, g: StaticGraph, n_blocks: int, topo: Topology, styles: tuple, policies: tuple, master_dtype: str | None
+        self, g: StaticGraph, n_blocks: int, topo: Topology, styles: tuple, policies: tuple, master_dtype: str | None,
+        precision: tuple[str | None, str | None] = (None, None),
     ):
         self.g, self.n, self.topo, self.styles, self.master = g, n_blocks, topo, styles, master_dtype
+        self.precision = precision                     # FSDP's (param_dtype, reduce_dtype) on every plan
         self.policies = tuple(parse_policy(p) for p in policies)
         self.stack = g.structure.main
         self.captured = len(self.stack.blocks)
@@ -113,8 +115,9 @@ def plan(
     dp = d.dp_replicate * d.fsdp_size
     mesh = (d.dp_replicate, d.fsdp_size) if d.dp_replicate > 1 else (d.fsdp_size,)
     units = block_units(self.blocks, d.pp == 1 if reshard is None else reshard)
-    return ParallelPlan(d, self.styles if d.tp > 1 else (), stages, schedule, m, tuple(ac),
-                        fsdp=FSDPPlan(dp, mesh, units) if dp > 1 else None, name=name)
+    pdt, rdt = self.precision               # with one data-parallel rank, check_layout refuses a mixed precision
+    fsdp = FSDPPlan(dp, mesh, units, param_dtype=pdt, reduce_dtype=rdt) if dp > 1 or pdt or rdt else None
+    return ParallelPlan(d, self.styles if d.tp > 1 else (), stages, schedule, m, tuple(ac), fsdp=fsdp, name=name)
 
 # %% ../../nbs/45d_parallel_search.ipynb
 @patch
@@ -456,11 +459,14 @@ class _Entry(NamedTuple):
 def search_layouts(g: StaticGraph, world: int, topo: Topology, budget_bytes: int, *, n_blocks: int | None = None,
                    pins: dict | None = None, ac="auto", microbatches: tuple[int, ...] = (2,), schedule: str = "1F1B",
                    styles: tuple | None = None, policies: tuple = CHECKPOINT_POLICIES, master_dtype: str | None = None,
-                   runners_up: int = 4, progress=None) -> LayoutSearch:
+                   runners_up: int = 4, progress=None, microbatch_count: int | None = None, virtual_stages: int = 1,
+                   param_dtype: str | None = None, reduce_dtype: str | None = None) -> LayoutSearch:
     """The fastest layout of the captured step `g` (its model extended to `n_blocks` identical blocks) on `world` ranks
     of `topo` that fits `budget_bytes` per rank. `ac`: 'auto' (the cheapest mix of `policies` that fits), or one policy
     (or its name) for every block.
-    `microbatches`: pipeline micro-batches per stage count (2: 2·pp)."""
+    `microbatches`: pipeline micro-batches per stage count (2: 2·pp); `microbatch_count`: that many on every pipelined
+    layout instead. `virtual_stages`: stages per pipeline rank (Interleaved1F1B). `param_dtype`, `reduce_dtype`: FSDP's
+    mixed precision on every plan, with `g` captured in `param_dtype` and the masters in `master_dtype`."""
     t0 = time.perf_counter()
     try: ac = ac if ac == "auto" else parse_policy(ac)
     except PolicyError as e: raise ParallelPlanError(f"ac {ac!r}: use auto or a checkpointing policy ({e})") from None
@@ -477,16 +483,17 @@ def search_layouts(g: StaticGraph, world: int, topo: Topology, budget_bytes: int
                 "pairs need separate nn.Linear projections; fused or Conv1D ones are not split): pin tp 1"
             )
         pins = {**(pins or {}), "tp": 1}
-    ctx = _Context(g, n, topo, styles, policies, master_dtype)
+    ctx = _Context(g, n, topo, styles, policies, master_dtype, (param_dtype, reduce_dtype))
     node = topo.levels[0].size if topo.levels else topo.n_devices
     dims = layout_dims(
         world, n_blocks=n, node=node, heads=stack.n_heads, kv_heads=stack.n_kv_heads, seq=ctx.seq, pins=pins
     )
     heap, tick = [], 0
     for d in dims:
-        stages = balanced_stages(ctx.work(d), n, d.pp)
-        for mult in (microbatches if d.pp > 1 else (None,)):
-            m = d.pp * mult if mult else 1
+        k = d.pp * virtual_stages if d.pp > 1 else 1                     # stages in all
+        stages = balanced_stages(ctx.work(d), n, k) if n >= k else (0,)  # (0,): too few blocks, refused below
+        for mult in (microbatches if d.pp > 1 and microbatch_count is None else (None,)):
+            m = d.pp * mult if mult else microbatch_count if d.pp > 1 and microbatch_count else 1
             mode = NoCheckpoint() if ac == "auto" else ac
             try:
                 plan = ctx.plan(d, ac=(mode,) * n, stages=stages, schedule=schedule, m=m)
@@ -536,13 +543,15 @@ def search_layouts(g: StaticGraph, world: int, topo: Topology, budget_bytes: int
     )
 
 # %% ../../nbs/45d_parallel_search.ipynb
-def search_graph(w, capture_blocks: int = 3, progress=None) -> tuple[StaticGraph, int, str]:
-    "(the step of workload `w` to search over, the model's block count, how it was captured)."
+def search_graph(w, capture_blocks: int = 3, progress=None, dtype: str | None = None) -> tuple[StaticGraph, int, str]:
+    """(the step of workload `w` to search over, captured in `dtype` (the compute dtype; default the workload's), the
+    model's block count, how it was captured)."""
     from static_dist.cost.few_blocks import block_attr_mismatch, first_blocks
     from static_dist.cost.profile import BlockMismatchError, expand_blocks, profile_graph
     from static_dist.structure import find_structure
     from static_dist.util import torch_dtype
-    dtype = torch_dtype(w.dtype)
+    name = dtype or w.dtype
+    dtype = torch_dtype(name)
     model = w.build(device="meta", dtype=dtype)
     main = find_structure(model).main
     if main is None:
@@ -556,16 +565,16 @@ def search_graph(w, capture_blocks: int = 3, progress=None) -> tuple[StaticGraph
         def build(device="meta", dtype=dtype, seed: int = 0):
             m = (
                 spare.pop()
-                if spare and str(device) == "meta" and dtype == torch_dtype(w.dtype)
+                if spare and str(device) == "meta" and dtype == torch_dtype(name)
                 else w.build(device=device, dtype=dtype, seed=seed)
             )
             return first_blocks(m, main.path, capture_blocks)
-        g = dataclasses.replace(w, build=build).graph(progress=progress)
+        g = dataclasses.replace(w, build=build).graph(name, progress=progress)
         try:
             expand_blocks(profile_graph(g), n)
             return g, n, f"{capture_blocks} of {n} blocks captured, the others identical"
         except BlockMismatchError as e: why = "captured blocks differ: " + "; ".join(e.reasons[:2])
-    return w.graph(progress=progress), n, f"full capture ({why})"
+    return w.graph(name, progress=progress), n, f"full capture ({why})"
 
 # %% ../../nbs/45d_parallel_search.ipynb
 BENCH_PLAN_CASES = (("llama3-70b", 256), ("llama3-405b", 512))
