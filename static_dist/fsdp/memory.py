@@ -110,7 +110,8 @@ def _unit_sizes(ps: list, plan: FSDPPlan) -> tuple[int, int, int, int, int]:
         sh, un, st = sh + a * p.itemsize, un + b, st + math.ceil(p.state_bytes * a / max(p.numel, 1))
     csize = _dtype_size(plan.param_dtype, ps[0].itemsize if ps else 4)
     rsize = _dtype_size(plan.reduce_dtype or plan.param_dtype, ps[0].itemsize if ps else 4)
-    return sh, un * csize, sum(p.numel for p in ps) * csize, un * rsize, st
+    # the gradient accumulated without sync: FSDP2 upcasts it to the reduce dtype (`to_accumulated_grad_if_needed`)
+    return sh, un * csize, sum(p.numel for p in ps) * rsize, un * rsize, st
 
 # %% ../../nbs/40c_fsdp_memory.ipynb
 def _layout(profile: GraphProfile, plan: FSDPPlan) -> tuple[UnitLayout, ...]:
