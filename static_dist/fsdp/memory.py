@@ -206,6 +206,9 @@ def _add_gradients(C: _Curves, l: UnitLayout, pinfo: dict, plan: FSDPPlan, reduc
         # a unit's grads are freed as its reduce-scatter input is filled; the root's post-backward runs in
         # autograd's final callback, with its grads still alive while the reduce-scatter input is allocated
         end = reduce_at if reduce_at is not None else l.bwd[1] if l.module == "" else l.bwd[1] - 1
+        # accumulating into an upcast copy, FSDP2 folds each micro-batch's gradients into it at the unit's
+        # post-backward (`accumulate_unsharded_grad_if_needed`), even where the reduction waits for the schedule
+        if acc and not sync_all: end = min(end, l.bwd[1])
         if q.grad_created >= 0 and not in_place:
             C.add("gradients", q.grad_created, end, q.numel * _dtype_size(plan.param_dtype, q.itemsize))
     if acc and not sync_all: C.add("gradients", 0, l.bwd[1] if reduce_at is None else reduce_at, l.grad_bytes)
