@@ -67,7 +67,7 @@ def close_process_group(barrier: bool = True) -> None:
     finally: dist.destroy_process_group()
 
 # %% ../nbs/00h_launch.ipynb
-def _init_fake(world: int) -> None:
+def _init_fake(world: int, rank: int = 0) -> None:
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
     if dist.is_initialized():
@@ -77,16 +77,18 @@ def _init_fake(world: int) -> None:
         )
     if not (isinstance(world, int) and world >= 1):
         raise LaunchError(f"fake_world={world!r}: give a number of ranks >= 1")
-    dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
+    if not (isinstance(rank, int) and 0 <= rank < world):
+        raise LaunchError(f"fake_rank={rank!r}: give a rank in 0..{world - 1}")
+    dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
 
 # %% ../nbs/00h_launch.ipynb
 @contextmanager
-def process_group(backend: str | None = None, *, fake_world: int | None = None):
-    """A process group for the block; yields its world size. `fake_world=N`: a fake group where this process is rank 0
-    of N. Otherwise torchrun's group, the one already initialised, or a one-rank group. A group made here is closed
-    on exit (without the barrier when the block raised, so a failing rank does not wait for the others)."""
+def process_group(backend: str | None = None, *, fake_world: int | None = None, fake_rank: int = 0):
+    """A process group for the block; yields its world size. `fake_world=N`: a fake group where this process is rank
+    `fake_rank` (default 0) of N. Otherwise torchrun's group, the one already initialised, or a one-rank group. A group
+    made here is closed on exit (without the barrier when the block raised, so a failing rank does not wait for the others)."""
     import torch.distributed as dist
-    if fake_world is not None: _init_fake(fake_world); made = True
+    if fake_world is not None: _init_fake(fake_world, fake_rank); made = True
     else: made = init_process_group(backend)
     ok = False
     try:

@@ -85,8 +85,6 @@ def test_plan_verify_tiny_within_3_percent():
     line = next(l for l in out.splitlines() if l.startswith("verify: world 4"))
     ratio = float(line.split(" = ")[1].split(";")[0])
     assert abs(ratio - 1) < 0.03 and "collectives match" in line, line
-    code, out, err = run("plan", "--model", "tiny", "--world", "4", "--pp", "2", "--verify")
-    assert code == 0 and "verify: skipped" in out and "pp = 1" in out, (out, err)
 
 
 def _train(tmp_path, plan: ParallelPlan, nproc: int | None, batch: int | None = None, steps: int = 3):

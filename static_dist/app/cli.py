@@ -19,8 +19,8 @@ from ..files import check_name, file_kind, stat_or_none
 from ..util import parse_bytes, resolve
 
 # %% auto 0
-__all__ = ['MAX_COUNT', 'MAX_RANKS', 'VERBS', 'count', 'real', 'size', 'mesh', 'infile', 'outfile', 'prefix', 'outdir', 'Parser',
-           'build_parser', 'UsageError', 'main']
+__all__ = ['MAX_COUNT', 'MAX_RANKS', 'PIPELINE_SCHEDULES', 'FLOAT_DTYPES', 'VERBS', 'count', 'real', 'size', 'mesh', 'infile',
+           'outfile', 'prefix', 'outdir', 'Parser', 'build_parser', 'UsageError', 'main']
 
 # %% ../../nbs/90_cli.ipynb
 MAX_COUNT = 2**31 - 1   # ranks, steps, batch: beyond this no array or process group is sensible
@@ -146,7 +146,8 @@ def _workload_args(p):
     g.add_argument("--optimizer", default=None, choices=["sgd", "adam", "adamw", "none"],
                    help="optimizer in the captured step (default adamw)")
     g.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                   help="dtype the model is built and captured in (default float32)")
+                   help="dtype the model is built and stored in: its master weights and optimizer state, and its "
+                        "compute dtype unless --param-dtype says another (default float32)")
     g.add_argument("--input-shape", help="shape of one sample for models whose inputs cannot be inferred, e.g. 3x32x32")
 
 # %% ../../nbs/90_cli.ipynb
@@ -177,6 +178,18 @@ def _capture_parser(sub):
     c.set_defaults(run="static_dist.app.verbs:cmd_capture")
 
 # %% ../../nbs/90_cli.ipynb
+PIPELINE_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B")   # parallel.plan.SCHEDULES' names (a test checks)
+FLOAT_DTYPES = ("float32", "bfloat16", "float16")
+
+def _precision_args(p):
+    "--param-dtype and --reduce-dtype: FSDP's MixedPrecisionPolicy over masters in --dtype."
+    g = p.add_argument_group("precision (FSDP's MixedPrecisionPolicy; the masters stay in --dtype)")
+    g.add_argument("--param-dtype", choices=FLOAT_DTYPES,
+                   help="compute dtype: parameters are all-gathered and used in it (default: --dtype)")
+    g.add_argument("--reduce-dtype", choices=FLOAT_DTYPES,
+                   help="dtype gradients are reduced in (default: --param-dtype)")
+
+# %% ../../nbs/90_cli.ipynb
 def _fsdp_parser(sub):
     p = sub.add_parser(
         "plan-fsdp", help="plan FSDP2 units, resharding, prefetch and checkpointing, or check a given plan"
@@ -187,9 +200,9 @@ def _fsdp_parser(sub):
     )
     p.add_argument("--budget", type=size("--budget", lo=1), default="80GiB", help="memory per rank (default 80GiB)")
     p.add_argument("--mesh", type=mesh, help="HSDP mesh RxS, e.g. 16x64 (default: pure FSDP over all ranks)")
-    p.add_argument(
-        "--precision", choices=["bf16", "fp32"], help="parameters' dtype (default bf16; a --plan has its own)"
-    )
+    p.add_argument("--precision", choices=["bf16", "fp32"],
+                   help="bf16: --param-dtype bfloat16 --reduce-dtype float32 (the default); fp32: no mixed precision")
+    _precision_args(p)
     p.add_argument("--accumulation", type=count("--accumulation", hi=1 << 16),
                    help="micro-batches per optimizer step (default 1; a --plan has its own)")
     p.add_argument("--ignore", action="append", help="module to leave unsharded (repeatable)")
@@ -221,11 +234,19 @@ def _layout_parser(sub):
                    help="activation checkpointing: auto (the cheapest mix that fits, default) or one policy for every "
                         "block, by name: none, full, selective, layers (graph.policies.POLICIES)")
     p.add_argument("--compile", action="store_true", help="mark every block for torch.compile in the plan")
+    _precision_args(p)
+    pipe = p.add_argument_group("pipeline (layouts with pp > 1)")
+    pipe.add_argument("--schedule", default="1F1B", choices=PIPELINE_SCHEDULES,
+                      help="torch.distributed.pipelining schedule (default 1F1B)")
+    pipe.add_argument("--microbatches", type=count("--microbatches", hi=1 << 16),
+                      help="micro-batches per step through the pipeline, at least pp (default: searched, pp or 2·pp)")
+    pipe.add_argument("--virtual-stages", type=count("--virtual-stages", hi=1 << 10), default=1,
+                      help="stages per pipeline rank, with --schedule Interleaved1F1B (default 1)")
     p.add_argument(
         "--verify",
         action="store_true",
-        help="measure the chosen layout with FSDPMemTracker under a fake process "
-        "group and print predicted / measured peak and collectives (pp = 1 layouts)",
+        help="measure the chosen layout under a fake process group and print predicted / measured peak: "
+        "FSDPMemTracker and collectives without pipelining, MemTracker on each pipeline rank with it",
     )
     p.add_argument("--out", type=outfile, help="write the plan as JSON here (for `static-dist train --plan`)")
     _force(p)

@@ -18,8 +18,8 @@ from ..files import atomic_write, check_writable
 from ..util import check_real_size
 
 # %% auto 0
-__all__ = ['PIN_DIMS', 'layout_pins', 'layout_topology', 'ac_summary', 'layout_lines', 'layout_memory', 'cmd_plan',
-           'measured_peak', 'train_plan', 'cmd_train']
+__all__ = ['PIN_DIMS', 'layout_pins', 'layout_precision', 'layout_pipeline', 'layout_topology', 'precision_line', 'ac_summary',
+           'layout_lines', 'layout_memory', 'cmd_plan', 'measured_peak', 'train_plan', 'cmd_train']
 
 # %% ../../nbs/92a_layout.ipynb
 PIN_DIMS = tuple(a.name for a in AXES)   # one --flag per axis
@@ -42,6 +42,44 @@ def layout_pins(args) -> dict:
     return pins
 
 # %% ../../nbs/92a_layout.ipynb
+def layout_precision(args, pins: dict) -> tuple[str | None, str | None]:
+    """(param_dtype, reduce_dtype) of FSDP's policy from --param-dtype and --reduce-dtype over masters in --dtype (None
+    where a flag says the masters' own dtype); refused in one line (`check_layout`'s) where no rank is left to shard
+    over."""
+    import math
+    from static_dist.fsdp import FSDPPlan, FSDPUnit
+    from static_dist.parallel import ParallelPlan, check_layout
+    master = args.dtype or "float32"
+    pdt = args.param_dtype if args.param_dtype not in (None, master) else None
+    rdt = args.reduce_dtype if args.reduce_dtype not in (None, pdt or master) else None
+    dp = ("dp_replicate", "dp_shard", "cp")
+    most = (math.prod(pins[k] for k in dp) if all(k in pins for k in dp)
+            else args.world // math.prod(pins.get(k, 1) for k in ("tp", "pp")))
+    if (pdt or rdt) and most == 1:       # every layout has one data-parallel rank: say why as check_layout does
+        check_layout(ParallelPlan(fsdp=FSDPPlan(1, (1,), (FSDPUnit(""),), param_dtype=pdt, reduce_dtype=rdt)), None)
+    return pdt, rdt
+
+# %% ../../nbs/92a_layout.ipynb
+def layout_pipeline(args, pins: dict) -> tuple[int, int | None]:
+    """(virtual stages per pipeline rank, fixed micro-batch count or None to search) from --schedule, --virtual-stages
+    and --microbatches; refused in one line where they contradict each other or the pins."""
+    v = args.virtual_stages
+    if args.schedule == "Interleaved1F1B" and v < 2:
+        raise UsageError("--schedule Interleaved1F1B interleaves 2 or more stages per pipeline rank: give "
+                         "--virtual-stages 2 or more")
+    if args.schedule != "Interleaved1F1B" and v > 1:
+        raise UsageError(f"--virtual-stages {v} with --schedule {args.schedule}: one stage per rank; use "
+                         "--schedule Interleaved1F1B")
+    pp = pins.get("pp")
+    if args.microbatches is not None and pp == 1:
+        raise UsageError(f"--microbatches {args.microbatches} with --pp 1: micro-batches go through a pipeline; "
+                         "pin --pp 2 or more, or drop --microbatches")
+    if args.microbatches is not None and pp and args.microbatches < pp:
+        raise UsageError(f"--microbatches {args.microbatches} < --pp {pp}: a pipeline of {pp} stages needs at least "
+                         f"{pp} micro-batches in flight")
+    return v, args.microbatches
+
+# %% ../../nbs/92a_layout.ipynb
 def layout_topology(name: str | None, world: int):
     "--topology sized to `world` devices (default: a cluster of 8-GPU H100 nodes), refused if it has fewer devices."
     from static_dist.topology import preset
@@ -57,6 +95,13 @@ def layout_topology(name: str | None, world: int):
     return topo
 
 # %% ../../nbs/92a_layout.ipynb
+def precision_line(plan, master_dtype: str) -> str:
+    "Master, compute and gradient-reduction dtypes of `plan` over masters in `master_dtype` (FSDP's policy, if any)."
+    pdt = (plan.fsdp.param_dtype if plan.fsdp else None) or master_dtype
+    rdt = (plan.fsdp.reduce_dtype if plan.fsdp else None) or pdt
+    return f"{master_dtype} master weights and optimizer state, {pdt} compute, {rdt} gradient reduction"
+
+# %% ../../nbs/92a_layout.ipynb
 def ac_summary(ac: tuple) -> str:
     "Checkpointing per block as runs: 'blocks 0-3 full, 4-5 selective, 6-31 none'."
     if not ac: return "none"
@@ -70,9 +115,9 @@ def ac_summary(ac: tuple) -> str:
     return ("block " if len(runs) == 1 and len(ac) == 1 else "blocks ") + ", ".join(runs)
 
 # %% ../../nbs/92a_layout.ipynb
-def layout_lines(best, columns: list, n_blocks: int) -> list[str]:
-    """The chosen layout as Markdown: degrees, stages, micro-batches, checkpointing, memory per pp rank by category,
-    time by term."""
+def layout_lines(best, columns: list, n_blocks: int, master_dtype: str = "float32") -> list[str]:
+    """The chosen layout as Markdown: degrees, stages, micro-batches, precision, checkpointing, memory per pp rank by
+    category, time by term."""
     from static_dist.graph import fmt_bytes
     from static_dist.parallel import TIME_TERMS
     p, d, t = best.plan, best.plan.dims, best.time
@@ -84,6 +129,7 @@ def layout_lines(best, columns: list, n_blocks: int) -> list[str]:
             "micro-batches"
         )
     if d.tp > 1: out.append(f"- tensor parallel: " + ", ".join(f"{n} {s}" for n, s in p.tp_styles))
+    out.append(f"- precision: {precision_line(p, master_dtype)}")
     out.append(
         f"- checkpointing ({n_blocks} blocks): {ac_summary(p.ac)}"
         + (f"; compiled: {sum(p.compile)} blocks" if p.compile else "")
@@ -115,12 +161,12 @@ def layout_lines(best, columns: list, n_blocks: int) -> list[str]:
     return out
 
 # %% ../../nbs/92a_layout.ipynb
-def layout_memory(g, best, n_blocks: int) -> list[tuple[str, dict, int]]:
+def layout_memory(g, best, n_blocks: int, master_dtype: str | None = None) -> list[tuple[str, dict, int]]:
     """(column, {category: bytes} at the peak, peak bytes) per pipeline rank of the chosen layout
     (`memory_by_category`);
     with a few captured blocks and mixed checkpointing, the busiest rank's peak alone."""
     from static_dist.parallel import ParallelPlanError, memory_by_category
-    try: return memory_by_category(g, best.plan, n_blocks)
+    try: return memory_by_category(g, best.plan, n_blocks, master_dtype)
     except ParallelPlanError:
         name = "busiest stage" if best.plan.dims.pp > 1 else "each rank"
         return [(name + " (categories need one checkpointing mode or a full capture)", {}, best.memory_bytes)]
@@ -133,14 +179,19 @@ def cmd_plan(args) -> int:
     from static_dist.graph import fmt_bytes
     from static_dist.parallel import search_graph, search_layouts
     pins = layout_pins(args)
+    pdt, rdt = layout_precision(args, pins)
+    virtual, micro = layout_pipeline(args, pins)
     topo = layout_topology(args.topology, args.world)
     if args.out: check_writable(args.out, force=args.force)
     w = workload_of(args)
-    with status(f"capturing {w.source}") as update: g, n, how = search_graph(w, progress=update)
+    with status(f"capturing {w.source}") as update: g, n, how = search_graph(w, progress=update, dtype=pdt)
     with status(f"searching layouts of {args.world} ranks") as update:
-        r = search_layouts(g, args.world, topo, args.budget, n_blocks=n, pins=pins, ac=args.ac, progress=update)
+        r = search_layouts(g, args.world, topo, args.budget, n_blocks=n, pins=pins, ac=args.ac, progress=update,
+                           schedule=args.schedule, microbatches=(1, 2), microbatch_count=micro,
+                           virtual_stages=virtual, master_dtype=w.dtype, param_dtype=pdt, reduce_dtype=rdt)
     print_markdown(
-        f"**{w.source}** (batch {w.batch}, seq {w.seq}, {w.optimizer}, {w.dtype}) on {topo.name}, world "
+        f"**{w.source}** (batch {w.batch}, seq {w.seq}, {w.optimizer}, {w.dtype} masters, {pdt or w.dtype} compute, "
+        f"{rdt or pdt or w.dtype} reduction) on {topo.name}, world "
         f"{args.world}, budget {fmt_bytes(args.budget)}" + (f", pinned {pins}" if pins else "") + f": {how}; "
         f"{r.considered} layouts considered, {r.evaluated} evaluated in {r.seconds:.2f} s"
     )
@@ -151,8 +202,9 @@ def cmd_plan(args) -> int:
         return 3
     plan = r.best.plan
     if args.compile: plan = dataclasses.replace(plan, compile=(True,) * n)
-    columns = layout_memory(g, dataclasses.replace(r.best, plan=plan), n)
-    print_markdown("\n".join(layout_lines(dataclasses.replace(r.best, plan=plan), columns, n)))
+    plan = dataclasses.replace(plan, reasons=(*plan.reasons, ("precision", precision_line(plan, w.dtype))))
+    columns = layout_memory(g, dataclasses.replace(r.best, plan=plan), n, w.dtype)
+    print_markdown("\n".join(layout_lines(dataclasses.replace(r.best, plan=plan), columns, n, w.dtype)))
     print_markdown("\n**layouts compared** (the best, runners-up, and faster ones that lost)\n\n" + r.table())
     if args.verify: _verify_layout(w, plan, g if len(g.structure.main.blocks) == n else None)
     if args.out:
@@ -162,13 +214,18 @@ def cmd_plan(args) -> int:
 
 # %% ../../nbs/92a_layout.ipynb
 def _verify_layout(w, plan, g):
-    "Predicted / measured peak and collectives of a pp = 1 layout under a fake process group (verify_parallel)."
-    from static_dist.parallel import verify_parallel
+    """Predicted / measured peak under a fake process group: of each pipeline rank (verify_pipeline), or of a layout
+    without pipelining with its collectives (verify_parallel); the masters in the workload's dtype."""
+    from static_dist.parallel import verify_parallel, verify_pipeline
     if plan.dims.pp > 1:
-        print(f"verify: skipped: the layout pipelines over {plan.dims.pp} stages and verify_parallel measures pp = 1 "
-              "layouts only; pin --pp 1 to verify one")
-        return None
-    with status(f"FSDPMemTracker, fake process group of {plan.dims.world}"): v = verify_parallel(w, plan, graph=g)
+        with status(f"MemTracker on each of {plan.dims.pp} pipeline ranks, fake process group of {plan.dims.world}"):
+            v = verify_pipeline(w, plan, graph=g, master_dtype=w.dtype)
+        print(f"verify: world {v.world_size}, {v.schedule} with {v.microbatches} micro-batches, {v.master_dtype} "
+              "masters, each pipeline rank measured as itself (MemTracker):")
+        for s in v.ranks: print(f"verify: {s.line()}")
+        return v
+    with status(f"FSDPMemTracker, fake process group of {plan.dims.world}"):
+        v = verify_parallel(w, plan, graph=g, master_dtype=w.dtype)
     print(f"verify: {v.line()}")
     print(f"verify: collectives per step on rank 0: predicted {v.predicted_counts}, measured {v.measured_counts}")
     return v
@@ -201,9 +258,8 @@ def _predicted_oom(w, cfg, args) -> str | None:
 # %% ../../nbs/92a_layout.ipynb
 def measured_peak(device) -> tuple:
     """(a context that measures this rank's peak, a function returning (bytes, how), one to call before each step):
-    torch.cuda's allocator on CUDA, else torch's MemTracker (whose module statistics allow one step of a root module at
-    a
-    time: a pipeline stage runs once per micro-batch, so a root called again starts its statistics afresh)."""
+    torch.cuda's allocator on CUDA, else torch's MemTracker over many forwards of a root (`parallel.RunTracker`: a
+    pipeline stage runs once per micro-batch)."""
     from contextlib import nullcontext
     if torch.device(device).type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -212,20 +268,9 @@ def measured_peak(device) -> tuple:
             lambda: (int(torch.cuda.max_memory_allocated()), "torch.cuda.max_memory_allocated"),
             lambda: None,
         )
-    from torch.distributed._tools.mem_tracker import MemTracker
-    class RunTracker(MemTracker):
-        """MemTracker over many forwards of one root (steps, a pipeline's micro-batches): each starts the root's module
-        statistics afresh; the peak is kept."""
-        def _pre_fw_hook(self, module, inputs):
-            if module in self.memory_tracking and not self._mod_tracker.is_bw:
-                if set(self._mod_tracker.parents) - {self._mod_tracker.get_known_fqn(module)} == {"Global"}:
-                    del self.memory_tracking[module]
-            super()._pre_fw_hook(module, inputs)
+    from static_dist.parallel import RunTracker, tracked_peak
     mt = RunTracker()
-    def peak():
-        snap = mt.get_tracker_snapshot("peak")
-        return int(max((v.get("Total", 0) for v in snap.values()), default=0)), "torch MemTracker"
-    return (lambda: mt), peak, mt.reset_mod_stats
+    return (lambda: mt), lambda: (tracked_peak(mt), "torch MemTracker"), mt.reset_mod_stats
 
 # %% ../../nbs/92a_layout.ipynb
 def _plan_batch(w, plan, step: int, device, mesh=None):
@@ -280,9 +325,10 @@ def _plan_rank(w, plan, steps: int, backend: str) -> dict:
 # %% ../../nbs/92a_layout.ipynb
 def _predicted_rank_peaks(w, plan) -> list[int]:
     """Predicted peak bytes of each pipeline rank of `plan` on the workload's captured step (the capture's master dtype:
-    the model `train` builds), to print beside what each rank measured."""
+    the model `train` builds; captured in the plan's compute dtype), to print beside what each rank measured."""
     from static_dist.parallel import predict_parallel_memory
-    return [m.peak_bytes for m in predict_parallel_memory(w.graph(), plan).ranks]
+    compute = (plan.fsdp.param_dtype if plan.fsdp else None) or w.dtype
+    return [m.peak_bytes for m in predict_parallel_memory(w.graph(compute), plan, w.dtype).ranks]
 
 # %% ../../nbs/92a_layout.ipynb
 def train_plan(args) -> int:

@@ -77,11 +77,12 @@ def cmd_capture(args) -> int:
 
 # %% ../../nbs/92_verbs.ipynb
 def _fsdp_profile(args, w, given):
-    "The step profiled in the compute dtype (the given plan's param_dtype, else --precision), fp32 masters under bf16."
+    """The step profiled in the compute dtype (the given plan's param_dtype, else --param-dtype), with the masters in
+    the dtype the model is built in (--dtype): a bf16-built model keeps bf16 masters."""
     from static_dist.cost import profile_workload
-    bf16 = given.param_dtype == "bfloat16" if given else args.precision == "bf16"
+    compute = (given.param_dtype if given else args.param_dtype) or w.dtype
     with status(f"capturing {w.source}") as update:   # a few blocks, extrapolated where they are identical
-        return profile_workload(w, "bfloat16" if bf16 else None, "float32" if bf16 else None, progress=update)
+        return profile_workload(w, compute, w.dtype if compute != w.dtype else None, progress=update)
 
 # %% ../../nbs/92_verbs.ipynb
 def _fsdp_flags(args) -> None:
@@ -97,6 +98,8 @@ def _fsdp_flags(args) -> None:
                 ("--unit", args.unit),
                 ("--ignore", args.ignore),
                 ("--precision", args.precision),
+                ("--param-dtype", args.param_dtype),
+                ("--reduce-dtype", args.reduce_dtype),
                 ("--accumulation", args.accumulation),
             )
             if v
@@ -108,7 +111,12 @@ def _fsdp_flags(args) -> None:
             f"--plan with {given}: the plan has its own world, mesh, units, ignored modules, precision and "
             f"accumulation; drop {given}, or --plan to search"
         )
-    args.precision, args.accumulation = args.precision or "bf16", args.accumulation or 1
+    if args.precision and (args.param_dtype or args.reduce_dtype):
+        raise UsageError(f"--precision {args.precision} with --param-dtype/--reduce-dtype: --precision is short for "
+                         "them; give one or the other")
+    if not (args.param_dtype or args.reduce_dtype) and args.precision != "fp32":   # bf16, the default
+        args.param_dtype, args.reduce_dtype = "bfloat16", "float32"
+    args.accumulation = args.accumulation or 1
     both = sorted(set(args.ignore or ()) & set(args.unit or ()))
     if both:
         raise UsageError(
@@ -125,12 +133,11 @@ def _fsdp_report(args, prof, given):
     from static_dist.fsdp import Overrides, plan_fsdp, predict_plan
     if given:
         with status("evaluating the given plan"): return predict_plan(prof, given, budget=args.budget)
-    dt = None if args.precision == "fp32" else "bfloat16"
     ov = Overrides(ignored=tuple(args.ignore or ()), units=tuple(args.unit or ()))
     with status("planning") as update:
-        return plan_fsdp(prof, world_size=args.world, budget=args.budget, mesh_shape=args.mesh, param_dtype=dt,
-                         reduce_dtype=None if dt is None else "float32", accumulation_steps=args.accumulation,
-                         overrides=ov, progress=update)
+        return plan_fsdp(prof, world_size=args.world, budget=args.budget, mesh_shape=args.mesh,
+                         param_dtype=args.param_dtype, reduce_dtype=args.reduce_dtype,
+                         accumulation_steps=args.accumulation, overrides=ov, progress=update)
 
 # %% ../../nbs/92_verbs.ipynb
 def cmd_plan_fsdp(args) -> int:
@@ -145,7 +152,9 @@ def cmd_plan_fsdp(args) -> int:
     what = (
         "evaluated as given" if args.plan else f"searched {rep.evaluated} plans in {rep.seconds:.1f} s"
     ) + f"; profile: {prof.path}"
-    print_markdown(f"**{w.source}** (batch {w.batch}, seq {w.seq}), world {rep.plan.world_size}, mesh "
+    pdt = rep.plan.param_dtype or w.dtype
+    print_markdown(f"**{w.source}** (batch {w.batch}, seq {w.seq}; {w.dtype} masters, {pdt} compute, "
+                   f"{rep.plan.reduce_dtype or pdt} reduction), world {rep.plan.world_size}, mesh "
                    f"{rep.plan.mesh_shape}, budget {fmt_bytes(args.budget)}: {what}\n\n" + rep.table())
     for k, v in rep.plan.reasons: print(f"- {k}: {v}")
     if args.verify: _verify(args, w, rep, prof)

@@ -110,7 +110,8 @@ def _unit_sizes(ps: list, plan: FSDPPlan) -> tuple[int, int, int, int, int]:
         sh, un, st = sh + a * p.itemsize, un + b, st + math.ceil(p.state_bytes * a / max(p.numel, 1))
     csize = _dtype_size(plan.param_dtype, ps[0].itemsize if ps else 4)
     rsize = _dtype_size(plan.reduce_dtype or plan.param_dtype, ps[0].itemsize if ps else 4)
-    return sh, un * csize, sum(p.numel for p in ps) * csize, un * rsize, st
+    # the gradient accumulated without sync: FSDP2 upcasts it to the reduce dtype (`to_accumulated_grad_if_needed`)
+    return sh, un * csize, sum(p.numel for p in ps) * rsize, un * rsize, st
 
 # %% ../../nbs/40c_fsdp_memory.ipynb
 def _layout(profile: GraphProfile, plan: FSDPPlan) -> tuple[UnitLayout, ...]:
@@ -205,6 +206,9 @@ def _add_gradients(C: _Curves, l: UnitLayout, pinfo: dict, plan: FSDPPlan, reduc
         # a unit's grads are freed as its reduce-scatter input is filled; the root's post-backward runs in
         # autograd's final callback, with its grads still alive while the reduce-scatter input is allocated
         end = reduce_at if reduce_at is not None else l.bwd[1] if l.module == "" else l.bwd[1] - 1
+        # accumulating into an upcast copy, FSDP2 folds each micro-batch's gradients into it at the unit's
+        # post-backward (`accumulate_unsharded_grad_if_needed`), even where the reduction waits for the schedule
+        if acc and not sync_all: end = min(end, l.bwd[1])
         if q.grad_created >= 0 and not in_place:
             C.add("gradients", q.grad_created, end, q.numel * _dtype_size(plan.param_dtype, q.itemsize))
     if acc and not sync_all: C.add("gradients", 0, l.bwd[1] if reduce_at is None else reduce_at, l.grad_bytes)

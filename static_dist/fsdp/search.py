@@ -23,7 +23,7 @@ from ..graph.policies import CheckpointPolicy, FullCheckpoint, NoCheckpoint
 
 # %% auto 0
 __all__ = ['Overrides', 'candidate_unit_sets', 'Evaluated', 'PlanReport', 'evaluate', 'predict_plan', 'plan_fsdp',
-           'baseline_plans', 'given_reasons', 'reduce_scatter_order']
+           'baseline_plans', 'precision_reason', 'given_reasons', 'reduce_scatter_order']
 
 # %% ../../nbs/40e_fsdp_search.ipynb
 @dataclass(frozen=True)
@@ -376,9 +376,16 @@ def _setting_reasons(plan: FSDPPlan, prof: GraphProfile, searched: bool = True) 
     reasons.append(("reduce_scatter_order", "one bucket per unit, in backward order: " +
                     ", ".join(repr(u) for u in reduce_scatter_order(prof, plan)[:6]) +
                     (" ..." if len(plan.units) > 6 else "")))
-    if plan.param_dtype: reasons.append(("precision", f"MixedPrecisionPolicy(param_dtype={plan.param_dtype}, "
-                                         f"reduce_dtype={plan.reduce_dtype}): half-size all-gathers, fp32 reductions"))
+    if plan.param_dtype or plan.reduce_dtype: reasons.append(("precision", precision_reason(plan, prof.master_dtype)))
     return reasons
+
+# %% ../../nbs/40e_fsdp_search.ipynb
+def precision_reason(plan: FSDPPlan, master_dtype: str) -> str:
+    "The master, compute and gradient-reduction dtypes of `plan` over masters in `master_dtype`, and FSDP's policy."
+    pdt = plan.param_dtype or master_dtype
+    rdt = plan.reduce_dtype or pdt
+    return (f"{master_dtype} master weights and optimizer state, {pdt} compute, {rdt} gradient reduction "
+            f"(MixedPrecisionPolicy(param_dtype={plan.param_dtype}, reduce_dtype={plan.reduce_dtype}))")
 
 # %% ../../nbs/40e_fsdp_search.ipynb
 def _unit_reasons(plan: FSDPPlan, prof: GraphProfile, blocks: list, searched: bool = True) -> tuple[FSDPUnit, ...]:

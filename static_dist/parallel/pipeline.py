@@ -9,6 +9,7 @@ import copy
 import math
 from collections import Counter
 from contextlib import nullcontext
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -25,8 +26,8 @@ from ..structure import BlockStack, find_structure
 
 # %% auto 0
 __all__ = ['stage_units', 'TensorSpec', 'PipelineSplit', 'plan_split', 'StageSkip', 'split_stage', 'PipelineRank',
-           'build_pipeline', 'sync_tied', 'pipeline_accumulate', 'pipeline_step', 'pipeline_axis_counts',
-           'predict_pipeline_counts']
+           'in_compute_dtype', 'build_pipeline', 'sync_tied', 'pipeline_accumulate', 'pipeline_step',
+           'pipeline_axis_counts', 'predict_pipeline_counts']
 
 # %% ../../nbs/45g_parallel_pipeline.ipynb
 def _parents(path: str) -> list[str]:
@@ -342,6 +343,14 @@ def _tied(model: nn.Module, split: PipelineSplit, plan: ParallelPlan, mesh, mine
     return tuple(out)
 
 # %% ../../nbs/45g_parallel_pipeline.ipynb
+def in_compute_dtype(split: PipelineSplit, dtype: str) -> PipelineSplit:
+    "`split` with the floating tensors that stages pass and return in `dtype` (FSDP's `param_dtype`)."
+    dt = getattr(torch, dtype)
+    cast = lambda s: TensorSpec(s.shape, dt) if isinstance(s, TensorSpec) and s.dtype.is_floating_point else s
+    return dataclasses.replace(split, sends=tuple(cast(s) for s in split.sends), output=tree_map(cast, split.output),
+                               outputs={k: tree_map(cast, v) for k, v in split.outputs.items()})
+
+# %% ../../nbs/45g_parallel_pipeline.ipynb
 def build_pipeline(model: nn.Module, plan: ParallelPlan, mesh, batch, loss_fn: Callable, *, seq: int | None = None,
                    compile_backend: str = "inductor") -> PipelineRank:
     """This rank's part of `plan` (pp > 1) on `mesh` (`axes.device_mesh(plan.dims)`): its stages cut from `model`
@@ -355,6 +364,7 @@ def build_pipeline(model: nn.Module, plan: ParallelPlan, mesh, batch, loss_fn: C
     stack = find_structure(model).main
     check_layout(plan, stack, seq)
     split = plan_split(model, plan, _micro(batch, plan.microbatches), stack)
+    if plan.fsdp is not None and plan.fsdp.param_dtype: split = in_compute_dtype(split, plan.fsdp.param_dtype)
     pp = mesh["pp"]
     r = pp.get_local_rank()
     mine = sorted(rank_stages(plan, r))

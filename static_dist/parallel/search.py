@@ -91,9 +91,11 @@ CHECKPOINT_POLICIES = (FullCheckpoint(), SelectiveOps())   # what the search mix
 class _Context:
     def __init__(
         self, g: StaticGraph, n_blocks: int, topo: Topology, styles: tuple, policies: tuple, master_dtype: str | None,
-        outer: tuple = (), sequence_parallel: bool = False, loss_parallel: bool = False
+        precision: tuple[str | None, str | None] = (None, None), outer: tuple = (), sequence_parallel: bool = False,
+        loss_parallel: bool = False,
     ):
         self.g, self.n, self.topo, self.styles, self.master = g, n_blocks, topo, styles, master_dtype
+        self.precision = precision                     # FSDP's (param_dtype, reduce_dtype) on every plan
         # torchtitan's layout around the blocks, when the model maps
         self.outer, self.sp, self.lp = outer, sequence_parallel, loss_parallel
         self.policies = tuple(parse_policy(p) for p in policies)
@@ -123,8 +125,10 @@ def plan(
     dp = d.dp_replicate * d.fsdp_size
     mesh = (d.dp_replicate, d.fsdp_size) if d.dp_replicate > 1 else (d.fsdp_size,)
     units = block_units(self.blocks, d.pp == 1 if reshard is None else reshard)
-    return ParallelPlan(d, stages=stages, schedule=schedule, microbatches=m, ac=tuple(ac),
-                        fsdp=FSDPPlan(dp, mesh, units) if dp > 1 else None, name=name, **self.tp_fields(d.tp))
+    pdt, rdt = self.precision               # with one data-parallel rank, check_layout refuses a mixed precision
+    fsdp = FSDPPlan(dp, mesh, units, param_dtype=pdt, reduce_dtype=rdt) if dp > 1 or pdt or rdt else None
+    return ParallelPlan(d, stages=stages, schedule=schedule, microbatches=m, ac=tuple(ac), fsdp=fsdp, name=name,
+                        **self.tp_fields(d.tp))
 
 # %% ../../nbs/45d_parallel_search.ipynb
 @patch
@@ -275,8 +279,9 @@ def memory_by_category(g: StaticGraph, plan: ParallelPlan, n_blocks: int | None 
             (f"pp rank {r}", m.at_peak, m.peak_bytes)
             for r, m in enumerate(predict_parallel_memory(g, plan, master_dtype).ranks)
         ]
-    d, ctx = plan.dims, _Context(g, n, None, plan.tp_styles, CHECKPOINT_POLICIES, master_dtype, plan.tp_outer,
-                      plan.sequence_parallel, plan.loss_parallel)
+    d, ctx = plan.dims, _Context(g, n, None, plan.tp_styles, CHECKPOINT_POLICIES, master_dtype,
+                                 outer=plan.tp_outer, sequence_parallel=plan.sequence_parallel,
+                                 loss_parallel=plan.loss_parallel)
     P = _pipelined(ctx, plan, _mixed_profile(ctx, d, _stage_modes(ctx, plan, None if plan.ac else NoCheckpoint())))
     pred = predict_rank_memory(P, plan)
     return [("busiest stage" if d.pp > 1 else "each rank", pred.at_peak, pred.peak_bytes)]
@@ -494,13 +499,17 @@ class _Entry(NamedTuple):
 def search_layouts(g: StaticGraph, world: int, topo: Topology, budget_bytes: int, *, n_blocks: int | None = None,
                    pins: dict | None = None, ac="auto", microbatches: tuple[int, ...] = (2,), schedule: str = "1F1B",
                    styles: tuple | None = None, policies: tuple = CHECKPOINT_POLICIES, master_dtype: str | None = None,
-                   runners_up: int = 4, progress=None, sequence_parallel: bool | None = None) -> LayoutSearch:
+                   runners_up: int = 4, progress=None, microbatch_count: int | None = None, virtual_stages: int = 1,
+                   param_dtype: str | None = None, reduce_dtype: str | None = None,
+                   sequence_parallel: bool | None = None) -> LayoutSearch:
     """The fastest layout of the captured step `g` (its model extended to `n_blocks` identical blocks) on `world` ranks
     of `topo` that fits `budget_bytes` per rank. `ac`: 'auto' (the cheapest mix of `policies` that fits), or one policy
     (or its name) for every block.
-    `microbatches`: pipeline micro-batches per stage count (2: 2·pp). Tensor parallelism is laid out as torchtitan
-    does where the model maps (`tp_layout`): sequence and loss parallelism, vocabulary-sharded embedding and output;
-    `sequence_parallel=False` keeps the sequence whole (the vocabulary still sharded)."""
+    `microbatches`: pipeline micro-batches per stage count (2: 2·pp); `microbatch_count`: that many on every pipelined
+    layout instead. `virtual_stages`: stages per pipeline rank (Interleaved1F1B). `param_dtype`, `reduce_dtype`: FSDP's
+    mixed precision on every plan, with `g` captured in `param_dtype` and the masters in `master_dtype`. Tensor
+    parallelism is laid out as torchtitan does where the model maps (`tp_layout`): sequence and loss parallelism,
+    vocabulary-sharded embedding and output; `sequence_parallel=False` keeps the sequence whole."""
     t0 = time.perf_counter()
     try: ac = ac if ac == "auto" else parse_policy(ac)
     except PolicyError as e: raise ParallelPlanError(f"ac {ac!r}: use auto or a checkpointing policy ({e})") from None
@@ -518,16 +527,17 @@ def search_layouts(g: StaticGraph, world: int, topo: Topology, budget_bytes: int
                 "pairs need separate nn.Linear projections; fused or Conv1D ones are not split): pin tp 1"
             )
         pins = {**(pins or {}), "tp": 1}
-    ctx = _Context(g, n, topo, styles, policies, master_dtype, outer, sp, bool(outer))
+    ctx = _Context(g, n, topo, styles, policies, master_dtype, (param_dtype, reduce_dtype), outer, sp, bool(outer))
     node = topo.levels[0].size if topo.levels else topo.n_devices
     dims = layout_dims(
         world, n_blocks=n, node=node, heads=stack.n_heads, kv_heads=stack.n_kv_heads, seq=ctx.seq, pins=pins
     )
     heap, tick = [], 0
     for d in dims:
-        stages = balanced_stages(ctx.work(d), n, d.pp)
-        for mult in (microbatches if d.pp > 1 else (None,)):
-            m = d.pp * mult if mult else 1
+        k = d.pp * virtual_stages if d.pp > 1 else 1                     # stages in all
+        stages = balanced_stages(ctx.work(d), n, k) if n >= k else (0,)  # (0,): too few blocks, refused below
+        for mult in (microbatches if d.pp > 1 and microbatch_count is None else (None,)):
+            m = d.pp * mult if mult else microbatch_count if d.pp > 1 and microbatch_count else 1
             mode = NoCheckpoint() if ac == "auto" else ac
             try:
                 plan = ctx.plan(d, ac=(mode,) * n, stages=stages, schedule=schedule, m=m)
@@ -577,13 +587,15 @@ def search_layouts(g: StaticGraph, world: int, topo: Topology, budget_bytes: int
     )
 
 # %% ../../nbs/45d_parallel_search.ipynb
-def search_graph(w, capture_blocks: int = 3, progress=None) -> tuple[StaticGraph, int, str]:
-    "(the step of workload `w` to search over, the model's block count, how it was captured)."
+def search_graph(w, capture_blocks: int = 3, progress=None, dtype: str | None = None) -> tuple[StaticGraph, int, str]:
+    """(the step of workload `w` to search over, captured in `dtype` (the compute dtype; default the workload's), the
+    model's block count, how it was captured)."""
     from static_dist.cost.few_blocks import block_attr_mismatch, first_blocks
     from static_dist.cost.profile import BlockMismatchError, expand_blocks, profile_graph
     from static_dist.structure import find_structure
     from static_dist.util import torch_dtype
-    dtype = torch_dtype(w.dtype)
+    name = dtype or w.dtype
+    dtype = torch_dtype(name)
     model = w.build(device="meta", dtype=dtype)
     main = find_structure(model).main
     if main is None:
@@ -597,16 +609,16 @@ def search_graph(w, capture_blocks: int = 3, progress=None) -> tuple[StaticGraph
         def build(device="meta", dtype=dtype, seed: int = 0):
             m = (
                 spare.pop()
-                if spare and str(device) == "meta" and dtype == torch_dtype(w.dtype)
+                if spare and str(device) == "meta" and dtype == torch_dtype(name)
                 else w.build(device=device, dtype=dtype, seed=seed)
             )
             return first_blocks(m, main.path, capture_blocks)
-        g = dataclasses.replace(w, build=build).graph(progress=progress)
+        g = dataclasses.replace(w, build=build).graph(name, progress=progress)
         try:
             expand_blocks(profile_graph(g), n)
             return g, n, f"{capture_blocks} of {n} blocks captured, the others identical"
         except BlockMismatchError as e: why = "captured blocks differ: " + "; ".join(e.reasons[:2])
-    return w.graph(progress=progress), n, f"full capture ({why})"
+    return w.graph(name, progress=progress), n, f"full capture ({why})"
 
 # %% ../../nbs/45d_parallel_search.ipynb
 BENCH_PLAN_CASES = (("llama3-70b", 256), ("llama3-405b", 512))

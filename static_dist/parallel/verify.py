@@ -22,16 +22,18 @@ from .memory import _block_spans, op_blocks, predict_parallel_memory, rank_fsdp_
 from ..graph.policies import FullCheckpoint, NoCheckpoint, SelectiveOps
 from .plan import (ParallelPlan, ParallelPlanError, block_collectives, block_policies,
                                     outer_collectives)
+from .schedule import rank_stages
 from ..placement import STYLES
-from ..step import OPTIMIZERS, step_loss
+from ..step import OPTIMIZERS, make_optimizer, step_loss
 from ..structure import find_structure
-from ..util import torch_dtype
+from ..util import check_real_size, torch_dtype
 from ..graph.records import FORWARD
 
 
 # %% auto 0
-__all__ = ['axis_counts', 'predict_axis_counts', 'ParallelVerification', 'verify_parallel', 'predicted_stack_bytes',
-           'measured_stack_bytes', 'verify_selective']
+__all__ = ['axis_counts', 'predict_axis_counts', 'ParallelVerification', 'verify_parallel', 'RunTracker', 'tracked_peak',
+           'static_metadata', 'pp_rank_global', 'StageVerification', 'PipelineVerification', 'verify_pipeline',
+           'predicted_stack_bytes', 'measured_stack_bytes', 'verify_selective']
 
 # %% ../../nbs/45f_parallel_verify.ipynb
 def axis_counts(cdm) -> dict[str, int]:
@@ -135,9 +137,9 @@ def verify_parallel(w, plan: ParallelPlan, graph=None, master_dtype: str | None 
     """Measure `plan` on workload `w` under a fake process group of the plan's world size, next to the prediction from
     `graph` (default: the workload's capture in the compute dtype). The model is built on meta with `master_dtype`
     parameters (default: the workload's dtype), and the prediction keeps the same masters: a graph captured in another
-    dtype needs the plan's FSDP `param_dtype` to compute in it. Pipeline parallelism is not measured here."""
+    dtype needs the plan's FSDP `param_dtype` to compute in it. A pipelined layout is measured by `verify_pipeline`."""
     if plan.dims.pp > 1:
-        raise ParallelPlanError("verify_parallel measures one pipeline stage's layout: use pp=1 (a stage's plan)")
+        raise ParallelPlanError("verify_parallel measures layouts without pipelining: verify_pipeline measures pp > 1")
     if w.optimizer not in OPTIMIZERS:
         raise ParallelPlanError(f"optimizer {w.optimizer!r}: verifying needs the step's optimizer")
     t0 = time.perf_counter()
@@ -161,6 +163,141 @@ def verify_parallel(w, plan: ParallelPlan, graph=None, master_dtype: str | None 
                                              w.optimizer, step_context(plan))
     return ParallelVerification(plan.dims.world, pred, int(cats["Total"]), predict_axis_counts(prof, plan),
                                 axis_counts(cdm), time.perf_counter() - t0, master, cats)
+
+# %% ../../nbs/45f_parallel_verify.ipynb
+class RunTracker(MemTracker):
+    """MemTracker over many forwards of one root (steps, a pipeline's micro-batches): each starts the root's module
+    statistics afresh (MemTracker's allow one forward of a root at a time); the peak is kept."""
+    def _pre_fw_hook(self, module, inputs):
+        if module in self.memory_tracking and not self._mod_tracker.is_bw:
+            if set(self._mod_tracker.parents) - {self._mod_tracker.get_known_fqn(module)} == {"Global"}:
+                del self.memory_tracking[module]
+        super()._pre_fw_hook(module, inputs)
+
+def tracked_peak(mt: MemTracker) -> int:
+    "The tracker's peak bytes: the largest 'Total' of its peak snapshot over the devices."
+    return int(max((v.get("Total", 0) for v in mt.get_tracker_snapshot("peak").values()), default=0))
+
+# %% ../../nbs/45f_parallel_verify.ipynb
+def static_metadata(schedule) -> None:
+    """Have `schedule`'s stages take the boundary shapes they were given instead of voting and exchanging them with
+    the other pipeline ranks (which a fake process group does not answer); ParallelPlanError where a stage needs them
+    inferred at run time (a real run would too: its vote would not be unanimous)."""
+    try:
+        from torch.distributed.pipelining._utils import InferenceMode
+        schedule._warmup_p2p                                   # torch's warm-up vote, replaced below
+    except (ImportError, AttributeError) as e:
+        raise ParallelPlanError(f"this torch's pipelining has no warm-up vote to skip ({type(e).__name__}); verify "
+                                "pipelined layouts with torch 2.13's") from None
+    def warm(stages, has_backward, p2p_done):
+        for st in stages:
+            if InferenceMode.needs_dynamic(st._user_meta, has_backward):
+                raise ParallelPlanError(f"pipeline stage {st.stage_index} infers its boundary shapes at run time, "
+                                        "which needs the other ranks: measure it on a real group (train --plan)")
+            st._inference_mode = InferenceMode.STATIC
+    schedule._warmup_p2p = warm
+
+# %% ../../nbs/45f_parallel_verify.ipynb
+def pp_rank_global(dims, pp_rank: int) -> int:
+    "The first global rank of pipeline rank `pp_rank` in the device mesh of `dims` (`axes.mesh_dims`, row-major)."
+    import torch
+    from static_dist.axes import mesh_dims
+    shape, names = mesh_dims(dims)
+    ranks = torch.arange(math.prod(shape)).reshape(shape)
+    return int(ranks.select(names.index("pp"), pp_rank).min()) if "pp" in names else 0
+
+# %% ../../nbs/45f_parallel_verify.ipynb
+@dataclass(frozen=True)
+class StageVerification:
+    "One pipeline rank's predicted peak next to MemTracker's, measured as that rank under a fake process group."
+    pp_rank: int
+    rank: int
+    "The global rank the fake group made this process."
+    stages: tuple[int, ...]
+    "The (virtual) stages the pipeline rank runs."
+    predicted_bytes: int
+    measured_bytes: int
+
+    @property
+    def ratio(self) -> float: return self.predicted_bytes / self.measured_bytes if self.measured_bytes else math.inf
+    def line(self) -> str:
+        return (f"pp rank {self.pp_rank} (stage{'s' if len(self.stages) > 1 else ''} "
+                f"{', '.join(map(str, self.stages))}): predicted {fmt_bytes(self.predicted_bytes)} / measured "
+                f"{fmt_bytes(self.measured_bytes)} = {self.ratio:.4f}")
+
+# %% ../../nbs/45f_parallel_verify.ipynb
+@dataclass(frozen=True)
+class PipelineVerification:
+    "A pipelined layout's predicted peak per pipeline rank next to the measured one (`verify_pipeline`)."
+    world_size: int
+    schedule: str
+    microbatches: int
+    ranks: tuple[StageVerification, ...]
+    seconds: float
+    master_dtype: str = ""
+
+    @property
+    def worst(self) -> StageVerification:
+        "The pipeline rank whose prediction is furthest from its measurement."
+        return max(self.ranks, key=lambda s: abs(math.log(s.ratio)) if 0 < s.ratio < math.inf else math.inf)
+    def line(self) -> str:
+        return (f"world {self.world_size}, {self.schedule} with {self.microbatches} micro-batches"
+                f"{f', {self.master_dtype} masters' if self.master_dtype else ''}: "
+                + "; ".join(s.line() for s in self.ranks))
+
+# %% ../../nbs/45f_parallel_verify.ipynb
+def _global_batch(w, plan: ParallelPlan, dtype: str):
+    """One step's global batch of `plan`: the workload's micro-batch repeated to `plan_rows(plan, w.batch)` rows (every
+    rank steps micro-batches of the workload's batch, the size the prediction is for); floating inputs in `dtype`."""
+    import torch
+    from torch.utils._pytree import tree_map
+    from static_dist.parallel.run import plan_rows
+    k = plan_rows(plan, w.batch) // w.batch
+    rep = lambda t: t.repeat(k, *[1] * (t.dim() - 1)) if isinstance(t, torch.Tensor) and t.dim() else t
+    return tree_map(rep, tuple(w.inputs("cpu", dtype)))
+
+# %% ../../nbs/45f_parallel_verify.ipynb
+def _measure_pp_rank(w, plan: ParallelPlan, pp_rank: int, master: str, compute: str, steps: int) -> tuple[int, int]:
+    "(global rank, MemTracker's peak) of pipeline rank `pp_rank` running `steps` steps of `plan` on a fake group."
+    import warnings
+    from static_dist.parallel.run import plan_step, prepare_rank
+    rank = pp_rank_global(plan.dims, pp_rank)
+    batch = _global_batch(w, plan, compute)
+    with process_group(fake_world=plan.dims.world, fake_rank=rank), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Module is None. Skipping")   # ModTracker on a recomputed forward
+        mesh, mt = device_mesh(plan.dims, "cpu"), RunTracker()
+        with mt:                                          # the stages built, sharded and stepped: all they hold counts
+            rk = prepare_rank(w.build_model("cpu", seed=0, dtype=master), plan, mesh, batch, w.loss, seq=w.seq)
+            static_metadata(rk.pipeline.schedule)
+            opt = make_optimizer(w.optimizer, rk.parameters())
+            for _ in range(steps): mt.reset_mod_stats(); plan_step(rk, opt, batch)
+    return rank, tracked_peak(mt)
+
+# %% ../../nbs/45f_parallel_verify.ipynb
+def verify_pipeline(w, plan: ParallelPlan, graph=None, master_dtype: str | None = None,
+                    steps: int = 2) -> PipelineVerification:
+    """Measure every pipeline rank of `plan` (pp > 1) on workload `w`, one after another, each as itself under a fake
+    process group of the plan's world size (`_measure_pp_rank`), next to its predicted peak from `graph` (default: the
+    workload's capture in the compute dtype); masters as `verify_parallel` keeps them. Compile is left off: the
+    prediction does not model it."""
+    import dataclasses
+    if plan.dims.pp == 1: raise ParallelPlanError("verify_pipeline measures pipelined layouts: use verify_parallel")
+    if w.optimizer not in OPTIMIZERS:
+        raise ParallelPlanError(f"optimizer {w.optimizer!r}: verifying needs the step's optimizer")
+    check_real_size(sum(p.numel() for p in w.build(device="meta").parameters()),
+                    f"{w.source} (verifying a pipeline runs its stages on real CPU tensors)")
+    t0 = time.perf_counter()
+    compute = (plan.fsdp.param_dtype if plan.fsdp else None) or w.dtype
+    g = graph if graph is not None else w.graph(dtype=compute)
+    master = master_dtype or w.dtype
+    preds = predict_parallel_memory(g, plan, master).ranks
+    run = dataclasses.replace(plan, compile=())
+    out = []
+    for r in range(plan.dims.pp):
+        rank, peak = _measure_pp_rank(w, run, r, master, compute, steps)
+        out.append(StageVerification(r, rank, tuple(sorted(rank_stages(plan, r))), preds[r].peak_bytes, peak))
+    return PipelineVerification(plan.dims.world, plan.schedule, plan.microbatches, tuple(out),
+                                time.perf_counter() - t0, master)
 
 # %% ../../nbs/45f_parallel_verify.ipynb
 def predicted_stack_bytes(g, plan: ParallelPlan) -> int:
