@@ -234,6 +234,9 @@ def _layout_parser(sub):
                    help="activation checkpointing: auto (the cheapest mix that fits, default) or one policy for every "
                         "block, by name: none, full, selective, layers (graph.policies.POLICIES)")
     p.add_argument("--compile", action="store_true", help="mark every block for torch.compile in the plan")
+    p.add_argument("--sequence-parallel", choices=("auto", "on", "off"), default="auto",
+                   help="tensor parallelism with torchtitan's sequence parallelism: auto (where the model maps, the "
+                        "default), on (refused, with the reason, where it cannot), off")
     _precision_args(p)
     pipe = p.add_argument_group("pipeline (layouts with pp > 1)")
     pipe.add_argument("--schedule", default="1F1B", choices=PIPELINE_SCHEDULES,

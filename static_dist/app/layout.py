@@ -18,8 +18,8 @@ from ..files import atomic_write, check_writable
 from ..util import check_real_size
 
 # %% auto 0
-__all__ = ['PIN_DIMS', 'layout_pins', 'layout_precision', 'layout_pipeline', 'layout_topology', 'precision_line', 'ac_summary',
-           'layout_lines', 'layout_memory', 'cmd_plan', 'measured_peak', 'train_plan', 'cmd_train']
+__all__ = ['PIN_DIMS', 'layout_pins', 'layout_precision', 'layout_pipeline', 'layout_topology', 'tp_outer_line', 'precision_line',
+           'ac_summary', 'layout_lines', 'layout_memory', 'cmd_plan', 'measured_peak', 'train_plan', 'cmd_train']
 
 # %% ../../nbs/92a_layout.ipynb
 PIN_DIMS = tuple(a.name for a in AXES)   # one --flag per axis
@@ -95,6 +95,16 @@ def layout_topology(name: str | None, world: int):
     return topo
 
 # %% ../../nbs/92a_layout.ipynb
+def tp_outer_line(plan) -> str:
+    "What tensor parallelism does outside the blocks: sequence and loss parallelism and the vocabulary's modules."
+    roles = {r: m for m, r in plan.tp_outer}
+    out = ["sequence parallel (norms and residuals on 1/tp of the sequence)" if plan.sequence_parallel
+           else "sequence whole on every tp rank"]
+    if "embedding" in roles: out.append(f"{roles['embedding']} vocabulary rows sharded")
+    if "output" in roles: out.append(f"{roles['output']} vocabulary columns sharded")
+    out.append("loss parallel (logits stay sharded)" if plan.loss_parallel else "logits gathered whole")
+    return ", ".join(out)
+
 def precision_line(plan, master_dtype: str) -> str:
     "Master, compute and gradient-reduction dtypes of `plan` over masters in `master_dtype` (FSDP's policy, if any)."
     pdt = (plan.fsdp.param_dtype if plan.fsdp else None) or master_dtype
@@ -129,6 +139,7 @@ def layout_lines(best, columns: list, n_blocks: int, master_dtype: str = "float3
             "micro-batches"
         )
     if d.tp > 1: out.append(f"- tensor parallel: " + ", ".join(f"{n} {s}" for n, s in p.tp_styles))
+    if d.tp > 1: out.append(f"- around the blocks: {tp_outer_line(p)}")
     out.append(f"- precision: {precision_line(p, master_dtype)}")
     out.append(
         f"- checkpointing ({n_blocks} blocks): {ac_summary(p.ac)}"
@@ -188,7 +199,8 @@ def cmd_plan(args) -> int:
     with status(f"searching layouts of {args.world} ranks") as update:
         r = search_layouts(g, args.world, topo, args.budget, n_blocks=n, pins=pins, ac=args.ac, progress=update,
                            schedule=args.schedule, microbatches=(1, 2), microbatch_count=micro,
-                           virtual_stages=virtual, master_dtype=w.dtype, param_dtype=pdt, reduce_dtype=rdt)
+                           virtual_stages=virtual, master_dtype=w.dtype, param_dtype=pdt, reduce_dtype=rdt,
+                           sequence_parallel={"auto": None, "on": True, "off": False}[args.sequence_parallel])
     print_markdown(
         f"**{w.source}** (batch {w.batch}, seq {w.seq}, {w.optimizer}, {w.dtype} masters, {pdt or w.dtype} compute, "
         f"{rdt or pdt or w.dtype} reduction) on {topo.name}, world "
@@ -203,6 +215,7 @@ def cmd_plan(args) -> int:
     plan = r.best.plan
     if args.compile: plan = dataclasses.replace(plan, compile=(True,) * n)
     plan = dataclasses.replace(plan, reasons=(*plan.reasons, ("precision", precision_line(plan, w.dtype))))
+    if plan.dims.tp > 1: plan = dataclasses.replace(plan, reasons=(*plan.reasons, ("tensor parallel", tp_outer_line(plan))))
     columns = layout_memory(g, dataclasses.replace(r.best, plan=plan), n, w.dtype)
     print_markdown("\n".join(layout_lines(dataclasses.replace(r.best, plan=plan), columns, n, w.dtype)))
     print_markdown("\n**layouts compared** (the best, runners-up, and faster ones that lost)\n\n" + r.table())

@@ -246,9 +246,9 @@ def sequence_blocker(graph) -> str | None:
                  len(fwd))
     for o in fwd[emb + 1:first]:
         if o.op.startswith(_FACTORIES) and not o.inputs and seq in graph.tensors[o.outputs[0]].shape:
-            return (f"{o.module or 'the model'} makes a {o.op.split('.')[1]} of the sequence length after "
-                    f"{roles['embedding']} (positions or a mask from the embeddings' shape), which a sequence shard "
-                    "would cut short")
+            return (f"{o.module or 'the model'} builds a tensor of the sequence length with {o.op.rsplit('.', 1)[0]} "
+                    f"after {roles['embedding']} (positions or a mask from the embeddings' shape), which a sequence "
+                    "shard would cut short")
     return None
 
 # %% ../../nbs/30c_placement_blocks.ipynb
