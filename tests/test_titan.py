@@ -17,11 +17,13 @@ def _job(**kw):
 
 def _fsdp(shard: int, job):
     "static_dist's FSDP plan for torchtitan's apply_fsdp_to_decoder (torchtitan/distributed/fsdp.py): tok_embeddings "
-    "and every block reshard after forward; [norm, lm_head] do not, nor the root."
+    "and every block reshard after forward; [norm, lm_head], one fully_shard call, does not, nor the root; no explicit "
+    "forward prefetch (it sets prefetch lists only with expert parallelism)."
     from static_dist.fsdp import FSDPPlan, FSDPUnit
     units = (FSDPUnit("tok_embeddings", True), *(FSDPUnit(f"layers.{i}", True) for i in range(job.n_layers)),
-             FSDPUnit("lm_head", False), FSDPUnit("", False))
-    return FSDPPlan(shard, (shard,), units, param_dtype=job.param_dtype, reduce_dtype=job.reduce_dtype)
+             FSDPUnit("norm", False, group=("lm_head",)), FSDPUnit("", False))
+    return FSDPPlan(shard, (shard,), units, param_dtype=job.param_dtype, reduce_dtype=job.reduce_dtype,
+                    forward_prefetch=0)
 
 
 def _predict(job, plan):
