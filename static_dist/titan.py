@@ -21,8 +21,8 @@ from .launch import process_group
 from .workload import Workload
 
 # %% auto 0
-__all__ = ['JOBS', 'TitanError', 'TitanJob', 'titan_job', 'titan_model', 'titan_loss', 'titan_workload', 'TitanMeasurement',
-           'apply_titan', 'measure_titan']
+__all__ = ['JOBS', 'TitanError', 'TitanJob', 'titan_ac_policy', 'titan_job', 'titan_model', 'titan_loss', 'titan_workload',
+           'TitanMeasurement', 'apply_titan', 'measure_titan']
 
 # %% ../nbs/07_titan.ipynb
 class TitanError(StaticDistError, ValueError):
@@ -115,6 +115,17 @@ def _ac_config(ac: str):
     return {"none": None, "full": FullAC.Config(), "selective": SelectiveAC.Config()}[ac]
 
 # %% ../nbs/07_titan.ipynb
+def titan_ac_policy(job: TitanJob):
+    "The `graph.policies` policy each block of `job` runs under, from torchtitan's own checkpointing classes."
+    from static_dist.graph.policies import FullCheckpoint, NoCheckpoint, SelectiveOps
+    if job.ac not in ("none", "full", "selective"):
+        raise TitanError(f"ac={job.ac!r}: static_dist models torchtitan's 'none', 'full' and 'selective'")
+    if job.ac != "selective": return FullCheckpoint() if job.ac == "full" else NoCheckpoint()
+    from torchtitan.distributed.activation_checkpoint import SelectiveAC
+    ops = SelectiveAC(job.config.activation_checkpoint).get_save_ops()
+    return SelectiveOps(save=tuple(sorted(str(o) for o in ops if isinstance(o, torch._ops.OpOverload))))
+
+# %% ../nbs/07_titan.ipynb
 def _cut(c, layers, seq_len, local_batch, degrees: dict, ac, attention) -> None:
     "Apply titan_job's overrides to the config `c` in place (it is the registry's fresh copy)."
     from torchtitan.models.common.attention import ScaledDotProductAttention
@@ -135,8 +146,9 @@ def _cut(c, layers, seq_len, local_batch, degrees: dict, ac, attention) -> None:
 def titan_job(name_or_config, *, layers: int | None = None, seq_len: int | None = None,
               local_batch: int | None = None, dp_shard: int | None = None, tp: int | None = None,
               dp_replicate: int | None = None, sequence_parallel: bool | None = None, ac: str | None = None,
-              attention: str = "sdpa") -> TitanJob:
-    "A torchtitan Llama 3 job (a name in `JOBS`, or a `Trainer.Config`) as a `TitanJob`, cut and overridden as asked."
+              attention: str = "sdpa", param_dtype: str | None = None) -> TitanJob:
+    """A torchtitan Llama 3 job (a name in `JOBS`, or a `Trainer.Config`) as a `TitanJob`, cut and overridden as asked;
+    `param_dtype`: FSDP's compute dtype (`training.mixed_precision_param`), 'float32' for no mixed precision."""
     registry = _titan()
     if isinstance(name_or_config, str):
         if name_or_config not in JOBS: raise TitanError(f"job {name_or_config!r}: give one of {', '.join(JOBS)}")
@@ -145,6 +157,10 @@ def titan_job(name_or_config, *, layers: int | None = None, seq_len: int | None 
     degrees = {"data_parallel_shard_degree": dp_shard, "tensor_parallel_degree": tp,
                "data_parallel_replicate_degree": dp_replicate, "enable_sequence_parallel": sequence_parallel}
     _cut(c, layers, seq_len, local_batch, degrees, ac, attention)
+    if param_dtype is not None:
+        if param_dtype not in ("float32", "bfloat16"): raise TitanError(f"param_dtype={param_dtype!r}: give "
+                                                                        "'float32' or 'bfloat16'")
+        c.training.mixed_precision_param = param_dtype
     c.model_spec.model.update_from_config(config=c)   # what torchtitan's Trainer does: TP per module config
     return _record(name, c)
 

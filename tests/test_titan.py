@@ -17,11 +17,13 @@ def _job(**kw):
 
 def _fsdp(shard: int, job):
     "static_dist's FSDP plan for torchtitan's apply_fsdp_to_decoder (torchtitan/distributed/fsdp.py): tok_embeddings "
-    "and every block reshard after forward; [norm, lm_head] do not, nor the root."
+    "and every block reshard after forward; [norm, lm_head], one fully_shard call, does not, nor the root; no explicit "
+    "forward prefetch (it sets prefetch lists only with expert parallelism)."
     from static_dist.fsdp import FSDPPlan, FSDPUnit
     units = (FSDPUnit("tok_embeddings", True), *(FSDPUnit(f"layers.{i}", True) for i in range(job.n_layers)),
-             FSDPUnit("lm_head", False), FSDPUnit("", False))
-    return FSDPPlan(shard, (shard,), units, param_dtype=job.param_dtype, reduce_dtype=job.reduce_dtype)
+             FSDPUnit("norm", False, group=("lm_head",)), FSDPUnit("", False))
+    return FSDPPlan(shard, (shard,), units, param_dtype=job.param_dtype, reduce_dtype=job.reduce_dtype,
+                    forward_prefetch=0)
 
 
 def _predict(job, plan):
@@ -53,11 +55,8 @@ def test_fsdp_only_memory(fsdp8):
     job, m, pred, _ = fsdp8
     ratio = pred / m.peak_bytes
     print(f"FSDP 8, 8B width x {LAYERS} layers, seq {SEQ}: predicted {pred} / measured {m.peak_bytes} = {ratio:.4f}")
-    if abs(ratio - 1) > 0.01:
-        pytest.xfail(f"predicted/measured = {ratio:.4f}: static_dist's peak is at tok_embeddings' backward, where it "
-                     "still counts that unit's all-gather output (1,050,673,152 B); FSDP2 frees it right after the "
-                     "copy-out in backward (FSDPParamGroup.wait_for_unshard). Its curve at lm_head's backward, where "
-                     "the measured peak is, is 6,203,046,937 B (1.0013)")
+    # the issue asks for 1%; measured: 1.0007 (before FSDP2's free of the backward all-gather output at its copy-out
+    # was modelled, 1.0877, the peak at tok_embeddings' backward)
     assert abs(ratio - 1) <= 0.01
 
 
@@ -67,10 +66,39 @@ def test_fsdp_only_collectives(fsdp8):
     print("measured", measured, "predicted", counts)
     assert measured == {"dp.all_gather": 7, "dp.reduce_scatter": 4}  # by hand: forward tok, 2 blocks, [norm, lm_head];
     # backward the 2 blocks and tok ([norm, lm_head] is not resharded after forward); one reduce-scatter per group
-    if measured != counts:
-        pytest.xfail(f"measured {measured}, predicted {counts}: torchtitan shards [norm, lm_head] as one group; "
-                     "static_dist's FSDPUnit is one module, so norm goes to the root unit (one more of each)")
-    assert measured == counts
+    assert measured == counts   # [norm, lm_head] one unit (FSDPUnit.group), so the root holds no parameters
+
+
+# (case, job name, titan_job overrides): torchtitan's own checkpointing (FullAC, SelectiveAC) at a shape where the
+# activations are most of the peak, the 70B width at its own full AC, and fp32 compute (no mixed precision)
+CASES = {
+    "full_ac": ("llama3_8b", dict(ac="full", seq_len=4096, local_batch=2)),
+    "selective_ac": ("llama3_8b", dict(ac="selective", seq_len=4096, local_batch=2)),
+    "70b_width": ("llama3_70b", dict(ac="full", seq_len=1024, local_batch=1, tp=1)),
+    "fp32_params": ("llama3_8b", dict(ac="none", seq_len=1024, local_batch=2, param_dtype="float32")),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def titan_case(request):
+    "(case, job, measurement, predicted peak, predicted counts) at FSDP 8, 2 layers, the blocks' AC from the job."
+    from static_dist.parallel import ParallelDims, ParallelPlan
+    from static_dist.titan import measure_titan, titan_ac_policy, titan_job
+    name, kw = CASES[request.param]
+    job = titan_job(name, layers=LAYERS, dp_shard=8, **kw)
+    plan = ParallelPlan(dims=ParallelDims(dp_shard=8), fsdp=_fsdp(8, job), ac=(titan_ac_policy(job),) * job.n_layers)
+    return (request.param, job, measure_titan(job, 8), *_predict(job, plan))
+
+
+def test_titan_layouts_memory_and_collectives(titan_case):
+    case, job, m, pred, counts = titan_case
+    ratio = pred / m.peak_bytes
+    print(f"{case}: predicted {pred} / measured {m.peak_bytes} = {ratio:.5f}; counts {counts}")
+    assert {f"dp.{k}": v for k, v in m.collectives.items() if v} == counts == {"dp.all_gather": 7,
+                                                                              "dp.reduce_scatter": 4}
+    # the issue asks for 1%; measured within 0.01% in every case. 0.1% tells torchtitan's selective policy from
+    # static_dist's default one, which keeps the attention output that torchtitan's save list recomputes on CPU (1.008)
+    assert abs(ratio - 1) <= 0.001, ratio
 
 
 def test_group_tracker_is_faithful(fsdp8):

@@ -35,10 +35,12 @@ def _shard_units(plan: FSDPPlan, mesh, mods: dict) -> None:
     order = sorted(plan.units, key=lambda u: (-u.module.count(".") if u.module else 1, u.module == ""))
     auto = inspect.signature(fully_shard).parameters["reshard_after_forward"].default is None
     for u in order:
-        if u.module: apply_checkpointing(mods[u.module], u.checkpoint)
+        for m in u.modules if u.module else ():
+            apply_checkpointing(mods[m], u.checkpoint)
         r = u.reshard_after_forward
         if u.module == "" and r is True: r = None if auto else True   # FSDP2's root default: keep after forward
-        fully_shard(mods[u.module], mesh=mesh, reshard_after_forward=r, mp_policy=mp, ignored_params=ignored or None)
+        target = [mods[m] for m in u.modules] if u.group else mods[u.module]   # a group: one call on the list
+        fully_shard(target, mesh=mesh, reshard_after_forward=r, mp_policy=mp, ignored_params=ignored or None)
 
 # %% ../../nbs/40f_fsdp_apply.ipynb
 def _set_prefetch(model: nn.Module, plan: FSDPPlan, mods: dict) -> None:

@@ -11,7 +11,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .plan import FSDPPlan, _prefixes, innermost, unit_finder
+from .plan import FSDPPlan, _prefixes, unit_finder, unit_members
 from ..cost.profile import GraphProfile, PlanError
 from ..graph.checkpoint import apply_deltas, recompute_extra
 from ..util import DTYPE_BYTES
@@ -66,7 +66,7 @@ def _cached(kind: str, profile: GraphProfile, plan: FSDPPlan, fn):
     """Memoise per (the profile's ops and parameters, unit set, sharding, dtypes): the search varies other settings far
     more often, and profiles that differ only in the bytes they hold share these fields (the very objects)."""
     src = (profile.op_module, profile.op_phase, profile.op_flops, profile.params)
-    key = (kind, *map(id, src), tuple(u.module for u in plan.units), plan.ignored, plan.shard_size, plan.param_dtype,
+    key = (kind, *map(id, src), tuple(u.modules for u in plan.units), plan.ignored, plan.shard_size, plan.param_dtype,
            plan.reduce_dtype)
     hit = _CACHE.get(key)
     if hit is not None and all(a is b for a, b in zip(hit[0], src)): return hit[1]
@@ -116,21 +116,20 @@ def _unit_sizes(ps: list, plan: FSDPPlan) -> tuple[int, int, int, int, int]:
 # %% ../../nbs/40c_fsdp_memory.ipynb
 def _layout(profile: GraphProfile, plan: FSDPPlan) -> tuple[UnitLayout, ...]:
     mods, first, last, flops = _module_ops(profile)
-    names = {u.module for u in plan.units}
-    inside = {u: [] for u in names}                   # modules (of ops) inside each unit
-    owned = {u: [] for u in names}                    # ... whose innermost unit it is
+    member = unit_members(plan)                       # a group's modules all count as its unit's
+    inside = {u.module: [] for u in plan.units}       # modules (of ops) inside each unit
+    owned = {u.module: [] for u in plan.units}        # ... whose innermost unit it is
     for i, m in enumerate(mods):
         o = None                                      # the first unit on the way up is the innermost (`innermost`)
         for a in _prefixes(m):
-            if a in inside:
-                inside[a].append(i)
-                if o is None: o = a
+            if a in member:
+                inside[member[a]].append(i)
+                if o is None: o = member[a]
         if o is not None: owned[o].append(i)
-    ignored = set(plan.ignored)
-    params = {u: [] for u in names}
+    find = unit_finder(plan)
+    params = {u.module: [] for u in plan.units}
     for p in profile.params:                          # as `unit_of`, with the sets built once
-        o = None if ignored and innermost(p.name, ignored) is not None else innermost(p.name, names)
-        if o is not None: params[o].append(p)
+        if (o := find(p.name)) is not None: params[o].append(p)
     nb = np.flatnonzero(profile.op_phase == BACKWARD)
     out = []
     for u in plan.units:
@@ -193,14 +192,18 @@ def _add_unsharded(C: _Curves, l: UnitLayout, u, plan: FSDPPlan) -> None:
     if r is not True: C.add("unsharded_params", l.fwd[1] + 1, l.bwd[0] - 1, l.unsharded_bytes // r)
 
 # %% ../../nbs/40c_fsdp_memory.ipynb
+def _in_place(plan: FSDPPlan) -> bool:
+    """Does autograd add each micro-batch's gradient into the one already held? Accumulating without sync, yes; FSDP2
+    keeps a second, separate accumulator only when it upcasts to another reduce dtype."""
+    acc = plan.accumulation_steps > 1
+    return acc and not plan.sync_every_microbatch and plan.reduce_dtype in (None, plan.param_dtype)
+
+# %% ../../nbs/40c_fsdp_memory.ipynb
 def _add_gradients(C: _Curves, l: UnitLayout, pinfo: dict, plan: FSDPPlan, reduce_at: int | None = None) -> None:
     """Unit `l`'s unsharded gradients up to its post-backward, then its sharded gradients (all step when accumulating).
     `reduce_at`: the op after which every unit is reduced at once (a pipeline schedule's), instead of its
     post-backward."""
-    acc, sync_all = plan.accumulation_steps > 1, plan.sync_every_microbatch
-    # accumulating without sync, autograd adds each new gradient into the one held in place; FSDP2 keeps a second,
-    # separate accumulator only when it upcasts to another reduce dtype
-    in_place = acc and not sync_all and plan.reduce_dtype in (None, plan.param_dtype)
+    acc, sync_all, in_place = plan.accumulation_steps > 1, plan.sync_every_microbatch, _in_place(plan)
     for p in l.params:
         q = pinfo[p]
         # a unit's grads are freed as its reduce-scatter input is filled; the root's post-backward runs in
@@ -232,9 +235,16 @@ def _add_units(C: _Curves, profile: GraphProfile, plan: FSDPPlan, lays, reduce_a
     return total
 
 # %% ../../nbs/40c_fsdp_memory.ipynb
+def _grads_made(l: UnitLayout, at: int, pinfo: dict, plan: FSDPPlan) -> int:
+    "Bytes of unit `l`'s unsharded gradients that op `at` makes (none when each adds into one already held)."
+    if _in_place(plan): return 0
+    made = [q for q in map(pinfo.get, l.params) if q.grad_created == at]
+    return sum(q.numel * _dtype_size(plan.param_dtype, q.itemsize) for q in made)
+
+# %% ../../nbs/40c_fsdp_memory.ipynb
 def _add_all_gathers(C: _Curves, profile: GraphProfile, plan: FSDPPlan, lays) -> None:
     "All-gather outputs from their issue (or the prefetch that issued them) to their copy-out."
-    units = {u.module: u for u in plan.units}
+    units, pinfo = {u.module: u for u in plan.units}, {p.name: p for p in profile.params}
     fwd_end = lays[0].fwd[1] if lays else C.n - 1
     model_end = profile.model_forward_end                # the root's post-forward
     if model_end < 0:
@@ -260,7 +270,11 @@ def _add_all_gathers(C: _Curves, profile: GraphProfile, plan: FSDPPlan, lays) ->
             if key or prefetched: end = start
             elif i + 1 < len(seq): end = seq[i + 1].fwd[0]
             else: end = model_end
-            C.add("all_gather", min(issue, start), max(end, start), l.unsharded_bytes)
+            if key:   # freed at its copy-out, before the unit's first op: that op holds the larger of it and the grads
+                      # the op makes (the copy-out's moment, or the op's)
+                C.add("all_gather", min(issue, start), start - 1, l.unsharded_bytes)
+                C.add("all_gather", start, start, max(l.unsharded_bytes - _grads_made(l, start, pinfo, plan), 0))
+            else: C.add("all_gather", min(issue, start), max(end, start), l.unsharded_bytes)
 
 # %% ../../nbs/40c_fsdp_memory.ipynb
 def _add_reduce_scatters(C: _Curves, profile: GraphProfile, lays, reduce_at: int | None = None) -> None:
@@ -280,7 +294,7 @@ def _add_reduce_scatters(C: _Curves, profile: GraphProfile, lays, reduce_at: int
 # %% ../../nbs/40c_fsdp_memory.ipynb
 def _checkpointed(profile: GraphProfile, plan: FSDPPlan) -> list[str]:
     "The plan's checkpointed units, each one the profile models checkpointing for (else a PlanError)."
-    ckpt = [u.module for u in plan.units if u.module and u.checkpoint.checkpoints]
+    ckpt = [m for u in plan.units if u.module and u.checkpoint.checkpoints for m in u.modules]
     missing = [m for m in ckpt if m not in profile.checkpoint]
     if missing: raise PlanError(f"unit {missing[0]!r} is checkpointed, but the profile models checkpointing only for "
                                 "the "

@@ -25,8 +25,8 @@ from ..errors import errors_as
 from ..files import loads_json, read_json
 
 # %% auto 0
-__all__ = ['PLAN_SCHEMA', 'MAX_WORLD', 'MAX_PLAN_BYTES', 'FSDPUnit', 'FSDPPlan', 'block_units', 'innermost', 'unit_finder',
-           'unit_of', 'validate']
+__all__ = ['PLAN_SCHEMA', 'MAX_WORLD', 'MAX_PLAN_BYTES', 'FSDPUnit', 'FSDPPlan', 'block_units', 'innermost', 'unit_members',
+           'unit_finder', 'unit_of', 'validate']
 
 # %% ../../nbs/40b_fsdp_plan.ipynb
 _PRICED = (NoCheckpoint, FullCheckpoint)   # the policies fsdp.memory and fsdp.steptime price
@@ -52,10 +52,18 @@ class FSDPUnit:
     "How `apply_plan` checkpoints the unit: `NoCheckpoint()` or `FullCheckpoint()` (or its name, 'none' or 'full')."
     reason: str = ""
     "Why the planner chose this (or 'pinned by user')."
+    group: tuple[str, ...] = ()
+    "Other modules sharded in the same call (`fully_shard([module, *group])`): one all-gather, one reduce-scatter."
 
     def __post_init__(self):
         try: object.__setattr__(self, "checkpoint", _unit_policy(self.checkpoint))
         except PlanError as e: raise PlanError(f"unit {self.module!r}: checkpoint {e}") from None
+        object.__setattr__(self, "group", tuple(self.group))
+
+    @property
+    def modules(self) -> tuple[str, ...]:
+        "Every module of the `fully_shard` call: `module` first, then `group`."
+        return (self.module, *self.group)
 
 # %% ../../nbs/40b_fsdp_plan.ipynb
 @dataclass(frozen=True)
@@ -135,6 +143,7 @@ _PLAN_KEYS = (*(f.name for f in dataclasses.fields(FSDPPlan)), "schema")
 # %% ../../nbs/40b_fsdp_plan.ipynb
 _MODULE = string().named("a module FQN ('' is the root)")
 _IGNORED = string(nonempty=True).named("a module FQN, not '' (that would leave the whole model unsharded)")
+_MEMBER = string(nonempty=True).named("a module FQN, not '' (the root is a unit of its own)")
 _RESHARD = either(boolean(), integer(2, MAX_WORLD)).named(
     "true, false or a group size >= 2 that divides the shard size"
 )
@@ -155,7 +164,7 @@ def _checkpoint_from(f: Fields) -> CheckpointPolicy:
 def _unit_from(f: Fields) -> FSDPUnit:
     "One `units[i]` entry of a plan file, checked."
     return FSDPUnit(f("module", _MODULE), f("reshard_after_forward", _RESHARD, True), _checkpoint_from(f),
-                    f("reason", string(), ""))
+                    f("reason", string(), ""), tuple(f("group", list_of(_MEMBER), ())))
 
 def _mesh_from(f: Fields) -> tuple[int, tuple[int, ...]]:
     "(world_size, mesh_shape), the mesh multiplying to the world."
@@ -224,14 +233,19 @@ def innermost(name: str, modules) -> str | None:
     "The innermost of `modules` (a set of FQNs) that contains `name`, or None."
     return next((m for m in _prefixes(name) if m in modules), None)
 
+def unit_members(plan: FSDPPlan) -> dict[str, str]:
+    "{FQN: its unit's `module`} for every module a unit shards (its `module` and its `group`)."
+    return {m: u.module for u in plan.units for m in u.modules}
+
 def unit_finder(plan: FSDPPlan) -> Callable[[str], str | None]:
     """`unit_of` for many names: the plan's unit and ignored sets built once, so a look-up costs the name's depth, not
     the plan's size."""
-    units, ignored = {u.module for u in plan.units}, set(plan.ignored)
-    return lambda name: None if ignored and innermost(name, ignored) is not None else innermost(name, units)
+    units, ignored = unit_members(plan), set(plan.ignored)
+    return lambda name: None if ignored and innermost(name, ignored) is not None else units.get(innermost(name, units))
 
 def unit_of(param: str, plan: FSDPPlan) -> str | None:
-    "The unit (innermost `fully_shard`ed module) that manages `param`; None if ignored."
+    """The unit (innermost `fully_shard`ed module, named by its `module` when it is in another's `group`) that manages
+    `param`; None if ignored."""
     return unit_finder(plan)(param)
 
 # %% ../../nbs/40b_fsdp_plan.ipynb
@@ -242,15 +256,27 @@ def _tied_groups(model: nn.Module | None, profile: GraphProfile | None) -> list[
     return [tuple(v) for v in by_id.values() if len(v) > 1]
 
 # %% ../../nbs/40b_fsdp_plan.ipynb
+def _check_groups(plan: FSDPPlan) -> None:
+    "A unit's `group` is not the root's, and no module of a unit lies inside another module of the same unit."
+    for u in plan.units:
+        if u.group and u.module == "":
+            raise PlanError(f"the root unit takes no group ({list(u.group)}): it owns every parameter no other unit "
+                            "takes already; give the group its own unit")
+        inner = next(((a, b) for a in u.modules for b in u.modules if a != b and innermost(a, {b}) == b), None)
+        if inner: raise PlanError(f"unit {u.module!r}: {inner[0]!r} lies inside {inner[1]!r}, both in the unit; "
+                                  f"list {inner[1]!r} alone")
+
+# %% ../../nbs/40b_fsdp_plan.ipynb
 def _check_names(plan: FSDPPlan, mods: set) -> None:
-    """The root is a unit, no unit twice, every name in the model, no unit inside an ignored module (linear in the
-    units)."""
-    names = [u.module for u in plan.units]
+    """The root is a unit, no module in two units (or twice in one), every name in the model, no unit inside an
+    ignored module (linear in the units)."""
+    names = [m for u in plan.units for m in u.modules]
     if "" not in names: raise PlanError("the root module ('') must be an FSDP unit: FSDP2 needs a root to run its "
                                         "lazy init and to own the parameters no other unit takes. Add FSDPUnit('').")
     dup = sorted(n for n, k in collections.Counter(names).items() if k > 1)
     if dup: raise PlanError(f"module(s) {dup} listed as units twice: each module is fully_shard-ed once; "
                             f"merge their settings into one FSDPUnit.")
+    _check_groups(plan)
     for n in [*names, *plan.ignored]:
         if n not in mods: raise PlanError(f"module {n!r} is not in the model (known e.g. {sorted(mods)[:6]}...): "
                                           f"check the FQN against model.named_modules().")

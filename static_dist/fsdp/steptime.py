@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from .memory import UnitLayout, _cached, layout
-from .plan import FSDPPlan, innermost
+from .plan import FSDPPlan, innermost, unit_members
 from ..cost.profile import GraphProfile, PlanError
 from ..graph import pyplot
 from ..topology import TwoStreams, device_spec, work_seconds
@@ -102,9 +102,9 @@ def _segments(profile: GraphProfile, plan: FSDPPlan):
     return _cached("segments", profile, plan, _segments_uncached)
 
 def _segments_uncached(profile: GraphProfile, plan: FSDPPlan):
-    names = [u.module for u in plan.units]
+    member = unit_members(plan)                     # a group's modules run as its unit
     mods = sorted(set(profile.op_module))
-    own = {m: innermost(m, set(names)) for m in mods}
+    own = {m: member.get(innermost(m, member)) for m in mods}
     out = []
     for i, (m, ph) in enumerate(zip(profile.op_module, profile.op_phase)):
         if ph == OPTIMIZER: break

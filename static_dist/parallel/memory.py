@@ -501,6 +501,13 @@ def _stage_blocks(plan: ParallelPlan, blocks, v: _View) -> tuple[str, ...]:
     return tuple(b for s in sorted(v.stages) for b in blocks[rng[s][0]:rng[s][1]]) if blocks else ()
 
 # %% ../../nbs/45b_parallel_memory.ipynb
+def _stage_unit(u: FSDPUnit, mods: set) -> FSDPUnit | None:
+    "Unit `u` cut to the modules a pipeline stage holds (`mods`); None when it holds none of them (the root: always)."
+    if u.module == "": return u
+    on = [m for m in u.modules if m in mods]
+    return dataclasses.replace(u, module=on[0], group=tuple(on[1:])) if on else None
+
+# %% ../../nbs/45b_parallel_memory.ipynb
 def _forward_between_backwards(plan: ParallelPlan, pp_rank: int) -> bool:
     """Does every backward of pipeline rank `pp_rank` follow a forward of its own micro-batch (the last stage under
     1F1B)?"""
@@ -516,7 +523,7 @@ def rank_fsdp_plan(plan: ParallelPlan, profile: GraphProfile, pp_rank: int = 0) 
         return FSDPPlan(1, (1,), (FSDPUnit(""),), ignored=top, accumulation_steps=plan.microbatches if d.pp > 1 else 1)
     mesh = (d.dp_replicate, d.fsdp_size) if d.dp_replicate > 1 else (d.fsdp_size,)
     f = plan.fsdp or FSDPPlan(math.prod(mesh), mesh, (FSDPUnit(""),))
-    units = tuple(u for u in f.units if u.module == "" or u.module in mods)
+    units = tuple(s for u in f.units if (s := _stage_unit(u, mods)) is not None)
     if d.pp > 1:   # the schedule runs every micro-batch but the last without gradient sync or resharding after backward
         if not _forward_between_backwards(plan, pp_rank):
             units = tuple(dataclasses.replace(u, reshard_after_forward=False) for u in units)

@@ -450,8 +450,8 @@ def pipeline_axis_counts(cdm) -> dict[str, int]:
 # %% ../../nbs/45g_parallel_pipeline.ipynb
 def _units(plan: ParallelPlan, split: PipelineSplit, s: int) -> tuple[int, bool]:
     "(FSDP units of stage `s` other than the root that hold parameters, whether the root holds any directly)."
-    units = [u.module for u in (plan.fsdp.units if plan.fsdp else ()) if u.module]
-    under = lambda n, u: n.startswith(u + ".")
+    units = [u.modules for u in (plan.fsdp.units if plan.fsdp else ()) if u.module]   # a group: one unit
+    under = lambda n, u: any(n.startswith(m + ".") for m in u)
     held = [u for u in units if any(under(n, u) for n in split.params[s])]
     return len(held), any(not any(under(n, u) for u in held) for n in split.params[s])
 
