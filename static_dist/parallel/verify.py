@@ -75,15 +75,21 @@ def predict_axis_counts(profile, plan: ParallelPlan) -> dict[str, int]:
     return out
 
 # %% ../../nbs/45f_parallel_verify.ipynb
+_FUNCTIONAL = {"all_gather": "_c10d_functional.all_gather_into_tensor.default",   # what DTensor issues, by kind
+               "reduce_scatter": "_c10d_functional.reduce_scatter_tensor.default",
+               "all_reduce": "_c10d_functional.all_reduce.default"}
+
 def _recomputed(profile, plan: ParallelPlan) -> list[str]:
     """Forward TP collectives a checkpointed block issues again in backward: those of its styled linears but the last
     in forward order, whose output only feeds the residual (checkpoint's recompute stops once backward has what it
-    needs)."""
+    needs); under a selective policy, those whose op it does not save (torchtitan's saves reduce_scatter_tensor)."""
     out, n = [], len(profile.blocks)
     first = {m: i for i, m in reversed(list(enumerate(profile.op_module))) if profile.op_phase[i] == FORWARD}
     for b, pol in zip(profile.blocks, block_policies(plan, n) if len(plan.ac) == n else (NoCheckpoint(),) * n):
         if not pol.checkpoints: continue
-        out += [kind for kind, _, _, fwd in block_collectives(plan, _styled_order(profile, plan, b)) if fwd][:-1]
+        fwd = [kind for kind, _, _, f in block_collectives(plan, _styled_order(profile, plan, b)) if f]
+        if isinstance(pol, SelectiveOps): out += [k for k in fwd if not pol.saves(_FUNCTIONAL[k])]
+        else: out += fwd[:-1]
     return out
 
 def _styled_order(profile, plan: ParallelPlan, block: str) -> list[str]:
