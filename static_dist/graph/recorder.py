@@ -29,8 +29,8 @@ from .records import OpRecord, StorageRecord, TensorRecord
 from ..errors import StaticDistError
 
 # %% auto 0
-__all__ = ['CaptureError', 'CaptureTypeError', 'explain_failure', 'quiet_torch_logs', 'flop_formula', 'op_flops',
-           'causal_fraction', 'UncountedFlopsWarning', 'computes', 'ModuleScopes']
+__all__ = ['CaptureError', 'CaptureTypeError', 'explain_failure', 'quiet_torch_logs', 'causal_fraction', 'flop_formula',
+           'op_flops', 'UncountedFlopsWarning', 'computes', 'ModuleScopes']
 
 # %% ../../nbs/00c_graph_recorder.ipynb
 class CaptureError(StaticDistError, RuntimeError):
@@ -152,20 +152,6 @@ _EXTRA_FLOPS = {
 }
 
 # %% ../../nbs/00c_graph_recorder.ipynb
-def flop_formula(func) -> Callable | None:
-    """The FLOP formula of an op: flop_counter's registry first (a formula registered there is used), then ours; None.
-    An attention kernel's formula is scaled to the scores its causal mask keeps (`causal_fraction`)."""
-    packet = getattr(func, "overloadpacket", func)
-    f = flop_registry.get(packet) or _EXTRA_FLOPS.get(packet)
-    seq = _ATTENTION_SEQ_DIM.get(str(packet)) if f is not None else None
-    return f if seq is None or not hasattr(func, "_schema") else _causal_formula(func, f, seq)
-
-def op_flops(func, args, kwargs, out) -> int:
-    "FLOPs of one aten op call (0 if it has no formula: see `computes`)."
-    f = flop_formula(func)
-    return 0 if f is None else int(f(*args, **kwargs, out_val=out))
-
-# %% ../../nbs/00c_graph_recorder.ipynb
 def causal_fraction(q_len: int, k_len: int, lower_right: bool = False) -> float:
     """Share of the `q_len × k_len` scores a causal mask keeps: query `i` sees keys `0..i` (top-left, SDPA's
     `is_causal`) or `0..i + k_len - q_len` (bottom-right)."""
@@ -192,6 +178,20 @@ def _causal_formula(func, formula, seq: int) -> Callable:
         return n * causal_fraction(a["query"].shape[seq], a["key"].shape[seq], lower_right=mask == 2)
     return counted
 
+
+# %% ../../nbs/00c_graph_recorder.ipynb
+def flop_formula(func) -> Callable | None:
+    """The FLOP formula of an op: flop_counter's registry first (a formula registered there is used), then ours; None.
+    An attention kernel's formula is scaled to the scores its causal mask keeps (`causal_fraction`)."""
+    packet = getattr(func, "overloadpacket", func)
+    f = flop_registry.get(packet) or _EXTRA_FLOPS.get(packet)
+    seq = _ATTENTION_SEQ_DIM.get(str(packet)) if f is not None else None
+    return f if seq is None or not hasattr(func, "_schema") else _causal_formula(func, f, seq)
+
+def op_flops(func, args, kwargs, out) -> int:
+    "FLOPs of one aten op call (0 if it has no formula: see `computes`)."
+    f = flop_formula(func)
+    return 0 if f is None else int(f(*args, **kwargs, out_val=out))
 
 # %% ../../nbs/00c_graph_recorder.ipynb
 class UncountedFlopsWarning(UserWarning):
