@@ -187,9 +187,11 @@ def work_seconds(flops, nbytes, dtypes, device, *, tf32: bool = False, dtype: st
     compute = np.divide(flops, rate, out=np.zeros_like(flops), where=flops > 0)
     return spec.op_overhead + np.maximum(compute, nbytes / (spec.memory_bandwidth * spec.memory_efficiency))
 
-def op_seconds(graph: StaticGraph, device, *, tf32: bool = False, dtype: str | None = None) -> np.ndarray:
-    """Seconds of every op of the captured step on one `device` (a table name, a `DeviceSpec` or a topology); `dtype`
-    charges every matmul at that dtype's peak instead of its own (a float32 capture of a step run under autocast)."""
+def op_seconds(graph: StaticGraph, device, *, tf32: bool | None = None, dtype: str | None = None) -> np.ndarray:
+    """Seconds of every op of the captured step on one `device` (a table name, a `DeviceSpec` or a topology); `tf32`:
+    float32 matmuls on TF32 tensor cores (None: as the capture recorded, `meta['tf32']`); `dtype` charges every matmul
+    at that dtype's peak instead of its own (a float32 capture of a step run under autocast)."""
+    tf32 = bool(graph.meta.get("tf32", False)) if tf32 is None else tf32
     return work_seconds([o.flops for o in graph.ops], op_bytes(graph), op_dtypes(graph), device, tf32=tf32, dtype=dtype)
 
 # %% ../../nbs/02c_topology_devices.ipynb
