@@ -71,6 +71,9 @@ class RankWork:
     kv_grad_bytes: np.ndarray
     """Local key + value gradient bytes per block that the ring's backward passes around: float32, as torch's
     `_cp_options.convert_to_f32` (on by default) accumulates them."""
+    attn_recompute: dict
+    """{per-block checkpointing policy: attention seconds of each block's recompute under it}: a recomputed attention
+    runs the context-parallel ring's forward again."""
 
 # %% ../../nbs/45c_parallel_time.ipynb
 def _op_factor(g: StaticGraph, plan: ParallelPlan, blocks) -> np.ndarray:
@@ -131,7 +134,10 @@ def rank_work(g: StaticGraph, plan: ParallelPlan, topo: Topology, device=None, p
     ff, lf, _ = _block_spans(ob, phase, k)
     fw = [_block_forward(ob, b, ff[b], lf[b]) if ff[b] >= 0 else [] for b in range(k)]
     leaves = {q for p in (*_BASE_POLICIES, *plan.ac, *policies) for q in p.leaves()}
-    rc = {p: np.array([float(sec[list(recomputed_ops(g, p, fw[b]))].sum()) for b in range(k)]) for p in leaves}
+    is_attn = np.array([o.op.startswith(_ATTENTION) for o in g.ops], dtype=bool)
+    again = {p: [np.fromiter(recomputed_ops(g, p, fw[b]), dtype=np.int64) for b in range(k)] for p in leaves}
+    rc = {p: np.array([float(sec[ix].sum()) for ix in again[p]]) for p in leaves}
+    rc_attn = {p: np.array([float(sec[ix[is_attn[ix]]].sum()) for ix in again[p]]) for p in leaves}
     attn, kv, attn_b, kv_g = np.zeros(k), np.zeros(k), np.zeros(k), np.zeros(k)
     for i, o in enumerate(g.ops):
         # the name first: it is the cheap test
@@ -183,6 +189,7 @@ def rank_work(g: StaticGraph, plan: ParallelPlan, topo: Topology, device=None, p
         act_itemsize=itemsize,
         attn_bwd=attn_b,
         kv_grad_bytes=kv_g,
+        attn_recompute=rc_attn,
     )
 
 # %% ../../nbs/45c_parallel_time.ipynb
@@ -243,20 +250,25 @@ def cp_ring_seconds(attn_fwd, attn_bwd, kv_seconds, dkv_seconds, cp: int, allgat
 # %% ../../nbs/45c_parallel_time.ipynb
 _CP_ROTATE = ("allgather", "alltoall")
 
-def _cp_block_seconds(w: RankWork, plan: ParallelPlan, topo: Topology, rotate: str) -> tuple:
-    "(exposed forward, exposed backward, busy) ring seconds per captured block of `plan`'s context parallelism."
+def _cp_block_seconds(w: RankWork, plan: ParallelPlan, topo: Topology, rotate: str, policies=()) -> tuple:
+    """(exposed forward, exposed backward, busy) ring seconds per captured block of `plan`'s context parallelism, and
+    {policy: (exposed, busy)} of the ring forward a checkpointed block's recomputed attention runs again."""
     d = plan.dims
     if rotate not in _CP_ROTATE:
         raise ParallelPlanError(f"unknown cp_rotate {rotate!r}: use one of {', '.join(_CP_ROTATE)} (torch's "
                                 "set_rotate_method)")
-    if d.cp == 1: return np.zeros_like(w.attn_fwd), np.zeros_like(w.attn_fwd), np.zeros_like(w.attn_fwd)
+    z = np.zeros_like(w.attn_fwd)
+    if d.cp == 1: return z, z, z, {p: (z, z) for p in policies}
     ring = [(j * d.tp, (j + 1) % d.cp * d.tp) for j in range(d.cp)]           # rank 0's cp group, neighbours
     send = lambda nb: np.array([max(_p2p(topo, a, b, x) for a, b in ring) if x else 0.0 for x in nb])
     if rotate == "allgather":
         mesh = MeshSpec((d.world // (d.cp * d.tp), d.cp, d.tp), ("rest", "cp", "tp"))
         kv = np.array([_coll(topo, mesh, "cp", "all_gather", int(d.cp * x)) for x in w.kv_bytes])
     else: kv = send(w.kv_bytes)
-    return cp_ring_seconds(w.attn_fwd, w.attn_bwd, kv, send(w.kv_grad_bytes), d.cp, rotate == "allgather")
+    ag = rotate == "allgather"
+    again = {p: (cp_ring_seconds(w.attn_recompute[p], z, kv, z, d.cp, ag)[0] * (w.attn_recompute[p] > 0),
+                 (1 if ag else d.cp - 1) * kv * (w.attn_recompute[p] > 0)) for p in policies}
+    return (*cp_ring_seconds(w.attn_fwd, w.attn_bwd, kv, send(w.kv_grad_bytes), d.cp, ag), again)
 
 
 # %% ../../nbs/45c_parallel_time.ipynb
@@ -351,7 +363,11 @@ def _per_block(w: RankWork, plan: ParallelPlan, topo: Topology, mesh: MeshSpec, 
     tp_b = sum(_coll(topo, mesh, "tp", kind, b) for kind, b, f in w.tp_bytes if not f) + np.where(
         checkpointed, sum(fcoll[:-1]), 0.0
     )
-    cp_f, cp_b, busy = (extend_blocks(a, n) for a in _cp_block_seconds(w, plan, topo, cp_rotate))
+    *ring, again = _cp_block_seconds(w, plan, topo, cp_rotate, set(pols))
+    cp_f, cp_b, busy = (extend_blocks(a, n) for a in ring)
+    for j in range(2):          # a recomputed attention's ring forward: exposed in backward, and busy
+        by = {p: extend_blocks(v[j], n) for p, v in again.items()}
+        (cp_b, busy)[j][:] += np.array([by[p][i] for i, p in enumerate(pols)], dtype=np.float64)
     return _Layout(fwd, bwd, rc, tp_f, tp_b, cp_f, cp_b, busy, bp)
 
 # %% ../../nbs/45c_parallel_time.ipynb
