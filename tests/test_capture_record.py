@@ -21,8 +21,9 @@ def _same_graph(new, old) -> None:
             assert dataclasses.asdict(a) == dataclasses.asdict(b), (table, a, b)
         assert getattr(new, table) == getattr(old, table)
     assert new.saves == old.saves and new.unpacks == old.unpacks
-    drop = lambda m: {k: v for k, v in m.items() if k != "seconds"}      # the capture's own wall time
-    assert drop(new.meta) == drop(old.meta)
+    # the capture's own wall time; whether TF32 was on (recorded since the reference was frozen: off, torch's default)
+    drop = lambda m: {k: v for k, v in m.items() if k not in ("seconds", "tf32")}
+    assert drop(new.meta) == drop(old.meta) and new.meta["tf32"] is torch.backends.cuda.matmul.allow_tf32 is False
 
 
 def _workload_step(source: str, **kw):

@@ -57,7 +57,8 @@ def test_plan_fsdp_and_plan_agree(graphs, lay):
 
 
 def test_one_side_changed_alone_differs(graphs, monkeypatch):
-    "1% more op time on either side alone (each through the name that side calls) breaks the agreement."
+    """5% more op time on either side alone (each through the name that side calls) breaks the agreement (at the
+    sourced H100 efficiencies the 8-rank step is partly communication, so 5% of op time shows as more than 0.5%)."""
     import static_dist.fsdp.steptime as fst
     import static_dist.parallel.time as pt
     g = graphs["float32"]
@@ -65,10 +66,10 @@ def test_one_side_changed_alone_differs(graphs, monkeypatch):
     assert tp == pytest.approx(tf, rel=1e-6)
     slow_work, slow_op = fst.work_seconds, pt.op_seconds
     with monkeypatch.context() as m:
-        m.setattr(fst, "work_seconds", lambda *a, **kw: slow_work(*a, **kw) * 1.01)
+        m.setattr(fst, "work_seconds", lambda *a, **kw: slow_work(*a, **kw) * 1.05)
         _, tf2, _, tp2 = _both(g, 8, 1)
     assert tp2 == pytest.approx(tp, rel=1e-9) and tf2 > tf * 1.005, (tf, tf2, tp, tp2)
     with monkeypatch.context() as m:
-        m.setattr(pt, "op_seconds", lambda *a, **kw: slow_op(*a, **kw) * 1.01)
+        m.setattr(pt, "op_seconds", lambda *a, **kw: slow_op(*a, **kw) * 1.05)
         _, tf3, _, tp3 = _both(g, 8, 1)
     assert tf3 == pytest.approx(tf, rel=1e-9) and tp3 > tp * 1.005, (tf, tf3, tp, tp3)

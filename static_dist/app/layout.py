@@ -189,6 +189,7 @@ def cmd_plan(args) -> int:
     import dataclasses
     from static_dist.graph import fmt_bytes
     from static_dist.parallel import search_graph, search_layouts
+    from static_dist.topology import assumed_numbers
     pins = layout_pins(args)
     pdt, rdt = layout_precision(args, pins)
     virtual, micro = layout_pipeline(args, pins)
@@ -207,6 +208,8 @@ def cmd_plan(args) -> int:
         f"{args.world}, budget {fmt_bytes(args.budget)}" + (f", pinned {pins}" if pins else "") + f": {how}; "
         f"{r.considered} layouts considered, {r.evaluated} evaluated in {r.seconds:.2f} s"
     )
+    if guessed := assumed_numbers(topo):
+        print_markdown(f"{topo.device}: {', '.join(guessed)} assumed, not measured (topology.EFFICIENCIES cites each)")
     if r.best is None:
         print_markdown("\n" + r.table(lost=8))
         print(f"no layout fits {fmt_bytes(args.budget)} per rank: raise --budget or --world, relax a pin or allow "

@@ -121,6 +121,8 @@ class GraphProfile:
     "Bytes each op reads and writes (`graph.op_bytes`): with `op_flops` and `op_dtypes`, what `work_seconds` reads."
     op_dtypes: tuple[str, ...] = ()
     "The dtype each op computes in (`topology.op_dtypes`): its matmuls run at that dtype's peak."
+    tf32: bool = False
+    "Whether the captured run let float32 matmuls use TF32 tensor cores (`meta['tf32']`): they run at that rate."
     optimizer_numel: int = 0
     "Parameter elements the captured optimizer step updated: what its ops' time covers (`expand_blocks` keeps it)."
 
@@ -328,7 +330,8 @@ def profile_graph(g: StaticGraph, master_dtype: str | None = None) -> GraphProfi
                         model_forward_end=fwd[1] if fwd else -1, model_backward_start=-1 if bwd is None else bwd,
                         block_flows=block_flows(g, stack, len(blocks)),
                         checkpoint=checkpoint_deltas(g, checkpointable(g, stack)),
-                        op_bytes=op_bytes(g), op_dtypes=op_dtypes(g), optimizer_numel=sum(p.numel for p in params))
+                        op_bytes=op_bytes(g), op_dtypes=op_dtypes(g), optimizer_numel=sum(p.numel for p in params),
+                        tf32=bool(g.meta.get("tf32", False)))
 
 # %% ../../nbs/06a_cost_profile.ipynb
 _LAST_OB: list = [None, None, None]  # (op modules, stack, block of each op) of the last call: an expansion asks thrice

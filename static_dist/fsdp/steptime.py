@@ -123,7 +123,7 @@ def profile_seconds(profile: GraphProfile, cost: CostModel) -> np.ndarray:
     hit = _SECONDS.get((id(profile), spec))
     if hit is not None and hit[0] is profile: return hit[1]
     if len(_SECONDS) > 64: _SECONDS.clear()
-    sec = work_seconds(profile.op_flops, profile.op_bytes, profile.op_dtypes, spec)
+    sec = work_seconds(profile.op_flops, profile.op_bytes, profile.op_dtypes, spec, tf32=profile.tf32)
     _SECONDS[(id(profile), spec)] = (profile, sec)
     return sec
 

@@ -29,8 +29,8 @@ from .records import OpRecord, StorageRecord, TensorRecord
 from ..errors import StaticDistError
 
 # %% auto 0
-__all__ = ['CaptureError', 'CaptureTypeError', 'explain_failure', 'quiet_torch_logs', 'flop_formula', 'op_flops',
-           'UncountedFlopsWarning', 'computes', 'ModuleScopes']
+__all__ = ['CaptureError', 'CaptureTypeError', 'explain_failure', 'quiet_torch_logs', 'causal_fraction', 'flop_formula',
+           'op_flops', 'UncountedFlopsWarning', 'computes', 'ModuleScopes']
 
 # %% ../../nbs/00c_graph_recorder.ipynb
 class CaptureError(StaticDistError, RuntimeError):
@@ -152,10 +152,41 @@ _EXTRA_FLOPS = {
 }
 
 # %% ../../nbs/00c_graph_recorder.ipynb
+def causal_fraction(q_len: int, k_len: int, lower_right: bool = False) -> float:
+    """Share of the `q_len × k_len` scores a causal mask keeps: query `i` sees keys `0..i` (top-left, SDPA's
+    `is_causal`) or `0..i + k_len - q_len` (bottom-right)."""
+    a = 1 + (k_len - q_len if lower_right else 0)            # query i sees min(max(i + a, 0), k_len) keys
+    i0, i1 = min(max(1 - a, 0), q_len), min(max(k_len - a, 0), q_len)
+    ramp = (i1 - i0) * a + (i0 + i1 - 1) * (i1 - i0) // 2
+    return (ramp + (q_len - i1) * k_len) / (q_len * k_len)
+
+
+# %% ../../nbs/00c_graph_recorder.ipynb
+_ATTENTION_SEQ_DIM = {
+    **{f"aten._scaled_dot_product_{k}{b}": -2 for k in _SDPA_KERNELS for b in ("", "_backward")},   # (B, H, L, E)
+    **{f"aten._{k}_attention_{d}": 1 for k in ("flash", "efficient") for d in ("forward", "backward")},  # (B, L, H, E)
+}
+
+def _causal_formula(func, formula, seq: int) -> Callable:
+    "`formula` times the share of scores the call's causal mask keeps (1 for a call that is not causal)."
+    names = [a.name for a in func._schema.arguments]
+    def counted(*args, out_val=None, **kwargs):
+        n = formula(*args, out_val=out_val, **kwargs)
+        a = dict(zip(names, args), **kwargs)
+        mask = 1 if a.get("is_causal") else a.get("custom_mask_type") or 0
+        if not mask or "query" not in a: return n
+        return n * causal_fraction(a["query"].shape[seq], a["key"].shape[seq], lower_right=mask == 2)
+    return counted
+
+
+# %% ../../nbs/00c_graph_recorder.ipynb
 def flop_formula(func) -> Callable | None:
-    "The FLOP formula of an op: flop_counter's registry first (a formula registered there is used), then ours; None."
+    """The FLOP formula of an op: flop_counter's registry first (a formula registered there is used), then ours; None.
+    An attention kernel's formula is scaled to the scores its causal mask keeps (`causal_fraction`)."""
     packet = getattr(func, "overloadpacket", func)
-    return flop_registry.get(packet) or _EXTRA_FLOPS.get(packet)
+    f = flop_registry.get(packet) or _EXTRA_FLOPS.get(packet)
+    seq = _ATTENTION_SEQ_DIM.get(str(packet)) if f is not None else None
+    return f if seq is None or not hasattr(func, "_schema") else _causal_formula(func, f, seq)
 
 def op_flops(func, args, kwargs, out) -> int:
     "FLOPs of one aten op call (0 if it has no formula: see `computes`)."

@@ -253,12 +253,15 @@ def _settle_roles(rec: _Recorder, work: nn.Module, names: dict[int, str], opt) -
 
 # %% ../../nbs/00d_graph_step.ipynb
 def _meta(model: nn.Module, mode: str, device: torch.device, opt, inputs: tuple, kwargs: dict, t0: float) -> dict:
-    "The graph's metadata: model, mode, device, torch, optimizer, input shapes, block structure, capture seconds."
+    """The graph's metadata: model, mode, device, torch, optimizer, input shapes, block structure, capture seconds,
+    and whether float32 matmuls ran on TF32 tensor cores (torch's `allow_tf32`; `set_float32_matmul_precision` sets
+    it)."""
     shape = lambda x: list(x.shape) if isinstance(x, torch.Tensor) else repr(x)
     return dict(model=type(model).__name__, mode=mode, device=str(device), torch=torch.__version__,
                 optimizer=type(opt).__name__ if opt is not None else None,
                 inputs=[shape(x) for x in inputs], kwargs={k: shape(v) for k, v in kwargs.items()},
-                structure=find_structure(model).to_dict(), seconds=round(time.perf_counter() - t0, 4))
+                structure=find_structure(model).to_dict(), seconds=round(time.perf_counter() - t0, 4),
+                tf32=bool(torch.backends.cuda.matmul.allow_tf32))
 
 # %% ../../nbs/00d_graph_step.ipynb
 def _check_args(model, mode, example_inputs, example_kwargs, targets, loss_fn) -> tuple[tuple, dict]:

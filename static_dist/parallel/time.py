@@ -25,7 +25,7 @@ from ..graph.records import BACKWARD, FORWARD, OPTIMIZER
 
 
 # %% auto 0
-__all__ = ['TIME_TERMS', 'RankWork', 'rank_work', 'StepTime', 'extend_blocks', 'predict_step_time']
+__all__ = ['TIME_TERMS', 'RankWork', 'rank_work', 'cp_ring_seconds', 'StepTime', 'extend_blocks', 'predict_step_time']
 
 # %% ../../nbs/45c_parallel_time.ipynb
 _ATTENTION = ("aten._scaled_dot_product", "aten._flash_attention", "aten._efficient_attention", "aten._cudnn_attention")
@@ -67,6 +67,14 @@ class RankWork:
     tokens: int
     "Tokens of one micro-batch (the captured input's elements)."
     act_itemsize: int
+    attn_bwd: np.ndarray
+    "Attention ops' backward seconds per block (what the ring's backward exchanges hide behind)."
+    kv_grad_bytes: np.ndarray
+    """Local key + value gradient bytes per block that the ring's backward passes around: float32, as torch's
+    `_cp_options.convert_to_f32` (on by default) accumulates them."""
+    attn_recompute: dict
+    """{per-block checkpointing policy: attention seconds of each block's recompute under it}: a recomputed attention
+    runs the context-parallel ring's forward again."""
     outer_bytes: tuple = ()
     """((kind, bytes, forward?, before the stack?), ...) tensor-parallel collectives of one micro-batch outside the
     blocks (`outer_collectives`: the embedding's, the final norm's gather, the loss's)."""
@@ -142,13 +150,19 @@ def rank_work(g: StaticGraph, plan: ParallelPlan, topo: Topology, device=None, p
     ff, lf, _ = _block_spans(ob, phase, k)
     fw = [_block_forward(ob, b, ff[b], lf[b]) if ff[b] >= 0 else [] for b in range(k)]
     leaves = {q for p in (*_BASE_POLICIES, *plan.ac, *policies) for q in p.leaves()}
-    rc = {p: np.array([float(sec[list(recomputed_ops(g, p, fw[b]))].sum()) for b in range(k)]) for p in leaves}
-    attn, kv = np.zeros(k), np.zeros(k)
+    is_attn = np.array([o.op.startswith(_ATTENTION) for o in g.ops], dtype=bool)
+    again = {p: [np.fromiter(recomputed_ops(g, p, fw[b]), dtype=np.int64) for b in range(k)] for p in leaves}
+    rc = {p: np.array([float(sec[ix].sum()) for ix in again[p]]) for p in leaves}
+    rc_attn = {p: np.array([float(sec[ix[is_attn[ix]]].sum()) for ix in again[p]]) for p in leaves}
+    attn, kv, attn_b, kv_g = np.zeros(k), np.zeros(k), np.zeros(k), np.zeros(k)
     for i, o in enumerate(g.ops):
         # the name first: it is the cheap test
-        if o.op.startswith(_ATTENTION) and ob[i] >= 0 and phase[i] == FORWARD:
+        if not o.op.startswith(_ATTENTION) or ob[i] < 0: continue
+        if phase[i] == FORWARD:
             attn[ob[i]] += sec[i]
             kv[ob[i]] += sum(nb[t] for t in o.inputs[1:3]) * fac[i]
+            kv_g[ob[i]] += sum(4 * math.prod(g.tensors[t].shape) for t in o.inputs[1:3]) * fac[i]
+        elif phase[i] == BACKWARD: attn_b[ob[i]] += sec[i]
     params, _ = param_infos(g)
     regions, styles = _regions(plan, blocks)
     local = lambda p: math.prod(tp_param_shape(p.name, p.shape, plan, styles)) * p.itemsize
@@ -189,6 +203,9 @@ def rank_work(g: StaticGraph, plan: ParallelPlan, topo: Topology, device=None, p
         block_flops=float(flops[(phase < OPTIMIZER) & (ob == tb)].sum()),
         tokens=tokens,
         act_itemsize=itemsize,
+        attn_bwd=attn_b,
+        kv_grad_bytes=kv_g,
+        attn_recompute=rc_attn,
         outer_bytes=_outer_bytes(plan, tokens, itemsize, {p.name: p.shape for p in params}),
     )
 
@@ -222,6 +239,54 @@ def _coll(topo: Topology, mesh: MeshSpec, dim: str, kind: str, nbytes: int) -> f
 def _p2p(topo: Topology, a: int, b: int, nbytes: float) -> float:
     l = topo.link(a, b)
     return l.latency + nbytes / l.bandwidth
+
+# %% ../../nbs/45c_parallel_time.ipynb
+def cp_ring_seconds(attn_fwd, attn_bwd, kv_seconds, dkv_seconds, cp: int, allgather: bool = True) -> tuple:
+    """(exposed forward, exposed backward, busy) seconds per attention layer of torch's ring attention over `cp`
+    ranks: `attn_*` the rank's attention compute, `kv_seconds` one key/value send (the all-gather when `allgather`),
+    `dkv_seconds` one key/value-gradient send. Arrays (one entry per block) or floats."""
+    f, b = np.asarray(attn_fwd, dtype=np.float64) / cp, np.asarray(attn_bwd, dtype=np.float64) / cp
+    kv, dkv = np.asarray(kv_seconds, dtype=np.float64), np.asarray(dkv_seconds, dtype=np.float64)
+    if cp == 1: return (np.zeros_like(f + b + kv + dkv),) * 3       # no ring
+    def run(step, grads: bool):
+        t = m = ready = np.zeros_like(step + kv)          # compute clock, comm stream, when the next K/V is there
+        got = t
+        for i in range(cp):
+            if i > 0: t = np.maximum(t, ready)                        # wait for this step's keys and values
+            if i < cp - 1 and (i == 0 or not allgather):              # send them on (the all-gather: once)
+                m = np.maximum(m, t) + kv; ready = m
+            t = t + step
+            if grads:
+                if i > 0: t = np.maximum(t, got)                      # wait for the gradients sent last step
+                m = np.maximum(m, t) + dkv; got = m                   # send this step's on
+        return (np.maximum(t, got) if grads else t) - cp * step
+    sends = (1 if allgather else cp - 1) * kv
+    return run(f, False), run(b, True), 2 * sends + cp * dkv
+
+
+# %% ../../nbs/45c_parallel_time.ipynb
+_CP_ROTATE = ("allgather", "alltoall")
+
+def _cp_block_seconds(w: RankWork, plan: ParallelPlan, topo: Topology, rotate: str, policies=()) -> tuple:
+    """(exposed forward, exposed backward, busy) ring seconds per captured block of `plan`'s context parallelism, and
+    {policy: (exposed, busy)} of the ring forward a checkpointed block's recomputed attention runs again."""
+    d = plan.dims
+    if rotate not in _CP_ROTATE:
+        raise ParallelPlanError(f"unknown cp_rotate {rotate!r}: use one of {', '.join(_CP_ROTATE)} (torch's "
+                                "set_rotate_method)")
+    z = np.zeros_like(w.attn_fwd)
+    if d.cp == 1: return z, z, z, {p: (z, z) for p in policies}
+    ring = [(j * d.tp, (j + 1) % d.cp * d.tp) for j in range(d.cp)]           # rank 0's cp group, neighbours
+    send = lambda nb: np.array([max(_p2p(topo, a, b, x) for a, b in ring) if x else 0.0 for x in nb])
+    if rotate == "allgather":
+        mesh = MeshSpec((d.world // (d.cp * d.tp), d.cp, d.tp), ("rest", "cp", "tp"))
+        kv = np.array([_coll(topo, mesh, "cp", "all_gather", int(d.cp * x)) for x in w.kv_bytes])
+    else: kv = send(w.kv_bytes)
+    ag = rotate == "allgather"
+    again = {p: (cp_ring_seconds(w.attn_recompute[p], z, kv, z, d.cp, ag)[0] * (w.attn_recompute[p] > 0),
+                 (1 if ag else d.cp - 1) * kv * (w.attn_recompute[p] > 0)) for p in policies}
+    return (*cp_ring_seconds(w.attn_fwd, w.attn_bwd, kv, send(w.kv_grad_bytes), d.cp, ag), again)
+
 
 # %% ../../nbs/45c_parallel_time.ipynb
 def _two_streams(segs) -> tuple[float, float]:
@@ -296,16 +361,15 @@ class _Layout:
     tp_b: np.ndarray
     cp_f: np.ndarray
     cp_b: np.ndarray
-    ring: np.ndarray
+    cp_busy: np.ndarray
     params: np.ndarray
     outer: dict
     "{(forward?, before the stack?): seconds} of the tensor-parallel collectives outside the blocks."
 
 # %% ../../nbs/45c_parallel_time.ipynb
-def _per_block(w: RankWork, plan: ParallelPlan, topo: Topology, mesh: MeshSpec, n: int) -> _Layout:
-    fwd, bwd, attn, kv, bp = (
-        extend_blocks(a, n) for a in (w.fwd_blocks, w.bwd_blocks, w.attn_fwd, w.kv_bytes, w.block_params)
-    )
+def _per_block(w: RankWork, plan: ParallelPlan, topo: Topology, mesh: MeshSpec, n: int,
+               cp_rotate: str = "allgather") -> _Layout:
+    fwd, bwd, bp = (extend_blocks(a, n) for a in (w.fwd_blocks, w.bwd_blocks, w.block_params))
     pols = block_policies(plan, n)
     if missing := [p.label for p in set(pols) if p not in w.recompute]:
         raise ParallelPlanError(f"the rank's work has no recompute seconds for policy {missing[0]}: pass it to "
@@ -318,13 +382,14 @@ def _per_block(w: RankWork, plan: ParallelPlan, topo: Topology, mesh: MeshSpec, 
     tp_b = sum(_coll(topo, mesh, "tp", kind, b) for kind, b, f in w.tp_bytes if not f) + np.where(
         checkpointed, sum(fcoll[:-1]), 0.0
     )
-    cp = plan.dims.cp
-    link = topo.link(0, plan.dims.tp) if cp > 1 else None
-    ring = (cp - 1) * (link.latency + kv / link.bandwidth) if cp > 1 else np.zeros(n)  # `_p2p` of each block's bytes
+    *ring, again = _cp_block_seconds(w, plan, topo, cp_rotate, set(pols))
+    cp_f, cp_b, busy = (extend_blocks(a, n) for a in ring)
+    for j in range(2):          # a recomputed attention's ring forward: exposed in backward, and busy
+        by = {p: extend_blocks(v[j], n) for p, v in again.items()}
+        (cp_b, busy)[j][:] += np.array([by[p][i] for i, p in enumerate(pols)], dtype=np.float64)
     outer = {(f, pre): sum(_coll(topo, mesh, "tp", k, b) for k, b, ff, pp in w.outer_bytes if (ff, pp) == (f, pre))
              for f in (True, False) for pre in (True, False)}
-    return _Layout(fwd, bwd, rc, tp_f, tp_b, np.maximum(ring - attn, 0), np.maximum(2 * ring - 2 * attn, 0), ring, bp,
-                   outer)
+    return _Layout(fwd, bwd, rc, tp_f, tp_b, cp_f, cp_b, busy, bp, outer)
 
 # %% ../../nbs/45c_parallel_time.ipynb
 def _fsdp_costs(plan: ParallelPlan, topo: Topology, mesh: MeshSpec, itemsize: int):
@@ -409,7 +474,7 @@ def _rank_micro_batch(w: RankWork, L: _Layout, plan: ParallelPlan, stages: list,
                  backward=(w.bwd_pre if has_pre else 0) + (w.bwd_post if has_post else 0) + float(L.bwd[B].sum()),
                  recompute=float(L.rc[B].sum()), tp=L.tp_f * len(B) + float(L.tp_b[B].sum()) + sum(o.values()),
                  cp=float(L.cp_f[B].sum() + L.cp_b[B].sum()))
-    terms["cp_busy"] = 3 * float(L.ring[B].sum())          # forward: key/value chunks; backward: them and their grads
+    terms["cp_busy"] = float(L.cp_busy[B].sum())            # forward: key/value chunks; backward: them and their grads
     return _MicroBatch(end=end, compute=sum(s[0] for s in segs), busy=busy, terms=terms,
                        params=root + (float(L.params[B].sum()) if units else 0.0))
 
@@ -423,9 +488,10 @@ class _SlowestRank(NamedTuple):
     later: _MicroBatch
 
 # %% ../../nbs/45c_parallel_time.ipynb
-def predict_step_time(work: RankWork, plan: ParallelPlan, topo: Topology, *, n_blocks: int | None = None) -> StepTime:
+def predict_step_time(work: RankWork, plan: ParallelPlan, topo: Topology, *, n_blocks: int | None = None,
+                      cp_rotate: str = "allgather") -> StepTime:
     """Seconds of one optimizer step of `plan` on `topo`'s devices from a rank's work (`rank_work`), for `n_blocks`
-    blocks."""
+    blocks; `cp_rotate`: how context parallelism passes keys and values around (`cp_ring_seconds`)."""
     from static_dist.parallel.schedule import rank_stages
     d = plan.dims
     if topo.n_devices != d.world:
@@ -435,7 +501,7 @@ def predict_step_time(work: RankWork, plan: ParallelPlan, topo: Topology, *, n_b
         )
     n = len(work.fwd_blocks) if n_blocks is None else n_blocks
     mesh = layout_mesh(plan)
-    L = _per_block(work, plan, topo, mesh, n)
+    L = _per_block(work, plan, topo, mesh, n, cp_rotate)
     ag, sync_cost = _fsdp_costs(plan, topo, mesh, work.act_itemsize)
     ranges = stage_ranges(plan, n) if d.pp > 1 else ((0, n),)
     k = plan.fsdp.accumulation_steps if plan.fsdp is not None else 1

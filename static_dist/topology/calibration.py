@@ -246,8 +246,23 @@ def calibrate_device(device: str | None = None, dtype: str | None = None, *, bas
                        memory_efficiency=min(r.bandwidth / b.memory_bandwidth, 1.0),
                        source=f"{b.source}; efficiencies {what}")
     f = r.flops
-    return DeviceSpec(f"measured-{r.device}", f, f, f, f, 0.0, r.bandwidth, _memory_of(r.device), 0.0, 0.0, 1.0, 1.0,
-                      r.overhead, f"{what}; every dtype at that rate, links not measured")
+    f32, tf32 = (f, f) if r.dtype == "float32" else _float32_flops(r.device, n, repeat)
+    also = "" if r.dtype == "float32" else (f", float32 matmul measured apart ({f32 / 1e9:.1f} GFLOP/s, "
+                                            f"TF32 {tf32 / 1e9:.1f})")
+    return DeviceSpec(f"measured-{r.device}", f32, tf32, f, f, 0.0, r.bandwidth, _memory_of(r.device), 0.0, 0.0, 1.0,
+                      1.0, r.overhead, f"{what}{also}; bf16/fp16 at the {r.dtype} rate, links not measured")
+
+def _float32_flops(device: str, n: int, repeat: int) -> tuple[float, float]:
+    "(float32, TF32) matmul FLOP/s of `device`: TF32 off, then on (on CUDA; a CPU has no TF32), the setting restored."
+    import torch
+    if not str(device).startswith("cuda"): f = matmul_flops(n, repeat, device, "float32"); return f, f
+    before = torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        f32 = matmul_flops(n, repeat, device, "float32")
+        torch.backends.cuda.matmul.allow_tf32 = True
+        return f32, matmul_flops(n, repeat, device, "float32")
+    finally: torch.backends.cuda.matmul.allow_tf32 = before
 
 def _memory_of(device: str) -> int:
     "Bytes of memory of `device`: the GPU's, or the host's for a CPU."

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import numpy as np
 
@@ -13,8 +14,8 @@ from ..graph import StaticGraph, op_bytes
 from ..errors import InputError
 
 # %% auto 0
-__all__ = ['DEVICES', 'DeviceError', 'DeviceSpec', 'peak_flops', 'device_spec', 'op_dtypes', 'work_seconds', 'op_seconds',
-           'TwoStreams']
+__all__ = ['EFFICIENCIES', 'DEVICES', 'DeviceError', 'DeviceSpec', 'peak_flops', 'Rate', 'device_spec', 'assumed_numbers',
+           'op_dtypes', 'work_seconds', 'op_seconds', 'TwoStreams']
 
 # %% ../../nbs/02c_topology_devices.ipynb
 class DeviceError(InputError):
@@ -65,28 +66,81 @@ def peak_flops(spec: DeviceSpec, dtype: str, tf32: bool = False) -> float:
     return rate
 
 # %% ../../nbs/02c_topology_devices.ipynb
-_GPU_ASSUMED = dict(matmul_efficiency=0.5, memory_efficiency=0.7, op_overhead=5e-6)   # assumptions, see above
-_DENSE = "dense; efficiencies and overhead assumed"
+class Rate(NamedTuple):
+    "One achieved fraction (or per-op seconds) of a device, with where it comes from."
+    value: float
+    source: str
+    "The URL and what was measured there; starts with 'assumed' where no published measurement was found."
+
+    @property
+    def assumed(self) -> bool: return self.source.startswith("assumed")
+
+_MAMF = ("https://github.com/stas00/ml-engineering/blob/master/compute/accelerator/README.md"
+         "#maximum-achievable-matmul-flops-comparison-table")
+_H100_MM = Rate(792.1 / 989, f"{_MAMF}: MAMF of a bf16 matmul on H100 SXM, 792.1 of 989 TFLOPS (80.1%), best shape "
+                             "6144x17920x2816, CUDA 12.1")
+_H100_MEM = Rate(2.8 / 3.35, "https://mikamirai.com/blog/gpu-memory-bandwidth/: Nsight Compute on H100 SXM5, a "
+                             "coalesced matrix-load kernel at 2.8 of 3.35 TB/s (84% of peak)")
+_LAUNCH = Rate(5e-6, "assumed: 5 us per op, a launched CUDA kernel's order of magnitude")
+
+
+# %% ../../nbs/02c_topology_devices.ipynb
+EFFICIENCIES: dict[str, dict[str, Rate]] = {
+    "H100-SXM": dict(matmul_efficiency=_H100_MM, memory_efficiency=_H100_MEM, op_overhead=_LAUNCH),
+    "H200-SXM": dict(
+        matmul_efficiency=Rate(_H100_MM.value, "assumed: the H100 SXM's MAMF fraction (80.1%), the same GH100 compute; "
+                                               f"the MAMF table ({_MAMF}) has no H200 row"),
+        memory_efficiency=Rate(_H100_MEM.value, "assumed: the H100 SXM's measured fraction (84%); no H200 measurement"),
+        op_overhead=_LAUNCH),
+    "L40S": dict(matmul_efficiency=Rate(0.5, "assumed: half the peak; the MAMF table has no L40S row"),
+                 memory_efficiency=Rate(0.7, "assumed: 70% of the GDDR6 bandwidth; no measurement found"),
+                 op_overhead=_LAUNCH),
+    "A100-SXM-80GB": dict(
+        matmul_efficiency=Rate(267.9 / 312, f"{_MAMF}: MAMF of a bf16 matmul on A100 SXM, 267.9 of 312 TFLOPS (85.9%), "
+                                            "best shape 6912x16384x2048, CUDA 12.1"),
+        memory_efficiency=Rate(1.80 / 2.039, "https://forums.developer.nvidia.com/t/trouble-to-reach-peak-bandwidth-of-"
+                                             "a100/339083: a read kernel on A100 80GB SXM at 1.80 of 2.04 TB/s (Nsight "
+                                             "Compute: 88% of peak)"),
+        op_overhead=_LAUNCH),
+    "CPU": dict(matmul_efficiency=Rate(0.5, "assumed: half the AVX-512 peak"),
+                memory_efficiency=Rate(0.5, "assumed: half the DDR5 peak"),
+                op_overhead=Rate(10e-6, "assumed: 10 us per op (eager dispatch on a CPU)")),
+}
+"Per device: each achieved fraction (and the per-op overhead) with its source, or flagged assumed."
+
+def _rates(name: str) -> dict:
+    "The device's efficiency fields, and a `source` suffix that says which of them are measured and which assumed."
+    r = EFFICIENCIES[name]
+    said = "; ".join(f"{k} {'assumed' if v.assumed else 'measured'} ({v.value:.3g})" for k, v in r.items())
+    return dict({k: v.value for k, v in r.items()}, source=said)
+
+
+# %% ../../nbs/02c_topology_devices.ipynb
+def _spec(name: str, *peaks, datasheet: str) -> DeviceSpec:
+    r = _rates(name)
+    return DeviceSpec(name, *peaks, **{k: v for k, v in r.items() if k != "source"},
+                      source=f"{datasheet}; {r['source']}")
 
 DEVICES: dict[str, DeviceSpec] = {
     # NVIDIA H100 datasheet (SXM): sparse tensor-core rates halved; NVLink 900 and PCIe Gen5 128 GB/s both ways halved
-    "H100-SXM": DeviceSpec("H100-SXM", 67e12, 494.5e12, 989.5e12, 989.5e12, 1979e12, 3.35e12, 80 * 10**9, 450e9, 64e9,
-                           **_GPU_ASSUMED, source=f"NVIDIA H100 datasheet (SXM), {_DENSE}"),
+    "H100-SXM": _spec("H100-SXM", 67e12, 494.5e12, 989.5e12, 989.5e12, 1979e12, 3.35e12, 80 * 10**9, 450e9, 64e9,
+                      datasheet="NVIDIA H100 datasheet (SXM), dense"),
     # NVIDIA H200 datasheet (SXM): H100's compute and links, 141 GB HBM3e at 4.8 TB/s
-    "H200-SXM": DeviceSpec("H200-SXM", 67e12, 494.5e12, 989.5e12, 989.5e12, 1979e12, 4.8e12, 141 * 10**9, 450e9, 64e9,
-                           **_GPU_ASSUMED, source=f"NVIDIA H200 datasheet (SXM), {_DENSE}"),
+    "H200-SXM": _spec("H200-SXM", 67e12, 494.5e12, 989.5e12, 989.5e12, 1979e12, 4.8e12, 141 * 10**9, 450e9, 64e9,
+                      datasheet="NVIDIA H200 datasheet (SXM), dense"),
     # NVIDIA L40S datasheet: 91.6 FP32, 183 TF32, 362.05 BF16/FP16, 733 FP8 dense; 864 GB/s; PCIe Gen4 64 GB/s both ways
-    "L40S": DeviceSpec("L40S", 91.6e12, 183e12, 362.05e12, 362.05e12, 733e12, 864e9, 48 * 10**9, 0.0, 32e9,
-                       **_GPU_ASSUMED, source=f"NVIDIA L40S datasheet, {_DENSE}"),
+    "L40S": _spec("L40S", 91.6e12, 183e12, 362.05e12, 362.05e12, 733e12, 864e9, 48 * 10**9, 0.0, 32e9,
+                  datasheet="NVIDIA L40S datasheet, dense"),
     # NVIDIA A100 datasheet (80GB SXM): 19.5 FP32, 156 TF32, 312 BF16/FP16 dense, no FP8; 2,039 GB/s; NVLink 600 GB/s
-    "A100-SXM-80GB": DeviceSpec("A100-SXM-80GB", 19.5e12, 156e12, 312e12, 312e12, 0.0, 2.039e12, 80 * 10**9, 300e9,
-                                32e9, **_GPU_ASSUMED, source=f"NVIDIA A100 datasheet (80GB SXM), {_DENSE}"),
+    "A100-SXM-80GB": _spec("A100-SXM-80GB", 19.5e12, 156e12, 312e12, 312e12, 0.0, 2.039e12, 80 * 10**9, 300e9, 32e9,
+                           datasheet="NVIDIA A100 datasheet (80GB SXM), dense"),
     # One socket: 32 cores x 2.0 GHz x 64 fp32 FLOPs/cycle (AVX-512, 2 FMA units); no TF32/FP8, BF16/FP16 assumed at
     # the FP32 rate (AMX not counted); 8 x DDR5-4800 = 307.2 GB/s; shared-memory copies between ranks assumed 20 GB/s
-    "CPU": DeviceSpec("CPU", 32 * 2.0e9 * 64, 32 * 2.0e9 * 64, 32 * 2.0e9 * 64, 32 * 2.0e9 * 64, 0.0, 8 * 38.4e9,
-                      256 * 2**30, 20e9, 20e9, matmul_efficiency=0.5, memory_efficiency=0.5, op_overhead=10e-6,
-                      source="32-core AVX-512 socket at 2.0 GHz, 8 x DDR5-4800; efficiencies, overhead, links assumed"),
+    "CPU": _spec("CPU", 32 * 2.0e9 * 64, 32 * 2.0e9 * 64, 32 * 2.0e9 * 64, 32 * 2.0e9 * 64, 0.0, 8 * 38.4e9,
+                 256 * 2**30, 20e9, 20e9,
+                 datasheet="32-core AVX-512 socket at 2.0 GHz, 8 x DDR5-4800, links assumed"),
 }
+
 
 # %% ../../nbs/02c_topology_devices.ipynb
 def device_spec(device) -> DeviceSpec:
@@ -102,6 +156,15 @@ def device_spec(device) -> DeviceSpec:
     return replace(spec, flops_fp32=spec.flops_fp32 * s, flops_tf32=spec.flops_tf32 * s, flops_bf16=flops,
                    flops_fp16=spec.flops_fp16 * s, flops_fp8=spec.flops_fp8 * s,
                    source=f"{spec.source}; peaks scaled by {s:.3g} to the topology's device_flops")
+
+# %% ../../nbs/02c_topology_devices.ipynb
+def assumed_numbers(device) -> tuple[str, ...]:
+    """The efficiency fields of `device` (a name, `DeviceSpec` or topology) that are still the table's assumptions: a
+    measured spec (`calibrate_device`) that replaced a number drops it."""
+    spec = device_spec(device)
+    table = EFFICIENCIES.get(spec.name, {})
+    return tuple(k for k, r in table.items() if r.assumed and getattr(spec, k) == r.value)
+
 
 # %% ../../nbs/02c_topology_devices.ipynb
 def op_dtypes(g: StaticGraph) -> tuple[str, ...]:
@@ -124,9 +187,11 @@ def work_seconds(flops, nbytes, dtypes, device, *, tf32: bool = False, dtype: st
     compute = np.divide(flops, rate, out=np.zeros_like(flops), where=flops > 0)
     return spec.op_overhead + np.maximum(compute, nbytes / (spec.memory_bandwidth * spec.memory_efficiency))
 
-def op_seconds(graph: StaticGraph, device, *, tf32: bool = False, dtype: str | None = None) -> np.ndarray:
-    """Seconds of every op of the captured step on one `device` (a table name, a `DeviceSpec` or a topology); `dtype`
-    charges every matmul at that dtype's peak instead of its own (a float32 capture of a step run under autocast)."""
+def op_seconds(graph: StaticGraph, device, *, tf32: bool | None = None, dtype: str | None = None) -> np.ndarray:
+    """Seconds of every op of the captured step on one `device` (a table name, a `DeviceSpec` or a topology); `tf32`:
+    float32 matmuls on TF32 tensor cores (None: as the capture recorded, `meta['tf32']`); `dtype` charges every matmul
+    at that dtype's peak instead of its own (a float32 capture of a step run under autocast)."""
+    tf32 = bool(graph.meta.get("tf32", False)) if tf32 is None else tf32
     return work_seconds([o.flops for o in graph.ops], op_bytes(graph), op_dtypes(graph), device, tf32=tf32, dtype=dtype)
 
 # %% ../../nbs/02c_topology_devices.ipynb
