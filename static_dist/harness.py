@@ -138,7 +138,9 @@ def harness(view: Callable[..., View], **controls):
 
 # %% ../nbs/29_harness.ipynb
 def nudge(control) -> None:
-    "Move `control` one notch: a selection to its next option, a slider one step (back from its end)."
+    "Move `control` one notch: a selection to its next option, a checkbox over, a slider one step (back from its end)."
+    if isinstance(control.value, bool):
+        control.value = not control.value; return
     if hasattr(control, "index"):
         control.index = (control.index + 1) % len(control.options); return
     log = hasattr(control, "base")                       # FloatLogSlider: min, max and step are exponents

@@ -62,10 +62,12 @@ def layout_figure(mem: ParallelMemory, step: StepTime, budget: int):
     return fig
 
 # %% ../../nbs/45_parallel.ipynb
-def _layout_view(g: StaticGraph, topo, world: int, budget_mib: float, tp: int, pp: int, cp: int, ac: str) -> View:
-    "The layout for these degrees: its memory and time, or why the model cannot take it."
+def _layout_view(g: StaticGraph, topo, world: int, budget_mib: float, tp: int, pp: int, cp: int, ac: str,
+                 sequence: bool = True, loss: bool = True) -> View:
+    """The layout for these degrees: its memory and time, or why the model cannot take it. `sequence`, `loss`: sequence
+    and loss parallelism where the model maps (`tp_layout`)."""
     from static_dist.fsdp import FSDPPlan, block_units
-    from static_dist.placement import block_spec, megatron_styles
+    from static_dist.placement import block_spec, megatron_styles, sequence_blocker
     from static_dist.parallel.search import balanced_stages
     stack = g.structure.main
     n, budget = len(stack.blocks), int(budget_mib * 2**20)
@@ -77,26 +79,37 @@ def _layout_view(g: StaticGraph, topo, world: int, budget_mib: float, tp: int, p
         )
     d = ParallelDims(dp_shard=world // (tp * pp * cp), cp=cp, tp=tp, pp=pp)
     try:
-        styles = tuple(megatron_styles(block_spec(g)).items()) if tp > 1 else ()
-        work = rank_work(g, ParallelPlan(ParallelDims(cp=cp, tp=tp), styles), topo)
+        styles, outer, sp = (tp_layout(g, tuple(megatron_styles(block_spec(g)).items()), None if sequence else False)
+                             if tp > 1 else ((), (), False))
+        lp = loss and bool(outer)
+        tpf = dict(tp_styles=styles, sequence_parallel=sp, loss_parallel=lp, tp_outer=outer if (sp or lp) else ())
+        work = rank_work(g, ParallelPlan(ParallelDims(cp=cp, tp=tp), **tpf), topo)
         fsdp = FSDPPlan(d.fsdp_size, (d.fsdp_size,), block_units(stack.blocks)) if d.fsdp_size > 1 else None
-        plan = ParallelPlan(d, styles, balanced_stages(work, n, pp), microbatches=2 * pp if pp > 1 else 1,
-                            ac=(ac,) * n, fsdp=fsdp, name="widget")
+        plan = ParallelPlan(d, stages=balanced_stages(work, n, pp), microbatches=2 * pp if pp > 1 else 1,
+                            ac=(ac,) * n, fsdp=fsdp, name="widget", **tpf)
         mem = predict_parallel_memory(g, plan)
     except ParallelPlanError as e:
         return View(str(e), f"**Not a layout for this model**: {e}")
     step = predict_step_time(work, plan, topo)
     verdict = "fits" if mem.peak_bytes <= budget else "**does not fit**"
+    tp_how = f" ({'sequence' if plan.sequence_parallel else 'no sequence'}, {'loss' if plan.loss_parallel else 'no loss'}" \
+        " parallelism)" if tp > 1 else ""
     text = (
-        f"dp_shard {d.dp_shard} × cp {cp} × tp {tp} × pp {pp}, checkpointing {ac}: peak {fmt_bytes(mem.peak_bytes)} "
+        f"dp_shard {d.dp_shard} × cp {cp} × tp {tp}{tp_how} × pp {pp}, checkpointing {ac}: "
+        f"peak {fmt_bytes(mem.peak_bytes)} "
         f"(pp rank {mem.peak_rank}), {verdict} in {fmt_bytes(budget)}; {step.line()}"
     )
-    return View((plan, mem, step), text, layout_figure(mem, step, budget),
-                disabled={"cp": "the capture has no sequence to split"} if not g.meta.get("inputs") else {})
+    off = {"cp": "the capture has no sequence to split"} if not g.meta.get("inputs") else {}
+    if tp == 1: off.update(sequence="tensor parallelism is off (tp 1)", loss="tensor parallelism is off (tp 1)")
+    elif sequence and not plan.sequence_parallel:
+        off["sequence"] = sequence_blocker(g) or "no embedding and output around the blocks to shard the sequence at"
+    if tp > 1 and not plan.tp_outer: off["loss"] = "no output projection of the vocabulary outside the blocks"
+    return View((plan, mem, step), text, layout_figure(mem, step, budget), disabled=off)
 
 # %% ../../nbs/45_parallel.ipynb
 def parallel_widget(g: StaticGraph, topo=None, world: int = 8, budget_mib: float | None = None):
-    "Harness: tp, pp, cp, checkpointing and budget -> each pipeline rank's memory stack and the step's time by term."
+    """Harness: tp (with sequence and loss parallelism), pp, cp, checkpointing and budget -> each pipeline rank's memory
+    stack and the step's time by term."""
     from static_dist.graph.policies import POLICIES
     from static_dist.topology import preset
     W = widgets()
@@ -123,6 +136,8 @@ def parallel_widget(g: StaticGraph, topo=None, world: int = 8, budget_mib: float
         pp=W.Dropdown(options=degrees, value=1),
         cp=W.Dropdown(options=degrees, value=1),
         ac=W.ToggleButtons(options=list(POLICIES)),
+        sequence=W.Checkbox(value=True, description="sequence parallel", style=wide["style"]),
+        loss=W.Checkbox(value=True, description="loss parallel", style=wide["style"]),
     )
 
 # %% ../../nbs/45_parallel.ipynb

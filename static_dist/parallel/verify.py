@@ -82,14 +82,13 @@ _FUNCTIONAL = {"all_gather": "_c10d_functional.all_gather_into_tensor.default", 
 def _recomputed(profile, plan: ParallelPlan) -> list[str]:
     """Forward TP collectives a checkpointed block issues again in backward: those of its styled linears but the last
     in forward order, whose output only feeds the residual (checkpoint's recompute stops once backward has what it
-    needs); under a selective policy, those whose op it does not save (torchtitan's saves reduce_scatter_tensor)."""
+    needs), less those a selective policy saves (torchtitan's saves reduce_scatter_tensor)."""
     out, n = [], len(profile.blocks)
     first = {m: i for i, m in reversed(list(enumerate(profile.op_module))) if profile.op_phase[i] == FORWARD}
     for b, pol in zip(profile.blocks, block_policies(plan, n) if len(plan.ac) == n else (NoCheckpoint(),) * n):
         if not pol.checkpoints: continue
         fwd = [kind for kind, _, _, f in block_collectives(plan, _styled_order(profile, plan, b)) if f]
-        if isinstance(pol, SelectiveOps): out += [k for k in fwd if not pol.saves(_FUNCTIONAL[k])]
-        else: out += fwd[:-1]
+        out += [k for k in fwd[:-1] if not (isinstance(pol, SelectiveOps) and pol.saves(_FUNCTIONAL[k]))]
     return out
 
 def _styled_order(profile, plan: ParallelPlan, block: str) -> list[str]:
