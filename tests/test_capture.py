@@ -51,7 +51,7 @@ def test_llama3_70b_captures_on_fake_tensors():
     assert s["params"] == 70_553_706_496
     lin = c.n_layers * (2 * c.dim * c.dim + 2 * c.dim * c.n_kv_heads * c.head_dim + 3 * c.dim * c.ffn_dim) \
         + c.dim * c.vocab_size
-    attn = c.n_layers * 4 * 1 * c.n_heads * 4096 * 4096 * c.head_dim
+    attn = c.n_layers * 4 * 1 * c.n_heads * 4096 * (4096 + 1) // 2 * c.head_dim   # causal: L(L+1)/2 of L² scores
     assert s["flops"]["forward"] == 2 * 4096 * lin + attn
     # fp32 AdamW: params, grads, two moments = 16 bytes per parameter are alive at the end
     end = {r: b for r, b in s["peak_by_role"].items()}

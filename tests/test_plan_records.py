@@ -133,7 +133,9 @@ def test_search_records_equal_direct_evaluations(searched):
     assert any(c.plan.schedule == "Interleaved1F1B" for c in kept)
     for c in kept:
         d = c.plan.dims
-        w = rank_work(g, ParallelPlan(ParallelDims(cp=d.cp, tp=d.tp), c.plan.tp_styles if d.tp > 1 else ()), topo,
+        tpf = dict(tp_styles=c.plan.tp_styles, sequence_parallel=c.plan.sequence_parallel,
+                   loss_parallel=c.plan.loss_parallel, tp_outer=c.plan.tp_outer) if d.tp > 1 else {}
+        w = rank_work(g, ParallelPlan(ParallelDims(cp=d.cp, tp=d.tp), **tpf), topo,
                       policies=(FullCheckpoint(), SelectiveOps()))
         t = predict_step_time(w, c.plan, topo, n_blocks=8)
         assert t.to_dict() == c.time.to_dict(), c.label()

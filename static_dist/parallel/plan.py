@@ -123,6 +123,9 @@ def _check_outer(p: ParallelPlan) -> None:
     bad = [r for _, r in p.tp_outer if r not in OUTER_ROLES]
     if bad: raise ParallelPlanError(f"tp_outer: unknown role {bad[0]!r}; use one of {', '.join(OUTER_ROLES)}")
     roles = dict((r, m) for m, r in p.tp_outer)
+    if p.dims.pp > 1 and (p.sequence_parallel or p.loss_parallel or p.tp_outer):
+        raise ParallelPlanError("sequence_parallel, loss_parallel and tp_outer with pp > 1: not modelled under a "
+                                "pipeline yet (a stage boundary would carry a sequence shard); drop them for pp > 1")
     if p.sequence_parallel and not p.tp_styles:
         raise ParallelPlanError("sequence_parallel needs sharded sub-layers (tp_styles) to gather into and scatter out of")
     if p.sequence_parallel and not {"embedding", "output"} <= set(roles):

@@ -109,9 +109,11 @@ class _Context:
         self.seq = inputs[0][1] if inputs and isinstance(inputs[0], list) and len(inputs[0]) > 1 else None
         self._work, self._prof, self._ext, self._mem, self._time, self._flight = {}, {}, {}, {}, {}, {}
 
-    def tp_fields(self, tp: int) -> dict:
-        "The plan's tensor-parallel fields at degree `tp`: the blocks' styles and, with `outer`, torchtitan's rest."
-        if tp == 1: return {}
+    def tp_fields(self, d: ParallelDims) -> dict:
+        """The plan's tensor-parallel fields for degrees `d`: the blocks' styles and, with `outer`, torchtitan's rest
+        (not under a pipeline yet: a stage boundary would carry a sequence shard, and the loss runs in the schedule)."""
+        if d.tp == 1: return {}
+        if d.pp > 1: return dict(tp_styles=self.styles)
         return dict(tp_styles=self.styles, sequence_parallel=self.sp, loss_parallel=self.lp,
                     tp_outer=self.outer)
 
@@ -128,16 +130,16 @@ def plan(
     pdt, rdt = self.precision               # with one data-parallel rank, check_layout refuses a mixed precision
     fsdp = FSDPPlan(dp, mesh, units, param_dtype=pdt, reduce_dtype=rdt) if dp > 1 or pdt or rdt else None
     return ParallelPlan(d, stages=stages, schedule=schedule, microbatches=m, ac=tuple(ac), fsdp=fsdp, name=name,
-                        **self.tp_fields(d.tp))
+                        **self.tp_fields(d))
 
 # %% ../../nbs/45d_parallel_search.ipynb
 @patch
 def work(self: _Context, d: ParallelDims):
-    key = (d.tp, d.cp)
+    key = (d.tp, d.cp, d.pp > 1)
     if key not in self._work:
         self._work[key] = rank_work(
             self.g,
-            ParallelPlan(ParallelDims(cp=d.cp, tp=d.tp), **self.tp_fields(d.tp)),
+            ParallelPlan(ParallelDims(cp=d.cp, tp=d.tp), **self.tp_fields(d)),
             self.topo,
             policies=self.policies,
         )
@@ -161,9 +163,9 @@ def first_in_flight(self: _Context, plan: ParallelPlan) -> int:
 # %% ../../nbs/45d_parallel_search.ipynb
 def _uniform_profile(ctx: _Context, d: ParallelDims, mode: CheckpointPolicy, k: int):
     "The rank profile of a stage of `k` blocks, all checkpointed as `mode` (extended from the captured blocks)."
-    key = (d.tp, d.cp, mode)
+    key = (d.tp, d.cp, mode, d.pp > 1)
     if key not in ctx._prof:
-        p = ParallelPlan(ParallelDims(cp=d.cp, tp=d.tp), ac=(mode,) * ctx.captured, **ctx.tp_fields(d.tp))
+        p = ParallelPlan(ParallelDims(cp=d.cp, tp=d.tp), ac=(mode,) * ctx.captured, **ctx.tp_fields(d))
         ctx._prof[key] = rank_profile(ctx.g, p, 0, ctx.master)
     if k == ctx.captured: return ctx._prof[key]
     if (key, k) not in ctx._ext: ctx._ext[(key, k)] = expand_profile(ctx._prof[key], k)
