@@ -235,10 +235,28 @@ def _tokens(vocab: int):
     return make_inputs
 
 # %% ../nbs/07_titan.ipynb
+def _without_float8(job: TitanJob) -> TitanJob:
+    "`job` with its model's Float8 linears (torchtitan's Float8LinearConverter) swapped back for plain `Linear`s."
+    if not job.float8: return job
+    import copy
+    from torchtitan.models.common.linear import Linear
+    c = copy.copy(job.config)
+    c.model_spec = copy.copy(c.model_spec); c.model_spec.model = mc = copy.deepcopy(c.model_spec.model)
+    for _, lin, parent, attr in list(mc.traverse(Linear.Config)):
+        if "Float8" not in type(lin).__qualname__: continue
+        new = Linear.Config(in_features=lin.in_features, out_features=lin.out_features, bias=lin.bias,
+                            param_init=lin.param_init)
+        if isinstance(parent, list): parent[attr] = new
+        else: setattr(parent, attr, new)
+    return dataclasses.replace(job, config=c)
+
+# %% ../nbs/07_titan.ipynb
 def titan_workload(job: TitanJob, optimizer: str = "adamw") -> Workload:
     """The job's model, batch and loss as a static_dist `Workload` (its own capture predicts what torchtitan runs); its
-    batch is one micro-batch (the local batch, or a pipeline micro-batch's rows)."""
-    def build(device="meta", dtype=torch.float32, seed: int = 0): return titan_model(job, device, dtype)
+    batch is one micro-batch (the local batch, or a pipeline micro-batch's rows). Float8 linears are built as the plain
+    linears they replace: static_dist reads the job's Float8 but does not price it yet."""
+    plain = _without_float8(job)
+    def build(device="meta", dtype=torch.float32, seed: int = 0): return titan_model(plain, device, dtype)
     batch = job.microbatch_size if job.pp > 1 else job.local_batch
     return Workload(source=f"torchtitan:{job.name}", build=build, batch=batch, seq=job.seq_len,
                     make_inputs=_tokens(job.vocab), loss=titan_loss, optimizer=optimizer, dtype=job.master_dtype,
