@@ -83,3 +83,15 @@ def test_job_prediction_matches_torchtitan_at_2_layers():
     assert abs(ratio - 1) <= 0.01, ratio
     counts = predict_axis_counts(rank_profile(g, given.plan, master_dtype=job.master_dtype), given.plan)
     assert {f"dp.{k}": v for k, v in m.collectives.items() if v} == counts
+
+
+def test_emit_torchtitan_of_a_searched_layout():
+    "`--emit torchtitan` on the normal search: the overrides carry the degrees of the layout it printed."
+    import re
+    code, out = _plan("--model", "tiny", "--world", "4", "--tp", "2", "--emit", "torchtitan")
+    assert code == 0, out
+    d = dict(re.findall(r"(dp_replicate|dp_shard|cp|tp|pp) (\d+)", out[out.index("layout:"):out.index("(world 4)")]))
+    names = {"dp_replicate": "data_parallel_replicate", "dp_shard": "data_parallel_shard", "cp": "context_parallel",
+             "tp": "tensor_parallel", "pp": "pipeline_parallel"}
+    for k, v in d.items(): assert f"--parallelism.{names[k]}_degree {v} " in out, (k, v)
+    assert d["tp"] == "2" and "--parallelism.enable_sequence_parallel" in out
