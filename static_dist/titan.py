@@ -21,8 +21,9 @@ from .launch import process_group
 from .workload import Workload
 
 # %% auto 0
-__all__ = ['JOBS', 'TitanError', 'TitanJob', 'titan_ac_policy', 'titan_job', 'titan_model', 'titan_loss', 'titan_workload',
-           'TitanMeasurement', 'apply_titan', 'measure_titan']
+__all__ = ['JOBS', 'TitanError', 'TitanJob', 'titan_ac_policy', 'titan_job', 'titan_toml', 'titan_model', 'titan_loss',
+           'titan_workload', 'titan_dims', 'titan_stages', 'titan_plan', 'TitanMeasurement', 'apply_titan',
+           'measure_titan', 'titan_overrides']
 
 # %% ../nbs/07_titan.ipynb
 class TitanError(StaticDistError, ValueError):
@@ -83,6 +84,12 @@ class TitanJob:
     "`ChunkedLossWrapper.num_chunks`; 0: the loss is not chunked."
     attention: str
     "The inner attention of the blocks: 'flex', 'sdpa' or 'varlen'."
+    pp_schedule: str
+    "`parallelism.pipeline_parallel_schedule` (torch.distributed.pipelining's class name)."
+    microbatch_size: int
+    "`parallelism.pipeline_parallel_microbatch_size`: rows per pipeline micro-batch."
+    ac_every: int
+    "An older job's layer-wise selective checkpointing (`selective_ac_option = '2'`): every that many blocks in full."
     config: object = field(repr=False, compare=False)
 
 # %% ../nbs/07_titan.ipynb
@@ -106,6 +113,7 @@ def _record(name: str, c) -> TitanJob:
         ac=_AC.get(_outer(c.activation_checkpoint), "none") if c.activation_checkpoint is not None else "none",
         compile=c.compile.enable, float8="Float8" in type(blk.feed_forward.w1).__qualname__,
         loss_chunks=getattr(c.loss, "num_chunks", 0), attention=_ATTN.get(_outer(blk.attention.inner_attention), "?"),
+        pp_schedule=p.pipeline_parallel_schedule, microbatch_size=p.pipeline_parallel_microbatch_size, ac_every=0,
         config=c)
 
 # %% ../nbs/07_titan.ipynb
@@ -146,23 +154,65 @@ def _cut(c, layers, seq_len, local_batch, degrees: dict, ac, attention) -> None:
 def titan_job(name_or_config, *, layers: int | None = None, seq_len: int | None = None,
               local_batch: int | None = None, dp_shard: int | None = None, tp: int | None = None,
               dp_replicate: int | None = None, sequence_parallel: bool | None = None, ac: str | None = None,
-              attention: str = "sdpa", param_dtype: str | None = None) -> TitanJob:
+              attention: str = "sdpa", param_dtype: str | None = None, cp: int | None = None, pp: int | None = None,
+              pp_schedule: str | None = None, microbatch_size: int | None = None, compile: bool | None = None,
+              dtype: str | None = None) -> TitanJob:
     """A torchtitan Llama 3 job (a name in `JOBS`, or a `Trainer.Config`) as a `TitanJob`, cut and overridden as asked;
-    `param_dtype`: FSDP's compute dtype (`training.mixed_precision_param`), 'float32' for no mixed precision."""
+    `param_dtype`: FSDP's compute dtype (`training.mixed_precision_param`), 'float32' for no mixed precision;
+    `dtype`: the masters' (`training.dtype`)."""
     registry = _titan()
     if isinstance(name_or_config, str):
         if name_or_config not in JOBS: raise TitanError(f"job {name_or_config!r}: give one of {', '.join(JOBS)}")
         with _float8_on_cpu(), quiet_torch_logs(): c, name = getattr(registry, name_or_config)(), name_or_config
     else: c, name = name_or_config, getattr(name_or_config.model_spec, "flavor", "config")
     degrees = {"data_parallel_shard_degree": dp_shard, "tensor_parallel_degree": tp,
-               "data_parallel_replicate_degree": dp_replicate, "enable_sequence_parallel": sequence_parallel}
+               "data_parallel_replicate_degree": dp_replicate, "enable_sequence_parallel": sequence_parallel,
+               "context_parallel_degree": cp, "pipeline_parallel_degree": pp, "pipeline_parallel_schedule": pp_schedule,
+               "pipeline_parallel_microbatch_size": microbatch_size}
     _cut(c, layers, seq_len, local_batch, degrees, ac, attention)
-    if param_dtype is not None:
-        if param_dtype not in ("float32", "bfloat16"): raise TitanError(f"param_dtype={param_dtype!r}: give "
-                                                                        "'float32' or 'bfloat16'")
-        c.training.mixed_precision_param = param_dtype
+    for key, v in (("mixed_precision_param", param_dtype), ("dtype", dtype)):
+        if v is None: continue
+        if v not in ("float32", "bfloat16"): raise TitanError(f"{key}={v!r}: give 'float32' or 'bfloat16'")
+        setattr(c.training, key, v)
+    if compile is not None: c.compile.enable = compile
     c.model_spec.model.update_from_config(config=c)   # what torchtitan's Trainer does: TP per module config
     return _record(name, c)
+
+# %% ../nbs/07_titan.ipynb
+_FLAVORS = {"debugmodel": "llama3_debugmodel", "8B": "llama3_8b", "70B": "llama3_70b", "405B": "llama3_405b"}
+
+def _toml_ac(ac: dict) -> tuple[str | None, int]:
+    "(mode, layer frequency) of an older [activation_checkpoint] section; frequency 0: op-level selective."
+    mode, opt = ac.get("mode"), str(ac.get("selective_ac_option", "op"))
+    if mode not in (None, "none", "full", "selective"):
+        raise TitanError(f"[activation_checkpoint] mode = {mode!r}: static_dist reads 'none', 'full' and 'selective'")
+    if mode == "selective" and opt != "op" and not (opt.isdigit() and int(opt) > 0):
+        raise TitanError(f"[activation_checkpoint] selective_ac_option = {opt!r}: give 'op' or a positive integer")
+    return mode, int(opt) if mode == "selective" and opt.isdigit() else 0
+
+# %% ../nbs/07_titan.ipynb
+def titan_toml(path) -> TitanJob:
+    "An older torchtitan `.toml` job file as a `TitanJob`: the registry job of its model flavor, its sections over it."
+    import tomllib
+    try:
+        with open(path, "rb") as f: t = tomllib.load(f)
+    except (OSError, tomllib.TOMLDecodeError) as e: raise TitanError(f"{path}: {e}") from None
+    m, tr, par = t.get("model", {}), t.get("training", {}), {**t.get("training", {}), **t.get("parallelism", {})}
+    if m.get("name", "llama3") != "llama3" or m.get("flavor") not in _FLAVORS:
+        raise TitanError(f"{path}: [model] name {m.get('name')!r} flavor {m.get('flavor')!r}: static_dist reads "
+                         f"llama3 flavors {', '.join(_FLAVORS)}")
+    mode, every = _toml_ac(t.get("activation_checkpoint", {}))
+    g = lambda k: par.get(f"{k}_degree")
+    job = titan_job(_FLAVORS[m["flavor"]], seq_len=tr.get("seq_len"),
+                    local_batch=tr.get("local_batch_size", tr.get("batch_size")), dp_shard=g("data_parallel_shard"),
+                    dp_replicate=g("data_parallel_replicate"), tp=g("tensor_parallel"), cp=g("context_parallel"),
+                    pp=g("pipeline_parallel"), pp_schedule=par.get("pipeline_parallel_schedule"),
+                    microbatch_size=par.get("pipeline_parallel_microbatch_size"), ac=mode,
+                    sequence_parallel=par.get("enable_sequence_parallel"), param_dtype=tr.get("mixed_precision_param"),
+                    compile=t.get("compile", {}).get("enable", tr.get("compile")), dtype=tr.get("dtype"))
+    f8 = t.get("float8", {}).get("enable_float8_linear", False) or "float8" in m.get("converters", ())
+    return dataclasses.replace(job, name=f"{path}", float8=bool(f8), ac_every=every,
+                               reduce_dtype=tr.get("mixed_precision_reduce", job.reduce_dtype))
 
 # %% ../nbs/07_titan.ipynb
 def titan_model(job: TitanJob, device="meta", dtype: torch.dtype | None = None) -> torch.nn.Module:
@@ -185,12 +235,87 @@ def _tokens(vocab: int):
     return make_inputs
 
 # %% ../nbs/07_titan.ipynb
+def _without_float8(job: TitanJob) -> TitanJob:
+    "`job` with its model's Float8 linears (torchtitan's Float8LinearConverter) swapped back for plain `Linear`s."
+    if not job.float8: return job
+    import copy
+    from torchtitan.models.common.linear import Linear
+    c = copy.copy(job.config)
+    c.model_spec = copy.copy(c.model_spec); c.model_spec.model = mc = copy.deepcopy(c.model_spec.model)
+    for _, lin, parent, attr in list(mc.traverse(Linear.Config)):
+        if "Float8" not in type(lin).__qualname__: continue
+        new = Linear.Config(in_features=lin.in_features, out_features=lin.out_features, bias=lin.bias,
+                            param_init=lin.param_init)
+        if isinstance(parent, list): parent[attr] = new
+        else: setattr(parent, attr, new)
+    return dataclasses.replace(job, config=c)
+
+# %% ../nbs/07_titan.ipynb
 def titan_workload(job: TitanJob, optimizer: str = "adamw") -> Workload:
-    "The job's model, batch and loss as a static_dist `Workload` (its own capture predicts what torchtitan runs)."
-    def build(device="meta", dtype=torch.float32, seed: int = 0): return titan_model(job, device, dtype)
-    return Workload(source=f"torchtitan:{job.name}", build=build, batch=job.local_batch, seq=job.seq_len,
+    """The job's model, batch and loss as a static_dist `Workload` (its own capture predicts what torchtitan runs); its
+    batch is one micro-batch (the local batch, or a pipeline micro-batch's rows). Float8 linears are built as the plain
+    linears they replace: static_dist reads the job's Float8 but does not price it yet."""
+    plain = _without_float8(job)
+    def build(device="meta", dtype=torch.float32, seed: int = 0): return titan_model(plain, device, dtype)
+    batch = job.microbatch_size if job.pp > 1 else job.local_batch
+    return Workload(source=f"torchtitan:{job.name}", build=build, batch=batch, seq=job.seq_len,
                     make_inputs=_tokens(job.vocab), loss=titan_loss, optimizer=optimizer, dtype=job.master_dtype,
                     vocab=job.vocab, notes=("torchtitan's model and cross-entropy loss",))
+
+# %% ../nbs/07_titan.ipynb
+def titan_dims(job: TitanJob, world: int | None = None):
+    """static_dist's `ParallelDims` of `job` at `world` ranks (default: the product of its degrees); dp_shard -1 takes
+    what the other degrees leave of `world`."""
+    from static_dist.parallel import ParallelDims
+    rest = job.dp_replicate * job.cp * job.tp * job.pp
+    if world is None:
+        if job.dp_shard < 1: raise TitanError(f"{job.name}: dp_shard {job.dp_shard} takes what the other degrees "
+                                              "leave of the world: give the world size")
+        world = rest * job.dp_shard
+    shard = job.dp_shard if job.dp_shard > 0 else world // rest
+    if shard < 1 or rest * shard != world:
+        raise TitanError(f"world {world} != dp_replicate {job.dp_replicate} x dp_shard {shard} x cp {job.cp} x tp "
+                         f"{job.tp} x pp {job.pp}")
+    return ParallelDims(job.dp_replicate, shard, job.cp, job.tp, job.pp)
+
+# %% ../nbs/07_titan.ipynb
+def titan_stages(job: TitanJob, n_blocks: int) -> tuple[int, ...]:
+    "Blocks per pipeline stage as torchtitan splits them (see above); () without a pipeline."
+    if job.pp == 1: return ()
+    per_rank = {"GPipe": 1, "1F1B": 1, "Interleaved1F1B": 2}.get(job.pp_schedule)
+    if per_rank is None: raise TitanError(f"pipeline_parallel_schedule {job.pp_schedule!r}: static_dist prices GPipe, "
+                                          "1F1B and Interleaved1F1B")
+    p, k = job.config.parallelism, job.pp * per_rank
+    first, last = p.pipeline_parallel_first_stage_less_layers, p.pipeline_parallel_last_stage_less_layers
+    each, extra = divmod(n_blocks + first + last, k)
+    out = [each + (s < extra) - first * (s == 0) - last * (s == k - 1) for s in range(k)]
+    if min(out) < 1: raise TitanError(f"{n_blocks} blocks over {k} pipeline stages leave a stage without a block")
+    return tuple(out)
+
+# %% ../nbs/07_titan.ipynb
+def titan_plan(job: TitanJob, g, world: int | None = None, n_blocks: int | None = None):
+    """The `ParallelPlan` torchtitan applies for `job` at `world` ranks, on its captured step `g` (`titan_workload`'s,
+    in the compute dtype) whose model has `n_blocks` blocks (default: the job's layers)."""
+    from static_dist.fsdp import FSDPPlan, FSDPUnit
+    from static_dist.parallel import ParallelPlan, tp_layout
+    from static_dist.placement import block_spec, megatron_styles
+    d, n = titan_dims(job, world), n_blocks or job.n_layers
+    tp = {}
+    if d.tp > 1:
+        styles, outer, sp = tp_layout(g, tuple(megatron_styles(block_spec(g)).items()), job.sequence_parallel)
+        tp = dict(tp_styles=styles, sequence_parallel=sp, loss_parallel=True, tp_outer=outer)
+    blocks, r = [f"layers.{i}" for i in range(n)], d.pp == 1        # torchtitan's "default": reshard unless pipelined
+    units = (FSDPUnit("tok_embeddings", r), *(FSDPUnit(b, r) for b in blocks),
+             FSDPUnit("norm", False, group=("lm_head",)), FSDPUnit("", False))
+    dp, mesh = d.dp_replicate * d.fsdp_size, (d.dp_replicate, d.fsdp_size) if d.dp_replicate > 1 else (d.fsdp_size,)
+    fsdp = (FSDPPlan(dp, mesh, units, param_dtype=job.param_dtype, reduce_dtype=job.reduce_dtype, forward_prefetch=0)
+            if dp > 1 else None)
+    every = job.ac_every
+    ac = tuple(titan_ac_policy(dataclasses.replace(job, ac="full" if (i + 1) % every == 0 else "none")) for i in
+               range(n)) if every else (titan_ac_policy(job),) * n
+    m = job.local_batch // job.microbatch_size if d.pp > 1 else 1
+    return ParallelPlan(d, stages=titan_stages(job, n), schedule=job.pp_schedule if d.pp > 1 else "1F1B",
+                        microbatches=m, ac=ac, fsdp=fsdp, name=f"torchtitan {job.name}", **tp)
 
 # %% ../nbs/07_titan.ipynb
 @dataclass(frozen=True)
@@ -326,3 +451,33 @@ def measure_titan(job: TitanJob, world: int) -> TitanMeasurement:
     return TitanMeasurement(job.name, world, (dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp, dims.pp), peak,
                             kinds, comm_counts(cdm), {str(k): n for k, n in cdm.get_comm_counts().items()},
                             time.perf_counter() - t0)
+
+# %% ../nbs/07_titan.ipynb
+def _ac_name(p) -> str:
+    from static_dist.graph.policies import FullCheckpoint, NoCheckpoint, SelectiveOps
+    return "full" if isinstance(p, FullCheckpoint) else "selective" if isinstance(p, SelectiveOps) else \
+        "none" if isinstance(p, NoCheckpoint) else "full"
+
+# %% ../nbs/07_titan.ipynb
+def titan_overrides(plan, batch: int, seq: int, master_dtype: str = "float32") -> tuple[list[str], list[str]]:
+    """(torchtitan command-line arguments, notes) for `plan` with micro-batches of `batch` x `seq` tokens and masters in
+    `master_dtype`."""
+    d, notes = plan.dims, []
+    pdt = (plan.fsdp.param_dtype if plan.fsdp else None) or master_dtype
+    rdt = (plan.fsdp.reduce_dtype if plan.fsdp else None) or "float32"
+    out = [f"--parallelism.{k}_degree {v}" for k, v in (("data_parallel_replicate", d.dp_replicate),
+           ("data_parallel_shard", d.dp_shard), ("context_parallel", d.cp), ("tensor_parallel", d.tp),
+           ("pipeline_parallel", d.pp))]
+    if d.tp > 1: out.append(f"--parallelism.{'' if plan.sequence_parallel else 'no-'}enable_sequence_parallel")
+    if d.pp > 1: out += [f"--parallelism.pipeline_parallel_schedule {plan.schedule}",
+                         f"--parallelism.pipeline_parallel_microbatch_size {batch}"]
+    out += [f"--training.local_batch_size {batch * (plan.microbatches if d.pp > 1 else 1)}",
+            f"--training.seq_len {seq}", f"--training.dtype {master_dtype}",
+            f"--training.mixed_precision_param {pdt}", f"--training.mixed_precision_reduce {rdt}"]
+    modes = list(dict.fromkeys(_ac_name(p) for p in plan.ac)) or ["none"]
+    mode = next(m for m in ("full", "selective", "none") if m in modes)
+    if len(modes) > 1: notes.append(f"torchtitan checkpoints every block alike: the plan's mix ({', '.join(modes)}) "
+                                    f"is written as {mode}, which saves more memory and recomputes more than predicted")
+    if d.pp > 1 and len(plan.stages) > 1: notes.append(f"stages of {'/'.join(map(str, plan.stages))} blocks: torchtitan "
+                                                       "splits its own way (pipeline_parallel_layers_per_stage)")
+    return [*(" ".join(out).split()), f"activation-checkpoint:{mode}"], notes

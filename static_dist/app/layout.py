@@ -19,7 +19,8 @@ from ..util import check_real_size
 
 # %% auto 0
 __all__ = ['PIN_DIMS', 'layout_pins', 'layout_precision', 'layout_pipeline', 'layout_topology', 'tp_outer_line', 'precision_line',
-           'ac_summary', 'layout_lines', 'layout_memory', 'cmd_plan', 'measured_peak', 'train_plan', 'cmd_train']
+           'ac_summary', 'layout_lines', 'layout_memory', 'cmd_plan', 'titan_args', 'titan_prediction', 'titan_verdict',
+           'print_titan_overrides', 'plan_titan', 'measured_peak', 'train_plan', 'cmd_train']
 
 # %% ../../nbs/92a_layout.ipynb
 PIN_DIMS = tuple(a.name for a in AXES)   # one --flag per axis
@@ -112,15 +113,18 @@ def precision_line(plan, master_dtype: str) -> str:
     return f"{master_dtype} master weights and optimizer state, {pdt} compute, {rdt} gradient reduction"
 
 # %% ../../nbs/92a_layout.ipynb
+def _ac_label(p) -> str:
+    "A policy's label, or its name and the count of ops it saves where the label lists them (torchtitan's 20 ops)."
+    lab = str(getattr(p, "label", p))
+    return lab if len(lab) <= 40 else f"{getattr(p, 'name', lab[:20])} ({len(getattr(p, 'save', ()))} ops saved)"
+
 def ac_summary(ac: tuple) -> str:
     "Checkpointing per block as runs: 'blocks 0-3 full, 4-5 selective, 6-31 none'."
     if not ac: return "none"
     runs, start = [], 0
     for i in range(1, len(ac) + 1):
         if i == len(ac) or ac[i] != ac[start]:
-            runs.append(
-                f"{start}" + (f"-{i - 1}" if i - 1 > start else "") + f" {getattr(ac[start], 'label', ac[start])}"
-            )
+            runs.append(f"{start}" + (f"-{i - 1}" if i - 1 > start else "") + f" {_ac_label(ac[start])}")
             start = i
     return ("block " if len(runs) == 1 and len(ac) == 1 else "blocks ") + ", ".join(runs)
 
@@ -190,6 +194,8 @@ def cmd_plan(args) -> int:
     from static_dist.graph import fmt_bytes
     from static_dist.parallel import search_graph, search_layouts
     from static_dist.topology import assumed_numbers
+    if args.torchtitan: return plan_titan(args)
+    if args.world is None: args.world = 8
     pins = layout_pins(args)
     pdt, rdt = layout_precision(args, pins)
     virtual, micro = layout_pipeline(args, pins)
@@ -222,6 +228,7 @@ def cmd_plan(args) -> int:
     columns = layout_memory(g, dataclasses.replace(r.best, plan=plan), n, w.dtype)
     print_markdown("\n".join(layout_lines(dataclasses.replace(r.best, plan=plan), columns, n, w.dtype)))
     print_markdown("\n**layouts compared** (the best, runners-up, and faster ones that lost)\n\n" + r.table())
+    if args.emit: print_titan_overrides(plan, w.batch, w.seq, w.dtype)
     if args.verify: _verify_layout(w, plan, g if len(g.structure.main.blocks) == n else None)
     if args.out:
         atomic_write(args.out, plan.to_json(), force=args.force)
@@ -245,6 +252,94 @@ def _verify_layout(w, plan, g):
     print(f"verify: {v.line()}")
     print(f"verify: collectives per step on rank 0: predicted {v.predicted_counts}, measured {v.measured_counts}")
     return v
+
+# %% ../../nbs/92a_layout.ipynb
+def titan_args(args):
+    "The torchtitan job --torchtitan names; refused in one line beside a flag the job itself sets."
+    from static_dist.titan import titan_job, titan_toml
+    flags = [("--model", args.model != "tiny"), ("--batch", args.batch), ("--seq", args.seq), ("--dtype", args.dtype),
+             ("--param-dtype", args.param_dtype), ("--reduce-dtype", args.reduce_dtype), ("--compile", args.compile),
+             ("--input-shape", args.input_shape), ("--verify", args.verify), ("--ac", args.ac != "auto"),
+             *(("--" + k.replace("_", "-"), getattr(args, k) is not None) for k in PIN_DIMS)]
+    if given := [f for f, v in flags if v]:
+        raise UsageError(f"--torchtitan {args.torchtitan} with {', '.join(given)}: the job sets its model, batch, "
+                         f"precision, checkpointing and degrees; drop {'them' if len(given) > 1 else 'it'}")
+    src = args.torchtitan
+    return titan_toml(src) if src.endswith(".toml") else titan_job(src)
+
+# %% ../../nbs/92a_layout.ipynb
+def titan_prediction(job, world: int, topo, progress=None):
+    """(captured step, block count, how it was captured, the job as written: `parallel.predict_layout` of
+    `titan.titan_plan`) of a torchtitan job at `world` ranks of `topo`; captured in the job's compute dtype."""
+    from static_dist.parallel import predict_layout, search_graph
+    from static_dist.titan import titan_dims, titan_plan, titan_workload
+    d = titan_dims(job, world)
+    compute = job.param_dtype if d.dp_replicate * d.fsdp_size > 1 else job.master_dtype   # FSDP's policy, if any
+    g, n, how = search_graph(titan_workload(job), progress=progress, dtype=compute)
+    plan = titan_plan(job, g, d.world, n)
+    return g, n, how, predict_layout(g, plan, topo, n, job.master_dtype, "torchtitan's layout")
+
+# %% ../../nbs/92a_layout.ipynb
+def titan_verdict(given, best, budget: int) -> str:
+    "One line: whether the search's best differs from the job as written (`given`), and why."
+    from static_dist.graph import fmt_bytes
+    fits = given.memory_bytes <= budget
+    if best is None:
+        return "the search finds no layout that fits" + ("; the job as written does" if fits else " either")
+    rate = best.time.tokens_per_device / max(given.time.tokens_per_device, 1e-30)
+    ac = lambda p: ", ".join(f"{p.ac.count(x)} {getattr(x, 'name', x)}" for x in dict.fromkeys(p.ac)) or "none"
+    mem = (f"{fmt_bytes(best.memory_bytes)} per rank against the job's {fmt_bytes(given.memory_bytes)}; "
+           f"checkpointing {ac(best.plan)} against the job's {ac(given.plan)}")
+    if not fits:
+        return (f"the search prefers {best.label()}: it fits the budget {fmt_bytes(budget)} where the job as written "
+                f"does not ({mem}), at {rate:.2f}x the job's tokens/s per device")
+    if rate > 1.001:
+        return (f"the search prefers {best.label()}: {rate:.2f}x the job's tokens/s per device "
+                f"({best.time.tokens_per_device:,.0f} against {given.time.tokens_per_device:,.0f}), {mem}")
+    return f"the search's best ({best.label()}) is no faster than the job as written ({rate:.3f}x): keep its layout"
+
+# %% ../../nbs/92a_layout.ipynb
+def print_titan_overrides(plan, batch: int, seq: int, master_dtype: str):
+    "--emit torchtitan: the layout as torchtitan's command-line overrides, and what they cannot say."
+    from static_dist.titan import titan_overrides
+    argv, notes = titan_overrides(plan, batch, seq, master_dtype)
+    print_markdown("\n**torchtitan overrides** (for `torchtitan/train.py --module llama3 --config NAME`)")
+    print(" ".join(argv))
+    for n in notes: print(f"note: {n}")
+
+# %% ../../nbs/92a_layout.ipynb
+def plan_titan(args) -> int:
+    "`static-dist plan --torchtitan`: the job as written (memory, time), the search around it, one line between them."
+    from static_dist.graph import fmt_bytes
+    from static_dist.parallel import search_layouts
+    from static_dist.titan import titan_dims
+    job = titan_args(args)
+    world = titan_dims(job, args.world).world
+    topo = layout_topology(args.topology, world)
+    if args.out: check_writable(args.out, force=args.force)
+    with status(f"capturing torchtitan's {job.name}") as update: g, n, how, given = titan_prediction(job, world, topo,
+                                                                                                       update)
+    m = job.master_dtype
+    print_markdown(
+        f"**torchtitan {job.name} as written** (local batch {job.local_batch}, seq {job.seq_len}, {job.ac} "
+        f"checkpointing{f' every {job.ac_every} blocks' if job.ac_every else ''}) on {topo.name}, world {world}, "
+        f"budget {fmt_bytes(args.budget)}: {how}; the blocks' attention captured as SDPA; float8 "
+        f"{'on' if job.float8 else 'off'} and compile {'on' if job.compile else 'off'}: read, not yet priced")
+    print_markdown("\n".join(layout_lines(given, layout_memory(g, given, n, m), n, m)))
+    pdt = job.param_dtype if job.param_dtype != m else None
+    rdt = job.reduce_dtype if job.reduce_dtype != (pdt or m) else None
+    with status(f"searching layouts of {world} ranks") as update:
+        r = search_layouts(g, world, topo, args.budget, n_blocks=n, progress=update, microbatches=(1, 2),
+                           master_dtype=m, param_dtype=pdt, reduce_dtype=rdt)
+    print_markdown(f"\n**the search around it** ({r.considered} layouts considered, {r.evaluated} evaluated in "
+                   f"{r.seconds:.2f} s)\n\n" + r.table())
+    print_markdown(f"\n**verdict**: {titan_verdict(given, r.best, args.budget)}")
+    chosen = r.best.plan if r.best else given.plan
+    if args.emit: print_titan_overrides(chosen, job.microbatch_size if job.pp > 1 else job.local_batch, job.seq_len, m)
+    if args.out and r.best:
+        atomic_write(args.out, chosen.to_json(), force=args.force)
+        print(f"plan written to {args.out}")
+    return 0 if r.best else 3
 
 # %% ../../nbs/92a_layout.ipynb
 def _predicted_oom(w, cfg, args) -> str | None:

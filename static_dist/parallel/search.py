@@ -56,7 +56,7 @@ from ..graph.records import BACKWARD, FORWARD
 # %% auto 0
 __all__ = ['CHECKPOINT_POLICIES', 'BENCH_PLAN_CASES', 'SPEED_CASES', 'layout_dims', 'memory_by_category', 'balanced_stages',
            'checkpoint_mix', 'Candidate', 'LayoutSearch', 'tp_layout', 'search_layouts', 'search_graph',
-           'bare_step_seconds', 'bench_speed', 'bench_plan']
+           'predict_layout', 'bare_step_seconds', 'bench_speed', 'bench_plan']
 
 # %% ../../nbs/45d_parallel_search.ipynb
 def _divisors(n: int) -> list[int]: return [d for d in range(1, n + 1) if n % d == 0]
@@ -621,6 +621,19 @@ def search_graph(w, capture_blocks: int = 3, progress=None, dtype: str | None = 
             return g, n, f"{capture_blocks} of {n} blocks captured, the others identical"
         except BlockMismatchError as e: why = "captured blocks differ: " + "; ".join(e.reasons[:2])
     return w.graph(name, progress=progress), n, f"full capture ({why})"
+
+# %% ../../nbs/45d_parallel_search.ipynb
+def predict_layout(g: StaticGraph, plan: ParallelPlan, topo: Topology, n_blocks: int | None = None,
+                   master_dtype: str | None = None, note: str = "as given") -> Candidate:
+    """`plan` evaluated as the search evaluates a candidate (`check_layout`, the busiest rank's peak, the step time) on
+    the step `g` extended to `n_blocks` blocks; its FSDP policy's dtypes and its blocks' checkpointing as it says."""
+    pdt, rdt = (plan.fsdp.param_dtype, plan.fsdp.reduce_dtype) if plan.fsdp else (None, None)
+    ctx = _Context(g, n_blocks or len(g.structure.main.blocks), topo, plan.tp_styles,
+                   (*dict.fromkeys(plan.ac), *CHECKPOINT_POLICIES), master_dtype, (pdt, rdt), plan.tp_outer,
+                   plan.sequence_parallel, plan.loss_parallel)
+    check_layout(plan, ctx.full_stack, ctx.seq)
+    return Candidate(plan, _memory(ctx, plan), ctx.step_time(plan), note)
+
 
 # %% ../../nbs/45d_parallel_search.ipynb
 BENCH_PLAN_CASES = (("llama3-70b", 256), ("llama3-405b", 512))

@@ -1,0 +1,97 @@
+"""`static-dist plan --torchtitan`: a torchtitan job predicted as written (against torchtitan's own code applied under a
+fake process group, `titan.measure_titan`), an older .toml job file, and `--emit torchtitan` parsed by torchtitan."""
+import contextlib
+import importlib.util
+import io
+import shlex
+
+import pytest
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None,
+                                reason='torchtitan is not installed: pip install "static_dist[titan]"')
+
+
+def _plan(*argv) -> tuple[int, str]:
+    from static_dist.app.cli import main
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out): code = main(["plan", *argv])
+    return code, " ".join(out.getvalue().split())         # rich wraps lines at the terminal's width
+
+
+def test_llama3_8b_job_predicted_by_category():
+    code, out = _plan("--torchtitan", "llama3_8b", "--world", "16")
+    assert code == 0, out
+    assert "torchtitan llama3_8b as written (local batch 1, seq 8192, selective checkpointing)" in out
+    assert "3 of 32 blocks captured" in out               # the few-block capture, not 32 blocks
+    assert "dp_shard 16 × cp 1 × tp 1 × pp 1 (world 16)" in out  # dp_shard -1: what the other degrees leave
+    for cat in ("sharded_params", "optimizer_state", "activations", "peak", "tokens/s per device, MFU"):
+        assert cat in out, cat
+    assert "verdict" in out and "float8 off and compile off: read, not yet priced" in out
+
+
+def test_toml_job(tmp_path):
+    f = tmp_path / "job.toml"
+    f.write_text('[model]\nname = "llama3"\nflavor = "debugmodel"\n[training]\nlocal_batch_size = 4\nseq_len = 512\n'
+                 'mixed_precision_param = "float32"\n[parallelism]\ndata_parallel_shard_degree = 2\n'
+                 'tensor_parallel_degree = 2\n[activation_checkpoint]\nmode = "full"\n[compile]\nenable = true\n'
+                 '[float8]\nenable_float8_linear = true\n')
+    from static_dist.titan import titan_toml
+    j = titan_toml(f)
+    assert (j.local_batch, j.seq_len, j.dp_shard, j.tp, j.ac, j.param_dtype, j.compile, j.float8) == (
+        4, 512, 2, 2, "full", "float32", True, True)
+    code, out = _plan("--torchtitan", str(f))               # --world: the product of its degrees
+    assert code == 0, out
+    assert "dp_shard 2 × cp 1 × tp 2 × pp 1 (world 4)" in out and "blocks 0-5 full" in out
+    assert "float32 master weights and optimizer state, float32 compute" in out
+    assert "float8 on and compile on: read, not yet priced" in out
+
+
+def test_emit_torchtitan_parses_in_torchtitan():
+    "Every emitted option is one torchtitan 0.3.0's own parser takes, and the config it builds is the layout's."
+    import warnings
+    from torchtitan.config.manager import ConfigManager
+    code, out = _plan("--torchtitan", "llama3_debugmodel", "--world", "8", "--emit", "torchtitan")
+    assert code == 0, out
+    argv = shlex.split(out[out.index("--parallelism."):].split(" note: ")[0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cfg = ConfigManager().parse_args(["--module", "llama3", "--config", "llama3_debugmodel", *argv])
+    opts = dict(zip(argv[:-1:2], argv[1::2]))
+    p = cfg.parallelism
+    assert (p.data_parallel_shard_degree, p.tensor_parallel_degree, p.context_parallel_degree) == (
+        int(opts["--parallelism.data_parallel_shard_degree"]), int(opts["--parallelism.tensor_parallel_degree"]),
+        int(opts["--parallelism.context_parallel_degree"]))
+    assert cfg.training.local_batch_size == int(opts["--training.local_batch_size"]) == 8
+    assert argv[-1].startswith("activation-checkpoint:")
+    # and a name torchtitan does not have is refused by the same parser: the check above can fail
+    with pytest.raises(SystemExit), contextlib.redirect_stderr(io.StringIO()):
+        ConfigManager().parse_args(["--module", "llama3", "--config", "llama3_debugmodel",
+                                    "--parallelism.tensor_parallel_size", "2"])
+
+
+def test_job_prediction_matches_torchtitan_at_2_layers():
+    "The 8B job as written, cut to 2 layers: static_dist's prediction against torchtitan's own apply, within 1%."
+    from static_dist.app.layout import layout_topology, titan_prediction
+    from static_dist.parallel import predict_axis_counts, rank_profile
+    from static_dist.titan import measure_titan, titan_job
+    job = titan_job("llama3_8b", layers=2, seq_len=256, local_batch=1, ac="none", dp_shard=8)
+    g, n, how, given = titan_prediction(job, 8, layout_topology(None, 8))
+    assert (n, how) == (2, "full capture (2 blocks: captured whole)")
+    m = measure_titan(job, 8)
+    ratio = given.memory_bytes / m.peak_bytes
+    print(f"predicted {given.memory_bytes} / measured {m.peak_bytes} = {ratio:.5f}")
+    assert abs(ratio - 1) <= 0.01, ratio
+    counts = predict_axis_counts(rank_profile(g, given.plan, master_dtype=job.master_dtype), given.plan)
+    assert {f"dp.{k}": v for k, v in m.collectives.items() if v} == counts
+
+
+def test_emit_torchtitan_of_a_searched_layout():
+    "`--emit torchtitan` on the normal search: the overrides carry the degrees of the layout it printed."
+    import re
+    code, out = _plan("--model", "tiny", "--world", "4", "--tp", "2", "--emit", "torchtitan")
+    assert code == 0, out
+    d = dict(re.findall(r"(dp_replicate|dp_shard|cp|tp|pp) (\d+)", out[out.index("layout:"):out.index("(world 4)")]))
+    names = {"dp_replicate": "data_parallel_replicate", "dp_shard": "data_parallel_shard", "cp": "context_parallel",
+             "tp": "tensor_parallel", "pp": "pipeline_parallel"}
+    for k, v in d.items(): assert f"--parallelism.{names[k]}_degree {v} " in out, (k, v)
+    assert d["tp"] == "2" and "--parallelism.enable_sequence_parallel" in out
