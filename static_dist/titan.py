@@ -304,6 +304,7 @@ def titan_plan(job: TitanJob, g, world: int | None = None, n_blocks: int | None 
     if d.tp > 1:
         styles, outer, sp = tp_layout(g, tuple(megatron_styles(block_spec(g)).items()), job.sequence_parallel)
         tp = dict(tp_styles=styles, sequence_parallel=sp, loss_parallel=True, tp_outer=outer)
+        if d.pp > 1: tp = dict(tp_styles=styles)   # static_dist models sequence/loss parallelism without pipelines
     blocks, r = [f"layers.{i}" for i in range(n)], d.pp == 1        # torchtitan's "default": reshard unless pipelined
     units = (FSDPUnit("tok_embeddings", r), *(FSDPUnit(b, r) for b in blocks),
              FSDPUnit("norm", False, group=("lm_head",)), FSDPUnit("", False))
