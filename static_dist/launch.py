@@ -86,7 +86,8 @@ def _init_fake(world: int, rank: int = 0) -> None:
 def process_group(backend: str | None = None, *, fake_world: int | None = None, fake_rank: int = 0):
     """A process group for the block; yields its world size. `fake_world=N`: a fake group where this process is rank
     `fake_rank` (default 0) of N. Otherwise torchrun's group, the one already initialised, or a one-rank group. A group
-    made here is closed on exit (without the barrier when the block raised, so a failing rank does not wait for the others)."""
+    made here is closed on exit (without the barrier when the block raised, so a failing rank does not wait for the
+    others)."""
     import torch.distributed as dist
     if fake_world is not None: _init_fake(fake_world, fake_rank); made = True
     else: made = init_process_group(backend)

@@ -479,6 +479,7 @@ def titan_overrides(plan, batch: int, seq: int, master_dtype: str = "float32") -
     mode = next(m for m in ("full", "selective", "none") if m in modes)
     if len(modes) > 1: notes.append(f"torchtitan checkpoints every block alike: the plan's mix ({', '.join(modes)}) "
                                     f"is written as {mode}, which saves more memory and recomputes more than predicted")
-    if d.pp > 1 and len(plan.stages) > 1: notes.append(f"stages of {'/'.join(map(str, plan.stages))} blocks: torchtitan "
+    if d.pp > 1 and len(plan.stages) > 1: notes.append(f"stages of {'/'.join(map(str, plan.stages))} blocks: "
+                                                       "torchtitan "
                                                        "splits its own way (pipeline_parallel_layers_per_stage)")
     return [*(" ".join(out).split()), f"activation-checkpoint:{mode}"], notes

@@ -44,7 +44,7 @@ def test_bf16_built_model_is_predicted_and_measured_with_bf16_masters(verb):
     line = next(l for l in _verify_lines(out) if "predicted" in l)
     assert "bfloat16 masters" in line and abs(_ratio(line) - 1) < TOL, line
     assert "bfloat16 masters, bfloat16 compute" in _flat(out), out
-    reduce = "float32" if verb == "plan-fsdp" else "bfloat16"       # plan-fsdp's --precision bf16 default: fp32 reduction
+    reduce = "float32" if verb == "plan-fsdp" else "bfloat16"  # plan-fsdp's --precision bf16 default: fp32 reduction
     want = f"bfloat16 master weights and optimizer state, bfloat16 compute, {reduce} gradient reduction"
     assert want in _flat(out), out
 

@@ -140,7 +140,8 @@ TP_CASES = {
 @pytest.fixture(scope="module", params=sorted(TP_CASES))
 def titan_tp_case(request):
     """(case, job, measurement, plan, predicted peak, predicted counts): static_dist's own layout of the model's
-    structure (`tp_layout`: styles, roles, sequence parallelism) for torchtitan's degrees, next to torchtitan's apply."""
+    structure (`tp_layout`: styles, roles, sequence parallelism) for torchtitan's degrees, next to torchtitan's
+    apply."""
     from static_dist.parallel import ParallelDims, ParallelPlan, tp_layout
     from static_dist.placement import block_spec, megatron_styles
     from static_dist.titan import measure_titan, titan_ac_policy, titan_job, titan_workload
@@ -148,9 +149,15 @@ def titan_tp_case(request):
     job = titan_job(name, **{"layers": LAYERS, "local_batch": 1, **kw})
     g = titan_workload(job).graph(dtype=job.param_dtype)
     styles, outer, sp = tp_layout(g, tuple(megatron_styles(block_spec(g)).items()), job.sequence_parallel)
-    plan = ParallelPlan(dims=ParallelDims(dp_shard=job.dp_shard, tp=job.tp), tp_styles=styles, fsdp=_fsdp(job.dp_shard, job),
-                        ac=(titan_ac_policy(job),) * job.n_layers, sequence_parallel=sp, loss_parallel=True,
-                        tp_outer=outer)
+    plan = ParallelPlan(
+        dims=ParallelDims(dp_shard=job.dp_shard, tp=job.tp),
+        tp_styles=styles,
+        fsdp=_fsdp(job.dp_shard, job),
+        ac=(titan_ac_policy(job),) * job.n_layers,
+        sequence_parallel=sp,
+        loss_parallel=True,
+        tp_outer=outer,
+    )
     return (request.param, job, measure_titan(job, world), plan, *_predict(job, plan))
 
 

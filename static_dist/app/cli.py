@@ -224,10 +224,13 @@ def _layout_parser(sub):
     _workload_args(p)
     p.add_argument("--world", type=count("--world", hi=MAX_RANKS),
                    help="number of ranks (default 8; with --torchtitan the product of the job's degrees)")
-    p.add_argument("--torchtitan", metavar="NAME_OR_FILE",
-                   help="a torchtitan job instead of --model: a config-registry name (llama3_debugmodel, llama3_8b, "
-                        "llama3_70b, llama3_405b) or an older .toml job file; predicts the job as written, then searches "
-                        "around it")
+    p.add_argument(
+        "--torchtitan",
+        metavar="NAME_OR_FILE",
+        help="a torchtitan job instead of --model: a config-registry name (llama3_debugmodel, llama3_8b, "
+        "llama3_70b, llama3_405b) or an older .toml job file; predicts the job as written, then searches "
+        "around it",
+    )
     p.add_argument("--emit", choices=("torchtitan",),
                    help="also print the chosen layout as torchtitan command-line overrides")
     p.add_argument(

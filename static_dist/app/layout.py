@@ -224,7 +224,8 @@ def cmd_plan(args) -> int:
     plan = r.best.plan
     if args.compile: plan = dataclasses.replace(plan, compile=(True,) * n)
     plan = dataclasses.replace(plan, reasons=(*plan.reasons, ("precision", precision_line(plan, w.dtype))))
-    if plan.dims.tp > 1: plan = dataclasses.replace(plan, reasons=(*plan.reasons, ("tensor parallel", tp_outer_line(plan))))
+    if plan.dims.tp > 1:
+        plan = dataclasses.replace(plan, reasons=(*plan.reasons, ("tensor parallel", tp_outer_line(plan))))
     columns = layout_memory(g, dataclasses.replace(r.best, plan=plan), n, w.dtype)
     print_markdown("\n".join(layout_lines(dataclasses.replace(r.best, plan=plan), columns, n, w.dtype)))
     print_markdown("\n**layouts compared** (the best, runners-up, and faster ones that lost)\n\n" + r.table())

@@ -123,7 +123,8 @@ def measure_step_by_category(m: nn.Module, plan, inputs, kwargs, targets, loss_f
                 # propagation,
                 # cold, makes fake tensors of each parameter's global shape under the tracker's fake mode, which it
                 # counts)
-                with fmt, comm_counter() as cdm, where: _one_step(m, opt, inputs, kwargs, targets, loss_fn, plan, around)
+                with fmt, comm_counter() as cdm, where:
+                    _one_step(m, opt, inputs, kwargs, targets, loss_fn, plan, around)
         except PlanError: raise
         except Exception as e: raise explain_failure(e, "the FSDP step under FSDPMemTracker", where.failed_in) from None
     return peak_by_category(fmt), cdm

@@ -92,8 +92,12 @@ def _layout_view(g: StaticGraph, topo, world: int, budget_mib: float, tp: int, p
         return View(str(e), f"**Not a layout for this model**: {e}")
     step = predict_step_time(work, plan, topo)
     verdict = "fits" if mem.peak_bytes <= budget else "**does not fit**"
-    tp_how = f" ({'sequence' if plan.sequence_parallel else 'no sequence'}, {'loss' if plan.loss_parallel else 'no loss'}" \
-        " parallelism)" if tp > 1 else ""
+    tp_how = (
+        f" ({'sequence' if plan.sequence_parallel else 'no sequence'}, {'loss' if plan.loss_parallel else 'no loss'}"
+        " parallelism)"
+        if tp > 1
+        else ""
+    )
     text = (
         f"dp_shard {d.dp_shard} × cp {cp} × tp {tp}{tp_how} × pp {pp}, checkpointing {ac}: "
         f"peak {fmt_bytes(mem.peak_bytes)} "

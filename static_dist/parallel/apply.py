@@ -48,7 +48,8 @@ def _gather_sequence(module, args, kwargs):
     linears give it add up as partial sums and are reduce-scattered back onto the sequence)."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
     def gather(t):
-        if isinstance(t, DTensor) and tuple(t.placements) == (Shard(1),): return t.redistribute(placements=[Replicate()])
+        if isinstance(t, DTensor) and tuple(t.placements) == (Shard(1),):
+            return t.redistribute(placements=[Replicate()])
         return t
     return tuple(gather(a) for a in args), {k: gather(v) for k, v in kwargs.items()}
 

@@ -213,7 +213,8 @@ def tp_param_shape(name: str, shape: tuple, plan: ParallelPlan, styles: dict) ->
     tp)."""
     s, tp = styles.get(name.rpartition(".")[0]), plan.dims.tp
     if s is None or tp == 1 or not shape: return tuple(shape)
-    if s in (*_COL, "colwise_gather", "embedding"): return (shape[0] // tp, *shape[1:])   # an embedding: its vocabulary rows
+    if s in (*_COL, "colwise_gather", "embedding"):
+        return (shape[0] // tp, *shape[1:])  # an embedding: its vocabulary rows
     if s in (*_ROW, "rowwise_scatter") and len(shape) == 2: return (shape[0], shape[1] // tp)
     return tuple(shape)                            # a rowwise bias is whole on every rank
 

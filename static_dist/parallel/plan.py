@@ -127,7 +127,9 @@ def _check_outer(p: ParallelPlan) -> None:
         raise ParallelPlanError("sequence_parallel, loss_parallel and tp_outer with pp > 1: not modelled under a "
                                 "pipeline yet (a stage boundary would carry a sequence shard); drop them for pp > 1")
     if p.sequence_parallel and not p.tp_styles:
-        raise ParallelPlanError("sequence_parallel needs sharded sub-layers (tp_styles) to gather into and scatter out of")
+        raise ParallelPlanError(
+            "sequence_parallel needs sharded sub-layers (tp_styles) to gather into and scatter out of"
+        )
     if p.sequence_parallel and not {"embedding", "output"} <= set(roles):
         raise ParallelPlanError("sequence_parallel shards the sequence at the token embedding and gathers it at the "
                                 "output projection: give tp_outer both ('embedding' and 'output' modules)")
@@ -250,13 +252,16 @@ def block_collectives(plan: ParallelPlan, order) -> tuple[tuple[str, str, str, b
     styles = dict(plan.tp_styles)
     names = [n for n in order if styles.get(n, "replicate") != "replicate"]
     if not plan.sequence_parallel:
-        return tuple((k, n, w, fwd) for n in names for fwd, i in ((True, 2), (False, 3)) for k, w in STYLES[styles[n]][i])
+        return tuple(
+            (k, n, w, fwd) for n in names for fwd, i in ((True, 2), (False, 3)) for k, w in STYLES[styles[n]][i]
+        )
     out, seen = [], set()
     for n in names:
         sub = n.rpartition(".")[0]
         if styles[n].startswith("colwise") and sub not in seen:
             seen.add(sub); out += [("all_gather", n, "in", True), ("reduce_scatter", n, "in", False)]
-        elif styles[n].startswith("rowwise"): out += [("reduce_scatter", n, "out", True), ("all_gather", n, "out", False)]
+        elif styles[n].startswith("rowwise"):
+            out += [("reduce_scatter", n, "out", True), ("all_gather", n, "out", False)]
     return tuple(out)
 
 def outer_collectives(plan: ParallelPlan) -> tuple[tuple[str, str, bool], ...]:

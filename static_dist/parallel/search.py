@@ -483,7 +483,8 @@ def tp_layout(g: StaticGraph, styles: tuple, sequence_parallel: bool | None = No
         raise ParallelPlanError("sequence_parallel: the model has no token embedding and output projection outside "
                                 f"its {stack.block_type} blocks to shard the sequence at and gather it back")
     why = sequence_blocker(g) if outer else None
-    if sequence_parallel and why: raise ParallelPlanError(f"sequence_parallel: {why}; plan without it (--sequence-parallel off)")
+    if sequence_parallel and why:
+        raise ParallelPlanError(f"sequence_parallel: {why}; plan without it (--sequence-parallel off)")
     sp = bool(outer) and not why if sequence_parallel is None else sequence_parallel
     return styles, tuple((m, r) for m, r in outer if r != "norm" or sp), sp
 

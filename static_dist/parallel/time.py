@@ -460,13 +460,25 @@ def _rank_micro_batch(w: RankWork, L: _Layout, plan: ParallelPlan, stages: list,
                      [fag(j) for j in blocks[i + 1:i + 1 + pf]] if units and gather else [], []))
     rev = blocks[::-1]
     segs.append(((w.fwd_post if has_post else 0.0) + o[True, False], None, [], []))
-    segs.append(((w.bwd_post if has_post else 0.0) + o[False, False], None, [x for x in [bag(rev[0]) if rev else None] if x], []))
+    segs.append(
+        (
+            (w.bwd_post if has_post else 0.0) + o[False, False],
+            None,
+            [x for x in [bag(rev[0]) if rev else None] if x],
+            [],
+        )
+    )
     for i, b in enumerate(rev):
         nxt = [x for x in (bag(j) for j in rev[i + 1:i + 1 + pb]) if x]
         end = [(("s", b), sync_cost(prm[b]))] if do_sync and units else []
         segs.append((bwd[b] + rc[b] + tp_b[b] + cp_b[b], bag(b), nxt, end))
     segs.append(
-        ((w.bwd_pre if has_pre else 0.0) + o[False, True], None, [], [(("s", "root"), sync_cost(root))] if do_sync and root else [])
+        (
+            (w.bwd_pre if has_pre else 0.0) + o[False, True],
+            None,
+            [],
+            [(("s", "root"), sync_cost(root))] if do_sync and root else [],
+        )
     )
     end, busy = _two_streams(segs)
     B = np.array(blocks, dtype=np.int64)
