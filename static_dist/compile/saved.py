@@ -5,6 +5,8 @@
 # %% ../../nbs/42g_compile_saved.ipynb 3
 from __future__ import annotations
 
+import contextlib
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -50,36 +52,66 @@ def _saved_values(fw: torch.fx.GraphModule, n_out: int, kinds: dict[str, str]) -
         res.append(SavedValue(n.name, tuple(v.shape), v.dtype, b.name, kind, _storage_bytes(b.meta["val"])))
     return res
 
-# %% ../../nbs/42g_compile_saved.ipynb
-def block_call(model: nn.Module, fqn: str, example_inputs: tuple, example_kwargs: dict | None = None):
-    """The (args, kwargs) block `fqn` receives in one forward of `model` (grad on, so the residual stream needs grad as
-    in training), detached, each tensor's `requires_grad` kept; the forward stops after the block's call."""
-    mods, seen = dict(model.named_modules()), {}
-    if fqn not in mods: raise CompileError(f"no module {fqn!r} in the model: name a block by its FQN.")
-    mod = mods[fqn]
-    class _Got(Exception): pass
-    def keep(a): return a.detach().requires_grad_(a.requires_grad) if torch.is_tensor(a) else a
-    def pre(m, args, kwargs):
-        seen["call"] = (tuple(map(keep, args)), {k: keep(v) for k, v in kwargs.items()})
-        raise _Got
-    h = mod.register_forward_pre_hook(pre, with_kwargs=True)
-    try: model(*example_inputs, **(example_kwargs or {}))
-    except _Got: pass
-    finally: h.remove()
-    if "call" not in seen:
-        raise CompileError(f"block {fqn!r} is not called in the model's forward: nothing to compile.")
-    return seen["call"]
+def _fake_copy(model: nn.Module, mode: FakeTensorMode, device: torch.device) -> nn.Module:
+    "A copy of `model` whose parameters and buffers are empty fakes of `mode` on `device` (nothing allocated)."
+    memo = {}
+    with mode:
+        for t in dict.fromkeys([*model.parameters(), *model.buffers()]):
+            new = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+            memo[id(t)] = nn.Parameter(new, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else new
+    return copy.deepcopy(model, memo)
 
 # %% ../../nbs/42g_compile_saved.ipynb
 def _fake_like(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     "A tensor of `t`'s shape, strides and dtype on `device` (created under the caller's FakeTensorMode)."
     return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device).requires_grad_(t.requires_grad)
 
-def _device_of(block: nn.Module, device) -> torch.device:
-    "`device`, else the block's parameters' device, with meta read as cpu (what the fake tensors stand for)."
+def _device_of(module: nn.Module, device) -> torch.device:
+    "`device`, else the module's parameters' device, with meta read as cpu (what the fake tensors stand for)."
     if device is not None: return torch.device(device)
-    d = next((p.device for p in block.parameters()), torch.device("cpu"))
+    d = next((p.device for p in module.parameters()), torch.device("cpu"))
     return torch.device("cpu") if d.type == "meta" else d
+
+# %% ../../nbs/42g_compile_saved.ipynb
+def _fake_copy(model: nn.Module, mode: FakeTensorMode, device: torch.device) -> nn.Module:
+    "A copy of `model` whose parameters and buffers are empty fakes of `mode` on `device` (nothing allocated)."
+    memo = {}
+    with mode:
+        for t in dict.fromkeys([*model.parameters(), *model.buffers()]):
+            new = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+            memo[id(t)] = nn.Parameter(new, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else new
+    return copy.deepcopy(model, memo)
+
+# %% ../../nbs/42g_compile_saved.ipynb
+def block_call(model: nn.Module, fqn: str, example_inputs: tuple, example_kwargs: dict | None = None, device=None):
+    """The (args, kwargs) block `fqn` receives in one forward of `model`, grad on as in training (the residual stream
+    needs grad, the RoPE tables do not), stopped at the block: on the model itself when it and the inputs hold data,
+    else on a fake copy (on `device`, default the model's, cpu for meta). `compiled_saved` reads their shapes, strides,
+    dtypes and `requires_grad`."""
+    mods, seen = dict(model.named_modules()), {}
+    if fqn not in mods: raise CompileError(f"no module {fqn!r} in the model: name a block by its FQN.")
+    mode, dev = FakeTensorMode(allow_non_fake_inputs=True), _device_of(model, device)
+    flat = torch.utils._pytree.tree_leaves((example_inputs, example_kwargs))
+    real = not any(t.is_meta for t in [*model.parameters(), *model.buffers(), *flat] if torch.is_tensor(t))
+    work = model if real and device is None else _fake_copy(model, mode, dev)
+    class _Got(Exception): pass
+    def pre(m, args, kwargs):
+        keep = lambda a: a.detach().requires_grad_(a.requires_grad) if torch.is_tensor(a) else a
+        seen["call"] = torch.utils._pytree.tree_map(keep, (tuple(args), dict(kwargs)))
+        raise _Got
+    def fake(t):
+        if not torch.is_tensor(t) or work is model: return t
+        if not t.is_meta and t.device == dev: return mode.from_tensor(t)
+        with mode: return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=dev)
+    h = dict(work.named_modules())[fqn].register_forward_pre_hook(pre, with_kwargs=True)
+    try:
+        with mode if work is not model else contextlib.nullcontext():
+            work(*map(fake, example_inputs), **{k: fake(v) for k, v in (example_kwargs or {}).items()})
+    except _Got: pass
+    finally: h.remove()
+    if "call" not in seen:
+        raise CompileError(f"block {fqn!r} is not called in the model's forward: nothing to compile.")
+    return seen["call"]
 
 # %% ../../nbs/42g_compile_saved.ipynb
 def compiled_saved(
