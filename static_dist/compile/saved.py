@@ -52,15 +52,6 @@ def _saved_values(fw: torch.fx.GraphModule, n_out: int, kinds: dict[str, str]) -
         res.append(SavedValue(n.name, tuple(v.shape), v.dtype, b.name, kind, _storage_bytes(b.meta["val"])))
     return res
 
-def _fake_copy(model: nn.Module, mode: FakeTensorMode, device: torch.device) -> nn.Module:
-    "A copy of `model` whose parameters and buffers are empty fakes of `mode` on `device` (nothing allocated)."
-    memo = {}
-    with mode:
-        for t in dict.fromkeys([*model.parameters(), *model.buffers()]):
-            new = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
-            memo[id(t)] = nn.Parameter(new, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else new
-    return copy.deepcopy(model, memo)
-
 # %% ../../nbs/42g_compile_saved.ipynb
 def _fake_like(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     "A tensor of `t`'s shape, strides and dtype on `device` (created under the caller's FakeTensorMode)."
@@ -157,23 +148,6 @@ def compiled_saved_bytes(model: nn.Module, block_fqn: str, args: tuple, kwargs: 
     "Bytes of the distinct storages `compiled_saved` finds that are activations (parameters and no-grad inputs aside)."
     sv = compiled_saved(model, block_fqn, args, kwargs, device)
     return sum({s.base: s.nbytes for s in sv if s.kind == "activation"}.values())
-
-@dataclass(frozen=True)
-class BlockSaved:
-    "One block's activations saved for backward, eager and compiled."
-    block: str
-    eager: int       # bytes of the step's activation storages saved in the block (`StaticGraph.storages`' `saved_in`)
-    compiled: int    # bytes `compiled_saved_bytes` predicts for it
-
-    @property
-    def ratio(self) -> float:
-        "compiled / eager: the factor the memory model scales the block's saved activations by."
-        return self.compiled / self.eager if self.eager else 1.0
-
-def eager_saved_bytes(g: StaticGraph, block_fqn: str) -> int:
-    "Bytes of the captured step's activation storages first saved for backward inside `block_fqn` (or a submodule)."
-    inside = lambda m: m == block_fqn or m.startswith(block_fqn + ".")
-    return sum(s.nbytes for s in g.storages if s.role == "activation" and s.saved_in is not None and inside(s.saved_in))
 
 # %% ../../nbs/42g_compile_saved.ipynb
 @dataclass(frozen=True)
