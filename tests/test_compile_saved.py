@@ -59,8 +59,8 @@ def test_saved_values_are_the_compiled_forwards_outputs():
     sv = compiled_saved(meta, "layers.1", *block_call(meta, "layers.1", (tokens.to("meta"),)))
     params = {tuple(p.shape) for p in meta.layers[1].parameters()}
     assert all(tuple(reversed(s.shape)) in params or s.shape in params for s in sv if s.kind == "parameter"), sv
-    assert {s.shape for s in sv if s.kind == "input"} == {(16, 8)}        # the RoPE tables: no grad, held once
-    assert (1, 16, 64) in {s.shape for s in sv if s.kind == "activation"}  # the residual stream coming in
+    assert {s.shape for s in sv if s.kind == "constant"} == {(16, 8)}     # the RoPE tables: no grad, held once
+    assert [s.shape for s in sv if s.kind == "input"] == [(1, 16, 64)]     # the residual stream coming in
 
 
 @pytest.mark.slow

@@ -29,8 +29,10 @@ class SavedValue:
     shape: tuple[int, ...]
     dtype: torch.dtype
     base: str               # the node whose storage it is (itself, or the base a chain of views reads)
-    kind: str               # 'activation' (made in the block, or its input that needs grad), 'parameter', 'input'
+    kind: str               # 'activation' (made in the block), 'input' (the block's input that needs grad: the
+                            # residual stream), 'constant' (an input that needs none: RoPE tables, masks), 'parameter'
     nbytes: int             # bytes of its base's storage
+    output: bool = False    # its storage is one of the block's outputs (the next block's input)
 
 # %% ../../nbs/42g_compile_saved.ipynb
 def _base(n):
@@ -43,13 +45,15 @@ def _storage_bytes(t: torch.Tensor) -> int:
 
 def _saved_values(fw: torch.fx.GraphModule, n_out: int, kinds: dict[str, str]) -> list[SavedValue]:
     "The forward graph's outputs after the first `n_out` (the user's), each with its base and kind."
-    outs = fw.graph.find_nodes(op="output")[0].args[0][n_out:]
+    outs = fw.graph.find_nodes(op="output")[0].args[0]
+    mine = {_base(n).name for n in outs[:n_out] if isinstance(n, torch.fx.Node)}
     res = []
-    for n in outs:
+    for n in outs[n_out:]:
         if n is None: continue
         b, v = _base(n), n.meta["val"]
         kind = kinds.get(b.name, "activation") if b.op == "placeholder" else "activation"
-        res.append(SavedValue(n.name, tuple(v.shape), v.dtype, b.name, kind, _storage_bytes(b.meta["val"])))
+        res.append(SavedValue(n.name, tuple(v.shape), v.dtype, b.name, kind, _storage_bytes(b.meta["val"]),
+                              b.name in mine))
     return res
 
 # %% ../../nbs/42g_compile_saved.ipynb
@@ -127,7 +131,7 @@ def compiled_saved(
         a, k = torch.utils._pytree.tree_unflatten(vals, spec)
         return torch.func.functional_call(block, {**ps, **bs}, a, k)
     kinds = {f"primals_{i + 1}": "parameter" for i in range(len(params) + len(bufs))}
-    kinds |= {f"primals_{len(params) + len(bufs) + j + 1}": "activation" if flat[i].requires_grad else "input"
+    kinds |= {f"primals_{len(params) + len(bufs) + j + 1}": "input" if flat[i].requires_grad else "constant"
               for j, i in enumerate(tix)}
     got = {}
     def part(joint, inputs, **kws):
@@ -143,11 +147,21 @@ def compiled_saved(
         raise CompileError(f"block {block_fqn!r}: nothing in its forward needs grad, so compile saves nothing for it.")
     return got["saved"]
 
+def _bytes(sv: list[SavedValue], with_input: bool = True) -> int:
+    "Bytes of the distinct storages of `sv` that are activations (and the block's input, `with_input`)."
+    kinds = ("activation", "input") if with_input else ("activation",)
+    return sum({s.base: s.nbytes for s in sv if s.kind in kinds}.values())
+
 # %% ../../nbs/42g_compile_saved.ipynb
+def _bytes(sv: list[SavedValue], with_input: bool = True) -> int:
+    "Bytes of the distinct storages of `sv` that are activations (and the block's input, `with_input`)."
+    kinds = ("activation", "input") if with_input else ("activation",)
+    return sum({s.base: s.nbytes for s in sv if s.kind in kinds}.values())
+
 def compiled_saved_bytes(model: nn.Module, block_fqn: str, args: tuple, kwargs: dict | None = None, device=None) -> int:
-    "Bytes of the distinct storages `compiled_saved` finds that are activations (parameters and no-grad inputs aside)."
-    sv = compiled_saved(model, block_fqn, args, kwargs, device)
-    return sum({s.base: s.nbytes for s in sv if s.kind == "activation"}.values())
+    """Bytes of the distinct storages `compiled_saved` finds that are activations, the block's input (the residual
+    stream) included; parameters and inputs that need no grad aside."""
+    return _bytes(compiled_saved(model, block_fqn, args, kwargs, device))
 
 # %% ../../nbs/42g_compile_saved.ipynb
 @dataclass(frozen=True)
@@ -168,14 +182,57 @@ def eager_saved_bytes(g: StaticGraph, block_fqn: str) -> int:
     inside = lambda m: m == block_fqn or m.startswith(block_fqn + ".")
     return sum(s.nbytes for s in g.storages if s.role == "activation" and s.saved_in is not None and inside(s.saved_in))
 
+def _outer_stacks(model: nn.Module) -> list:
+    "The model's block stacks (`find_structure`) that are not inside another stack's block (those compile whole)."
+    stacks = find_structure(model).stacks
+    inner = lambda s, o: s is not o and any(s.path == b or s.path.startswith(b + ".") for b in o.blocks)
+    return [s for s in stacks if not any(inner(s, o) for o in stacks)]
+
+def _signature(call) -> tuple:
+    "What a partition depends on in a block's (args, kwargs): each tensor's shape, stride, dtype and `requires_grad`."
+    leaves, spec = torch.utils._pytree.tree_flatten(call)
+    one = lambda a: (tuple(a.shape), a.stride(), a.dtype, a.requires_grad) if torch.is_tensor(a) else a
+    return str(spec), tuple(map(one, leaves))
+
+# %% ../../nbs/42g_compile_saved.ipynb
+def _outer_stacks(model: nn.Module) -> list:
+    "The model's block stacks (`find_structure`) that are not inside another stack's block (those compile whole)."
+    stacks = find_structure(model).stacks
+    inner = lambda s, o: s is not o and any(s.path == b or s.path.startswith(b + ".") for b in o.blocks)
+    return [s for s in stacks if not any(inner(s, o) for o in stacks)]
+
+def _signature(call) -> tuple:
+    "What a partition depends on in a block's (args, kwargs): each tensor's shape, stride, dtype and `requires_grad`."
+    leaves, spec = torch.utils._pytree.tree_flatten(call)
+    one = lambda a: (tuple(a.shape), a.stride(), a.dtype, a.requires_grad) if torch.is_tensor(a) else a
+    return str(spec), tuple(map(one, leaves))
+
+# %% ../../nbs/42g_compile_saved.ipynb
+def _signature(call) -> tuple:
+    "What a partition depends on in a block's (args, kwargs): each tensor's shape, stride, dtype and `requires_grad`."
+    leaves, spec = torch.utils._pytree.tree_flatten(call)
+    one = lambda a: (tuple(a.shape), a.stride(), a.dtype, a.requires_grad) if torch.is_tensor(a) else a
+    return str(spec), tuple(map(one, leaves))
+
 # %% ../../nbs/42g_compile_saved.ipynb
 def compile_effects(
     g: StaticGraph, model: nn.Module, example_inputs: tuple, example_kwargs: dict | None = None, device=None
 ) -> tuple[BlockSaved, ...]:
-    """Per block of the model's main stack (`find_structure`), eager saved bytes from `g` (captured on the same
-    inputs) and compiled ones from one partition of the stack's first block (the blocks are identical)."""
-    main = find_structure(model).main
-    if main is None: raise CompileError("the model has no repeated blocks: compile_effects compares compiled blocks.")
-    args, kwargs = block_call(model, main.blocks[0], example_inputs, example_kwargs)
-    comp = compiled_saved_bytes(model, main.blocks[0], args, kwargs, device)
-    return tuple(BlockSaved(b, eager_saved_bytes(g, b), comp) for b in main.blocks)
+    """Per block of the model's stacks (`find_structure`; a stack inside another's blocks compiles with them), eager
+    saved bytes from `g` (captured on the same inputs) and compiled ones from one partition of the stack's second block
+    for all but the first (the blocks are identical), and of the first where its input differs (the model's input, which
+    needs no grad, instead of the residual stream). As in eager, a storage counts in the first block that saves it: a
+    block's input counts unless the block before saves its output."""
+    stacks = _outer_stacks(model)
+    if not stacks: raise CompileError("the model has no repeated blocks: compile_effects compares compiled blocks.")
+    out = []
+    for st in stacks:                 # a stack has two blocks or more
+        calls = [block_call(model, b, example_inputs, example_kwargs, device) for b in st.blocks[:2]]
+        rest = compiled_saved(model, st.blocks[1], *calls[1], device=device)
+        first = rest if _signature(calls[0]) == _signature(calls[1]) else compiled_saved(
+            model, st.blocks[0], *calls[0], device=device)
+        for i, b in enumerate(st.blocks):
+            prev = None if i == 0 else first if i == 1 else rest
+            held = prev is not None and any(s.output and s.kind == "activation" for s in prev)   # it holds our input
+            out.append(BlockSaved(b, eager_saved_bytes(g, b), _bytes(rest if i else first, with_input=not held)))
+    return tuple(out)
