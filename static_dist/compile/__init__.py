@@ -12,8 +12,13 @@ from .step import *
 from .guards import *
 from .bench import *
 from .training import *
+from .saved import *
+from .fused import *
 
 # %% ../../nbs/42_compile.ipynb
-from . import apply, bench, guards, options, step, training
+from . import apply, bench, fused, guards, options, saved, step, training
 
-__all__ = [*options.__all__, *apply.__all__, *step.__all__, *guards.__all__, *bench.__all__, *training.__all__]
+__all__ = [
+    *options.__all__, *apply.__all__, *step.__all__, *guards.__all__, *bench.__all__, *training.__all__, *saved.__all__,
+    *fused.__all__,
+]
