@@ -4,6 +4,8 @@
 
 # %% ../../nbs/92a_layout.ipynb 3
 from __future__ import annotations
+# One idea over 500 lines: the plan verb, entered from a model or a torchtitan job; both print the same report
+# from the same helpers.
 
 import json
 import sys

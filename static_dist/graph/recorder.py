@@ -4,6 +4,8 @@
 
 # %% ../../nbs/00c_graph_recorder.ipynb 3
 from __future__ import annotations
+# One idea over 500 lines: the recorder is one dispatch mode; its per-op record, FLOP formulas (causal
+# attention's included) and lifetimes are what its one __torch_dispatch__ reads.
 
 import logging
 import os

@@ -4,6 +4,9 @@
 
 # %% ../../nbs/45c_parallel_time.ipynb 2
 from __future__ import annotations
+# One idea over 500 lines: one rank's step as one two-stream timeline (each region's work, the collectives of
+# every axis and the cp ring, overlapped by one schedule); split, an axis's terms would be read apart from the
+# timeline that hides them.
 
 import math
 from dataclasses import dataclass, field, replace
