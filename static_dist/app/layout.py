@@ -186,11 +186,13 @@ def layout_memory(g, best, n_blocks: int, master_dtype: str | None = None) -> li
 # %% ../../nbs/92a_layout.ipynb
 def layout_reserved(w, g, n_blocks: int, plan, allocated: int, budget: int, expandable: bool = False):
     """(caching-allocator record or None, the report's reserved line, whether the layout fits `budget`): the reserved
-    peak of an FSDP-only layout (tp = pp = cp = 1) on the whole step's graph (`fsdp.predict_fsdp_reserved`), else why
-    it is not modelled, and the allocated peak decides."""
+    peak of an FSDP-only layout (tp = pp = cp = 1) on the whole step's graph (`fsdp.predict_fsdp_reserved`, its blocks
+    checkpointed in full as FSDP units' checkpoints), else why it is not modelled, and the allocated peak decides."""
+    import dataclasses
     from static_dist.fsdp import PlanError, profile_graph
     from static_dist.fsdp.reserved import predict_fsdp_reserved
     from static_dist.graph import fmt_bytes
+    from static_dist.graph.policies import FullCheckpoint
     from static_dist.parallel import rank_fsdp_plan
     from .verbs import reserved_line
     d, cap = plan.dims, len(g.structure.main.blocks)
@@ -199,12 +201,16 @@ def layout_reserved(w, g, n_blocks: int, plan, allocated: int, budget: int, expa
                       f"allocated peak {fmt_bytes(allocated)}"), allocated <= budget
     compute = (plan.fsdp.param_dtype if plan.fsdp else None) or w.dtype
     why = (f"{cap} of {n_blocks} blocks captured" if cap != n_blocks else
-           "checkpointed blocks" if any(p.checkpoints for p in plan.ac) else
+           "selective checkpointing" if any(p.checkpoints and not isinstance(p, FullCheckpoint) for p in plan.ac) else
            f"{w.dtype} masters with {compute} compute" if compute != w.dtype else "")
     st = None
     if not why:
         prof = profile_graph(g)
-        try: st = predict_fsdp_reserved(g, rank_fsdp_plan(plan, prof), profile=prof, expandable=expandable)
+        f, ck = rank_fsdp_plan(plan, prof), {b for b, p in zip(g.structure.main.blocks, plan.ac) if p.checkpoints}
+        units = tuple(dataclasses.replace(u, checkpoint="full") if u.module in ck else u for u in f.units)
+        if lost := sorted(ck - {u.module for u in units}): why = f"checkpointed block {lost[0]!r} is not an FSDP unit"
+        try: st = None if why else predict_fsdp_reserved(g, dataclasses.replace(f, units=units), profile=prof,
+                                                          expandable=expandable)
         except PlanError as e: why = str(e)
     return (st, *reserved_line(st, why, allocated, budget, expandable))
 
