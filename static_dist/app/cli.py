@@ -198,7 +198,11 @@ def _fsdp_parser(sub):
     p.add_argument(
         "--world", type=count("--world", hi=MAX_RANKS), help="number of ranks (default 8; a --plan has its own)"
     )
-    p.add_argument("--budget", type=size("--budget", lo=1), default="80GiB", help="memory per rank (default 80GiB)")
+    p.add_argument("--budget", type=size("--budget", lo=1), default="80GiB",
+                   help="memory per rank (default 80GiB): the reserved peak (caching-allocator replay) where it is "
+                        "modelled, else the allocated peak; the report says which")
+    p.add_argument("--expandable-segments", action="store_true",
+                   help="model the allocator under PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
     p.add_argument("--mesh", type=mesh, help="HSDP mesh RxS, e.g. 16x64 (default: pure FSDP over all ranks)")
     p.add_argument("--precision", choices=["bf16", "fp32"],
                    help="bf16: --param-dtype bfloat16 --reduce-dtype float32 (the default); fp32: no mixed precision")
@@ -236,7 +240,11 @@ def _layout_parser(sub):
     p.add_argument(
         "--topology", help="preset name or topology JSON (default: a cluster of 8-GPU H100 nodes sized to --world)"
     )
-    p.add_argument("--budget", type=size("--budget", lo=1), default="80GiB", help="memory per rank (default 80GiB)")
+    p.add_argument("--budget", type=size("--budget", lo=1), default="80GiB",
+                   help="memory per rank (default 80GiB): the reserved peak (caching-allocator replay) where it is "
+                        "modelled, else the allocated peak; the report says which")
+    p.add_argument("--expandable-segments", action="store_true",
+                   help="model the allocator under PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
     pins = p.add_argument_group("pins (fix a degree; the search chooses the others)")
     for dim in (a.name.replace("_", "-") for a in AXES):
         pins.add_argument(f"--{dim}", type=count(f"--{dim}", hi=MAX_RANKS), help=f"{dim.replace('-', '_')} degree")

@@ -21,8 +21,9 @@ from ..util import check_real_size
 
 # %% auto 0
 __all__ = ['PIN_DIMS', 'layout_pins', 'layout_precision', 'layout_pipeline', 'layout_topology', 'tp_outer_line', 'precision_line',
-           'ac_summary', 'layout_lines', 'layout_memory', 'cmd_plan', 'titan_args', 'titan_prediction', 'titan_verdict',
-           'print_titan_overrides', 'plan_titan', 'measured_peak', 'train_plan', 'cmd_train']
+           'ac_summary', 'layout_lines', 'layout_memory', 'layout_reserved', 'cmd_plan', 'titan_args',
+           'titan_prediction', 'titan_verdict', 'print_titan_overrides', 'plan_titan', 'measured_peak', 'train_plan',
+           'cmd_train']
 
 # %% ../../nbs/92a_layout.ipynb
 PIN_DIMS = tuple(a.name for a in AXES)   # one --flag per axis
@@ -189,6 +190,37 @@ def layout_memory(g, best, n_blocks: int, master_dtype: str | None = None) -> li
         return [(name + " (categories need one checkpointing mode or a full capture)", {}, best.memory_bytes)]
 
 # %% ../../nbs/92a_layout.ipynb
+def layout_reserved(w, g, n_blocks: int, plan, allocated: int, budget: int, expandable: bool = False):
+    """(caching-allocator record or None, the report's reserved line, whether the layout fits `budget`): the reserved
+    peak of an FSDP-only layout (tp = pp = cp = 1) on the whole step's graph (`fsdp.predict_fsdp_reserved`, its blocks
+    checkpointed in full as FSDP units' checkpoints), else why it is not modelled, and the allocated peak decides."""
+    import dataclasses
+    from static_dist.fsdp import PlanError, profile_graph
+    from static_dist.fsdp.reserved import predict_fsdp_reserved
+    from static_dist.graph import fmt_bytes
+    from static_dist.graph.policies import FullCheckpoint
+    from static_dist.parallel import rank_fsdp_plan
+    from .verbs import reserved_line
+    d, cap = plan.dims, len(g.structure.main.blocks)
+    if max(d.tp, d.pp, d.cp) > 1:
+        return None, (f"reserved: not modelled for tp/pp/cp layouts yet; --budget {fmt_bytes(budget)} applies to the "
+                      f"allocated peak {fmt_bytes(allocated)}"), allocated <= budget
+    compute = (plan.fsdp.param_dtype if plan.fsdp else None) or w.dtype
+    why = (f"{cap} of {n_blocks} blocks captured" if cap != n_blocks else
+           "selective checkpointing" if any(p.checkpoints and not isinstance(p, FullCheckpoint) for p in plan.ac) else
+           f"{w.dtype} masters with {compute} compute" if compute != w.dtype else "")
+    st = None
+    if not why:
+        prof = profile_graph(g)
+        f, ck = rank_fsdp_plan(plan, prof), {b for b, p in zip(g.structure.main.blocks, plan.ac) if p.checkpoints}
+        units = tuple(dataclasses.replace(u, checkpoint="full") if u.module in ck else u for u in f.units)
+        if lost := sorted(ck - {u.module for u in units}): why = f"checkpointed block {lost[0]!r} is not an FSDP unit"
+        try: st = None if why else predict_fsdp_reserved(g, dataclasses.replace(f, units=units), profile=prof,
+                                                          expandable=expandable)
+        except PlanError as e: why = str(e)
+    return (st, *reserved_line(st, why, allocated, budget, expandable))
+
+# %% ../../nbs/92a_layout.ipynb
 def cmd_plan(args) -> int:
     """`static-dist plan`: capture, search the layout, print it (memory, time, runners-up), optionally verify and write
     it."""
@@ -230,13 +262,17 @@ def cmd_plan(args) -> int:
         plan = dataclasses.replace(plan, reasons=(*plan.reasons, ("tensor parallel", tp_outer_line(plan))))
     columns = layout_memory(g, dataclasses.replace(r.best, plan=plan), n, w.dtype)
     print_markdown("\n".join(layout_lines(dataclasses.replace(r.best, plan=plan), columns, n, w.dtype)))
+    st, line, fits = layout_reserved(w, g, n, plan, r.best.memory_bytes, args.budget, args.expandable_segments)
+    print(line)
+    from .verbs import not_fit_message
     print_markdown("\n**layouts compared** (the best, runners-up, and faster ones that lost)\n\n" + r.table())
     if args.emit: print_titan_overrides(plan, w.batch, w.seq, w.dtype)
     if args.verify: _verify_layout(w, plan, g if len(g.structure.main.blocks) == n else None)
     if args.out:
         atomic_write(args.out, plan.to_json(), force=args.force)
         print(f"plan written to {args.out}")
-    return 0
+    if not fits: print(not_fit_message(st, r.best.memory_bytes, args.budget, "layout"), file=sys.stderr)
+    return 0 if fits else 3
 
 # %% ../../nbs/92a_layout.ipynb
 def _verify_layout(w, plan, g):
@@ -405,7 +441,6 @@ def _plan_batch(w, plan, step: int, device, mesh=None):
         whole = w.token_batch(torch.randint(w.vocab, (rows, (w.seq or 1) + 1), generator=g).to(device))
     if mesh is None: return whole
     return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, dp_slice(plan, mesh, whole))
-
 
 # %% ../../nbs/92a_layout.ipynb
 def _plan_rank(w, plan, steps: int, backend: str) -> dict:

@@ -21,9 +21,9 @@ from ..files import atomic_write, check_writable
 from ..util import check_memory, check_real_size
 
 # %% auto 0
-__all__ = ['EXPORT_FILES', 'status', 'workload_of', 'print_markdown', 'cmd_capture', 'cmd_plan_fsdp', 'topology_arg', 'mesh_spec',
-           'cmd_plan_placement', 'cmd_plan_offload', 'cmd_check_export', 'rewrite_case', 'cmd_passes', 'cmd_ops',
-           'parse_fault', 'cmd_stability']
+__all__ = ['EXPORT_FILES', 'status', 'workload_of', 'print_markdown', 'cmd_capture', 'fsdp_reserved', 'reserved_line',
+           'not_fit_message', 'cmd_plan_fsdp', 'topology_arg', 'mesh_spec', 'cmd_plan_placement', 'cmd_plan_offload',
+           'cmd_check_export', 'rewrite_case', 'cmd_passes', 'cmd_ops', 'parse_fault', 'cmd_stability']
 
 # %% ../../nbs/92_verbs.ipynb
 @contextmanager
@@ -140,6 +140,37 @@ def _fsdp_report(args, prof, given):
                          accumulation_steps=args.accumulation, overrides=ov, progress=update)
 
 # %% ../../nbs/92_verbs.ipynb
+def fsdp_reserved(w, prof, plan, expandable: bool = False):
+    """(rank 0's caching-allocator record of `plan` on `w`'s step, '') from `fsdp.predict_fsdp_reserved`, or (None, why
+    the reserved model cannot compute it for this profile and plan)."""
+    from static_dist.fsdp import PlanError
+    from static_dist.fsdp.reserved import predict_fsdp_reserved
+    if not prof.path.startswith("full capture"): return None, f"{prof.path}: no graph of the whole step"
+    compute = plan.param_dtype or w.dtype
+    if compute != w.dtype: return None, f"{w.dtype} masters with {compute} compute"
+    try: return predict_fsdp_reserved(w.graph(dtype=compute), plan, profile=prof, expandable=expandable), ""
+    except PlanError as e: return None, str(e)
+
+def reserved_line(st, why: str, allocated: int, budget: int, expandable: bool = False) -> tuple[str, bool]:
+    "The report's line on reserved memory, and whether the plan fits `budget`: by its reserved peak where modelled."
+    if st is None:
+        return (f"reserved: not modelled for this profile ({why}); --budget {fmt_bytes(budget)} applies to the "
+                f"allocated peak {fmt_bytes(allocated)}"), allocated <= budget
+    seg = "expandable segments" if expandable else "fixed segments"
+    return (f"memory per rank: allocated {fmt_bytes(allocated)}, reserved {fmt_bytes(st.peak_reserved)} (caching "
+            f"allocator replay, {seg}; not yet checked on a device); --budget {fmt_bytes(budget)} applies to the "
+            "reserved"), st.peak_reserved <= budget
+
+def not_fit_message(st, allocated: int, budget: int, what: str = "plan") -> str:
+    "Why the chosen plan does not fit `budget`: the reserved peak over it while the allocated fits, or the allocated."
+    if st is not None and allocated <= budget:
+        return (f"the {what} does not fit {fmt_bytes(budget)}: its reserved peak {fmt_bytes(st.peak_reserved)} is over "
+                f"the budget (its allocated peak {fmt_bytes(allocated)} fits); raise the budget or the world size, or "
+                "try --expandable-segments")
+    return (f"no {what} fits {fmt_bytes(budget)}: the {what} needs {fmt_bytes(allocated)}; raise the budget or the "
+            "world size")
+
+# %% ../../nbs/92_verbs.ipynb
 def cmd_plan_fsdp(args) -> int:
     "`static-dist plan-fsdp`: search a plan (or evaluate `--plan`), print it, optionally verify and write it."
     from static_dist.fsdp import FSDPPlan
@@ -157,13 +188,15 @@ def cmd_plan_fsdp(args) -> int:
                    f"{rep.plan.reduce_dtype or pdt} reduction), world {rep.plan.world_size}, mesh "
                    f"{rep.plan.mesh_shape}, budget {fmt_bytes(args.budget)}: {what}\n\n" + rep.table())
     for k, v in rep.plan.reasons: print(f"- {k}: {v}")
+    st, why = fsdp_reserved(w, prof, rep.plan, args.expandable_segments)
+    line, fits = reserved_line(st, why, rep.memory.peak_bytes, args.budget, args.expandable_segments)
+    print(line)
     if args.verify: _verify(args, w, rep, prof)
     if args.out:
         atomic_write(args.out, rep.plan.to_json(), force=args.force, inputs=[args.plan])
         print(f"plan written to {args.out}")
-    if not rep.fits: print(f"no plan fits {fmt_bytes(args.budget)}: the plan needs {fmt_bytes(rep.memory.peak_bytes)}; "
-                           "raise the budget or the world size", file=sys.stderr)
-    return 0 if rep.fits else 3
+    if not fits: print(not_fit_message(st, rep.memory.peak_bytes, args.budget), file=sys.stderr)
+    return 0 if fits else 3
 
 # %% ../../nbs/92_verbs.ipynb
 def _verify(args, w, rep, prof):

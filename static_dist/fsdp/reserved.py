@@ -5,11 +5,14 @@
 # %% ../../nbs/40h_fsdp_reserved.ipynb 3
 from __future__ import annotations
 
+import dataclasses
+
 from ..cost.allocator import AllocatorStats, Hold, predict_reserved
 from ..cost.profile import GraphProfile, PlanError, profile_graph
 from .memory import _add_all_gathers, _add_reduce_scatters, _add_unsharded, _Curves, _dtype_size
 from .memory import layout, shard_numel
 from .plan import FSDPPlan, unit_finder
+from ..graph.checkpoint import CheckpointLifetimes, checkpoint_lifetimes
 from ..graph.records import StaticGraph
 
 # %% auto 0
@@ -23,9 +26,6 @@ def _supported(plan: FSDPPlan) -> None:
     if plan.accumulation_steps > 1:
         raise PlanError(f"accumulation_steps={plan.accumulation_steps}: reserved memory is predicted for one "
                         "micro-batch per step; give accumulation_steps=1")
-    ck = [u.module for u in plan.units if u.module and u.checkpoint.checkpoints]
-    if ck: raise PlanError(f"unit {ck[0]!r} is checkpointed: reserved memory is predicted for plans without activation "
-                           "checkpointing; drop its checkpoint")
 
 def _intervals(n: int, add) -> dict:
     "{category: [(first op, last op, bytes)]} that `fsdp.memory`'s builder `add` charges on a fresh curve set."
@@ -66,6 +66,37 @@ def _graph_hold(s, owner, pinfo: dict, plan: FSDPPlan, grad_end: dict, opt_ratio
     return Hold(s.name, int(s.nbytes * opt_ratio) if opt else s.nbytes, s.created, s.freed)
 
 # %% ../../nbs/40h_fsdp_reserved.ipynb
+def _recompute_order(r) -> int:
+    "The sub-order at op `r.at` after recompute `r`, whose forward ops take the orders 1 .. `r.last - r.first + 1`."
+    return r.last - r.first + 2
+
+def _timed(h: Hold, end: int | None, runs: dict) -> tuple[int, int]:
+    "(after, free_order) of `h` ending at `end`: after the recompute run at its first op, freed after one at its last."
+    after = max(h.after, _recompute_order(runs[h.start])) if h.start in runs else h.after
+    return after, (max(h.free_order, _recompute_order(runs[end])) if end in runs else h.free_order)
+
+def _checkpoint_holds(g: StaticGraph, life: CheckpointLifetimes, hs: dict) -> list[Hold]:
+    "The storages' holds `hs` ({storage id: Hold}) as checkpointing changes them, with the recomputes' own holds."
+    runs, out = {r.at: r for r in life.recomputes}, []
+    held = lambda sid, e: e if e is None or sid not in life.held else max(e, life.held[sid])   # inputs kept
+    ends = {sid: held(sid, h.end) for sid, h in hs.items()}
+    for sid, h in hs.items():
+        after, fo = _timed(h, ends[sid], runs)
+        if sid in life.absent: out.append(dataclasses.replace(h, end=life.absent[sid][0] - 1, after=after))
+        else: out.append(dataclasses.replace(h, end=ends[sid], after=after, free_order=fo))
+    for r in life.recomputes:
+        for sid in (i for i in r.made if i in hs and (i in r.remade or i not in life.held)):
+            s, h = g.storages[sid], hs[sid]
+            if sid in r.remade:
+                out.append(Hold(f"{h.name}/remade", h.nbytes, r.at, ends[sid], h.stream, after=1 + s.created - r.first,
+                                free_order=_timed(h, ends[sid], runs)[1]))
+            else:
+                last = r.last if s.freed is None else min(s.freed, r.last)
+                out.append(Hold(f"{h.name}/recompute", h.nbytes, r.at, r.at, h.stream, after=1 + s.created - r.first,
+                                free_order=1 + last - r.first))
+    return out
+
+# %% ../../nbs/40h_fsdp_reserved.ipynb
 def fsdp_holds(g: StaticGraph, profile: GraphProfile, plan: FSDPPlan) -> list[Hold]:
     "Every buffer rank 0 allocates in one step of `g` under `plan`, with its stream and lifetime."
     _supported(plan)
@@ -81,12 +112,13 @@ def fsdp_holds(g: StaticGraph, profile: GraphProfile, plan: FSDPPlan) -> list[Ho
         if l.params: holds += _unit_holds(l, units[l.module], plan, pinfo, n)
     holds += [Hold("reduce_scatter_input", v, a, b, after=1) for a, b, v in
               _intervals(n, lambda C: _add_reduce_scatters(C, profile, lays))["reduce_scatter"]]
-    ph = g.op_phases()
+    ph, hs = g.op_phases(), {}
     for s in g.storages:
         opt = s.created >= 0 and ph[s.created] == 2                 # made by the optimizer step: on the shard
         h = _graph_hold(s, owner, pinfo, plan, grad_end, local / full if full else 1.0, opt)
-        if h is not None: holds.append(h)
-    return holds
+        if h is not None: hs[s.id] = h
+    ck = {m: frozenset() for u in plan.units if u.module and u.checkpoint.checkpoints for m in u.modules}
+    return holds + (_checkpoint_holds(g, checkpoint_lifetimes(g, ck), hs) if ck else list(hs.values()))
 
 # %% ../../nbs/40h_fsdp_reserved.ipynb
 def predict_fsdp_reserved(g: StaticGraph, plan: FSDPPlan, *, profile: GraphProfile | None = None,
