@@ -171,13 +171,8 @@ def test_titan_tp_layouts(titan_tp_case):
     assert dict(plan.tp_styles)["attention.qkv_linear.wqkv"] == "colwise"
     assert {r: x for x, r in plan.tp_outer} == {"embedding": "tok_embeddings", "output": "lm_head",
                                                 **({"norm": "norm"} if job.sequence_parallel else {})}
-    measured = {}
-    for op, n in m.ops.items():
-        kind = next(k for k, pats in (("all_gather", ("allgather", "all_gather")),
-                                      ("reduce_scatter", ("reduce_scatter",)), ("all_reduce", ("all_reduce",)))
-                    if any(p in op for p in pats))
-        key = f"{'tp' if 'functional' in op else 'dp'}.{kind}"
-        measured[key] = measured.get(key, 0) + n
+    from static_dist.parallel import counts_by_axis
+    measured = counts_by_axis(m.ops)
     if job.ac == "full":   # torchtitan wraps blocks with early_stop=False (distributed/activation_checkpoint.py): its
         # recompute re-issues w2's reduce-scatter too, which torch's default early stop (static_dist's apply) skips
         counts = {**counts, "tp.reduce_scatter": counts["tp.reduce_scatter"] + job.n_layers}
@@ -193,12 +188,12 @@ def test_titan_tp_layouts(titan_tp_case):
     assert abs(ratio - 1) <= 0.01, ratio
 
 
+@pytest.mark.parametrize("titan_tp_case", ["70b_8_layers_dp8_tp8"], indirect=True)
 def test_sequence_parallel_shards_a_70b_block_input(titan_tp_case):
     "With sequence parallelism a checkpointed block keeps 1/tp of its input per rank: (seq / tp) x dim x 2 bytes."
     from static_dist.parallel import predict_parallel_memory
     from static_dist.titan import titan_workload
     case, job, _, plan, _, _ = titan_tp_case
-    if case != "70b_8_layers_dp8_tp8": pytest.skip("the 70B case")
     import dataclasses
     g = titan_workload(job).graph(dtype=job.param_dtype)
     whole = dataclasses.replace(plan, sequence_parallel=False,

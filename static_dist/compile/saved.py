@@ -182,18 +182,6 @@ def eager_saved_bytes(g: StaticGraph, block_fqn: str) -> int:
     inside = lambda m: m == block_fqn or m.startswith(block_fqn + ".")
     return sum(s.nbytes for s in g.storages if s.role == "activation" and s.saved_in is not None and inside(s.saved_in))
 
-def _outer_stacks(model: nn.Module) -> list:
-    "The model's block stacks (`find_structure`) that are not inside another stack's block (those compile whole)."
-    stacks = find_structure(model).stacks
-    inner = lambda s, o: s is not o and any(s.path == b or s.path.startswith(b + ".") for b in o.blocks)
-    return [s for s in stacks if not any(inner(s, o) for o in stacks)]
-
-def _signature(call) -> tuple:
-    "What a partition depends on in a block's (args, kwargs): each tensor's shape, stride, dtype and `requires_grad`."
-    leaves, spec = torch.utils._pytree.tree_flatten(call)
-    one = lambda a: (tuple(a.shape), a.stride(), a.dtype, a.requires_grad) if torch.is_tensor(a) else a
-    return str(spec), tuple(map(one, leaves))
-
 # %% ../../nbs/42g_compile_saved.ipynb
 def _outer_stacks(model: nn.Module) -> list:
     "The model's block stacks (`find_structure`) that are not inside another stack's block (those compile whole)."

@@ -63,7 +63,7 @@ def _sequence_styles(block: nn.Module, plan: ParallelPlan) -> tuple[dict, set]:
              if n and not under(n) and any(True for _ in m.parameters(recurse=False))}
     return norms, regions
 
-def _outer_styles(model: nn.Module, plan: ParallelPlan) -> dict:
+def _outer_styles(plan: ParallelPlan) -> dict:
     "torchtitan's styles for the modules outside the blocks (`plan.tp_outer`), by role."
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
@@ -96,7 +96,7 @@ def apply_tp(model: nn.Module, plan: ParallelPlan, tp_mesh, blocks=None) -> None
             for r in regions: block.get_submodule(r).register_forward_pre_hook(_gather_sequence, with_kwargs=True)
         else: parallelize_module(block, tp_mesh, styles)
     mods = dict(model.named_modules())
-    outer = {m: s for m, s in _outer_styles(model, plan).items() if m in mods}   # a pipeline stage holds some
+    outer = {m: s for m, s in _outer_styles(plan).items() if m in mods}   # a pipeline stage holds some
     if outer: parallelize_module(model, tp_mesh, outer)
 
 # %% ../../nbs/45e_parallel_apply.ipynb

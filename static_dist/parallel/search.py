@@ -47,7 +47,8 @@ from static_dist.parallel.plan import (
     stage_ranges,
 )
 from .time import StepTime, predict_step_time, rank_work
-from ..placement import block_spec, megatron_styles, outer_roles, sequence_blocker, tp_blockers
+from ..placement import (block_spec, megatron_styles, outer_roles, sequence_blocker,
+                                  blocking_params)
 from ..cost.profile import param_infos
 from ..topology import Topology
 from ..graph.records import BACKWARD, FORWARD
@@ -463,7 +464,7 @@ def _hopeless(ctx: _Context, plan: ParallelPlan, ac, budget: int, bounds: dict) 
 # %% ../../nbs/45d_parallel_search.ipynb
 def tp_layout(g: StaticGraph, styles: tuple, sequence_parallel: bool | None = None) -> tuple[tuple, tuple, bool]:
     """(styles, outer roles, sequence parallel?) of tensor parallelism on the captured step, read from its structure:
-    a sub-layer whose column-parallel linears a parameter spans (`placement.tp_blockers`: OLMo 2's q/k norms) stays
+    a sub-layer whose column-parallel linears a parameter spans (`placement.blocking_params`: OLMo 2's q/k norms) stays
     replicated; the embedding, final norm and output (`placement.outer_roles`) are laid out as torchtitan does when
     the model has them (none: the blocks only, without sequence parallelism). `sequence_parallel`: None (on where it
     can be: not where `placement.sequence_blocker` says why not), or forced (True raises when the model
@@ -474,8 +475,7 @@ def tp_layout(g: StaticGraph, styles: tuple, sequence_parallel: bool | None = No
     mine = [(p.name[len(b0):], p.numel) for p in params if p.name.startswith(b0)]
     outs = {p.name[len(b0):].rpartition(".")[0]: p.shape[0] for p in params
             if p.name.startswith(b0) and p.name.endswith(".weight") and len(p.shape) == 2}
-    blocked = {m.split(" ")[0].rpartition(".")[0] for m in tp_blockers(mine, dict(styles), outs)}
-    subs = {n.rpartition(".")[0] for n in blocked}
+    subs = {lin.rpartition(".")[0] for _, lin in blocking_params(mine, dict(styles), outs)}
     under = lambda n: any(n == s or n.startswith(s + ".") for s in subs if s)
     styles = tuple((n, "replicate" if under(n.rpartition(".")[0]) else s) for n, s in styles)
     outer = outer_roles(g)

@@ -31,16 +31,20 @@ from ..graph.records import FORWARD
 
 
 # %% auto 0
-__all__ = ['axis_counts', 'predict_axis_counts', 'ParallelVerification', 'verify_parallel', 'RunTracker', 'tracked_peak',
-           'static_metadata', 'pp_rank_global', 'StageVerification', 'PipelineVerification', 'verify_pipeline',
-           'predicted_stack_bytes', 'measured_stack_bytes', 'verify_selective']
+__all__ = ['axis_counts', 'counts_by_axis', 'predict_axis_counts', 'ParallelVerification', 'verify_parallel', 'RunTracker',
+           'tracked_peak', 'static_metadata', 'pp_rank_global', 'StageVerification', 'PipelineVerification',
+           'verify_pipeline', 'predicted_stack_bytes', 'measured_stack_bytes', 'verify_selective']
 
 # %% ../../nbs/45f_parallel_verify.ipynb
 def axis_counts(cdm) -> dict[str, int]:
-    """CommDebugMode's counts as {'axis.kind': n}: FSDP's c10d collectives are the data-parallel axis, DTensor's
-    functional ones tensor parallelism."""
+    "CommDebugMode's counts as {'axis.kind': n} (`counts_by_axis`)."
+    return counts_by_axis(cdm.get_comm_counts())
+
+def counts_by_axis(op_counts: dict) -> dict[str, int]:
+    """{collective op (or its name): count} as {'axis.kind': n}: FSDP's c10d collectives are the data-parallel axis,
+    DTensor's functional ones tensor parallelism."""
     out: dict[str, int] = {}
-    for op, n in cdm.get_comm_counts().items():
+    for op, n in op_counts.items():
         s = str(op)
         kind = next(
             (

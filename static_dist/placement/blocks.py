@@ -13,7 +13,8 @@ from .groups import NoRepeatedBlocksError, PlacementError, _main, _param_memory
 from ..topology import Topology, op_seconds
 
 # %% auto 0
-__all__ = ['LinearSpec', 'BlockSpec', 'llama_block_spec', 'block_spec', 'outer_roles', 'sequence_blocker', 'tp_blockers']
+__all__ = ['LinearSpec', 'BlockSpec', 'llama_block_spec', 'block_spec', 'outer_roles', 'sequence_blocker', 'blocking_params',
+           'tp_blockers']
 
 # %% ../../nbs/30c_placement_blocks.ipynb
 @dataclass(frozen=True)
@@ -252,11 +253,11 @@ def sequence_blocker(graph) -> str | None:
     return None
 
 # %% ../../nbs/30c_placement_blocks.ipynb
-def tp_blockers(params, styles: dict, out_features: dict) -> list[str]:
-    """Why the column-parallel linears of `styles` ({linear in the block: style}) cannot run sharded, one line each
-    (empty: none): a parameter inside their sub-layer, not a linear's own, as long as a column-parallel linear's output
-    there (OLMo 2's q_norm/k_norm normalize every head at once: weight [n_heads × head_dim]); on a tp rank it would
-    meet a slice. `params`: (FQN in the block, numel) pairs; `out_features`: {linear: out_features}."""
+def blocking_params(params, styles: dict, out_features: dict) -> list[tuple[str, str]]:
+    """(parameter, linear) pairs where a column-parallel linear of `styles` ({linear in the block: style}) cannot run
+    sharded: a parameter inside its sub-layer, not a linear's own, as long as the linear's output (OLMo 2's
+    q_norm/k_norm normalize every head at once: weight [n_heads × head_dim]); on a tp rank it would meet a slice.
+    `params`: (FQN in the block, numel) pairs; `out_features`: {linear: out_features}."""
     col = {n: out_features[n] for n, s in styles.items() if s.startswith("colwise") and n in out_features}
     out = []
     for name, numel in params:
@@ -264,8 +265,13 @@ def tp_blockers(params, styles: dict, out_features: dict) -> list[str]:
         if owner in styles: continue
         for lin, width in col.items():
             sub = lin.rpartition(".")[0]
-            if numel == width and (owner == sub or owner.startswith(sub + ".")) and sub:
-                out.append(f"{name} ({numel} values) spans every head {lin}'s columns shard: a tp rank would hold "
-                           f"a slice of its input; replicate {lin}'s sub-layer or use tp=1")
+            if numel == width and sub and (owner == sub or owner.startswith(sub + ".")):
+                out.append((name, lin))
                 break
     return out
+
+def tp_blockers(params, styles: dict, out_features: dict) -> list[str]:
+    "`blocking_params` as one line each: what blocks which linear, and what to do (empty: none)."
+    return [f"{name} ({dict(params)[name]} values) spans every head {lin}'s columns shard: a tp rank would hold a "
+            f"slice of its input; replicate {lin}'s sub-layer or use tp=1"
+            for name, lin in blocking_params(params, styles, out_features)]
