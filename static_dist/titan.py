@@ -23,7 +23,7 @@ from .workload import Workload
 # %% auto 0
 __all__ = ['JOBS', 'TitanError', 'TitanJob', 'titan_ac_policy', 'titan_job', 'titan_toml', 'titan_model', 'titan_loss',
            'titan_workload', 'titan_dims', 'titan_stages', 'titan_plan', 'TitanMeasurement', 'apply_titan',
-           'measure_titan', 'titan_overrides']
+           'measure_titan', 'titan_overrides', 'TitanCheck', 'titan_layout_job', 'check_titan']
 
 # %% ../nbs/07_titan.ipynb
 class TitanError(StaticDistError, ValueError):
@@ -460,6 +460,14 @@ def _ac_name(p) -> str:
         "none" if isinstance(p, NoCheckpoint) else "full"
 
 # %% ../nbs/07_titan.ipynb
+def _ac_mode(plan) -> tuple[str, list[str]]:
+    "(the one checkpointing mode torchtitan applies for `plan`, notes): a mix of modes is written as the strongest."
+    modes = list(dict.fromkeys(_ac_name(p) for p in plan.ac)) or ["none"]
+    mode = next(m for m in ("full", "selective", "none") if m in modes)
+    return mode, ([f"torchtitan checkpoints every block alike: the plan's mix ({', '.join(modes)}) is written as "
+                   f"{mode}, which saves more memory and recomputes more than predicted"] if len(modes) > 1 else [])
+
+# %% ../nbs/07_titan.ipynb
 def titan_overrides(plan, batch: int, seq: int, master_dtype: str = "float32") -> tuple[list[str], list[str]]:
     """(torchtitan command-line arguments, notes) for `plan` with micro-batches of `batch` x `seq` tokens and masters in
     `master_dtype`."""
@@ -475,11 +483,64 @@ def titan_overrides(plan, batch: int, seq: int, master_dtype: str = "float32") -
     out += [f"--training.local_batch_size {batch * (plan.microbatches if d.pp > 1 else 1)}",
             f"--training.seq_len {seq}", f"--training.dtype {master_dtype}",
             f"--training.mixed_precision_param {pdt}", f"--training.mixed_precision_reduce {rdt}"]
-    modes = list(dict.fromkeys(_ac_name(p) for p in plan.ac)) or ["none"]
-    mode = next(m for m in ("full", "selective", "none") if m in modes)
-    if len(modes) > 1: notes.append(f"torchtitan checkpoints every block alike: the plan's mix ({', '.join(modes)}) "
-                                    f"is written as {mode}, which saves more memory and recomputes more than predicted")
+    mode, mixed = _ac_mode(plan)
+    notes += mixed
     if d.pp > 1 and len(plan.stages) > 1: notes.append(f"stages of {'/'.join(map(str, plan.stages))} blocks: "
                                                        "torchtitan "
                                                        "splits its own way (pipeline_parallel_layers_per_stage)")
     return [*(" ".join(out).split()), f"activation-checkpoint:{mode}"], notes
+
+# %% ../nbs/07_titan.ipynb
+@dataclass(frozen=True)
+class TitanCheck:
+    "A plan applied by torchtitan's own code to its job cut to a few layers, next to static_dist's prediction of it."
+    job: str
+    layers: int
+    world: int
+    layout: str
+    "torchtitan's degrees and checkpointing, as applied."
+    predicted_bytes: int
+    measured_bytes: int
+    predicted_counts: dict
+    "{axis.collective: count} per step on rank 0 (`parallel.predict_axis_counts`)."
+    measured_counts: dict
+    "The same, of CommDebugMode's count of torchtitan's run (`parallel.counts_by_axis`)."
+    notes: tuple[str, ...]
+    seconds: float
+
+    @property
+    def ratio(self) -> float: return self.predicted_bytes / self.measured_bytes
+
+    def to_dict(self) -> dict: return {**dataclasses.asdict(self), "ratio": self.ratio}
+
+def titan_layout_job(job: TitanJob, plan, layers: int = 2) -> TitanJob:
+    """`job` cut to its first `layers` blocks, with `plan`'s degrees, sequence parallelism, checkpointing mode and
+    compute dtype: what torchtitan runs for `plan`'s command-line overrides (`titan_overrides`)."""
+    import copy
+    d = plan.dims
+    if d.pp > 1 or d.cp > 1:
+        raise TitanError(f"pp {d.pp}, cp {d.cp}: torchtitan's code is measured here for layouts without pipeline and "
+                         "context parallelism (measure_titan); pin pp and cp to 1")
+    pdt = (plan.fsdp.param_dtype if plan.fsdp else None) or job.master_dtype
+    base = job.name if job.name in JOBS else copy.deepcopy(job.config)
+    return titan_job(base, layers=layers, seq_len=job.seq_len, local_batch=job.local_batch, dp_shard=d.dp_shard,
+                     tp=d.tp, dp_replicate=d.dp_replicate, cp=1, pp=1, ac=_ac_mode(plan)[0], param_dtype=pdt,
+                     sequence_parallel=plan.sequence_parallel if d.tp > 1 else None, dtype=job.master_dtype)
+
+def check_titan(job: TitanJob, plan, layers: int = 2) -> TitanCheck:
+    """`plan` for `job`, laid out by torchtitan's own parallelize function on the job cut to `layers` blocks and
+    measured (`measure_titan`), against static_dist's prediction of the same cut job (`titan_plan`)."""
+    from static_dist.parallel import counts_by_axis, predict_axis_counts, predict_parallel_memory, rank_profile
+    t0 = time.perf_counter()
+    cut, world = titan_layout_job(job, plan, layers), plan.dims.world
+    g = titan_workload(cut).graph(dtype=cut.param_dtype if plan.fsdp else cut.master_dtype)
+    mine = titan_plan(cut, g, world)
+    pred = predict_parallel_memory(g, mine, cut.master_dtype).peak_bytes
+    counts = predict_axis_counts(rank_profile(g, mine, master_dtype=cut.master_dtype), mine)
+    m = measure_titan(cut, world)
+    d = mine.dims
+    layout = (f"dp_replicate {d.dp_replicate} x dp_shard {d.dp_shard} x tp {d.tp}"
+              f"{' (sequence parallel)' if mine.sequence_parallel else ''}, {cut.ac} checkpointing, "
+              f"{cut.param_dtype} compute on {cut.master_dtype} masters")
+    return TitanCheck(job.name, layers, world, layout, pred, m.peak_bytes, dict(counts), counts_by_axis(m.ops),
+                      tuple(_ac_mode(plan)[1]), time.perf_counter() - t0)

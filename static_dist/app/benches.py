@@ -18,7 +18,8 @@ from ..outputs import OutputFolder
 from ..util import check_memory, check_real_size, environment, resolve
 
 # %% auto 0
-__all__ = ['BENCHES', 'bench_function', 'capture_once', 'bench_capture', 'bench_cli', 'cmd_bench']
+__all__ = ['BENCHES', 'TITAN_BENCH_JOBS', 'bench_function', 'bench_titan_jobs', 'bench_layouts', 'capture_once', 'bench_capture',
+           'bench_cli', 'cmd_bench']
 
 # %% ../../nbs/94_benches.ipynb
 BENCHES = {
@@ -29,7 +30,7 @@ BENCHES = {
     "kernels": "static_dist.ops:bench_kernels",
     "offload": "static_dist.offload:bench_offload",
     "placement": "static_dist.placement:bench_placement",
-    "plan": "static_dist.parallel:bench_plan",
+    "plan": "static_dist.app.benches:bench_layouts",
     "stability": "static_dist.stability:bench_stability",
 }
 
@@ -37,6 +38,55 @@ def bench_function(name: str):
     "The benchmark function registered as `name`."
     if name not in BENCHES: raise UsageError(f"unknown bench {name!r}; choose one of {', '.join(BENCHES)}")
     return resolve(BENCHES[name])                     # the package's one `module:NAME` resolver
+
+# %% ../../nbs/94_benches.ipynb
+TITAN_BENCH_JOBS = (("llama3_70b", 256), ("llama3_405b", 512))
+
+def _titan_row(name: str, world: int, budget: int, job_kw: dict, progress) -> tuple[dict, tuple]:
+    "One torchtitan job: the job as written and the search around it, timed; (JSON row, what the check needs)."
+    from static_dist.titan import titan_job
+    from static_dist.app.layout import layout_topology, titan_prediction, titan_search, titan_verdict
+    job, topo = titan_job(name, **job_kw), layout_topology(None, world)
+    if progress: progress(f"torchtitan {name} on {world} ranks: capture")
+    t0 = time.perf_counter()
+    g, n, how, given = titan_prediction(job, world, topo)
+    t1 = time.perf_counter()
+    if progress: progress(f"torchtitan {name} on {world} ranks: search")
+    r = titan_search(job, g, n, world, topo, budget)
+    side = lambda x: None if x is None else dict(layout=x.label(), memory_bytes=x.memory_bytes,
+                                                 tokens_per_device=x.time.tokens_per_device, step=x.time.to_dict())
+    row = dict(job=name, world=world, capture=how, capture_seconds=t1 - t0, search_seconds=r.seconds,
+               considered=r.considered, evaluated=r.evaluated, as_written=side(given), best=side(r.best),
+               verdict=titan_verdict(given, r.best, budget), table=r.table())
+    return row, (job, g, n, world, topo)
+
+def bench_titan_jobs(progress=None, jobs=TITAN_BENCH_JOBS, budget_gb: float = 80, layers: int = 2,
+                     job_kw: dict | None = None) -> dict:
+    """torchtitan's own `jobs` ((registry name, world), ...; `job_kw` cuts them, e.g. for a test): capture and search
+    seconds, the job as written against the search's best, and one `titan.check_titan` of the first job's best plan
+    with pipeline and context parallelism pinned to 1, at `layers` blocks."""
+    from static_dist.titan import check_titan
+    from static_dist.app.layout import titan_search
+    budget, rows, first = int(budget_gb * 1e9), [], None
+    for name, world in jobs:
+        row, keep = _titan_row(name, world, budget, dict(job_kw or {}), progress)
+        rows.append(row); first = first or keep
+    job, g, n, world, topo = first
+    if progress: progress(f"torchtitan {job.name}: its code on the chosen plan, {layers} blocks")
+    r = titan_search(job, g, n, world, topo, budget, pins={"pp": 1, "cp": 1})
+    if r.best is None: check = dict(skipped=f"no layout without pipeline or context parallelism fits {budget_gb} GB")
+    else: check = dict(chosen=r.best.label(), search_seconds=r.seconds, **check_titan(job, r.best.plan, layers).to_dict())
+    return dict(bench="plan-torchtitan", budget_bytes=budget, results=rows, check=check)
+
+def bench_layouts(progress=None) -> dict:
+    """`static-dist bench plan`: `parallel.bench_plan` on static_dist's Llama 3 70B and 405B shapes, and
+    `bench_titan_jobs` on torchtitan's own jobs when torchtitan is installed."""
+    import importlib.util
+    from static_dist.parallel import bench_plan
+    out = bench_plan(progress)
+    out["torchtitan"] = (bench_titan_jobs(progress) if importlib.util.find_spec("torchtitan") else
+                         dict(skipped='torchtitan is not installed: pip install "static_dist[titan]"'))
+    return out
 
 # %% ../../nbs/94_benches.ipynb
 def capture_once(model: str, batch: int, seq: int, optimizer: str = "adamw") -> dict:

@@ -22,8 +22,8 @@ from ..util import check_real_size
 # %% auto 0
 __all__ = ['PIN_DIMS', 'layout_pins', 'layout_precision', 'layout_pipeline', 'layout_topology', 'tp_outer_line', 'precision_line',
            'ac_summary', 'layout_lines', 'layout_memory', 'layout_reserved', 'cmd_plan', 'titan_args',
-           'titan_prediction', 'titan_verdict', 'print_titan_overrides', 'plan_titan', 'measured_peak', 'train_plan',
-           'cmd_train']
+           'titan_prediction', 'titan_verdict', 'print_titan_overrides', 'titan_search', 'plan_titan', 'measured_peak',
+           'train_plan', 'cmd_train']
 
 # %% ../../nbs/92a_layout.ipynb
 PIN_DIMS = tuple(a.name for a in AXES)   # one --flag per axis
@@ -347,10 +347,21 @@ def print_titan_overrides(plan, batch: int, seq: int, master_dtype: str):
     for n in notes: print(f"note: {n}")
 
 # %% ../../nbs/92a_layout.ipynb
+def titan_search(job, g, n: int, world: int, topo, budget: int, progress=None, pins: dict | None = None):
+    """The search around a torchtitan job (`parallel.search_layouts` on its captured step `g` of `n` blocks) at `world`
+    ranks of `topo`: the job's local batch and precision."""
+    from static_dist.parallel import search_layouts
+    m = job.master_dtype
+    pdt = job.param_dtype if job.param_dtype != m else None
+    rdt = job.reduce_dtype if job.reduce_dtype != (pdt or m) else None
+    return search_layouts(g, world, topo, budget, n_blocks=n, progress=progress, microbatches=(1, 2),
+                          master_dtype=m, param_dtype=pdt, reduce_dtype=rdt, pins=pins)
+
+
+# %% ../../nbs/92a_layout.ipynb
 def plan_titan(args) -> int:
     "`static-dist plan --torchtitan`: the job as written (memory, time), the search around it, one line between them."
     from static_dist.graph import fmt_bytes
-    from static_dist.parallel import search_layouts
     from static_dist.titan import titan_dims
     job = titan_args(args)
     world = titan_dims(job, args.world).world
@@ -358,6 +369,8 @@ def plan_titan(args) -> int:
     if args.out: check_writable(args.out, force=args.force)
     with status(f"capturing torchtitan's {job.name}") as update: g, n, how, given = titan_prediction(job, world, topo,
                                                                                                        update)
+    with status(f"searching layouts of {world} ranks") as update: r = titan_search(job, g, n, world, topo, args.budget,
+                                                                                        update)
     m = job.master_dtype
     print_markdown(
         f"**torchtitan {job.name} as written** (local batch {job.local_batch}, seq {job.seq_len}, {job.ac} "
@@ -365,11 +378,6 @@ def plan_titan(args) -> int:
         f"budget {fmt_bytes(args.budget)}: {how}; the blocks' attention captured as SDPA; float8 "
         f"{'on' if job.float8 else 'off'} and compile {'on' if job.compile else 'off'}: read, not yet priced")
     print_markdown("\n".join(layout_lines(given, layout_memory(g, given, n, m), n, m)))
-    pdt = job.param_dtype if job.param_dtype != m else None
-    rdt = job.reduce_dtype if job.reduce_dtype != (pdt or m) else None
-    with status(f"searching layouts of {world} ranks") as update:
-        r = search_layouts(g, world, topo, args.budget, n_blocks=n, progress=update, microbatches=(1, 2),
-                           master_dtype=m, param_dtype=pdt, reduce_dtype=rdt)
     print_markdown(f"\n**the search around it** ({r.considered} layouts considered, {r.evaluated} evaluated in "
                    f"{r.seconds:.2f} s)\n\n" + r.table())
     print_markdown(f"\n**verdict**: {titan_verdict(given, r.best, args.budget)}")
