@@ -22,8 +22,8 @@ from .files import read_json
 from .util import resolve
 
 # %% auto 0
-__all__ = ['LaunchError', 'free_port', 'under_torchrun', 'default_backend', 'init_process_group', 'close_process_group',
-           'process_group', 'exit_now', 'launch', 'rank_probe']
+__all__ = ['LaunchError', 'free_port', 'under_torchrun', 'default_backend', 'watch_parent', 'PeerError', 'peer_failure',
+           'init_process_group', 'close_process_group', 'process_group', 'exit_now', 'launch', 'rank_probe']
 
 # %% ../nbs/00h_launch.ipynb
 class LaunchError(StaticDistError, RuntimeError):
@@ -45,17 +45,67 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 # %% ../nbs/00h_launch.ipynb
-def init_process_group(backend: str | None = None) -> bool:
+_WATCHING: list[int] = []
+
+def watch_parent(interval: float = 1.0) -> None:
+    """End this rank (one line, exit 1) within `interval` seconds of its parent going away (torchrun killed), instead of
+    living on as an orphan that holds its port and memory; once per process."""
+    import threading
+    import time
+    if _WATCHING: return
+    _WATCHING.append(parent := os.getppid())
+    def watch():
+        while os.getppid() == parent: time.sleep(interval)
+        print(f"rank {os.environ.get('RANK', '?')}: torchrun (pid {parent}) is gone; this rank exits", file=sys.stderr)
+        exit_now(1)
+    threading.Thread(target=watch, name="static_dist-watch-parent", daemon=True).start()
+
+
+# %% ../nbs/00h_launch.ipynb
+class PeerError(LaunchError):
+    "A collective failed because another rank is stuck past the timeout or gone: which rank, which collective, what to do."
+
+_STUCK = ("Timed out", "timed out", "Watchdog caught collective operation timeout")
+_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Connection refused",
+         "NCCL communicator was aborted", "ProcessGroupNCCL is aborted")
+
+def _collective_of(e: BaseException) -> str:
+    "The innermost torch.distributed function `e` came through (the collective, as torch names it)."
+    here = [f.name for f in traceback.extract_tb(e.__traceback__)
+            if f"{os.sep}torch{os.sep}distributed{os.sep}" in f.filename and f.name not in ("wrapper", "inner", "_fn")]
+    return here[-1] if here else "a collective"
+
+def peer_failure(e: BaseException, rank: int, timeout: float | None) -> PeerError | None:
+    """The one line for `e` when it is gloo's or NCCL's report of a stuck or vanished peer (rank `rank` waited
+    `timeout` seconds), else None: a bug of this rank stays its own traceback."""
+    if not isinstance(e, RuntimeError): return None
+    msg, op = str(e), _collective_of(e)
+    if any(s in msg for s in _STUCK):
+        waited = f"{timeout:g} s" if timeout else "torch's default timeout"
+        return PeerError(f"rank {rank}: {op} did not complete within {waited}: a peer rank is stuck (or slower than "
+                         "that, e.g. still compiling); look at the other ranks, or raise --collective-timeout")
+    if gone := next((s for s in _GONE if s in msg), None):
+        return PeerError(f"rank {rank}: {op} failed because a peer rank is gone ({gone}); its own output says why")
+    return None
+
+
+# %% ../nbs/00h_launch.ipynb
+def init_process_group(backend: str | None = None, timeout: float | None = None) -> bool:
     """Make the process group when none is initialised: torchrun's (env://) under torchrun, else one rank over a TCP
-    store. True if it made one."""
+    store; `timeout`: seconds a collective may wait for its peers (None: torch's default). True if it made one."""
+    import datetime
     import torch.distributed as dist
     if dist.is_initialized(): return False
     backend = backend or default_backend()
-    if under_torchrun(): dist.init_process_group(backend)
+    kw = {} if timeout is None else dict(timeout=datetime.timedelta(seconds=timeout))
+    if under_torchrun():
+        watch_parent()
+        dist.init_process_group(backend, **kw)
     else:
         store = dist.TCPStore("127.0.0.1", free_port(), 1, is_master=True)
-        dist.init_process_group(backend, store=store, rank=0, world_size=1)
+        dist.init_process_group(backend, store=store, rank=0, world_size=1, **kw)
     return True
+
 
 # %% ../nbs/00h_launch.ipynb
 def close_process_group(barrier: bool = True) -> None:
@@ -83,18 +133,23 @@ def _init_fake(world: int, rank: int = 0) -> None:
 
 # %% ../nbs/00h_launch.ipynb
 @contextmanager
-def process_group(backend: str | None = None, *, fake_world: int | None = None, fake_rank: int = 0):
+def process_group(backend: str | None = None, *, fake_world: int | None = None, fake_rank: int = 0,
+                  timeout: float | None = None):
     """A process group for the block; yields its world size. `fake_world=N`: a fake group where this process is rank
     `fake_rank` (default 0) of N. Otherwise torchrun's group, the one already initialised, or a one-rank group. A group
     made here is closed on exit (without the barrier when the block raised, so a failing rank does not wait for the
-    others)."""
+    others). A collective that fails because a peer is stuck past `timeout` seconds or gone leaves as one `PeerError`
+    line."""
     import torch.distributed as dist
     if fake_world is not None: _init_fake(fake_world, fake_rank); made = True
-    else: made = init_process_group(backend)
+    else: made = init_process_group(backend, timeout)
     ok = False
     try:
         yield dist.get_world_size()
         ok = True
+    except RuntimeError as e:
+        if made and not fake_world and (pe := peer_failure(e, dist.get_rank(), timeout)) is not None: raise pe from None
+        raise
     finally:
         if made: close_process_group(barrier=ok)
 
@@ -104,7 +159,8 @@ def exit_now(code: int = 0):
     for f in (sys.stdout, sys.stderr):
         try: f.flush()
         except (AttributeError, ValueError): pass
-    os._exit(code)
+    import posix
+    posix._exit(code)    # not os._exit: `usercode.model_code` guards that one against the model's code
 
 # %% ../nbs/00h_launch.ipynb
 def _ref(target) -> str:

@@ -108,6 +108,8 @@ def test_plan_then_torchrun_run_as_written(tmp_path):
                                                              "torchrun": "torch.distributed.run"}[argv[0]]] + argv[1:]
         p = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
         assert p.returncode == 0, (line, p.stderr[-2000:])
-    log = json.loads((tmp_path / "train_log.json").read_text())
+    torchrun = shlex.split(lines[1])
+    assert torchrun[torchrun.index("static_dist.app") + 1] == "--"   # torchrun would take --log for its --log-dir
+    log = json.loads((tmp_path / torchrun[torchrun.index("--log") + 1]).read_text())
     assert log["world"] == 4 and len(log["peaks"]) == 4
     assert all(abs(r["predicted_bytes"] / r["peak_bytes"] - 1) < 0.03 for r in log["peaks"]), log["peaks"]

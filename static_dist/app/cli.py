@@ -405,7 +405,12 @@ def _train_parser(sub):
     t.add_argument("--no-compile", action="store_true", help="train eagerly")
     t.add_argument("--backend", default=None, choices=["aot_eager", "inductor", "eager"],
                    help="torch.compile backend per block (default aot_eager: seconds to compile on CPU)")
-    t.add_argument("--log", type=outfile, default=Path("train_log.json"), help="step log (default train_log.json)")
+    t.add_argument("--log", type=outfile, default=Path("train_log.json"),
+                   help="step log (default train_log.json); under torchrun put `--` before the module's arguments "
+                   "(`-m static_dist.app -- train ... --log X`): torchrun takes --log for its own --log-dir")
+    t.add_argument("--collective-timeout", type=real("--collective-timeout", hi=86400), default=None, metavar="SECONDS",
+                   help="how long a collective waits for a stuck peer before the rank exits with one line (default: "
+                   "20 x the predicted step on this machine, 60 to 600 s)")
     _force(t)
     t.set_defaults(run="static_dist.app.layout:cmd_train")
 
@@ -454,6 +459,8 @@ def main(argv: list[str] | None = None) -> int:
     "Entry point of the `static-dist` command."
     import signal
     args = build_parser().parse_args(argv)
+    from static_dist.launch import under_torchrun, watch_parent
+    if under_torchrun(): watch_parent()           # a rank ends with its torchrun, from its first second
     try:
         with watch_interrupts(), model_code("the model's code"): return _handler(args.run)(args)
     except StaticDistError as e: return _fail(args, str(e) or type(e).__name__)

@@ -23,7 +23,7 @@ from ..util import check_real_size
 __all__ = ['PIN_DIMS', 'layout_pins', 'layout_precision', 'layout_pipeline', 'layout_topology', 'tp_outer_line', 'precision_line',
            'ac_summary', 'layout_lines', 'layout_memory', 'layout_reserved', 'cmd_plan', 'titan_args',
            'titan_prediction', 'titan_verdict', 'print_titan_overrides', 'titan_search', 'plan_titan', 'measured_peak',
-           'train_plan', 'cmd_train']
+           'collective_timeout', 'train_plan', 'cmd_train']
 
 # %% ../../nbs/92a_layout.ipynb
 PIN_DIMS = tuple(a.name for a in AXES)   # one --flag per axis
@@ -488,6 +488,26 @@ def _predicted_rank_peaks(w, plan) -> list[int]:
     return [m.peak_bytes for m in predict_parallel_memory(w.graph(compute), plan, w.dtype).ranks]
 
 # %% ../../nbs/92a_layout.ipynb
+def collective_timeout(w, plan, given: float | None) -> float:
+    """Seconds a collective of `train` may wait for its peers: `given`, else 20 x the step `plan` (None: FSDP over
+    torchrun's world) is predicted to take on this machine's devices, kept within 60 and 600 s, so a stuck or dead
+    peer ends the job in minutes, not after torch's 30-minute default."""
+    import os
+    from static_dist.launch import under_torchrun
+    from static_dist.errors import StaticDistError
+    from static_dist.parallel import ParallelDims, ParallelPlan, predict_layout
+    from static_dist.topology import preset
+    if given is not None: return float(given)
+    world = int(os.environ.get("WORLD_SIZE", "1")) if under_torchrun() else 1
+    plan = plan or ParallelPlan(ParallelDims(dp_shard=world))
+    topo = (layout_topology(None, world) if torch.cuda.is_available() else
+            preset("cpu-2socket", ranks_per_socket=max(1, -(-world // 2))))
+    try: step = predict_layout(w.graph(), plan, topo, master_dtype=w.dtype).time.step_seconds
+    except StaticDistError: step = 0.0      # no layout prediction for this model: the floor (the checks say why)
+    return min(600.0, max(60.0, 20 * step))
+
+
+# %% ../../nbs/92a_layout.ipynb
 def train_plan(args) -> int:
     """`static-dist train --plan`: the plan checked against the model and the world, applied on every rank (torchrun's,
     or
@@ -521,7 +541,8 @@ def train_plan(args) -> int:
         plan, find_structure(w.build(device="meta")).main, w.seq
     )  # before any process group: one line on each rank
     if args.no_compile: plan = dataclasses.replace(plan, compile=())
-    with process_group() as n:
+    timeout = collective_timeout(w, plan, args.collective_timeout)
+    with process_group(timeout=timeout) as n:
         with status(f"training {w.source} on rank {rank} of {n}"):
             rep = _plan_rank(w, plan, args.steps, args.backend or "aot_eager")
         every = [None] * n
@@ -542,7 +563,7 @@ def train_plan(args) -> int:
         for r in every
     ]
     log = dict(workload=w.describe(), plan=json.loads(plan.to_json()), world=n, steps=args.steps, losses=losses,
-               peaks=peaks, ranks=every)
+               peaks=peaks, ranks=every, collective_timeout_s=timeout)
     atomic_write(args.log, json.dumps(log, indent=2, default=str), force=args.force, inputs=[args.plan])
     from static_dist.graph import fmt_bytes
     degrees = " × ".join(f"{k} {getattr(plan.dims, k)}" for k in PIN_DIMS if getattr(plan.dims, k) > 1) or "one rank"
@@ -579,6 +600,7 @@ def cmd_train(args) -> int:
         dtype=w.dtype,
         budget=args.budget,
         compile=CompileOptions(enabled=not args.no_compile, backend=args.backend or "aot_eager"),
+        collective_timeout=collective_timeout(w, None, args.collective_timeout),
     )
     if (oom := _predicted_oom(w, cfg, args)): print(f"static-dist train: {oom}", file=sys.stderr); return 3
     with status(f"training {w.source}") as update: log = train_compiled(cfg, progress=update, workload=w)

@@ -47,6 +47,8 @@ class TrainConfig:
     "A `static_dist.stability.STRATEGIES` name: which monitors run and how they respond."
     log: str | None = None
     "Write the step log here as JSON lines (None: keep it in the result only)."
+    collective_timeout: float | None = None
+    "Seconds a collective waits for a stuck peer before this rank stops with one line (None: torch's default)."
 
     def __post_init__(self):
         for f in ("steps", "batch", "seq", "accumulation"):
@@ -144,7 +146,7 @@ def train_compiled(config: TrainConfig = TrainConfig(), progress=None, workload=
         raise CompileError(f"TrainConfig.strategy={c.strategy!r}: use one of {', '.join(STRATEGIES)}.")
     budget = parse_bytes(c.budget, "budget")
     w, batches = _source(c, workload)
-    with process_group() as world:
+    with process_group(timeout=c.collective_timeout) as world:
         rank = dist.get_rank()
         data = lambda step, j: batches(step, j, rank)
         mb = data(0, 0)
