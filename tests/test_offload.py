@@ -179,7 +179,8 @@ def test_checkpointed_blocks(offload_tiny, reentrant):
     zm = offload_tiny.zm
     m = _checkpointed(zm.build("cpu"), reentrant)
     g = capture(m, (offload_tiny.x,), loss_fn=zm.loss, targets=offload_tiny.y, mode="real")
-    plan = plan_offload(g, (DISK,), min_bytes=0)
+    # checkpointed, the step's peak is out of offload's reach: move what qualifies anyway, to test the executor
+    plan = plan_offload(g, (DISK,), min_bytes=0, lower_peak_only=False)
     bwd0 = min(o.index for o in g.ops if o.phase == "backward")
     fwd = lambda g: [o for o in g.ops if o.phase == "forward"]
     bwd = lambda g: [o for o in g.ops if o.phase == "backward"]
@@ -401,3 +402,18 @@ def test_plan_offload_recomputed_is_a_list_of_names():
     from static_dist.workload import load_workload
     g = load_workload("mlp", batch=2).graph()
     with pytest.raises(off.OffloadUsageError, match="list of module names"): off.plan_offload(g, recomputed="layers")
+
+
+def test_plan_offload_out_of_reach_says_so_and_moves_nothing(tmp_path):
+    """Issue 30 item 14: a step whose peak is parameters, gradients and optimizer state (the tiny model at one sequence
+    of 32 tokens, AdamW) gets a plan that moves nothing and says where the peak is and what would lower it; the saved
+    plan keeps the note."""
+    import json, subprocess, sys
+    from static_dist.offload import load_plan
+    p = subprocess.run([sys.executable, "-m", "static_dist.app", "plan-offload", "--model", "tiny", "--batch", "1",
+                        "--seq", "32", "--save", str(tmp_path / "o.json")], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    out = " ".join(p.stdout.split())
+    assert "Nothing is moved: the peak" in out and "CPUOffloadPolicy" in out and "0 B held" in out, out
+    plan = load_plan(tmp_path / "o.json")
+    assert not plan.offloaded and "optimizer" in plan.note

@@ -20,7 +20,7 @@ from ..errors import StaticDistError
 # %% auto 0
 __all__ = ['GB', 'TIER_PRESETS', 'Klass', 'CLASSES', 'CLASS_COLORS', 'OffloadError', 'OffloadUsageError', 'Tier', 'tier',
            'tiers_from_topology', 'classify', 'OffloadDecision', 'OffloadPlan', 'graph_signature', 'planned_live_bytes',
-           'plan_offload', 'plan_summary', 'plan_markdown', 'plot_lifetimes', 'plot_offload_memory']
+           'out_of_reach', 'plan_offload', 'plan_summary', 'plan_markdown', 'plot_lifetimes', 'plot_offload_memory']
 
 # %% ../../nbs/50b_offload_plan.ipynb
 class OffloadError(StaticDistError, RuntimeError):
@@ -160,6 +160,8 @@ class OffloadPlan:
     "Ops before the first backward use by which a prefetch should be done."
     matmul_dtype: str | None = None
     "The dtype every matmul was charged at (an earlier offload device name: `h200-bf16`); None: each op's own."
+    note: str = ""
+    "Why nothing is moved, when no offload of saved tensors lowers the peak (where the peak is, what would lower it)."
 
     @property
     def offloaded(self) -> tuple[OffloadDecision, ...]:
@@ -341,23 +343,46 @@ def _offload_device(device):
     except ValueError as e: raise OffloadUsageError(str(e)) from None
 
 # %% ../../nbs/50b_offload_plan.ipynb
+_FIXED = ("parameter", "gradient", "optimizer_state")   # roles an activation offload cannot move
+
+def out_of_reach(graph: StaticGraph) -> str:
+    "Where `graph`'s peak is, how much of it offloading saved tensors cannot move, and what would lower it instead."
+    pk = graph.peak()
+    fixed = sum(b for _, b, role, _ in pk.live if role in _FIXED)
+    where = f"op {pk.op}, {pk.phase}" + (f" in {pk.module}" if pk.module else "")
+    return (f"the peak ({fmt_bytes(pk.bytes)} at {where}) is {fixed / max(pk.bytes, 1):.0%} parameters, gradients "
+            "and optimizer state, which offloading saved tensors cannot move; FSDP2's CPUOffloadPolicy "
+            "(fully_shard(..., offload_policy=CPUOffloadPolicy())) keeps them on the CPU, and sharding them "
+            "(static-dist plan-fsdp) divides them by the ranks")
+
+# %% ../../nbs/50b_offload_plan.ipynb
 def plan_offload(graph: StaticGraph, tiers: Sequence[Tier] = (TIER_PRESETS["pcie5-pinned"], TIER_PRESETS["nvme-gen4"]),
                  *, host_limit: float | None = None, device: DeviceSpec | str = "cpu", recomputed: Sequence[str] = (),
-                 safety: float = 2.0, min_bytes: int = 16384, lookahead: int = 8) -> OffloadPlan:
+                 safety: float = 2.0, min_bytes: int = 16384, lookahead: int = 8,
+                 lower_peak_only: bool = True) -> OffloadPlan:
     """Decide per saved tensor of `graph`: keep it, or move it to a tier, with when; and predict the effect. `device`: a
-    device-table name, an earlier offload name (`lifetimes.DEVICE_NAMES`) or a `topology.DeviceSpec`."""
+    device-table name, an earlier offload name (`lifetimes.DEVICE_NAMES`) or a `topology.DeviceSpec`.
+    `lower_peak_only`: move nothing, with a note saying why, when moving would not lower the peak."""
     _check_args(graph, safety, min_bytes, lookahead, recomputed)
     (spec, dtype), tiers = _offload_device(device), _plan_tiers(tiers, host_limit)
     t, rows = op_seconds(graph, spec, dtype=dtype), saved_tensors(graph, device, recomputed)
-    chosen = _choose(rows, tiers, safety, min_bytes)
-    release, prefetch, stall = _schedule_kept(rows, chosen, tiers, t, _hook_ticks(graph), lookahead)
-    decisions = _decisions(rows, chosen, release, prefetch)
-    per_tier = {x.name: 2 * sum(d.nbytes for d in decisions if d.tier == x.name) for x in tiers}
-    base = int(graph.peak().bytes)
-    plan = OffloadPlan(decisions, tiers, spec, len(graph.ops), graph_signature(graph), base, base, per_tier,
-                       float(stall), float(t.sum()), safety, min_bytes, lookahead, dtype)
-    after = planned_live_bytes(graph, plan)
-    return dataclasses.replace(plan, planned_peak_bytes=int(after.max()) if len(after) else 0)
+    base, ticks = int(graph.peak().bytes), _hook_ticks(graph)
+
+    def planned(chosen: dict, note: str = "") -> OffloadPlan:
+        release, prefetch, stall = _schedule_kept(rows, chosen, tiers, t, ticks, lookahead)
+        decisions = _decisions(rows, chosen, release, prefetch)
+        per_tier = {x.name: 2 * sum(d.nbytes for d in decisions if d.tier == x.name) for x in tiers}
+        plan = OffloadPlan(decisions, tiers, spec, len(graph.ops), graph_signature(graph), base, base, per_tier,
+                           float(stall), float(t.sum()), safety, min_bytes, lookahead, dtype, note)
+        after = planned_live_bytes(graph, plan)
+        return dataclasses.replace(plan, planned_peak_bytes=int(after.max()) if len(after) else 0)
+
+    plan = planned(chosen := _choose(rows, tiers, safety, min_bytes))
+    if not lower_peak_only or not plan.offloaded or plan.planned_peak_bytes < base: return plan
+    # moving tensors that do not lower the peak only spends bandwidth: keep them, and say where the peak is
+    kept = {k: (klass, "kept: offloading lowers no peak (the plan's note says why)", None)
+            for k, (klass, _, _) in chosen.items()}
+    return planned(kept, out_of_reach(graph))
 
 # %% ../../nbs/50b_offload_plan.ipynb
 def _class_row(ds: list[OffloadDecision], n: int, tot: int) -> dict:
@@ -377,7 +402,8 @@ def plan_summary(plan: OffloadPlan) -> dict:
                 bytes_moved=plan.bytes_per_tier, peak_bytes=plan.peak_bytes, planned_peak_bytes=plan.planned_peak_bytes,
                 peak_reduction=1 - plan.planned_peak_bytes / plan.peak_bytes if plan.peak_bytes else 0.0,
                 stall_ms=plan.stall_s * 1e3, step_ms=plan.step_s * 1e3,
-                device=plan.device.name + (f" ({plan.matmul_dtype} matmuls)" if plan.matmul_dtype else ""))
+                device=plan.device.name + (f" ({plan.matmul_dtype} matmuls)" if plan.matmul_dtype else ""),
+                note=plan.note)
 
 # %% ../../nbs/50b_offload_plan.ipynb
 def plan_markdown(plan: OffloadPlan) -> str:
@@ -401,6 +427,7 @@ def plan_markdown(plan: OffloadPlan) -> str:
         ],
         f"| predicted stall / step | {s['stall_ms']:.3g} ms / {s['step_ms']:.3g} ms ({s['device']}) |",
     ]
+    if plan.note: lines += ["", f"Nothing is moved: {plan.note}."]
     return "\n".join(lines)
 
 # %% ../../nbs/50b_offload_plan.ipynb

@@ -76,7 +76,7 @@ _TOP = dict(
     lookahead=integer(0),
 )
 _MATMUL_DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")
-_KEYS = ("schema", "decisions", "tiers", "device", "bytes_per_tier", "matmul_dtype", *_TOP)
+_KEYS = ("schema", "decisions", "tiers", "device", "bytes_per_tier", "matmul_dtype", "note", *_TOP)
 
 # %% ../../nbs/50c_offload_planfile.ipynb
 def _tier_from(f: Fields) -> Tier:
@@ -183,7 +183,7 @@ def plan_from_dict(d: dict, where: str = "offload plan") -> OffloadPlan:
     dev = f.nested("device", keys=_DEVICE)
     mdt = f("matmul_dtype", optional(one_of(*_MATMUL_DTYPES)))
     device = DeviceSpec(**{k: dev(k, c) for k, c in _DEVICE.items()})
-    return OffloadPlan(**v, tiers=tiers, device=device, matmul_dtype=mdt,
+    return OffloadPlan(**v, tiers=tiers, device=device, matmul_dtype=mdt, note=f("note", optional(string())) or "",
                        bytes_per_tier=_bytes_per_tier(f, [t.name for t in tiers]),
                        decisions=_decisions_from(f, v["n_ops"], {t.name for t in tiers}))
 
