@@ -13,8 +13,8 @@ from .groups import NoRepeatedBlocksError, PlacementError, _main, _param_memory
 from ..topology import Topology, op_seconds
 
 # %% auto 0
-__all__ = ['LinearSpec', 'BlockSpec', 'llama_block_spec', 'block_spec', 'outer_roles', 'sequence_blocker', 'blocking_params',
-           'tp_blockers']
+__all__ = ['LinearSpec', 'BlockSpec', 'llama_block_spec', 'block_spec', 'outer_roles', 'sequence_blocker', 'context_blocker',
+           'blocking_params', 'tp_blockers']
 
 # %% ../../nbs/30c_placement_blocks.ipynb
 @dataclass(frozen=True)
@@ -250,6 +250,35 @@ def sequence_blocker(graph) -> str | None:
             return (f"{o.module or 'the model'} builds a tensor of the sequence length with {o.op.rsplit('.', 1)[0]} "
                     f"after {roles['embedding']} (positions or a mask from the embeddings' shape), which a sequence "
                     "shard would cut short")
+    return None
+
+# %% ../../nbs/30c_placement_blocks.ipynb
+_SDPA = ("aten._scaled_dot_product", "aten.scaled_dot_product")   # the attention torch's context_parallel rings
+
+def context_blocker(graph) -> str | None:
+    """Why the sequence cannot be split over context-parallel ranks (None: it can). torch's `context_parallel` shards
+    the step's inputs and the buffers it is given, and rings scaled_dot_product_attention's keys and values: a block
+    whose attention is another op (a hand-written softmax over the scores) would attend within its shard only, and a
+    tensor of the sequence length made inside the forward (positions or a mask from `arange`) would stay whole while
+    the tokens are split."""
+    st = _main(graph)
+    if st is None: return None
+    fwd = [o for o in graph.ops if o.phase == "forward"]
+    emb = next((o for o in fwd if o.op.startswith("aten.embedding")), None)
+    ids = graph.tensors[emb.inputs[-1]] if emb is not None else None
+    seq = ids.shape[-1] if ids is not None and len(ids.shape) >= 2 else None
+    for b in st.blocks:
+        ops = [o for o in fwd if o.module == b or o.module.startswith(b + ".")]
+        if not any(o.op.startswith(_SDPA) for o in ops):
+            soft = next((o for o in ops if "softmax" in o.op), None)
+            how = f" ({soft.op.rsplit('.', 1)[0]} in {soft.module})" if soft is not None else ""
+            return (f"{b} computes attention without scaled_dot_product_attention{how}, which torch's context "
+                    "parallelism cannot split over the sequence (it rings SDPA's keys and values only)")
+    for o in fwd:
+        if seq and o.op.startswith(_FACTORIES) and not o.inputs and seq in graph.tensors[o.outputs[0]].shape:
+            return (f"{o.module or 'the model'} builds a tensor of the sequence length with {o.op.rsplit('.', 1)[0]} "
+                    "inside its forward (positions or a mask), which context parallelism would leave whole while the "
+                    "tokens are split")
     return None
 
 # %% ../../nbs/30c_placement_blocks.ipynb
