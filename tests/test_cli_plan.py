@@ -8,7 +8,9 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
+from static_dist.fsdp import FSDPPlan, FSDPUnit
 from static_dist.parallel import ParallelDims, ParallelPlan
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -214,3 +216,23 @@ def test_plan_tp_on_a_model_without_tp_styles_is_refused(tmp_path):
     code, out, err = run("plan", "--model", f"hf:{tmp_path / 'config.json'}", "--world", "4", "--seq", "64")
     assert code == 0, err
     assert "× tp 1 ×" in out, out
+
+
+@pytest.mark.parametrize("model,words", [("examples/gpt.py:GPT", "aten.arange inside its forward"),
+                                         ("tiny", "needs CUDA attention kernels")])
+def test_train_context_parallel_refused_before_the_ranks_train(tmp_path, model, words):
+    """Issue 30 item 1: a cp plan whose model builds its positions inside the forward would train wrongly (its losses
+    differed from one process from step 0); on CPU, torch's ring attention has no SDPA kernel. Both are refused in one
+    line on every rank, before training, and no log is written."""
+    (tmp_path / "examples").symlink_to(ROOT / "examples")
+    plan = ParallelPlan(ParallelDims(cp=2), fsdp=FSDPPlan(2, (2,), (FSDPUnit(""),)))
+    (tmp_path / "plan.json").write_text(plan.to_json())
+    if torch.cuda.is_available() and model == "tiny": pytest.skip("CUDA runs ring attention: tests/test_parallel_dist")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
+                        "static_dist.app", "--", "train", "--plan", "plan.json", "--model", model, "--batch", "2",
+                        "--seq", "64", "--steps", "2", "--no-compile", "--log", "run.json"],
+                       capture_output=True, text=True, cwd=tmp_path, timeout=300, env=env)
+    lines = [l for l in p.stderr.splitlines() if l.startswith("static-dist train: error: cp 2:")]
+    assert p.returncode != 0 and len(lines) == 2 and all(words in l for l in lines), p.stderr[-3000:]
+    assert not (tmp_path / "run.json").exists()

@@ -23,7 +23,7 @@ from ..util import check_real_size
 __all__ = ['PIN_DIMS', 'layout_pins', 'layout_precision', 'layout_pipeline', 'layout_topology', 'tp_outer_line', 'precision_line',
            'ac_summary', 'layout_lines', 'layout_memory', 'layout_reserved', 'cmd_plan', 'titan_args',
            'titan_prediction', 'titan_verdict', 'print_titan_overrides', 'titan_search', 'plan_titan', 'measured_peak',
-           'collective_timeout', 'train_plan', 'cmd_train']
+           'collective_timeout', 'check_context_parallel', 'train_plan', 'cmd_train']
 
 # %% ../../nbs/92a_layout.ipynb
 PIN_DIMS = tuple(a.name for a in AXES)   # one --flag per axis
@@ -508,6 +508,19 @@ def collective_timeout(w, plan, given: float | None) -> float:
 
 
 # %% ../../nbs/92a_layout.ipynb
+def check_context_parallel(w, plan) -> None:
+    """A UsageError, before any rank starts, where `plan`'s context parallelism would not run or would train wrongly:
+    without CUDA (torch's ring attention has no CPU SDPA kernel), or where the model's attention or positions cannot
+    be split over the sequence (`placement.context_blocker` on the capture)."""
+    from static_dist.placement import context_blocker
+    if why := context_blocker(w.graph()):
+        raise UsageError(f"cp {plan.dims.cp}: {why}; plan with cp 1")
+    if not torch.cuda.is_available():
+        raise UsageError(f"cp {plan.dims.cp}: context parallelism needs CUDA attention kernels (torch's ring attention "
+                         "runs the flash, efficient and cuDNN SDPA kernels only); train it on GPUs, or plan with cp 1")
+
+
+# %% ../../nbs/92a_layout.ipynb
 def train_plan(args) -> int:
     """`static-dist train --plan`: the plan checked against the model and the world, applied on every rank (torchrun's,
     or
@@ -540,6 +553,7 @@ def train_plan(args) -> int:
     check_layout(
         plan, find_structure(w.build(device="meta")).main, w.seq
     )  # before any process group: one line on each rank
+    if plan.dims.cp > 1: check_context_parallel(w, plan)
     if args.no_compile: plan = dataclasses.replace(plan, compile=())
     timeout = collective_timeout(w, plan, args.collective_timeout)
     with process_group(timeout=timeout) as n:
