@@ -84,16 +84,24 @@ _FUNCTIONAL = {"all_gather": "_c10d_functional.all_gather_into_tensor.default", 
                "all_reduce": "_c10d_functional.all_reduce.default"}
 
 def _recomputed(profile, plan: ParallelPlan) -> list[str]:
-    """Forward TP collectives a checkpointed block issues again in backward: those of its styled linears but the last
-    in forward order, whose output only feeds the residual (checkpoint's recompute stops once backward has what it
-    needs), less those a selective policy saves (torchtitan's saves reduce_scatter_tensor)."""
+    """Forward TP collectives a checkpointed block issues again in backward, less those a selective policy saves
+    (torchtitan's saves reduce_scatter_tensor). checkpoint's recompute stops once backward has every tensor it needs:
+    the last collective is issued again only when the block saves something after it (Gemma 2's post-feed-forward
+    norm), not when its output only feeds the residual (Llama)."""
     out, n = [], len(profile.blocks)
-    first = {m: i for i, m in reversed(list(enumerate(profile.op_module))) if profile.op_phase[i] == FORWARD}
     for b, pol in zip(profile.blocks, block_policies(plan, n) if len(plan.ac) == n else (NoCheckpoint(),) * n):
         if not pol.checkpoints: continue
-        fwd = [kind for kind, _, _, f in block_collectives(plan, _styled_order(profile, plan, b)) if f]
-        out += [k for k in fwd[:-1] if not (isinstance(pol, SelectiveOps) and pol.saves(_FUNCTIONAL[k]))]
+        fwd = [(kind, lin) for kind, lin, _, f in block_collectives(plan, _styled_order(profile, plan, b)) if f]
+        again = fwd if fwd and _saves_after(profile, f"{b}.{fwd[-1][1]}", b) else fwd[:-1]
+        out += [k for k, _ in again if not (isinstance(pol, SelectiveOps) and pol.saves(_FUNCTIONAL[k]))]
     return out
+
+def _saves_after(profile, module: str, block: str) -> bool:
+    "Whether `block` saves a tensor for backward that its forward makes after `module`'s last forward op."
+    last = max((i for i, m in enumerate(profile.op_module) if m == module and profile.op_phase[i] == FORWARD),
+               default=None)
+    inside = lambda m: m == block or m.startswith(block + ".")
+    return last is not None and any(inside(m) and made > last for _, m, made, _ in profile.saved)
 
 def _styled_order(profile, plan: ParallelPlan, block: str) -> list[str]:
     "The plan's styled linears in forward order of `block`."
