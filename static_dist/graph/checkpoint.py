@@ -112,7 +112,10 @@ class _Index:
         self.g, self.n, self.phase = g, len(g.ops), g.op_phases()
         self.spans, self.drops = module_spans(g, modules), forward_drops(g)
         self.storage_of = [t.storage for t in g.tensors]
-        self.made_at, self.saved = defaultdict(list), defaultdict(list)
+        self.made_at, self.saved, self.bwd_reads = defaultdict(list), defaultdict(list), defaultdict(list)
+        for i, o in enumerate(g.ops):
+            if self.phase[i] != BACKWARD: continue
+            for t in o.inputs: self.bwd_reads[self.storage_of[t]].append((i, o.module))
         for s in g.storages:
             if s.created >= 0 and s.role in ("activation", "temporary"): self.made_at[s.created].append(s.id)
             if s.role != "activation" or not s.saved_in: continue
@@ -140,7 +143,10 @@ def _module(self: _Index, m: str, kept: frozenset, saved: list, absent: dict, he
                 held[s.id] = max(held.get(s.id, -1), release)
     for s in saved:
         if s.created in kept or (s.freed is not None and s.freed < at): continue
-        start = self.drops.get(s.id, s.created) + 1
+        # another module's backward may read it too (a CNN block's last ReLU output is the next block's conv input):
+        # that module saved it as well, and keeps it until then
+        outside = max((i for i, mod in self.bwd_reads[s.id] if i < at and not _under(mod, m)), default=-1)
+        start = max(self.drops.get(s.id, s.created), outside) + 1
         if start < at: absent[s.id] = (start, at - 1)
     return at, f0
 
