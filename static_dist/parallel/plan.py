@@ -264,12 +264,12 @@ def block_collectives(plan: ParallelPlan, order) -> tuple[tuple[str, str, str, b
             out += [("reduce_scatter", n, "out", True), ("all_gather", n, "out", False)]
     return tuple(out)
 
-def outer_collectives(plan: ParallelPlan) -> tuple[tuple[str, str, bool], ...]:
+def outer_collectives(plan: ParallelPlan, pieces: int = 1) -> tuple[tuple[str, str, bool], ...]:
     """The collectives per micro-batch of the modules outside the blocks (`tp_outer`) as (kind, role, forward?), and
     of the loss: the embedding's partial rows summed (reduce-scattered onto the sequence with sequence parallelism),
     the final norm's output gathered for the output projection, whose input gradient is summed; with loss parallelism
-    the three all-reduces of the sharded cross-entropy (max, sum of exponentials, target logit), else the logits
-    gathered."""
+    the three all-reduces of the sharded cross-entropy (max, sum of exponentials, target logit), once per piece of a
+    chunked loss (`pieces`: `step.ChunkedLoss`'s chunks), else the logits gathered."""
     if plan.dims.tp == 1: return ()
     sp, out = plan.sequence_parallel, []
     for _, role in plan.tp_outer:
@@ -277,7 +277,7 @@ def outer_collectives(plan: ParallelPlan) -> tuple[tuple[str, str, bool], ...]:
             [("all_reduce", role, True)]
         elif role == "output":
             out += [] if sp else [("all_reduce", role, False)]
-            out += [("all_reduce", "loss", True)] * 3 if plan.loss_parallel else [("all_gather", role, True)]
+            out += [("all_reduce", "loss", True)] * 3 * pieces if plan.loss_parallel else [("all_gather", role, True)]
     if sp: out += [("all_gather", "norm", True), ("reduce_scatter", "norm", False)]   # into the output projection
     return tuple(out)
 
