@@ -81,6 +81,8 @@ class TitanJob:
     "'none', 'full', 'selective' (torchtitan's op-level policy) or 'memory_budget'."
     compile: bool
     float8: bool
+    async_tp: bool
+    "`compile.enable_async_tensor_parallel`: torch's micro-pipeline TP (CUDA symmetric memory, compiled blocks)."
     loss_chunks: int
     "`ChunkedLossWrapper.num_chunks`; 0: the loss is not chunked."
     attention: str
@@ -113,6 +115,7 @@ def _record(name: str, c) -> TitanJob:
         param_dtype=t.mixed_precision_param, reduce_dtype=t.mixed_precision_reduce,
         ac=_AC.get(_outer(c.activation_checkpoint), "none") if c.activation_checkpoint is not None else "none",
         compile=c.compile.enable, float8="Float8" in type(blk.feed_forward.w1).__qualname__,
+        async_tp=c.compile.enable_async_tensor_parallel,
         loss_chunks=getattr(c.loss, "num_chunks", 0), attention=_ATTN.get(_outer(blk.attention.inner_attention), "?"),
         pp_schedule=p.pipeline_parallel_schedule, microbatch_size=p.pipeline_parallel_microbatch_size, ac_every=0,
         config=c)
@@ -165,7 +168,7 @@ def titan_job(name_or_config, *, layers: int | None = None, seq_len: int | None 
               dp_replicate: int | None = None, sequence_parallel: bool | None = None, ac: str | None = None,
               attention: str = "sdpa", param_dtype: str | None = None, cp: int | None = None, pp: int | None = None,
               pp_schedule: str | None = None, microbatch_size: int | None = None, compile: bool | None = None,
-              dtype: str | None = None, loss_chunks: int | None = None) -> TitanJob:
+              dtype: str | None = None, loss_chunks: int | None = None, async_tp: bool | None = None) -> TitanJob:
     """A torchtitan Llama 3 job (a name in `JOBS`, or a `Trainer.Config`) as a `TitanJob`, cut and overridden as asked;
     `param_dtype`: FSDP's compute dtype (`training.mixed_precision_param`), 'float32' for no mixed precision;
     `dtype`: the masters' (`training.dtype`); `loss_chunks`: `ChunkedLossWrapper`'s chunks, 0 for its inner loss
@@ -186,6 +189,7 @@ def titan_job(name_or_config, *, layers: int | None = None, seq_len: int | None 
         setattr(c.training, key, v)
     if compile is not None: c.compile.enable = compile
     if loss_chunks is not None: c.loss = _loss_config(c.loss, loss_chunks)
+    if async_tp is not None: c.compile.enable_async_tensor_parallel = async_tp
     c.model_spec.model.update_from_config(config=c)   # what torchtitan's Trainer does: TP per module config
     return _record(name, c)
 
@@ -220,7 +224,8 @@ def titan_toml(path) -> TitanJob:
                     pp=g("pipeline_parallel"), pp_schedule=par.get("pipeline_parallel_schedule"),
                     microbatch_size=par.get("pipeline_parallel_microbatch_size"), ac=mode,
                     sequence_parallel=par.get("enable_sequence_parallel"), param_dtype=tr.get("mixed_precision_param"),
-                    compile=t.get("compile", {}).get("enable", tr.get("compile")), dtype=tr.get("dtype"))
+                    compile=t.get("compile", {}).get("enable", tr.get("compile")), dtype=tr.get("dtype"),
+                    async_tp=t.get("compile", t.get("experimental", {})).get("enable_async_tensor_parallel"))
     f8 = t.get("float8", {}).get("enable_float8_linear", False) or "float8" in m.get("converters", ())
     return dataclasses.replace(job, name=f"{path}", float8=bool(f8), ac_every=every,
                                reduce_dtype=tr.get("mixed_precision_reduce", job.reduce_dtype))
@@ -327,7 +332,8 @@ def titan_plan(job: TitanJob, g, world: int | None = None, n_blocks: int | None 
     tp = {}
     if d.tp > 1:
         styles, outer, sp = tp_layout(g, tuple(megatron_styles(block_spec(g)).items()), job.sequence_parallel)
-        tp = dict(tp_styles=styles, sequence_parallel=sp, loss_parallel=True, tp_outer=outer)
+        tp = dict(tp_styles=styles, sequence_parallel=sp, loss_parallel=True, tp_outer=outer,
+                  async_tp=job.async_tp and sp)
         if d.pp > 1: tp = dict(tp_styles=styles)   # static_dist models sequence/loss parallelism without pipelines
     blocks, r = [f"layers.{i}" for i in range(n)], d.pp == 1        # torchtitan's "default": reshard unless pipelined
     units = (FSDPUnit("tok_embeddings", r), *(FSDPUnit(b, r) for b in blocks), *titan_head_units(job),
@@ -503,6 +509,11 @@ def titan_overrides(plan, batch: int, seq: int, master_dtype: str = "float32") -
            ("data_parallel_shard", d.dp_shard), ("context_parallel", d.cp), ("tensor_parallel", d.tp),
            ("pipeline_parallel", d.pp))]
     if d.tp > 1: out.append(f"--parallelism.{'' if plan.sequence_parallel else 'no-'}enable_sequence_parallel")
+    if plan.async_tp:
+        out += ["--compile.enable", "--compile.enable_async_tensor_parallel"]
+        if not (plan.compile and all(plan.compile)):
+            notes.append("async TP runs in torch.compile (torchtitan requires --compile.enable): the blocks are "
+                         "compiled, which the plan did not say")
     if d.pp > 1: out += [f"--parallelism.pipeline_parallel_schedule {plan.schedule}",
                          f"--parallelism.pipeline_parallel_microbatch_size {batch}"]
     out += [f"--training.local_batch_size {batch * (plan.microbatches if d.pp > 1 else 1)}",

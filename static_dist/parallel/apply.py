@@ -20,7 +20,8 @@ from ..placement import parallel_style
 from ..structure import find_structure
 
 # %% auto 0
-__all__ = ['plan_blocks', 'apply_tp', 'step_context', 'apply_ac', 'apply_compile', 'apply_fsdp', 'apply_parallel_plan']
+__all__ = ['plan_blocks', 'apply_tp', 'step_context', 'apply_ac', 'apply_compile', 'apply_async_tp', 'apply_fsdp',
+           'apply_parallel_plan']
 
 # %% ../../nbs/45e_parallel_apply.ipynb
 def plan_blocks(plan: ParallelPlan, stack, stage: int | None = None) -> tuple[tuple[int, str], ...]:
@@ -125,6 +126,20 @@ def apply_compile(model: nn.Module, plan: ParallelPlan, backend: str = "inductor
         if plan.compile[i]: model.get_submodule(b).compile(backend=backend)
 
 # %% ../../nbs/45e_parallel_apply.ipynb
+def apply_async_tp(plan: ParallelPlan, tp_mesh) -> None:
+    "Symmetric memory on the tp group and Inductor's micro-pipeline TP on, for a plan with `async_tp`; else nothing."
+    if not plan.async_tp: return
+    if tp_mesh.device_type != "cuda":
+        raise ParallelPlanError(f"async_tp needs CUDA symmetric memory and torch.compile (micro-pipeline TP); this tp "
+                                f"mesh is on {tp_mesh.device_type}: apply the plan with async_tp=False")
+    if not any(plan.compile):
+        raise ParallelPlanError("async_tp is an Inductor pass over compiled blocks: set the plan's compile or drop it")
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+    enable_symm_mem_for_group(tp_mesh.get_group().group_name)
+    torch._inductor.config._micro_pipeline_tp = True
+
+
+# %% ../../nbs/45e_parallel_apply.ipynb
 def apply_fsdp(model: nn.Module, plan: ParallelPlan, mesh) -> None:
     """`fully_shard` the plan's FSDP units (those the model has with parameters; the root always) over the data-parallel
     mesh (none for one rank). A pipeline stage keeps only its own modules' parameters, so the others' units drop out."""
@@ -154,7 +169,7 @@ def apply_parallel_plan(model: nn.Module, plan: ParallelPlan, mesh=None, *, seq:
         )
     blocks = plan_blocks(plan, stack, stage)
     mesh = device_mesh(plan.dims) if mesh is None else mesh
-    if "tp" in mesh.mesh_dim_names: apply_tp(model, plan, mesh["tp"], blocks)
+    if "tp" in mesh.mesh_dim_names: apply_async_tp(plan, mesh["tp"]); apply_tp(model, plan, mesh["tp"], blocks)
     apply_ac(model, plan, blocks)
     apply_compile(model, plan, compile_backend, blocks)
     apply_fsdp(model, plan, mesh)
