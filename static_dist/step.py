@@ -136,17 +136,34 @@ class _HiddenGrad(torch.autograd.Function):
 
 # %% ../nbs/00g_step.ipynb
 def _pieces(t: torch.Tensor, n: int) -> list[torch.Tensor]:
-    "`t` split into `n` contiguous equal pieces along dim 1, on each rank's local view of a DTensor."
+    "`t` split into `n` contiguous equal pieces along dim 1."
     if t.shape[1] % n: raise StepError(f"sequence length {t.shape[1]} does not divide into {n} loss chunks")
-    split = lambda x: tuple(c.contiguous() for c in torch.split(x, [x.shape[1] // n] * n, dim=1))
-    from torch.distributed.tensor import DTensor
-    if not isinstance(t, DTensor): return list(split(t))
-    from torch.distributed.tensor.experimental import local_map
-    p = t.placements
-    return list(local_map(split, out_placements=(p,) * n, in_placements=(p,), device_mesh=t.device_mesh)(t))
+    return [c.contiguous() for c in torch.split(t, [t.shape[1] // n] * n, dim=1)]
+
+def _leaves(hidden, n: int):
+    """(leaves, pieces, None) of `hidden` split in `n`; for a DTensor (tensor parallelism) each piece a DTensor over a
+    local leaf whose gradient stays a partial sum where it is replicated, as torchtitan's `GradAccumulator` keeps it
+    (the sum is then taken once, on the whole gradient), and (mesh, placements of that gradient) last."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+    rg = hidden.requires_grad
+    if not isinstance(hidden, DTensor):
+        hs = [c.detach().requires_grad_(rg) for c in _pieces(hidden, n)]
+        return hs, hs, None
+    mesh, pl = hidden.device_mesh, hidden.placements
+    grads = tuple(Partial() if isinstance(p, Replicate) else p for p in pl)
+    leaves = [c.detach().requires_grad_(rg) for c in _pieces(hidden.to_local(), n)]
+    pieces = [DTensor.from_local(c, mesh, pl, run_check=False, grad_placements=grads) for c in leaves]
+    return leaves, pieces, (mesh, grads)
 
 
 # %% ../nbs/00g_step.ipynb
+def _whole_sequence(t):
+    """`t` gathered whole on the sequence where a DTensor holds it sharded there (sequence parallelism), as torchtitan's
+    final norm hands it to the chunks (`pre_lm_head_norm_config`): each piece then pairs with its targets."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    if not isinstance(t, DTensor) or Shard(1) not in t.placements: return t
+    return t.redistribute(placements=[Replicate() if p == Shard(1) else p for p in t.placements])
+
 def _fsdp_head(head: nn.Module, gathered: bool) -> None:
     "torchtitan's calls on an FSDP2 output module around the chunks: kept gathered, gradient synced on the last."
     if not hasattr(head, "set_reshard_after_forward"): return
@@ -158,29 +175,29 @@ def _fsdp_head(head: nn.Module, gathered: bool) -> None:
 def chunked_loss(lf: ChunkedLoss, head: nn.Module, hidden: torch.Tensor, targets, scale: float = 1.0):
     """The loss of `hidden` (the model's output without `head`) by `lf`'s chunks, each one's backward run (scaled by
     `scale`) into a float32 gradient buffer; the loss's backward hands it to `hidden`."""
-    hs = [c.detach().requires_grad_(hidden.requires_grad) for c in _pieces(hidden, lf.chunks)]
+    hidden = _whole_sequence(hidden)
+    leaves, hs, dist = _leaves(hidden, lf.chunks)
     ts = _pieces(targets, lf.chunks)
-    local = hidden.to_local() if hasattr(hidden, "to_local") else hidden
+    local = hidden.to_local() if dist else hidden
     buf = torch.zeros_like(local, dtype=torch.float32) if hidden.requires_grad else None
-    total, placements = hidden.new_zeros((), dtype=torch.float32), None
+    total = hidden.new_zeros((), dtype=torch.float32)
     _fsdp_head(head, True)
-    for i, (h, t) in enumerate(zip(hs, ts)):
+    for i, (leaf, h, t) in enumerate(zip(leaves, hs, ts)):
         if i == len(hs) - 1 and hasattr(head, "set_requires_gradient_sync"):
             head.set_requires_gradient_sync(True, recurse=False)
         loss = step_loss(lf.loss, head(h), t)
         total = total + loss.detach()
         if buf is None: continue
         (loss * scale if scale != 1 else loss).backward()
-        g, h.grad = h.grad, None
-        if hasattr(g, "to_local"): placements, g = g.placements, g.to_local()
+        g, leaf.grad = leaf.grad, None
         if g.dtype != buf.dtype: g = g.to(buf.dtype)
         n = g.shape[1]
         buf[:, i * n:(i + 1) * n] = g
     _fsdp_head(head, False)
     if buf is None: return total
-    if placements is not None:
+    if dist:
         from torch.distributed.tensor import DTensor
-        buf = DTensor.from_local(buf, device_mesh=hidden.device_mesh, placements=placements)
+        buf = DTensor.from_local(buf, dist[0], dist[1], run_check=False)
     return _HiddenGrad.apply(hidden, buf.to(hidden.dtype), total)
 
 

@@ -64,18 +64,30 @@ def _sequence_styles(block: nn.Module, plan: ParallelPlan) -> tuple[dict, set]:
              if n and not under(n) and any(True for _ in m.parameters(recurse=False))}
     return norms, regions
 
+def _gather_after_norm(model: nn.Module, plan: ParallelPlan, tp_mesh, mods: dict) -> None:
+    """The final norm's output gathered whole on the sequence, as torchtitan lays it out (`pre_lm_head_norm_config`:
+    out_dst Replicate), so the output projection, or a chunked loss's pieces of it, take the whole sequence: a piece's
+    input gradient then stays a partial sum, reduce-scattered once onto the sequence."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import PrepareModuleOutput, parallelize_module
+    for m in (m for m, r in plan.tp_outer if r == "norm" and m in mods):
+        parallelize_module(mods[m], tp_mesh, PrepareModuleOutput(output_layouts=Shard(1),
+                                                                 desired_output_layouts=Replicate(),
+                                                                 use_local_output=False))
+
 def _outer_styles(plan: ParallelPlan) -> dict:
     "torchtitan's styles for the modules outside the blocks (`plan.tp_outer`), by role."
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
     sp, lp, out = plan.sequence_parallel, plan.loss_parallel, {}
     seq = Shard(1) if sp else Replicate()
+    gathered = sp and any(r == "norm" for _, r in plan.tp_outer)   # by the final norm (`_gather_after_norm`)
     for m, role in plan.tp_outer:
         if role == "embedding": out[m] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
         elif role == "norm" and sp: out[m] = SequenceParallel()
         elif role == "output":
-            out[m] = ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1) if lp else Replicate(),
-                                     use_local_output=not lp)
+            out[m] = ColwiseParallel(input_layouts=Replicate() if gathered else seq,
+                                     output_layouts=Shard(-1) if lp else Replicate(), use_local_output=not lp)
     return out
 
 def apply_tp(model: nn.Module, plan: ParallelPlan, tp_mesh, blocks=None) -> None:
@@ -99,6 +111,7 @@ def apply_tp(model: nn.Module, plan: ParallelPlan, tp_mesh, blocks=None) -> None
     mods = dict(model.named_modules())
     outer = {m: s for m, s in _outer_styles(plan).items() if m in mods}   # a pipeline stage holds some
     if outer: parallelize_module(model, tp_mesh, outer)
+    if plan.sequence_parallel: _gather_after_norm(model, plan, tp_mesh, mods)
 
 # %% ../../nbs/45e_parallel_apply.ipynb
 def step_context(plan: ParallelPlan, around=None):
