@@ -111,7 +111,7 @@ def test_plan_async_tp_priced_written_and_emitted(tmp_path):
     assert code == 0, out
     plan = ParallelPlan.from_json(f)
     assert plan.async_tp and plan.sequence_parallel and all(plan.compile), plan
-    argv = shlex.split(out[out.index("--parallelism."):].split(" note: ")[0])
+    argv = shlex.split(out[out.index("--parallelism."):].split(" note: ")[0].split(" plan written to ")[0])
     assert "--compile.enable_async_tensor_parallel" in argv
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

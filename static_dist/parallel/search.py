@@ -666,7 +666,7 @@ def bare_step_seconds(w) -> float:
     "Seconds of one bare fake step of workload `w`: built on meta, made fake, forward, loss, backward, optimizer step."
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from static_dist.step import make_optimizer, step_loss
+    from static_dist.step import MicroBatch, batch_loss, make_optimizer
     from static_dist.util import torch_dtype
     t0 = time.perf_counter()
     model = w.build(device="meta", dtype=torch_dtype(w.dtype))
@@ -676,7 +676,7 @@ def bare_step_seconds(w) -> float:
         fake = lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype) if isinstance(t, torch.Tensor) else t
         args, kwargs, targets = tuple(map(fake, args)), {k: fake(v) for k, v in kwargs.items()}, fake(targets)
         opt = None if w.optimizer == "none" else make_optimizer(w.optimizer, model.parameters(), foreach=False)
-        step_loss(w.loss, model(*args, **kwargs), targets).backward()
+        batch_loss(model, MicroBatch(args, kwargs, targets), w.loss).backward()
         if opt is not None: opt.step()
     return time.perf_counter() - t0
 

@@ -24,7 +24,7 @@ from .plan import (ParallelPlan, ParallelPlanError, block_collectives, block_pol
                                     outer_collectives)
 from .schedule import rank_stages
 from ..placement import STYLES
-from ..step import OPTIMIZERS, make_optimizer, step_loss
+from ..step import OPTIMIZERS, MicroBatch, batch_loss, make_optimizer
 from ..structure import find_structure
 from ..util import check_real_size, torch_dtype
 from ..graph.records import FORWARD
@@ -345,7 +345,7 @@ def measured_stack_bytes(w, plan: ParallelPlan) -> int:
         return hook
     model.get_submodule(blocks[0]).register_forward_pre_hook(mark("start"))
     model.get_submodule(blocks[-1]).register_forward_hook(mark("end"))
-    with mt: step_loss(w.loss, model(*args, **kwargs), targets).backward()
+    with mt: batch_loss(model, MicroBatch(args, kwargs, targets), w.loss).backward()
     return marks["end"] - marks["start"]
 
 # %% ../../nbs/45f_parallel_verify.ipynb
