@@ -241,7 +241,9 @@ def _add_units(C: _Curves, profile: GraphProfile, plan: FSDPPlan, lays, reduce_a
         C.add("optimizer_state", 0, C.n - 1, l.state_bytes)
         if not l.params: continue
         _add_unsharded(C, l, units[l.module], plan)
-        _add_gradients(C, l, pinfo, plan, reduce_at, bool(l.module) and in_pieces(profile, l))
+        # (an accumulating schedule's micro-batches interleave too: that is the accumulation's own rule)
+        pieces = bool(l.module) and plan.accumulation_steps == 1 and in_pieces(profile, l)
+        _add_gradients(C, l, pinfo, plan, reduce_at, pieces)
     return total
 
 # %% ../../nbs/40c_fsdp_memory.ipynb
