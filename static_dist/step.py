@@ -5,7 +5,7 @@
 # %% ../nbs/00g_step.ipynb 4
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Sequence
 
@@ -15,8 +15,8 @@ import torch.nn as nn
 from .errors import InputError
 
 # %% auto 0
-__all__ = ['OPTIMIZERS', 'step_loss', 'StepError', 'make_optimizer', 'MicroBatch', 'micro_batch', 'batch_loss',
-           'forward_backward', 'train_step']
+__all__ = ['OPTIMIZERS', 'step_loss', 'StepError', 'make_optimizer', 'MicroBatch', 'micro_batch', 'batch_loss', 'ChunkedLoss',
+           'skipping', 'chunked_loss', 'forward_backward', 'train_step']
 
 # %% ../nbs/00g_step.ipynb
 def step_loss(loss_fn, out, targets=None):
@@ -65,10 +65,141 @@ def micro_batch(x) -> MicroBatch:
                     "(args, kwargs, targets) or a static_dist.step.MicroBatch")
 
 # %% ../nbs/00g_step.ipynb
-def batch_loss(model: nn.Module, mb, loss_fn=None) -> torch.Tensor:
-    "The loss of one micro-batch (`step_loss` of the model's output); the output is not kept."
+def batch_loss(model: nn.Module, mb, loss_fn=None, scale: float = 1.0) -> torch.Tensor:
+    """The loss of one micro-batch (`step_loss` of the model's output); the output is not kept. A `ChunkedLoss` runs
+    its chunks' backward here, each scaled by `scale` (the step's 1 / micro-batches)."""
     mb = micro_batch(mb)
+    if isinstance(loss_fn, ChunkedLoss):
+        with skipping(model, loss_fn.head) as head: out = model(*mb.args, **mb.kwargs)
+        return chunked_loss(loss_fn, head, out, mb.targets, scale)
     return step_loss(loss_fn, model(*mb.args, **mb.kwargs), mb.targets)
+
+
+# %% ../nbs/00g_step.ipynb
+@dataclass(frozen=True)
+class ChunkedLoss:
+    """torchtitan's `ChunkedLossWrapper` as the step's loss: `loss` on each of `chunks` sequence pieces of the output of
+    the model run without its output module `head`. Called as a plain loss it is `loss` of the whole output."""
+    loss: Callable
+    "`loss(logits, targets)` of one piece: a sum over its tokens (or normalised by the whole batch's count)."
+    head: str
+    "FQN of the output module (the one that makes the logits), found from the structure by the caller."
+    chunks: int = 8
+    "`ChunkedLossWrapper.num_chunks`: the sequence length must divide by it."
+
+    def __post_init__(self):
+        if isinstance(self.chunks, bool) or not isinstance(self.chunks, int) or self.chunks < 1:
+            raise StepError(f"ChunkedLoss chunks={self.chunks!r}: give a positive integer")
+        if not isinstance(self.head, str) or not self.head: raise StepError("ChunkedLoss head: give the output "
+                                                                            "module's name (e.g. 'lm_head')")
+        if not callable(self.loss): raise StepError(f"ChunkedLoss loss: {type(self.loss).__name__} is not callable")
+
+    def __call__(self, out, targets=None): return step_loss(self.loss, out, targets)
+
+
+# %% ../nbs/00g_step.ipynb
+class _Skipped(nn.Module):
+    "Stands in for a module while the model runs without it: returns its input and runs no hooks (no `_call_impl`)."
+    def __call__(self, x, *args, **kwargs): return x
+
+@contextmanager
+def skipping(model: nn.Module, fqn: str):
+    """The block runs `model` without its module `fqn` (its input passes through); yields that module. An FSDP2 root
+    sets itself up first, with the module in its tree."""
+    parent_name, _, name = fqn.rpartition(".")
+    try: parent = model.get_submodule(parent_name)
+    except AttributeError: parent = None
+    if parent is None or not isinstance(parent._modules.get(name), nn.Module):
+        raise StepError(f"the model has no module {fqn!r} to run the loss on; give its output module's name")
+    state = getattr(model, "_get_fsdp_state", None)
+    if state is not None: state()._lazy_init()       # FSDP2 finds its states in the tree on the first forward
+    keep = parent._modules[name]
+    parent._modules[name] = _Skipped()
+    try: yield keep
+    finally: parent._modules[name] = keep
+
+
+# %% ../nbs/00g_step.ipynb
+class _HiddenGrad(torch.autograd.Function):
+    """The loss, whose backward hands the chunks' gradient `grad` to `hidden` (torchtitan's
+    `_DecoderOutputGradientBackProp`: the incoming gradient is not read; the chunks were scaled already)."""
+    @staticmethod
+    def forward(ctx, hidden, grad, loss):
+        ctx.save_for_backward(grad)
+        return loss.detach()
+
+    @staticmethod
+    def backward(ctx, g):
+        (grad,) = ctx.saved_tensors
+        return grad, None, None
+
+
+# %% ../nbs/00g_step.ipynb
+def _pieces(t: torch.Tensor, n: int) -> list[torch.Tensor]:
+    "`t` split into `n` contiguous equal pieces along dim 1."
+    if t.shape[1] % n: raise StepError(f"sequence length {t.shape[1]} does not divide into {n} loss chunks")
+    return [c.contiguous() for c in torch.split(t, [t.shape[1] // n] * n, dim=1)]
+
+def _leaves(hidden, n: int):
+    """(leaves, pieces, None) of `hidden` split in `n`; for a DTensor (tensor parallelism) each piece a DTensor over a
+    local leaf whose gradient stays a partial sum where it is replicated, as torchtitan's `GradAccumulator` keeps it
+    (the sum is then taken once, on the whole gradient), and (mesh, placements of that gradient) last."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+    rg = hidden.requires_grad
+    if not isinstance(hidden, DTensor):
+        hs = [c.detach().requires_grad_(rg) for c in _pieces(hidden, n)]
+        return hs, hs, None
+    mesh, pl = hidden.device_mesh, hidden.placements
+    grads = tuple(Partial() if isinstance(p, Replicate) else p for p in pl)
+    leaves = [c.detach().requires_grad_(rg) for c in _pieces(hidden.to_local(), n)]
+    pieces = [DTensor.from_local(c, mesh, pl, run_check=False, grad_placements=grads) for c in leaves]
+    return leaves, pieces, (mesh, grads)
+
+
+# %% ../nbs/00g_step.ipynb
+def _whole_sequence(t):
+    """`t` gathered whole on the sequence where a DTensor holds it sharded there (sequence parallelism), as torchtitan's
+    final norm hands it to the chunks (`pre_lm_head_norm_config`): each piece then pairs with its targets."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    if not isinstance(t, DTensor) or Shard(1) not in t.placements: return t
+    return t.redistribute(placements=[Replicate() if p == Shard(1) else p for p in t.placements])
+
+def _fsdp_head(head: nn.Module, gathered: bool) -> None:
+    "torchtitan's calls on an FSDP2 output module around the chunks: kept gathered, gradient synced on the last."
+    if not hasattr(head, "set_reshard_after_forward"): return
+    head.set_reshard_after_forward(not gathered)
+    head.set_reshard_after_backward(not gathered)
+    head.set_requires_gradient_sync(not gathered, recurse=False)
+    head.unshard() if gathered else head.reshard()
+
+def chunked_loss(lf: ChunkedLoss, head: nn.Module, hidden: torch.Tensor, targets, scale: float = 1.0):
+    """The loss of `hidden` (the model's output without `head`) by `lf`'s chunks, each one's backward run (scaled by
+    `scale`) into a float32 gradient buffer; the loss's backward hands it to `hidden`."""
+    hidden = _whole_sequence(hidden)
+    leaves, hs, dist = _leaves(hidden, lf.chunks)
+    ts = _pieces(targets, lf.chunks)
+    local = hidden.to_local() if dist else hidden
+    buf = torch.zeros_like(local, dtype=torch.float32) if hidden.requires_grad else None
+    total = hidden.new_zeros((), dtype=torch.float32)
+    _fsdp_head(head, True)
+    for i, (leaf, h, t) in enumerate(zip(leaves, hs, ts)):
+        if i == len(hs) - 1 and hasattr(head, "set_requires_gradient_sync"):
+            head.set_requires_gradient_sync(True, recurse=False)
+        loss = step_loss(lf.loss, head(h), t)
+        total = total + loss.detach()
+        if buf is None: continue
+        (loss * scale if scale != 1 else loss).backward()
+        g, leaf.grad = leaf.grad, None
+        if g.dtype != buf.dtype: g = g.to(buf.dtype)
+        n = g.shape[1]
+        buf[:, i * n:(i + 1) * n] = g
+    _fsdp_head(head, False)
+    if buf is None: return total
+    if dist:
+        from torch.distributed.tensor import DTensor
+        buf = DTensor.from_local(buf, dist[0], dist[1], run_check=False)
+    return _HiddenGrad.apply(hidden, buf.to(hidden.dtype), total)
+
 
 # %% ../nbs/00g_step.ipynb
 def _sync_rule(model: nn.Module, k: int, every: bool):
@@ -91,7 +222,7 @@ def forward_backward(model: nn.Module, micro_batches: Sequence, loss_fn: Callabl
     for i, mb in enumerate(mbs):
         sync(i)
         with (around or nullcontext)():
-            with (autocast or nullcontext)(): loss = batch_loss(model, mb, loss_fn)
+            with (autocast or nullcontext)(): loss = batch_loss(model, mb, loss_fn, 1 / k)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 raise StepError(
                     f"the loss is a {type(loss).__name__}"

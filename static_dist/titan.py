@@ -18,12 +18,13 @@ from .cost.measure import comm_counter, comm_counts, to_empty_tied
 from .errors import StaticDistError
 from .graph import quiet_torch_logs
 from .launch import process_group
+from .step import ChunkedLoss
 from .workload import Workload
 
 # %% auto 0
 __all__ = ['JOBS', 'TitanError', 'TitanJob', 'titan_ac_policy', 'titan_job', 'titan_toml', 'titan_model', 'titan_loss',
-           'titan_workload', 'titan_dims', 'titan_stages', 'titan_plan', 'TitanMeasurement', 'apply_titan',
-           'measure_titan', 'titan_overrides', 'TitanCheck', 'titan_layout_job', 'check_titan']
+           'titan_workload', 'titan_dims', 'titan_stages', 'titan_head_units', 'titan_plan', 'TitanMeasurement',
+           'apply_titan', 'measure_titan', 'titan_overrides', 'TitanCheck', 'titan_layout_job', 'check_titan']
 
 # %% ../nbs/07_titan.ipynb
 class TitanError(StaticDistError, ValueError):
@@ -80,6 +81,8 @@ class TitanJob:
     "'none', 'full', 'selective' (torchtitan's op-level policy) or 'memory_budget'."
     compile: bool
     float8: bool
+    async_tp: bool
+    "`compile.enable_async_tensor_parallel`: torch's micro-pipeline TP (CUDA symmetric memory, compiled blocks)."
     loss_chunks: int
     "`ChunkedLossWrapper.num_chunks`; 0: the loss is not chunked."
     attention: str
@@ -112,6 +115,7 @@ def _record(name: str, c) -> TitanJob:
         param_dtype=t.mixed_precision_param, reduce_dtype=t.mixed_precision_reduce,
         ac=_AC.get(_outer(c.activation_checkpoint), "none") if c.activation_checkpoint is not None else "none",
         compile=c.compile.enable, float8="Float8" in type(blk.feed_forward.w1).__qualname__,
+        async_tp=c.compile.enable_async_tensor_parallel,
         loss_chunks=getattr(c.loss, "num_chunks", 0), attention=_ATTN.get(_outer(blk.attention.inner_attention), "?"),
         pp_schedule=p.pipeline_parallel_schedule, microbatch_size=p.pipeline_parallel_microbatch_size, ac_every=0,
         config=c)
@@ -151,15 +155,24 @@ def _cut(c, layers, seq_len, local_batch, degrees: dict, ac, attention) -> None:
     elif attention != "job": raise TitanError(f"attention={attention!r}: give 'sdpa' or 'job' (the job's own)")
 
 # %% ../nbs/07_titan.ipynb
+def _loss_config(loss, chunks: int):
+    "The job's loss config with `chunks` (its inner loss alone for 0), as torchtitan's `ChunkedLossWrapper.Config`."
+    from torchtitan.components.loss import ChunkedLossWrapper
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 0:
+        raise TitanError(f"loss_chunks={chunks!r}: give 0 (no chunks) or a positive integer")
+    inner = loss.loss_fn if isinstance(loss, ChunkedLossWrapper.Config) else loss
+    return ChunkedLossWrapper.Config(num_chunks=chunks, loss_fn=inner) if chunks else inner
+
 def titan_job(name_or_config, *, layers: int | None = None, seq_len: int | None = None,
               local_batch: int | None = None, dp_shard: int | None = None, tp: int | None = None,
               dp_replicate: int | None = None, sequence_parallel: bool | None = None, ac: str | None = None,
               attention: str = "sdpa", param_dtype: str | None = None, cp: int | None = None, pp: int | None = None,
               pp_schedule: str | None = None, microbatch_size: int | None = None, compile: bool | None = None,
-              dtype: str | None = None) -> TitanJob:
+              dtype: str | None = None, loss_chunks: int | None = None, async_tp: bool | None = None) -> TitanJob:
     """A torchtitan Llama 3 job (a name in `JOBS`, or a `Trainer.Config`) as a `TitanJob`, cut and overridden as asked;
     `param_dtype`: FSDP's compute dtype (`training.mixed_precision_param`), 'float32' for no mixed precision;
-    `dtype`: the masters' (`training.dtype`)."""
+    `dtype`: the masters' (`training.dtype`); `loss_chunks`: `ChunkedLossWrapper`'s chunks, 0 for its inner loss
+    alone."""
     registry = _titan()
     if isinstance(name_or_config, str):
         if name_or_config not in JOBS: raise TitanError(f"job {name_or_config!r}: give one of {', '.join(JOBS)}")
@@ -175,6 +188,8 @@ def titan_job(name_or_config, *, layers: int | None = None, seq_len: int | None 
         if v not in ("float32", "bfloat16"): raise TitanError(f"{key}={v!r}: give 'float32' or 'bfloat16'")
         setattr(c.training, key, v)
     if compile is not None: c.compile.enable = compile
+    if loss_chunks is not None: c.loss = _loss_config(c.loss, loss_chunks)
+    if async_tp is not None: c.compile.enable_async_tensor_parallel = async_tp
     c.model_spec.model.update_from_config(config=c)   # what torchtitan's Trainer does: TP per module config
     return _record(name, c)
 
@@ -209,7 +224,8 @@ def titan_toml(path) -> TitanJob:
                     pp=g("pipeline_parallel"), pp_schedule=par.get("pipeline_parallel_schedule"),
                     microbatch_size=par.get("pipeline_parallel_microbatch_size"), ac=mode,
                     sequence_parallel=par.get("enable_sequence_parallel"), param_dtype=tr.get("mixed_precision_param"),
-                    compile=t.get("compile", {}).get("enable", tr.get("compile")), dtype=tr.get("dtype"))
+                    compile=t.get("compile", {}).get("enable", tr.get("compile")), dtype=tr.get("dtype"),
+                    async_tp=t.get("compile", t.get("experimental", {})).get("enable_async_tensor_parallel"))
     f8 = t.get("float8", {}).get("enable_float8_linear", False) or "float8" in m.get("converters", ())
     return dataclasses.replace(job, name=f"{path}", float8=bool(f8), ac_every=every,
                                reduce_dtype=tr.get("mixed_precision_reduce", job.reduce_dtype))
@@ -253,14 +269,18 @@ def _without_float8(job: TitanJob) -> TitanJob:
 # %% ../nbs/07_titan.ipynb
 def titan_workload(job: TitanJob, optimizer: str = "adamw") -> Workload:
     """The job's model, batch and loss as a static_dist `Workload` (its own capture predicts what torchtitan runs); its
-    batch is one micro-batch (the local batch, or a pipeline micro-batch's rows). Float8 linears are built as the plain
+    batch is one micro-batch (the local batch, or a pipeline micro-batch's rows); its loss is chunked as the job's
+    (`step.ChunkedLoss` on `lm_head`, the module torchtitan's trainer hands `ChunkedLossWrapper`).
+    Float8 linears are built as the plain
     linears they replace: static_dist reads the job's Float8 but does not price it yet."""
     plain = _without_float8(job)
     def build(device="meta", dtype=torch.float32, seed: int = 0): return titan_model(plain, device, dtype)
     batch = job.microbatch_size if job.pp > 1 else job.local_batch
+    loss = ChunkedLoss(titan_loss, "lm_head", job.loss_chunks) if job.loss_chunks else titan_loss
     return Workload(source=f"torchtitan:{job.name}", build=build, batch=batch, seq=job.seq_len,
-                    make_inputs=_tokens(job.vocab), loss=titan_loss, optimizer=optimizer, dtype=job.master_dtype,
-                    vocab=job.vocab, notes=("torchtitan's model and cross-entropy loss",))
+                    make_inputs=_tokens(job.vocab), loss=loss, optimizer=optimizer, dtype=job.master_dtype,
+                    vocab=job.vocab, notes=("torchtitan's model and cross-entropy loss" +
+                                            (f" in {job.loss_chunks} chunks" if job.loss_chunks else ""),))
 
 # %% ../nbs/07_titan.ipynb
 def titan_dims(job: TitanJob, world: int | None = None):
@@ -293,6 +313,15 @@ def titan_stages(job: TitanJob, n_blocks: int) -> tuple[int, ...]:
     return tuple(out)
 
 # %% ../nbs/07_titan.ipynb
+def titan_head_units(job: TitanJob) -> tuple:
+    """The FSDP units of `[norm, lm_head]` (one `fully_shard` call, not resharded after forward) as a step of `job`
+    runs them: with a chunked loss and no pipeline, `ChunkedLossWrapper` sets the group to reshard after forward and
+    gathers it again for the chunks (see above), so `norm` runs as a unit that reshards and `lm_head` as one that stays
+    gathered from its first chunk to its last."""
+    from static_dist.fsdp import FSDPUnit
+    if job.loss_chunks and job.pp == 1: return FSDPUnit("norm", True), FSDPUnit("lm_head", False)
+    return (FSDPUnit("norm", False, group=("lm_head",)),)
+
 def titan_plan(job: TitanJob, g, world: int | None = None, n_blocks: int | None = None):
     """The `ParallelPlan` torchtitan applies for `job` at `world` ranks, on its captured step `g` (`titan_workload`'s,
     in the compute dtype) whose model has `n_blocks` blocks (default: the job's layers)."""
@@ -303,11 +332,12 @@ def titan_plan(job: TitanJob, g, world: int | None = None, n_blocks: int | None 
     tp = {}
     if d.tp > 1:
         styles, outer, sp = tp_layout(g, tuple(megatron_styles(block_spec(g)).items()), job.sequence_parallel)
-        tp = dict(tp_styles=styles, sequence_parallel=sp, loss_parallel=True, tp_outer=outer)
+        tp = dict(tp_styles=styles, sequence_parallel=sp, loss_parallel=True, tp_outer=outer,
+                  async_tp=job.async_tp and sp)
         if d.pp > 1: tp = dict(tp_styles=styles)   # static_dist models sequence/loss parallelism without pipelines
     blocks, r = [f"layers.{i}" for i in range(n)], d.pp == 1        # torchtitan's "default": reshard unless pipelined
-    units = (FSDPUnit("tok_embeddings", r), *(FSDPUnit(b, r) for b in blocks),
-             FSDPUnit("norm", False, group=("lm_head",)), FSDPUnit("", False))
+    units = (FSDPUnit("tok_embeddings", r), *(FSDPUnit(b, r) for b in blocks), *titan_head_units(job),
+             FSDPUnit("", False))
     dp, mesh = d.dp_replicate * d.fsdp_size, (d.dp_replicate, d.fsdp_size) if d.dp_replicate > 1 else (d.fsdp_size,)
     fsdp = (FSDPPlan(dp, mesh, units, param_dtype=job.param_dtype, reduce_dtype=job.reduce_dtype, forward_prefetch=0)
             if dp > 1 else None)
@@ -367,8 +397,16 @@ def _adamw(job: TitanJob, params):
     return torch.optim.AdamW(params, **{k: v for k, v in kw.items() if k in ("lr", "betas", "eps", "weight_decay")})
 
 # %% ../nbs/07_titan.ipynb
-def _step(m, opt, x, y):
-    titan_loss(m(x), y).backward(); opt.step(); opt.zero_grad()
+def _job_loss(job: TitanJob, m):
+    "The job's own loss for model `m`: `ChunkedLossWrapper` set up as torchtitan's trainer does (trainer.py), or "
+    "torchtitan's cross-entropy."
+    if not job.loss_chunks: return titan_loss
+    lf = job.config.loss.build()
+    lf.set_lm_head(m.lm_head); m._skip_lm_head = True
+    return lambda pred, y: lf(pred, y)[0]
+
+def _step(m, opt, x, y, loss=titan_loss):
+    loss(m(x), y).backward(); opt.step(); opt.zero_grad()
 
 # %% ../nbs/07_titan.ipynb
 def _forward_hooks(st, module, pre, post):
@@ -444,10 +482,11 @@ def measure_titan(job: TitanJob, world: int) -> TitanMeasurement:
             to_empty_tied(m, "cpu")
             opt = _adamw(job, m.parameters())
             (x,), _, y = _tokens(job.vocab)(job.local_batch, job.seq_len)
-            fmt = _group_tracker(m, opt); fmt.track_inputs((x, y))
-            with fmt: _step(m, opt, x, y)
+            fmt, loss = _group_tracker(m, opt), _job_loss(job, m)
+            fmt.track_inputs((x, y))
+            with fmt: _step(m, opt, x, y, loss)
             fmt.reset_mod_stats()
-            with fmt, comm_counter() as cdm: _step(m, opt, x, y)
+            with fmt, comm_counter() as cdm: _step(m, opt, x, y, loss)
     peak, kinds = _peak(fmt)
     return TitanMeasurement(job.name, world, (dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp, dims.pp), peak,
                             kinds, comm_counts(cdm), {str(k): n for k, n in cdm.get_comm_counts().items()},
@@ -478,6 +517,11 @@ def titan_overrides(plan, batch: int, seq: int, master_dtype: str = "float32") -
            ("data_parallel_shard", d.dp_shard), ("context_parallel", d.cp), ("tensor_parallel", d.tp),
            ("pipeline_parallel", d.pp))]
     if d.tp > 1: out.append(f"--parallelism.{'' if plan.sequence_parallel else 'no-'}enable_sequence_parallel")
+    if plan.async_tp:
+        out += ["--compile.enable", "--compile.enable_async_tensor_parallel"]
+        if not (plan.compile and all(plan.compile)):
+            notes.append("async TP runs in torch.compile (torchtitan requires --compile.enable): the blocks are "
+                         "compiled, which the plan did not say")
     if d.pp > 1: out += [f"--parallelism.pipeline_parallel_schedule {plan.schedule}",
                          f"--parallelism.pipeline_parallel_microbatch_size {batch}"]
     out += [f"--training.local_batch_size {batch * (plan.microbatches if d.pp > 1 else 1)}",

@@ -95,3 +95,47 @@ def test_emit_torchtitan_of_a_searched_layout():
              "tp": "tensor_parallel", "pp": "pipeline_parallel"}
     for k, v in d.items(): assert f"--parallelism.{names[k]}_degree {v} " in out, (k, v)
     assert d["tp"] == "2" and "--parallelism.enable_sequence_parallel" in out
+
+
+def test_plan_async_tp_priced_written_and_emitted(tmp_path):
+    "`plan --async-tp`: the chosen sequence-parallel layout carries async TP (compiled blocks, as torchtitan requires), "
+    "its step time is the plan's with the overlap, and `--emit torchtitan` writes it as torchtitan's own options."
+    import warnings
+    from torchtitan.config.manager import ConfigManager
+    from static_dist.parallel import ParallelPlan, predict_step_time, rank_work
+    from static_dist.app.layout import layout_topology
+    from static_dist.workload import load_workload
+    f = tmp_path / "p.json"
+    code, out = _plan("--model", "tiny", "--world", "4", "--tp", "2", "--async-tp", "--emit", "torchtitan",
+                      "--out", str(f))
+    assert code == 0, out
+    plan = ParallelPlan.from_json(f)
+    assert plan.async_tp and plan.sequence_parallel and all(plan.compile), plan
+    argv = shlex.split(out[out.index("--parallelism."):].split(" note: ")[0].split(" plan written to ")[0])
+    assert "--compile.enable_async_tensor_parallel" in argv
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cfg = ConfigManager().parse_args(["--module", "llama3", "--config", "llama3_debugmodel", *argv])
+    assert cfg.compile.enable and cfg.compile.enable_async_tensor_parallel
+    import dataclasses
+    topo, g = layout_topology(None, 4), load_workload("tiny").graph()
+    sync = dataclasses.replace(plan, async_tp=False)
+    t_async, t_sync = (predict_step_time(rank_work(g, p, topo), p, topo).terms["tp"] for p in (plan, sync))
+    assert t_async < t_sync, (t_async, t_sync)       # the overlap is priced: fails if async_tp were only a label
+
+
+def test_torchtitan_job_reads_async_tp(tmp_path):
+    "A job that sets async TP (llama3_405b's `compile.enable_async_tensor_parallel`; here an older .toml) is predicted "
+    "with it, and --async-tp beside --torchtitan is refused: the job sets it."
+    f = tmp_path / "job.toml"
+    f.write_text('[model]\nname = "llama3"\nflavor = "debugmodel"\n[training]\nlocal_batch_size = 2\nseq_len = 256\n'
+                 '[parallelism]\ndata_parallel_shard_degree = 2\ntensor_parallel_degree = 2\n'
+                 '[compile]\nenable = true\nenable_async_tensor_parallel = true\n')
+    code, out = _plan("--torchtitan", str(f))
+    assert code == 0, out
+    assert "async TP on (priced: its overlap)" in out and "loss in 8 chunks" in out
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        from static_dist.app.cli import main
+        code = main(["plan", "--torchtitan", "llama3_8b", "--async-tp"])
+    assert code != 0 and "--async-tp" in err.getvalue() and "Traceback" not in err.getvalue(), err.getvalue()

@@ -61,3 +61,24 @@ def test_gloo_cp2():
         return
     _same_as_single_process(rep)
     assert all(r["cp_shards_ok"] for r in rep["ranks"])
+
+
+def test_gloo_chunked_loss_dp2_tp2_sequence_and_loss_parallel():
+    "The chunked loss (step.ChunkedLoss) under dp_shard 2 x tp 2 with sequence and loss parallelism: losses and "
+    "parameters equal the single process's, and each rank's collectives the prediction (3 loss all-reduces a chunk)."
+    import pathlib
+    from static_dist.parallel import tp_layout
+    from static_dist.placement import block_spec, megatron_styles
+    src = f"{pathlib.Path(__file__).parent / 'chunked_tiny.py'}:tiny_chunked"
+    wr = load_workload(src, batch=BATCH // 2, seq=SEQ)                # a rank's view: its 2 rows
+    g = wr.graph()
+    styles, outer, sp = tp_layout(g, tuple(megatron_styles(block_spec(g)).items()))
+    plan = ParallelPlan(ParallelDims(dp_shard=2, tp=2), styles, fsdp=_units((2,), g.structure.main.blocks),
+                        sequence_parallel=sp, loss_parallel=True, tp_outer=outer)
+    assert sp and dict((r, m) for m, r in outer)["output"] == "output"
+    (rep,) = launch("static_dist.parallel.run:run_plans", 4, [[src, plan.to_json()]], timeout=900)
+    _same_as_single_process(rep)
+    want = predict_axis_counts(rank_profile(g, plan), plan)
+    assert want["tp.all_reduce"] >= 3 * 4, want                     # the loss's three, once per chunk
+    for r in rep["ranks"]:
+        for c in r["counts"]: assert c == want, (c, want)

@@ -12,16 +12,21 @@ LAYERS, SEQ = 2, 256
 
 def _job(**kw):
     from static_dist.titan import titan_job
-    return titan_job("llama3_8b", layers=LAYERS, seq_len=SEQ, local_batch=1, ac="none", **kw)
+    return titan_job("llama3_8b", **{"layers": LAYERS, "seq_len": SEQ, "local_batch": 1, "ac": "none", "loss_chunks": 0,
+                                     **kw})
 
 
 def _fsdp(shard: int, job):
     "static_dist's FSDP plan for torchtitan's apply_fsdp_to_decoder (torchtitan/distributed/fsdp.py): tok_embeddings "
     "and every block reshard after forward; [norm, lm_head], one fully_shard call, does not, nor the root; no explicit "
-    "forward prefetch (it sets prefetch lists only with expert parallelism)."
+    "forward prefetch (it sets prefetch lists only with expert parallelism). With the chunked loss, ChunkedLossWrapper "
+    "(components/loss.py) sets the group's reshard-after-forward back to True after the chunks and gathers it again "
+    "for them: norm reshards, lm_head stays gathered from its first chunk to its last."
     from static_dist.fsdp import FSDPPlan, FSDPUnit
+    head = ((FSDPUnit("norm", True), FSDPUnit("lm_head", False)) if job.loss_chunks else
+            (FSDPUnit("norm", False, group=("lm_head",)),))
     units = (FSDPUnit("tok_embeddings", True), *(FSDPUnit(f"layers.{i}", True) for i in range(job.n_layers)),
-             FSDPUnit("norm", False, group=("lm_head",)), FSDPUnit("", False))
+             *head, FSDPUnit("", False))
     return FSDPPlan(shard, (shard,), units, param_dtype=job.param_dtype, reduce_dtype=job.reduce_dtype,
                     forward_prefetch=0)
 
@@ -85,7 +90,7 @@ def titan_case(request):
     from static_dist.parallel import ParallelDims, ParallelPlan
     from static_dist.titan import measure_titan, titan_ac_policy, titan_job
     name, kw = CASES[request.param]
-    job = titan_job(name, layers=LAYERS, dp_shard=8, **kw)
+    job = titan_job(name, layers=LAYERS, dp_shard=8, **{"loss_chunks": 0, **kw})
     plan = ParallelPlan(dims=ParallelDims(dp_shard=8), fsdp=_fsdp(8, job), ac=(titan_ac_policy(job),) * job.n_layers)
     return (request.param, job, measure_titan(job, 8), *_predict(job, plan))
 
@@ -99,6 +104,30 @@ def test_titan_layouts_memory_and_collectives(titan_case):
     # the issue asks for 1%; measured within 0.01% in every case. 0.1% tells torchtitan's selective policy from
     # static_dist's default one, which keeps the attention output that torchtitan's save list recomputes on CPU (1.008)
     assert abs(ratio - 1) <= 0.001, ratio
+
+
+@pytest.fixture(scope="module")
+def chunked8():
+    "(job, measurement, predicted peak, predicted counts): the 8B width at 2 layers, seq 2048, the job's own chunked "
+    "loss (8 chunks, ChunkedLossWrapper), FSDP over 8 ranks."
+    from static_dist.parallel import ParallelDims, ParallelPlan
+    from static_dist.titan import measure_titan
+    job = _job(dp_shard=8, seq_len=2048, loss_chunks=8)
+    plan = ParallelPlan(dims=ParallelDims(dp_shard=8), fsdp=_fsdp(8, job))
+    return (job, measure_titan(job, 8), *_predict(job, plan))
+
+
+def test_chunked_loss_fsdp(chunked8):
+    "torchtitan's ChunkedLossWrapper under its FSDP: static_dist's capture of the same chunked step predicts it."
+    job, m, pred, counts = chunked8
+    ratio = pred / m.peak_bytes
+    print(f"chunked loss, FSDP 8, seq 2048: predicted {pred} / measured {m.peak_bytes} = {ratio:.4f}; {counts}")
+    # by hand: 4 forward gathers, 1 more for the chunks, 4 in backward (norm's, 2 blocks, tok); reduce-scatters: one
+    # after the last chunk, norm's, 2 blocks', tok's
+    assert {f"dp.{k}": v for k, v in m.collectives.items() if v} == counts == {"dp.all_gather": 9,
+                                                                              "dp.reduce_scatter": 5}
+    # measured 0.9920; 0.78 before the lm_head gradient's float32 accumulator across the chunks was modelled
+    assert abs(ratio - 1) <= 0.01, ratio
 
 
 def test_group_tracker_is_faithful(fsdp8):
@@ -180,11 +209,13 @@ def test_titan_tp_layouts(titan_tp_case):
         pytest.xfail(f"without sequence parallelism torchtitan 0.3.0 lays the activations out through spmd_types' "
                      f"invariant placement: measured {measured}, predicted {counts} (memory {ratio:.5f}); not traced")
     assert measured == counts
-    if abs(ratio - 1) > 0.01 and job.seq_len >= 2048:
-        pytest.xfail(f"predicted/measured {ratio:.4f}: the peak is at the loss, where torchtitan's own vocabulary-"
-                     "parallel cross-entropy (_LossParallelCrossEntropy, components/loss.py) holds 3 float32 copies of "
-                     "the local logits (TEMP 1.58 GB at seq 2048); static_dist prices torch's loss_parallel() "
-                     "(aten._log_softmax on the shard). torchtitan's 70B/405B jobs chunk the loss (ChunkedLossWrapper)")
+    # every case runs the jobs' own chunked loss (8 chunks, ChunkedLossWrapper): at seq 2048 the whole logits of
+    # torchtitan's _LossParallelCrossEntropy (3 float32 copies) made 0.924/0.896 here, an xfail, before the step chunked
+    if abs(ratio - 1) > 0.01 and job.ac == "selective":
+        pytest.xfail(f"predicted/measured {ratio:.4f} (0.896 with whole logits): torchtitan's SelectiveAC under "
+                     "sequence parallelism holds 6 more [seq/tp, dim] bf16 tensors than static_dist predicts (measured "
+                     "50,331,648 B = 6 x 1024 x 4096 x 2 beyond the full-AC case's gap at seq 2048); its save list "
+                     "keeps reduce_scatter_tensor outputs, which the single-device capture has no op for: not traced")
     assert abs(ratio - 1) <= 0.01, ratio
 
 

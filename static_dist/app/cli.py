@@ -255,6 +255,10 @@ def _layout_parser(sub):
     p.add_argument("--sequence-parallel", choices=("auto", "on", "off"), default="auto",
                    help="tensor parallelism with torchtitan's sequence parallelism: auto (where the model maps, the "
                         "default), on (refused, with the reason, where it cannot), off")
+    p.add_argument("--async-tp", action="store_true",
+                   help="torchtitan's async tensor parallelism (torch's micro-pipeline TP): sequence parallelism's "
+                        "all-gathers and reduce-scatters overlapped with their matmuls in the step time; it needs CUDA "
+                        "symmetric memory and compile, so a run on CPU refuses to apply it")
     _precision_args(p)
     pipe = p.add_argument_group("pipeline (layouts with pp > 1)")
     pipe.add_argument("--schedule", default="1F1B", choices=PIPELINE_SCHEDULES,

@@ -241,7 +241,8 @@ def cmd_plan(args) -> int:
         r = search_layouts(g, args.world, topo, args.budget, n_blocks=n, pins=pins, ac=args.ac, progress=update,
                            schedule=args.schedule, microbatches=(1, 2), microbatch_count=micro,
                            virtual_stages=virtual, master_dtype=w.dtype, param_dtype=pdt, reduce_dtype=rdt,
-                           sequence_parallel={"auto": None, "on": True, "off": False}[args.sequence_parallel])
+                           sequence_parallel={"auto": None, "on": True, "off": False}[args.sequence_parallel],
+                           async_tp=args.async_tp)
     print_markdown(
         f"**{w.source}** (batch {w.batch}, seq {w.seq}, {w.optimizer}, {w.dtype} masters, {pdt or w.dtype} compute, "
         f"{rdt or pdt or w.dtype} reduction) on {topo.name}, world "
@@ -256,7 +257,9 @@ def cmd_plan(args) -> int:
               "checkpointing (--ac auto)", file=sys.stderr)
         return 3
     plan = r.best.plan
-    if args.compile: plan = dataclasses.replace(plan, compile=(True,) * n)
+    if args.async_tp and not plan.async_tp:
+        print_markdown("note: --async-tp overlaps sequence parallelism's collectives; the chosen layout has none")
+    if args.compile or plan.async_tp: plan = dataclasses.replace(plan, compile=(True,) * n)   # async TP: compiled
     plan = dataclasses.replace(plan, reasons=(*plan.reasons, ("precision", precision_line(plan, w.dtype))))
     if plan.dims.tp > 1:
         plan = dataclasses.replace(plan, reasons=(*plan.reasons, ("tensor parallel", tp_outer_line(plan))))
@@ -299,6 +302,7 @@ def titan_args(args):
     flags = [("--model", args.model != "tiny"), ("--batch", args.batch), ("--seq", args.seq), ("--dtype", args.dtype),
              ("--param-dtype", args.param_dtype), ("--reduce-dtype", args.reduce_dtype), ("--compile", args.compile),
              ("--input-shape", args.input_shape), ("--verify", args.verify), ("--ac", args.ac != "auto"),
+             ("--async-tp", args.async_tp),
              *(("--" + k.replace("_", "-"), getattr(args, k) is not None) for k in PIN_DIMS)]
     if given := [f for f, v in flags if v]:
         raise UsageError(f"--torchtitan {args.torchtitan} with {', '.join(given)}: the job sets its model, batch, "
@@ -355,7 +359,7 @@ def titan_search(job, g, n: int, world: int, topo, budget: int, progress=None, p
     pdt = job.param_dtype if job.param_dtype != m else None
     rdt = job.reduce_dtype if job.reduce_dtype != (pdt or m) else None
     return search_layouts(g, world, topo, budget, n_blocks=n, progress=progress, microbatches=(1, 2),
-                          master_dtype=m, param_dtype=pdt, reduce_dtype=rdt, pins=pins)
+                          master_dtype=m, param_dtype=pdt, reduce_dtype=rdt, pins=pins, async_tp=job.async_tp)
 
 
 # %% ../../nbs/92a_layout.ipynb
@@ -376,7 +380,9 @@ def plan_titan(args) -> int:
         f"**torchtitan {job.name} as written** (local batch {job.local_batch}, seq {job.seq_len}, {job.ac} "
         f"checkpointing{f' every {job.ac_every} blocks' if job.ac_every else ''}) on {topo.name}, world {world}, "
         f"budget {fmt_bytes(args.budget)}: {how}; the blocks' attention captured as SDPA; float8 "
-        f"{'on' if job.float8 else 'off'} and compile {'on' if job.compile else 'off'}: read, not yet priced")
+        f"{'on' if job.float8 else 'off'} and compile {'on' if job.compile else 'off'}: read, not yet priced; "
+        f"async TP {'on (priced: its overlap)' if given.plan.async_tp else 'off'}"
+        + (f"; loss in {job.loss_chunks} chunks" if job.loss_chunks else ""))
     print_markdown("\n".join(layout_lines(given, layout_memory(g, given, n, m), n, m)))
     print_markdown(f"\n**the search around it** ({r.considered} layouts considered, {r.evaluated} evaluated in "
                    f"{r.seconds:.2f} s)\n\n" + r.table())

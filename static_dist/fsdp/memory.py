@@ -16,12 +16,12 @@ from ..cost.profile import GraphProfile, PlanError
 from ..graph.checkpoint import apply_deltas, recompute_extra
 from ..util import DTYPE_BYTES
 from ..graph import fmt_bytes, pyplot
-from ..graph.records import BACKWARD, OPTIMIZER
+from ..graph.records import BACKWARD, FORWARD, OPTIMIZER
 
 
 # %% auto 0
-__all__ = ['CATEGORIES', 'CATEGORY_COLORS', 'shard_numel', 'UnitLayout', 'layout', 'MemoryPrediction', 'predict_memory',
-           'plot_fsdp_memory']
+__all__ = ['CATEGORIES', 'CATEGORY_COLORS', 'shard_numel', 'UnitLayout', 'layout', 'in_pieces', 'MemoryPrediction',
+           'predict_memory', 'plot_fsdp_memory']
 
 # %% ../../nbs/40c_fsdp_memory.ipynb
 CATEGORIES = ("sharded_params", "optimizer_state", "unsharded_params", "all_gather", "gradients", "reduce_scatter",
@@ -199,11 +199,20 @@ def _in_place(plan: FSDPPlan) -> bool:
     return acc and not plan.sync_every_microbatch and plan.reduce_dtype in (None, plan.param_dtype)
 
 # %% ../../nbs/40c_fsdp_memory.ipynb
-def _add_gradients(C: _Curves, l: UnitLayout, pinfo: dict, plan: FSDPPlan, reduce_at: int | None = None) -> None:
+def in_pieces(profile: GraphProfile, l: UnitLayout) -> bool:
+    "Does unit `l`'s backward run in pieces, with forward ops between them (a chunked loss's output module)?"
+    return bool(l.bwd[1] > l.bwd[0] and (profile.op_phase[l.bwd[0]:l.bwd[1] + 1] == FORWARD).any())
+
+
+# %% ../../nbs/40c_fsdp_memory.ipynb
+def _add_gradients(C: _Curves, l: UnitLayout, pinfo: dict, plan: FSDPPlan, reduce_at: int | None = None,
+                   pieces: bool = False) -> None:
     """Unit `l`'s unsharded gradients up to its post-backward, then its sharded gradients (all step when accumulating).
     `reduce_at`: the op after which every unit is reduced at once (a pipeline schedule's), instead of its
-    post-backward."""
+    post-backward. `pieces`: its backward runs in pieces (`in_pieces`), accumulated without sync as micro-batches
+    are."""
     acc, sync_all, in_place = plan.accumulation_steps > 1, plan.sync_every_microbatch, _in_place(plan)
+    if pieces and not acc: in_place = plan.reduce_dtype in (None, plan.param_dtype)
     for p in l.params:
         q = pinfo[p]
         # a unit's grads are freed as its reduce-scatter input is filled; the root's post-backward runs in
@@ -211,10 +220,11 @@ def _add_gradients(C: _Curves, l: UnitLayout, pinfo: dict, plan: FSDPPlan, reduc
         end = reduce_at if reduce_at is not None else l.bwd[1] if l.module == "" else l.bwd[1] - 1
         # accumulating into an upcast copy, FSDP2 folds each micro-batch's gradients into it at the unit's
         # post-backward (`accumulate_unsharded_grad_if_needed`), even where the reduction waits for the schedule
-        if acc and not sync_all: end = min(end, l.bwd[1])
+        if (acc and not sync_all) or pieces: end = min(end, l.bwd[1])
         if q.grad_created >= 0 and not in_place:
             C.add("gradients", q.grad_created, end, q.numel * _dtype_size(plan.param_dtype, q.itemsize))
     if acc and not sync_all: C.add("gradients", 0, l.bwd[1] if reduce_at is None else reduce_at, l.grad_bytes)
+    elif pieces and not in_place: C.add("gradients", l.bwd[0], l.bwd[1], l.grad_bytes)   # from the first piece's
     # the reduce-scatter output (the sharded gradient) is allocated once the input is filled and the unsharded grads
     # freed (`foreach_reduce`): the root's, whose grads live through its last op, after that op
     first = l.bwd[1] + 1 if l.module == "" and l.bwd[1] + 1 < C.n else l.bwd[1]
@@ -231,7 +241,9 @@ def _add_units(C: _Curves, profile: GraphProfile, plan: FSDPPlan, lays, reduce_a
         C.add("optimizer_state", 0, C.n - 1, l.state_bytes)
         if not l.params: continue
         _add_unsharded(C, l, units[l.module], plan)
-        _add_gradients(C, l, pinfo, plan, reduce_at)
+        # (an accumulating schedule's micro-batches interleave too: that is the accumulation's own rule)
+        pieces = bool(l.module) and plan.accumulation_steps == 1 and in_pieces(profile, l)
+        _add_gradients(C, l, pinfo, plan, reduce_at, pieces)
     return total
 
 # %% ../../nbs/40c_fsdp_memory.ipynb

@@ -229,6 +229,7 @@ class ModuleScopes(ModuleTracker):
 
     def __enter__(self):
         super().__enter__()        # the global hooks first, so the root's name is settled before ours run
+        self._get_mod_name(self.model)   # every module named now: one called outside the model's forward keeps its FQN
         self._kw_handles = [
             m.register_forward_pre_hook(self._kw_pre_hook, with_kwargs=True) for m in self.model.modules()
         ]
@@ -300,10 +301,16 @@ class _Recorder(TorchDispatchMode):
 @patch
 def module(self: _Recorder) -> str:
     "FQN (relative to the captured model) of the innermost module running now."
-    stale = getattr(self.tracker, "passthrough", ()) if self.phase == "backward" else ()
+    stale = getattr(self.tracker, "passthrough", ()) if self.now() == "backward" else ()
     key = (len(stale), *self.tracker.parents)
     if (found := self._modules.get(key)) is None: found = self._modules[key] = self._innermost(stale)
     return found
+
+@patch
+def now(self: _Recorder) -> str:
+    """The phase of the op being recorded: `phase`, or 'backward' for an op autograd's engine runs while the step is in
+    its forward (a chunked loss runs each piece's backward inside the loss)."""
+    return "backward" if self.phase == "forward" and torch._C._current_graph_task_id() != -1 else self.phase
 
 @patch
 def _innermost(self: _Recorder, stale) -> str:
@@ -421,7 +428,7 @@ def record(self: _Recorder, func, args, kwargs: dict, out) -> None:
     outs = tuple([self.output_id(o, info.packet) for o in _flat((out,), [])])
     if info.uncounted: self.uncounted[info.name] = self.uncounted.get(info.name, 0) + 1
     f = info.flops
-    self.ops.append(OpRecord(len(self.ops), info.name, self.phase, self.module(), ins, outs,
+    self.ops.append(OpRecord(len(self.ops), info.name, self.now(), self.module(), ins, outs,
                              0 if f is None else int(f(*args, **kwargs, out_val=out))))
     if self.progress is not None and len(self.ops) % 2000 == 0: self.progress(self.phase, len(self.ops))
 

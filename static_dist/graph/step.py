@@ -27,7 +27,7 @@ from static_dist.graph.recorder import (
     _Recorder,
 )
 from ..structure import find_structure
-from ..step import StepError, make_optimizer, step_loss
+from ..step import ChunkedLoss, StepError, chunked_loss, make_optimizer, skipping, step_loss
 
 # %% auto 0
 __all__ = ['capture']
@@ -224,8 +224,12 @@ def _run_step(rec: _Recorder, work: nn.Module, inputs, kwargs, loss_fn, targets,
         except Exception as e:
             raise explain_failure(e, stage, rec.failed_in or _module_in(e.__traceback__, work)) from None
     if progress: progress("forward", 0)
-    out = step("the model's forward", lambda: work(*inputs, **kwargs))
-    loss = step("the loss function", lambda: step_loss(loss_fn, out, targets))
+    if isinstance(loss_fn, ChunkedLoss):   # the step's chunked loss: its pieces' backward is recorded as backward
+        with skipping(work, loss_fn.head) as head: out = step("the model's forward", lambda: work(*inputs, **kwargs))
+        loss = step("the loss function", lambda: chunked_loss(loss_fn, head, out, targets))
+    else:
+        out = step("the model's forward", lambda: work(*inputs, **kwargs))
+        loss = step("the loss function", lambda: step_loss(loss_fn, out, targets))
     del out
     _check_loss(loss, loss_fn)
     rec.phase = "backward"

@@ -20,7 +20,8 @@ from ..placement import parallel_style
 from ..structure import find_structure
 
 # %% auto 0
-__all__ = ['plan_blocks', 'apply_tp', 'step_context', 'apply_ac', 'apply_compile', 'apply_fsdp', 'apply_parallel_plan']
+__all__ = ['plan_blocks', 'apply_tp', 'step_context', 'apply_ac', 'apply_compile', 'apply_async_tp', 'apply_fsdp',
+           'apply_parallel_plan']
 
 # %% ../../nbs/45e_parallel_apply.ipynb
 def plan_blocks(plan: ParallelPlan, stack, stage: int | None = None) -> tuple[tuple[int, str], ...]:
@@ -63,18 +64,30 @@ def _sequence_styles(block: nn.Module, plan: ParallelPlan) -> tuple[dict, set]:
              if n and not under(n) and any(True for _ in m.parameters(recurse=False))}
     return norms, regions
 
+def _gather_after_norm(model: nn.Module, plan: ParallelPlan, tp_mesh, mods: dict) -> None:
+    """The final norm's output gathered whole on the sequence, as torchtitan lays it out (`pre_lm_head_norm_config`:
+    out_dst Replicate), so the output projection, or a chunked loss's pieces of it, take the whole sequence: a piece's
+    input gradient then stays a partial sum, reduce-scattered once onto the sequence."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import PrepareModuleOutput, parallelize_module
+    for m in (m for m, r in plan.tp_outer if r == "norm" and m in mods):
+        parallelize_module(mods[m], tp_mesh, PrepareModuleOutput(output_layouts=Shard(1),
+                                                                 desired_output_layouts=Replicate(),
+                                                                 use_local_output=False))
+
 def _outer_styles(plan: ParallelPlan) -> dict:
     "torchtitan's styles for the modules outside the blocks (`plan.tp_outer`), by role."
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
     sp, lp, out = plan.sequence_parallel, plan.loss_parallel, {}
     seq = Shard(1) if sp else Replicate()
+    gathered = sp and any(r == "norm" for _, r in plan.tp_outer)   # by the final norm (`_gather_after_norm`)
     for m, role in plan.tp_outer:
         if role == "embedding": out[m] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
         elif role == "norm" and sp: out[m] = SequenceParallel()
         elif role == "output":
-            out[m] = ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1) if lp else Replicate(),
-                                     use_local_output=not lp)
+            out[m] = ColwiseParallel(input_layouts=Replicate() if gathered else seq,
+                                     output_layouts=Shard(-1) if lp else Replicate(), use_local_output=not lp)
     return out
 
 def apply_tp(model: nn.Module, plan: ParallelPlan, tp_mesh, blocks=None) -> None:
@@ -98,6 +111,7 @@ def apply_tp(model: nn.Module, plan: ParallelPlan, tp_mesh, blocks=None) -> None
     mods = dict(model.named_modules())
     outer = {m: s for m, s in _outer_styles(plan).items() if m in mods}   # a pipeline stage holds some
     if outer: parallelize_module(model, tp_mesh, outer)
+    if plan.sequence_parallel: _gather_after_norm(model, plan, tp_mesh, mods)
 
 # %% ../../nbs/45e_parallel_apply.ipynb
 def step_context(plan: ParallelPlan, around=None):
@@ -123,6 +137,20 @@ def apply_compile(model: nn.Module, plan: ParallelPlan, backend: str = "inductor
     "torch.compile each block the plan marks, in place."
     for i, b in (_blocks(model, plan, blocks) if plan.compile else ()):
         if plan.compile[i]: model.get_submodule(b).compile(backend=backend)
+
+# %% ../../nbs/45e_parallel_apply.ipynb
+def apply_async_tp(plan: ParallelPlan, tp_mesh) -> None:
+    "Symmetric memory on the tp group and Inductor's micro-pipeline TP on, for a plan with `async_tp`; else nothing."
+    if not plan.async_tp: return
+    if tp_mesh.device_type != "cuda":
+        raise ParallelPlanError(f"async_tp needs CUDA symmetric memory and torch.compile (micro-pipeline TP); this tp "
+                                f"mesh is on {tp_mesh.device_type}: apply the plan with async_tp=False")
+    if not any(plan.compile):
+        raise ParallelPlanError("async_tp is an Inductor pass over compiled blocks: set the plan's compile or drop it")
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+    enable_symm_mem_for_group(tp_mesh.get_group().group_name)
+    torch._inductor.config._micro_pipeline_tp = True
+
 
 # %% ../../nbs/45e_parallel_apply.ipynb
 def apply_fsdp(model: nn.Module, plan: ParallelPlan, mesh) -> None:
@@ -154,7 +182,7 @@ def apply_parallel_plan(model: nn.Module, plan: ParallelPlan, mesh=None, *, seq:
         )
     blocks = plan_blocks(plan, stack, stage)
     mesh = device_mesh(plan.dims) if mesh is None else mesh
-    if "tp" in mesh.mesh_dim_names: apply_tp(model, plan, mesh["tp"], blocks)
+    if "tp" in mesh.mesh_dim_names: apply_async_tp(plan, mesh["tp"]); apply_tp(model, plan, mesh["tp"], blocks)
     apply_ac(model, plan, blocks)
     apply_compile(model, plan, compile_backend, blocks)
     apply_fsdp(model, plan, mesh)

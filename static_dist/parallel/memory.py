@@ -120,16 +120,29 @@ def tp_op_factor(g: StaticGraph, plan: ParallelPlan, blocks) -> np.ndarray:
     key = (plan.dims.tp, plan.tp_styles, tuple(blocks), plan.sequence_parallel, plan.loss_parallel, plan.tp_outer)
     return _remember("tp_op_factor", g, key, lambda: _tp_op_factor(g, plan, blocks)).copy()
 
+def _weight_shapes(g: StaticGraph) -> dict[str, tuple]:
+    "{parameter name: shape} of the captured step's parameters."
+    out = {}
+    for t in g.tensors:
+        s = g.storages[t.storage]
+        if s.role == "parameter": out.setdefault(s.name, tuple(t.shape))
+    return out
+
 def _tp_op_factor(g: StaticGraph, plan: ParallelPlan, blocks) -> np.ndarray:
     tp = plan.dims.tp
     f = np.ones(len(g.ops))
     regions, styles = _regions(plan, blocks)
     sharded = np.zeros(len(g.tensors), dtype=bool)  # tensors a rank holds 1/tp of
+    weights = _weight_shapes(g)
     for i, o in enumerate(g.ops):
         s, fwd = styles.get(o.module), o.phase == "forward"
         reads = sharded[list(o.inputs)].any()
         if s in _COL + _ROW:                       # the linear itself: its output (fwd) or its input's gradient (bwd)
             if (s in _COL) == fwd or (reads and not o.op.startswith(_MATMUL)): f[i] = 1 / tp
+            # its weight's gradient is the rank's shard's (a chunked loss's pieces make it as a temporary)
+            w = weights.get(f"{o.module}.weight")
+            if not fwd and w and o.op.startswith(_MATMUL) and g.tensors[o.outputs[0]].shape in (w, w[::-1]):
+                f[i] = 1 / tp
         elif s is None and o.phase != "optimizer" and _under_any(o.module, regions) and reads: f[i] = 1 / tp
         if f[i] < 1: sharded[list(o.outputs)] = True
     if plan.sequence_parallel or plan.tp_outer: _sequence_factor(g, plan, blocks, regions, styles, f, sharded)

@@ -107,6 +107,10 @@ class ParallelPlan:
     tp_outer: tuple[tuple[str, str], ...] = ()
     """(module outside the blocks, role) that tensor parallelism also lays out, as torchtitan does: 'embedding' (its
     vocabulary rows sharded), 'norm' (the final norm, sequence-parallel), 'output' (its vocabulary columns sharded)."""
+    async_tp: bool = False
+    """The sequence-parallel sub-layers' all-gathers and reduce-scatters run in pieces under their matmuls (torch's
+    micro-pipeline TP: `torch._inductor.config._micro_pipeline_tp` and symmetric memory on the tp group, torchtitan's
+    `compile.enable_async_tensor_parallel`): CUDA and compile only."""
 
     def __post_init__(self):
         object.__setattr__(self, "ac", _policies(self.ac))
@@ -135,6 +139,9 @@ def _check_outer(p: ParallelPlan) -> None:
                                 "output projection: give tp_outer both ('embedding' and 'output' modules)")
     if p.loss_parallel and "output" not in roles:
         raise ParallelPlanError("loss_parallel needs the output projection sharded: give tp_outer an 'output' module")
+    if p.async_tp and not p.sequence_parallel:
+        raise ParallelPlanError("async_tp overlaps the all-gathers and reduce-scatters of sequence parallelism with "
+                                "their matmuls: set sequence_parallel (and tp > 1) or drop async_tp")
 
 def _check_axes(p: ParallelPlan) -> None:
     "The plan's own consistency, axis by axis; ParallelPlanError naming the field and the fix."
@@ -264,12 +271,12 @@ def block_collectives(plan: ParallelPlan, order) -> tuple[tuple[str, str, str, b
             out += [("reduce_scatter", n, "out", True), ("all_gather", n, "out", False)]
     return tuple(out)
 
-def outer_collectives(plan: ParallelPlan) -> tuple[tuple[str, str, bool], ...]:
+def outer_collectives(plan: ParallelPlan, pieces: int = 1) -> tuple[tuple[str, str, bool], ...]:
     """The collectives per micro-batch of the modules outside the blocks (`tp_outer`) as (kind, role, forward?), and
     of the loss: the embedding's partial rows summed (reduce-scattered onto the sequence with sequence parallelism),
     the final norm's output gathered for the output projection, whose input gradient is summed; with loss parallelism
-    the three all-reduces of the sharded cross-entropy (max, sum of exponentials, target logit), else the logits
-    gathered."""
+    the three all-reduces of the sharded cross-entropy (max, sum of exponentials, target logit), once per piece of a
+    chunked loss (`pieces`: `step.ChunkedLoss`'s chunks), else the logits gathered."""
     if plan.dims.tp == 1: return ()
     sp, out = plan.sequence_parallel, []
     for _, role in plan.tp_outer:
@@ -277,7 +284,7 @@ def outer_collectives(plan: ParallelPlan) -> tuple[tuple[str, str, bool], ...]:
             [("all_reduce", role, True)]
         elif role == "output":
             out += [] if sp else [("all_reduce", role, False)]
-            out += [("all_reduce", "loss", True)] * 3 if plan.loss_parallel else [("all_gather", role, True)]
+            out += [("all_reduce", "loss", True)] * 3 * pieces if plan.loss_parallel else [("all_gather", role, True)]
     if sp: out += [("all_gather", "norm", True), ("reduce_scatter", "norm", False)]   # into the output projection
     return tuple(out)
 
@@ -345,6 +352,7 @@ def _plan_from(d) -> ParallelPlan:
         sequence_parallel=f("sequence_parallel", boolean(), False),
         loss_parallel=f("loss_parallel", boolean(), False),
         tp_outer=tuple(map(tuple, f("tp_outer", list_of(pair), ()))),
+        async_tp=f("async_tp", boolean(), False),
     )
 
 # %% ../../nbs/45a_parallel_plan.ipynb

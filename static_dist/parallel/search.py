@@ -93,12 +93,13 @@ class _Context:
     def __init__(
         self, g: StaticGraph, n_blocks: int, topo: Topology, styles: tuple, policies: tuple, master_dtype: str | None,
         precision: tuple[str | None, str | None] = (None, None), outer: tuple = (), sequence_parallel: bool = False,
-        loss_parallel: bool = False,
+        loss_parallel: bool = False, async_tp: bool = False,
     ):
         self.g, self.n, self.topo, self.styles, self.master = g, n_blocks, topo, styles, master_dtype
         self.precision = precision                     # FSDP's (param_dtype, reduce_dtype) on every plan
         # torchtitan's layout around the blocks, when the model maps
         self.outer, self.sp, self.lp = outer, sequence_parallel, loss_parallel
+        self.async_tp = async_tp and sequence_parallel          # micro-pipeline TP: sequence parallelism's pairs
         self.policies = tuple(parse_policy(p) for p in policies)
         self.stack = g.structure.main
         self.captured = len(self.stack.blocks)
@@ -116,7 +117,7 @@ class _Context:
         if d.tp == 1: return {}
         if d.pp > 1: return dict(tp_styles=self.styles)
         return dict(tp_styles=self.styles, sequence_parallel=self.sp, loss_parallel=self.lp,
-                    tp_outer=self.outer)
+                    tp_outer=self.outer, async_tp=self.async_tp)
 
 # %% ../../nbs/45d_parallel_search.ipynb
 @patch
@@ -504,7 +505,7 @@ def search_layouts(g: StaticGraph, world: int, topo: Topology, budget_bytes: int
                    styles: tuple | None = None, policies: tuple = CHECKPOINT_POLICIES, master_dtype: str | None = None,
                    runners_up: int = 4, progress=None, microbatch_count: int | None = None, virtual_stages: int = 1,
                    param_dtype: str | None = None, reduce_dtype: str | None = None,
-                   sequence_parallel: bool | None = None) -> LayoutSearch:
+                   sequence_parallel: bool | None = None, async_tp: bool = False) -> LayoutSearch:
     """The fastest layout of the captured step `g` (its model extended to `n_blocks` identical blocks) on `world` ranks
     of `topo` that fits `budget_bytes` per rank. `ac`: 'auto' (the cheapest mix of `policies` that fits), or one policy
     (or its name) for every block.
@@ -512,7 +513,8 @@ def search_layouts(g: StaticGraph, world: int, topo: Topology, budget_bytes: int
     layout instead. `virtual_stages`: stages per pipeline rank (Interleaved1F1B). `param_dtype`, `reduce_dtype`: FSDP's
     mixed precision on every plan, with `g` captured in `param_dtype` and the masters in `master_dtype`. Tensor
     parallelism is laid out as torchtitan does where the model maps (`tp_layout`): sequence and loss parallelism,
-    vocabulary-sharded embedding and output; `sequence_parallel=False` keeps the sequence whole."""
+    vocabulary-sharded embedding and output; `sequence_parallel=False` keeps the sequence whole; `async_tp`: its
+    collectives overlapped with their matmuls (`ParallelPlan.async_tp`) on every sequence-parallel layout."""
     t0 = time.perf_counter()
     try: ac = ac if ac == "auto" else parse_policy(ac)
     except PolicyError as e: raise ParallelPlanError(f"ac {ac!r}: use auto or a checkpointing policy ({e})") from None
@@ -530,7 +532,8 @@ def search_layouts(g: StaticGraph, world: int, topo: Topology, budget_bytes: int
                 "pairs need separate nn.Linear projections; fused or Conv1D ones are not split): pin tp 1"
             )
         pins = {**(pins or {}), "tp": 1}
-    ctx = _Context(g, n, topo, styles, policies, master_dtype, (param_dtype, reduce_dtype), outer, sp, bool(outer))
+    ctx = _Context(g, n, topo, styles, policies, master_dtype, (param_dtype, reduce_dtype), outer, sp, bool(outer),
+                   async_tp)
     node = topo.levels[0].size if topo.levels else topo.n_devices
     dims = layout_dims(
         world, n_blocks=n, node=node, heads=stack.n_heads, kv_heads=stack.n_kv_heads, seq=ctx.seq, pins=pins
@@ -631,7 +634,7 @@ def predict_layout(g: StaticGraph, plan: ParallelPlan, topo: Topology, n_blocks:
     pdt, rdt = (plan.fsdp.param_dtype, plan.fsdp.reduce_dtype) if plan.fsdp else (None, None)
     ctx = _Context(g, n_blocks or len(g.structure.main.blocks), topo, plan.tp_styles,
                    (*dict.fromkeys(plan.ac), *CHECKPOINT_POLICIES), master_dtype, (pdt, rdt), plan.tp_outer,
-                   plan.sequence_parallel, plan.loss_parallel)
+                   plan.sequence_parallel, plan.loss_parallel, plan.async_tp)
     check_layout(plan, ctx.full_stack, ctx.seq)
     return Candidate(plan, _memory(ctx, plan), ctx.step_time(plan), note)
 
@@ -663,7 +666,7 @@ def bare_step_seconds(w) -> float:
     "Seconds of one bare fake step of workload `w`: built on meta, made fake, forward, loss, backward, optimizer step."
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from static_dist.step import make_optimizer, step_loss
+    from static_dist.step import MicroBatch, batch_loss, make_optimizer
     from static_dist.util import torch_dtype
     t0 = time.perf_counter()
     model = w.build(device="meta", dtype=torch_dtype(w.dtype))
@@ -673,7 +676,7 @@ def bare_step_seconds(w) -> float:
         fake = lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype) if isinstance(t, torch.Tensor) else t
         args, kwargs, targets = tuple(map(fake, args)), {k: fake(v) for k, v in kwargs.items()}, fake(targets)
         opt = None if w.optimizer == "none" else make_optimizer(w.optimizer, model.parameters(), foreach=False)
-        step_loss(w.loss, model(*args, **kwargs), targets).backward()
+        batch_loss(model, MicroBatch(args, kwargs, targets), w.loss).backward()
         if opt is not None: opt.step()
     return time.perf_counter() - t0
 

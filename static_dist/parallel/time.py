@@ -370,6 +370,11 @@ class _Layout:
     "{(forward?, before the stack?): seconds} of the tensor-parallel collectives outside the blocks."
 
 # %% ../../nbs/45c_parallel_time.ipynb
+def _async_tp(tp_f: float, tp_b: np.ndarray, fwd: np.ndarray, bwd: np.ndarray) -> tuple[float, np.ndarray]:
+    """The blocks' tensor-parallel seconds that async TP leaves exposed: each collective runs in pieces under the
+    matmul it feeds or is fed by, so a block hides up to its compute's seconds (forward: the least block's)."""
+    return max(tp_f - float(fwd.min()), 0.0) if len(fwd) else tp_f, np.maximum(tp_b - bwd, 0.0)
+
 def _per_block(w: RankWork, plan: ParallelPlan, topo: Topology, mesh: MeshSpec, n: int,
                cp_rotate: str = "allgather") -> _Layout:
     fwd, bwd, bp = (extend_blocks(a, n) for a in (w.fwd_blocks, w.bwd_blocks, w.block_params))
@@ -385,6 +390,7 @@ def _per_block(w: RankWork, plan: ParallelPlan, topo: Topology, mesh: MeshSpec, 
     tp_b = sum(_coll(topo, mesh, "tp", kind, b) for kind, b, f in w.tp_bytes if not f) + np.where(
         checkpointed, sum(fcoll[:-1]), 0.0
     )
+    if plan.async_tp: tp_f, tp_b = _async_tp(tp_f, tp_b, fwd, bwd + rc)
     *ring, again = _cp_block_seconds(w, plan, topo, cp_rotate, set(pols))
     cp_f, cp_b, busy = (extend_blocks(a, n) for a in ring)
     for j in range(2):          # a recomputed attention's ring forward: exposed in backward, and busy

@@ -24,16 +24,17 @@ from .plan import (ParallelPlan, ParallelPlanError, block_collectives, block_pol
                                     outer_collectives)
 from .schedule import rank_stages
 from ..placement import STYLES
-from ..step import OPTIMIZERS, make_optimizer, step_loss
+from ..step import OPTIMIZERS, MicroBatch, batch_loss, make_optimizer
 from ..structure import find_structure
 from ..util import check_real_size, torch_dtype
 from ..graph.records import FORWARD
 
 
 # %% auto 0
-__all__ = ['axis_counts', 'counts_by_axis', 'predict_axis_counts', 'ParallelVerification', 'verify_parallel', 'RunTracker',
-           'tracked_peak', 'static_metadata', 'pp_rank_global', 'StageVerification', 'PipelineVerification',
-           'verify_pipeline', 'predicted_stack_bytes', 'measured_stack_bytes', 'verify_selective']
+__all__ = ['axis_counts', 'counts_by_axis', 'predict_axis_counts', 'loss_pieces', 'ParallelVerification', 'verify_parallel',
+           'RunTracker', 'tracked_peak', 'static_metadata', 'pp_rank_global', 'StageVerification',
+           'PipelineVerification', 'verify_pipeline', 'predicted_stack_bytes', 'measured_stack_bytes',
+           'verify_selective']
 
 # %% ../../nbs/45f_parallel_verify.ipynb
 def axis_counts(cdm) -> dict[str, int]:
@@ -74,7 +75,8 @@ def predict_axis_counts(profile, plan: ParallelPlan) -> dict[str, int]:
     if plan.dims.tp > 1:
         a, n = f.accumulation_steps, len(profile.blocks)
         kinds = [kind for kind, *_ in block_collectives(plan, _styled_order(profile, plan, profile.blocks[0]))] * n
-        kinds += [kind for kind, *_ in outer_collectives(plan)] + ["all_reduce"] * _sequence_norm_params(profile, plan)
+        kinds += [kind for kind, *_ in outer_collectives(plan, loss_pieces(profile, plan))]
+        kinds += ["all_reduce"] * _sequence_norm_params(profile, plan)
         for kind in kinds * a + _recomputed(profile, plan) * a: out[f"tp.{kind}"] = out.get(f"tp.{kind}", 0) + 1
     return out
 
@@ -82,6 +84,13 @@ def predict_axis_counts(profile, plan: ParallelPlan) -> dict[str, int]:
 _FUNCTIONAL = {"all_gather": "_c10d_functional.all_gather_into_tensor.default",   # what DTensor issues, by kind
                "reduce_scatter": "_c10d_functional.reduce_scatter_tensor.default",
                "all_reduce": "_c10d_functional.all_reduce.default"}
+
+def loss_pieces(profile, plan: ParallelPlan) -> int:
+    "Runs of the output module's forward in the step: a chunked loss's chunks (`step.ChunkedLoss`), else 1."
+    out = next((m for m, r in plan.tp_outer if r == "output"), None)
+    mods, ph = profile.op_module, profile.op_phase
+    at = [i for i in range(len(mods)) if mods[i] == out and ph[i] == FORWARD]
+    return max(1, sum(1 for j, i in enumerate(at) if j == 0 or at[j - 1] != i - 1))
 
 def _recomputed(profile, plan: ParallelPlan) -> list[str]:
     """Forward TP collectives a checkpointed block issues again in backward, less those a selective policy saves
@@ -344,7 +353,7 @@ def measured_stack_bytes(w, plan: ParallelPlan) -> int:
         return hook
     model.get_submodule(blocks[0]).register_forward_pre_hook(mark("start"))
     model.get_submodule(blocks[-1]).register_forward_hook(mark("end"))
-    with mt: step_loss(w.loss, model(*args, **kwargs), targets).backward()
+    with mt: batch_loss(model, MicroBatch(args, kwargs, targets), w.loss).backward()
     return marks["end"] - marks["start"]
 
 # %% ../../nbs/45f_parallel_verify.ipynb
