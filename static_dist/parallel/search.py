@@ -283,7 +283,7 @@ def compiles_all(plan: ParallelPlan) -> bool:
     if any(plan.compile) and not all(plan.compile):
         raise ParallelPlanError(f"compile marks {sum(plan.compile)} of {len(plan.compile)} blocks: the layout search "
                                 "models every block compiled or none; compile all of them or none")
-    return bool(plan.compile)
+    return any(plan.compile)
 
 # %% ../../nbs/45d_parallel_search.ipynb
 def memory_by_category(g: StaticGraph, plan: ParallelPlan, n_blocks: int | None = None,
