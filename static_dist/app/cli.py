@@ -251,7 +251,9 @@ def _layout_parser(sub):
     p.add_argument("--ac", default="auto",
                    help="activation checkpointing: auto (the cheapest mix that fits, default) or one policy for every "
                         "block, by name: none, full, selective, layers (graph.policies.POLICIES)")
-    p.add_argument("--compile", action="store_true", help="mark every block for torch.compile in the plan")
+    p.add_argument("--compile", action="store_true",
+                   help="compile every block (torch.compile): predicted with what Inductor's partitioner saves and "
+                        "its fused elementwise kernels")
     p.add_argument("--sequence-parallel", choices=("auto", "on", "off"), default="auto",
                    help="tensor parallelism with torchtitan's sequence parallelism: auto (where the model maps, the "
                         "default), on (refused, with the reason, where it cannot), off")

@@ -20,8 +20,8 @@ from ..files import atomic_write, check_writable
 from ..util import check_real_size
 
 # %% auto 0
-__all__ = ['PIN_DIMS', 'layout_pins', 'layout_precision', 'layout_pipeline', 'layout_topology', 'tp_outer_line', 'precision_line',
-           'ac_summary', 'layout_lines', 'layout_memory', 'layout_reserved', 'cmd_plan', 'titan_args',
+__all__ = ['PIN_DIMS', 'COMPILE_PRICED', 'layout_pins', 'layout_precision', 'layout_pipeline', 'layout_topology', 'tp_outer_line',
+           'precision_line', 'ac_summary', 'layout_lines', 'layout_memory', 'layout_reserved', 'cmd_plan', 'titan_args',
            'titan_prediction', 'titan_verdict', 'print_titan_overrides', 'titan_search', 'plan_titan', 'measured_peak',
            'collective_timeout', 'check_context_parallel', 'train_plan', 'cmd_train']
 
@@ -132,6 +132,8 @@ def ac_summary(ac: tuple) -> str:
     return ("block " if len(runs) == 1 and len(ac) == 1 else "blocks ") + ", ".join(runs)
 
 # %% ../../nbs/92a_layout.ipynb
+COMPILE_PRICED = "priced: the partitioner's saved set, fused elementwise kernels"   # what the models charge compile
+
 def layout_lines(best, columns: list, n_blocks: int, master_dtype: str = "float32") -> list[str]:
     """The chosen layout as Markdown: degrees, stages, micro-batches, precision, checkpointing, memory per pp rank by
     category, time by term."""
@@ -150,7 +152,7 @@ def layout_lines(best, columns: list, n_blocks: int, master_dtype: str = "float3
     out.append(f"- precision: {precision_line(p, master_dtype)}")
     out.append(
         f"- checkpointing ({n_blocks} blocks): {ac_summary(p.ac)}"
-        + (f"; compiled: {sum(p.compile)} blocks" if p.compile else "")
+        + (f"; compiled: {sum(p.compile)} blocks, {COMPILE_PRICED}" if p.compile else "")
     )
     each = (
         " (one rank of each pipeline stage)"
@@ -236,13 +238,14 @@ def cmd_plan(args) -> int:
     topo = layout_topology(args.topology, args.world)
     if args.out: check_writable(args.out, force=args.force)
     w = workload_of(args)
-    with status(f"capturing {w.source}") as update: g, n, how = search_graph(w, progress=update, dtype=pdt)
+    with status(f"capturing {w.source}") as update:
+        g, n, how = search_graph(w, progress=update, dtype=pdt, compile=args.compile or args.async_tp)
     with status(f"searching layouts of {args.world} ranks") as update:
         r = search_layouts(g, args.world, topo, args.budget, n_blocks=n, pins=pins, ac=args.ac, progress=update,
                            schedule=args.schedule, microbatches=(1, 2), microbatch_count=micro,
                            virtual_stages=virtual, master_dtype=w.dtype, param_dtype=pdt, reduce_dtype=rdt,
                            sequence_parallel={"auto": None, "on": True, "off": False}[args.sequence_parallel],
-                           async_tp=args.async_tp)
+                           async_tp=args.async_tp, compile=args.compile or args.async_tp)
     print_markdown(
         f"**{w.source}** (batch {w.batch}, seq {w.seq}, {w.optimizer}, {w.dtype} masters, {pdt or w.dtype} compute, "
         f"{rdt or pdt or w.dtype} reduction) on {topo.name}, world "
@@ -259,7 +262,6 @@ def cmd_plan(args) -> int:
     plan = r.best.plan
     if args.async_tp and not plan.async_tp:
         print_markdown("note: --async-tp overlaps sequence parallelism's collectives; the chosen layout has none")
-    if args.compile or plan.async_tp: plan = dataclasses.replace(plan, compile=(True,) * n)   # async TP: compiled
     plan = dataclasses.replace(plan, reasons=(*plan.reasons, ("precision", precision_line(plan, w.dtype))))
     if plan.dims.tp > 1:
         plan = dataclasses.replace(plan, reasons=(*plan.reasons, ("tensor parallel", tp_outer_line(plan))))
@@ -313,13 +315,16 @@ def titan_args(args):
 # %% ../../nbs/92a_layout.ipynb
 def titan_prediction(job, world: int, topo, progress=None):
     """(captured step, block count, how it was captured, the job as written: `parallel.predict_layout` of
-    `titan.titan_plan`) of a torchtitan job at `world` ranks of `topo`; captured in the job's compute dtype."""
+    `titan.titan_plan`, its blocks compiled where the job compiles) of a torchtitan job at `world` ranks of `topo`;
+    captured in the job's compute dtype."""
+    import dataclasses
     from static_dist.parallel import predict_layout, search_graph
     from static_dist.titan import titan_dims, titan_plan, titan_workload
     d = titan_dims(job, world)
     compute = job.param_dtype if d.dp_replicate * d.fsdp_size > 1 else job.master_dtype   # FSDP's policy, if any
-    g, n, how = search_graph(titan_workload(job), progress=progress, dtype=compute)
+    g, n, how = search_graph(titan_workload(job), progress=progress, dtype=compute, compile=job.compile)
     plan = titan_plan(job, g, d.world, n)
+    if job.compile: plan = dataclasses.replace(plan, compile=(True,) * n)      # torchtitan compiles every block
     return g, n, how, predict_layout(g, plan, topo, n, job.master_dtype, "torchtitan's layout")
 
 # %% ../../nbs/92a_layout.ipynb
@@ -359,7 +364,8 @@ def titan_search(job, g, n: int, world: int, topo, budget: int, progress=None, p
     pdt = job.param_dtype if job.param_dtype != m else None
     rdt = job.reduce_dtype if job.reduce_dtype != (pdt or m) else None
     return search_layouts(g, world, topo, budget, n_blocks=n, progress=progress, microbatches=(1, 2),
-                          master_dtype=m, param_dtype=pdt, reduce_dtype=rdt, pins=pins, async_tp=job.async_tp)
+                          master_dtype=m, param_dtype=pdt, reduce_dtype=rdt, pins=pins, async_tp=job.async_tp,
+                          compile=job.compile)
 
 
 # %% ../../nbs/92a_layout.ipynb
@@ -380,7 +386,8 @@ def plan_titan(args) -> int:
         f"**torchtitan {job.name} as written** (local batch {job.local_batch}, seq {job.seq_len}, {job.ac} "
         f"checkpointing{f' every {job.ac_every} blocks' if job.ac_every else ''}) on {topo.name}, world {world}, "
         f"budget {fmt_bytes(args.budget)}: {how}; the blocks' attention captured as SDPA; float8 "
-        f"{'on' if job.float8 else 'off'} and compile {'on' if job.compile else 'off'}: read, not yet priced; "
+        f"{'on' if job.float8 else 'off'}: read, not yet priced; compile "
+        f"{'on, ' + COMPILE_PRICED if job.compile else 'off'}; "
         f"async TP {'on (priced: its overlap)' if given.plan.async_tp else 'off'}"
         + (f"; loss in {job.loss_chunks} chunks" if job.loss_chunks else ""))
     print_markdown("\n".join(layout_lines(given, layout_memory(g, given, n, m), n, m)))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +20,7 @@ from ..structure import find_structure
 
 # %% auto 0
 __all__ = ['SavedValue', 'block_call', 'compiled_saved', 'compiled_saved_bytes', 'BlockSaved', 'eager_saved_bytes',
-           'compile_effects']
+           'compile_effects', 'with_compile_effects']
 
 # %% ../../nbs/42g_compile_saved.ipynb
 @dataclass(frozen=True)
@@ -224,3 +225,12 @@ def compile_effects(
             held = prev is not None and any(s.output and s.kind == "activation" for s in prev)   # it holds our input
             out.append(BlockSaved(b, eager_saved_bytes(g, b), _bytes(rest if i else first, with_input=not held)))
     return tuple(out)
+
+# %% ../../nbs/42g_compile_saved.ipynb
+def with_compile_effects(
+    g: StaticGraph, model: nn.Module, example_inputs: tuple, example_kwargs: dict | None = None, device=None
+) -> StaticGraph:
+    """`g` (captured from `model` on these inputs) with `compile_effects` in its meta under `'compiled_saved'`:
+    {block: [eager bytes, compiled bytes]}, what the parallel memory model reads for the blocks a plan compiles."""
+    fx = compile_effects(g, model, example_inputs, example_kwargs, device)
+    return dataclasses.replace(g, meta={**g.meta, "compiled_saved": {b.block: [b.eager, b.compiled] for b in fx}})

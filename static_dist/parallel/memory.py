@@ -38,8 +38,8 @@ from ..graph.records import BACKWARD, FORWARD, OPTIMIZER
 
 # %% auto 0
 __all__ = ['module_blocks', 'op_blocks', 'op_stages', 'tp_op_factor', 'tp_views', 'tp_local_graph', 'tp_param_shape',
-           'ac_effects', 'boundary_bytes', 'model_output_bytes', 'rank_profile', 'rank_fsdp_plan', 'ParallelMemory',
-           'predict_rank_memory', 'predict_parallel_memory', 'placement_other_bytes']
+           'ac_effects', 'compile_scale', 'boundary_bytes', 'model_output_bytes', 'rank_profile', 'rank_fsdp_plan',
+           'ParallelMemory', 'predict_rank_memory', 'predict_parallel_memory', 'placement_other_bytes']
 
 # %% ../../nbs/45b_parallel_memory.ipynb
 def _block_index(blocks: tuple[str, ...]):
@@ -261,6 +261,48 @@ def ac_effects(g: StaticGraph, plan: ParallelPlan, ob: np.ndarray, blocks) -> Ch
     return _remember("ac_effects", g, (pols, tuple(blocks), ob.tobytes()), make)   # per `tp_local_graph`'s graph
 
 # %% ../../nbs/45b_parallel_memory.ipynb
+def _spread(storages, total: int) -> dict[int, float]:
+    """{storage: factor} that scales `storages`' bytes to `total` in whole bytes per storage (largest remainders), each
+    factor nudged up one ulp where needed so that `int(nbytes * factor)` is that whole number."""
+    here = sum(s.nbytes for s in storages)
+    if not here: return {}
+    exact = [s.nbytes * total / here for s in storages]
+    whole = [math.floor(x) for x in exact]
+    for j in sorted(range(len(exact)), key=lambda j: whole[j] - exact[j])[:total - sum(whole)]: whole[j] += 1
+    out = {}
+    for s, w in zip(storages, whole):
+        f = w / s.nbytes
+        out[s.id] = f if int(s.nbytes * f) == w else math.nextafter(f, math.inf)
+    return out
+
+# %% ../../nbs/45b_parallel_memory.ipynb
+def compile_scale(g: StaticGraph, plan: ParallelPlan, blocks) -> dict[int, float]:
+    """{storage: factor on its bytes} for the activations saved in the blocks `plan` compiles and does not checkpoint,
+    so that each block's saved bytes in `g` scale as its eager to its compiled bytes in `g.meta['compiled_saved']`
+    (`compile.with_compile_effects`: {block: [eager, compiled]}). Remembered per graph object."""
+    if not any(plan.compile): return {}
+    got = g.meta.get("compiled_saved")
+    if got is None:
+        raise ParallelPlanError("the plan compiles blocks but the captured step has no compiled saved set: attach it "
+                                "with compile.with_compile_effects(g, model, inputs) (search_graph(w, compile=True))")
+    pols = block_policies(plan, len(blocks))
+    on = tuple(b for b, (c, p) in enumerate(zip(plan.compile, pols)) if c and not p.checkpoints)
+    if lost := [blocks[b] for b in on if blocks[b] not in got]:
+        raise ParallelPlanError(f"no compiled saved set for block {lost[0]!r} in the graph's meta: attach it with "
+                                "compile.with_compile_effects on the model the step was captured from")
+    return _remember("compile_scale", g, (on, tuple(blocks)), lambda: _compile_scale(g, on, blocks, got))
+
+def _compile_scale(g: StaticGraph, on: tuple, blocks, got: dict) -> dict[int, float]:
+    acts = [s for s in g.storages if s.role == "activation" and s.saved_in is not None]
+    sb = module_blocks((s.saved_in for s in acts), tuple(blocks))
+    out = {}
+    for b in on:
+        mine = [s for s, x in zip(acts, sb) if x == b]
+        eager, compiled = got[blocks[b]]
+        out |= _spread(mine, round(compiled / eager * sum(s.nbytes for s in mine)) if eager else 0)
+    return out
+
+# %% ../../nbs/45b_parallel_memory.ipynb
 @dataclass(frozen=True)
 class _View:
     "How one rank of one stage sees the captured step."
@@ -274,6 +316,7 @@ class _View:
     param_fraction: float  # the rank's parameter bytes / the captured model's (optimizer temporaries scale with it)
     styles: dict                # linear FQN -> tp style
     read: frozenset             # storage ids this stage's ops read (what the previous stage sends, the inputs it takes)
+    compiled: dict              # storage id -> factor on its bytes: the saved activations of compiled blocks
 
 # %% ../../nbs/45b_parallel_memory.ipynb
 def _param_stage(params, g: StaticGraph, so: np.ndarray) -> dict[str, int]:
@@ -296,7 +339,7 @@ def _storage_fraction(s, v: _View, g: StaticGraph, cp: int) -> float:
         return 1 / cp if (s.role != "input" or s.id in v.read) else 0.0
     if g.ops[s.created].phase == "optimizer": return v.param_fraction
     if v.stage_of_op[s.created] not in v.stages and s.id not in v.read: return 0.0   # another stage's, not sent here
-    return float(v.op_factor[s.created])
+    return float(v.op_factor[s.created]) * v.compiled.get(s.id, 1.0)
 
 # %% ../../nbs/45b_parallel_memory.ipynb
 def _curves(g: StaticGraph, v: _View, cp: int) -> dict[str, np.ndarray]:
@@ -337,7 +380,8 @@ def _view(g: StaticGraph, plan: ParallelPlan, pp_rank: int, blocks, params) -> t
     local = sum(math.prod(tp_param_shape(p.name, p.shape, plan, styles)) * p.itemsize for p in mine)
     frac = local / max(sum(p.numel * p.itemsize for p in params), 1)
     factor = tp_op_factor(g, plan, blocks) / plan.dims.cp
-    return _View(keep, factor, so, mine_st, ac_effects(g, plan, ob, blocks), frac, styles, read), mine, ob
+    return (_View(keep, factor, so, mine_st, ac_effects(g, plan, ob, blocks), frac, styles, read,
+                  compile_scale(g, plan, blocks)), mine, ob)
 
 # %% ../../nbs/45b_parallel_memory.ipynb
 def _saved_at(g: StaticGraph, v: _View, cp: int, at: int, stage: int | None = None) -> float:

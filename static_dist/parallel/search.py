@@ -55,9 +55,9 @@ from ..graph.records import BACKWARD, FORWARD
 
 
 # %% auto 0
-__all__ = ['CHECKPOINT_POLICIES', 'BENCH_PLAN_CASES', 'SPEED_CASES', 'layout_dims', 'memory_by_category', 'balanced_stages',
-           'checkpoint_mix', 'Candidate', 'LayoutSearch', 'tp_layout', 'search_layouts', 'search_graph',
-           'predict_layout', 'bare_step_seconds', 'bench_speed', 'bench_plan']
+__all__ = ['CHECKPOINT_POLICIES', 'BENCH_PLAN_CASES', 'SPEED_CASES', 'layout_dims', 'compiles_all', 'memory_by_category',
+           'balanced_stages', 'checkpoint_mix', 'Candidate', 'LayoutSearch', 'tp_layout', 'search_layouts',
+           'search_graph', 'predict_layout', 'bare_step_seconds', 'bench_speed', 'bench_plan']
 
 # %% ../../nbs/45d_parallel_search.ipynb
 def _divisors(n: int) -> list[int]: return [d for d in range(1, n + 1) if n % d == 0]
@@ -93,9 +93,10 @@ class _Context:
     def __init__(
         self, g: StaticGraph, n_blocks: int, topo: Topology, styles: tuple, policies: tuple, master_dtype: str | None,
         precision: tuple[str | None, str | None] = (None, None), outer: tuple = (), sequence_parallel: bool = False,
-        loss_parallel: bool = False, async_tp: bool = False,
+        loss_parallel: bool = False, async_tp: bool = False, compile: bool = False,
     ):
         self.g, self.n, self.topo, self.styles, self.master = g, n_blocks, topo, styles, master_dtype
+        self.compile = compile                         # every block compiled (`g.meta` has the compiled saved set)
         self.precision = precision                     # FSDP's (param_dtype, reduce_dtype) on every plan
         # torchtitan's layout around the blocks, when the model maps
         self.outer, self.sp, self.lp = outer, sequence_parallel, loss_parallel
@@ -119,6 +120,10 @@ class _Context:
         return dict(tp_styles=self.styles, sequence_parallel=self.sp, loss_parallel=self.lp,
                     tp_outer=self.outer, async_tp=self.async_tp)
 
+    def compiled(self, n: int) -> tuple[bool, ...]:
+        "A plan's `compile` field for `n` blocks: every block when the context compiles, else none."
+        return (True,) * n if self.compile else ()
+
 # %% ../../nbs/45d_parallel_search.ipynb
 @patch
 def plan(
@@ -132,7 +137,7 @@ def plan(
     pdt, rdt = self.precision               # with one data-parallel rank, check_layout refuses a mixed precision
     fsdp = FSDPPlan(dp, mesh, units, param_dtype=pdt, reduce_dtype=rdt) if dp > 1 or pdt or rdt else None
     return ParallelPlan(d, stages=stages, schedule=schedule, microbatches=m, ac=tuple(ac), fsdp=fsdp, name=name,
-                        **self.tp_fields(d))
+                        compile=self.compiled(self.n), **self.tp_fields(d))
 
 # %% ../../nbs/45d_parallel_search.ipynb
 @patch
@@ -141,7 +146,7 @@ def work(self: _Context, d: ParallelDims):
     if key not in self._work:
         self._work[key] = rank_work(
             self.g,
-            ParallelPlan(ParallelDims(cp=d.cp, tp=d.tp), **self.tp_fields(d)),
+            ParallelPlan(ParallelDims(cp=d.cp, tp=d.tp), compile=self.compiled(self.captured), **self.tp_fields(d)),
             self.topo,
             policies=self.policies,
         )
@@ -167,7 +172,8 @@ def _uniform_profile(ctx: _Context, d: ParallelDims, mode: CheckpointPolicy, k: 
     "The rank profile of a stage of `k` blocks, all checkpointed as `mode` (extended from the captured blocks)."
     key = (d.tp, d.cp, mode, d.pp > 1)
     if key not in ctx._prof:
-        p = ParallelPlan(ParallelDims(cp=d.cp, tp=d.tp), ac=(mode,) * ctx.captured, **ctx.tp_fields(d))
+        p = ParallelPlan(ParallelDims(cp=d.cp, tp=d.tp), ac=(mode,) * ctx.captured, compile=ctx.compiled(ctx.captured),
+                         **ctx.tp_fields(d))
         ctx._prof[key] = rank_profile(ctx.g, p, 0, ctx.master)
     if k == ctx.captured: return ctx._prof[key]
     if (key, k) not in ctx._ext: ctx._ext[(key, k)] = expand_profile(ctx._prof[key], k)
@@ -272,6 +278,15 @@ def _memory(ctx: _Context, plan: ParallelPlan, mode: CheckpointPolicy | None = N
     return ctx._mem[key]
 
 # %% ../../nbs/45d_parallel_search.ipynb
+def compiles_all(plan: ParallelPlan) -> bool:
+    """Whether `plan` compiles every block (False for none); ParallelPlanError for some, which the search's model of a
+    few captured blocks extended to many does not take (`predict_parallel_memory` does, on a full capture)."""
+    if any(plan.compile) and not all(plan.compile):
+        raise ParallelPlanError(f"compile marks {sum(plan.compile)} of {len(plan.compile)} blocks: the layout search "
+                                "models every block compiled or none; compile all of them or none")
+    return any(plan.compile)
+
+# %% ../../nbs/45d_parallel_search.ipynb
 def memory_by_category(g: StaticGraph, plan: ParallelPlan, n_blocks: int | None = None,
                        master_dtype: str | None = None) -> list[tuple[str, dict, int]]:
     """(rank, bytes at its peak by category, peak bytes) of `plan` on the step `g` extended to `n_blocks`: every
@@ -285,7 +300,7 @@ def memory_by_category(g: StaticGraph, plan: ParallelPlan, n_blocks: int | None 
         ]
     d, ctx = plan.dims, _Context(g, n, None, plan.tp_styles, CHECKPOINT_POLICIES, master_dtype,
                                  outer=plan.tp_outer, sequence_parallel=plan.sequence_parallel,
-                                 loss_parallel=plan.loss_parallel)
+                                 loss_parallel=plan.loss_parallel, compile=compiles_all(plan))
     P = _pipelined(ctx, plan, _mixed_profile(ctx, d, _stage_modes(ctx, plan, None if plan.ac else NoCheckpoint())))
     pred = predict_rank_memory(P, plan)
     return [("busiest stage" if d.pp > 1 else "each rank", pred.at_peak, pred.peak_bytes)]
@@ -505,7 +520,8 @@ def search_layouts(g: StaticGraph, world: int, topo: Topology, budget_bytes: int
                    styles: tuple | None = None, policies: tuple = CHECKPOINT_POLICIES, master_dtype: str | None = None,
                    runners_up: int = 4, progress=None, microbatch_count: int | None = None, virtual_stages: int = 1,
                    param_dtype: str | None = None, reduce_dtype: str | None = None,
-                   sequence_parallel: bool | None = None, async_tp: bool = False) -> LayoutSearch:
+                   sequence_parallel: bool | None = None, async_tp: bool = False,
+                   compile: bool = False) -> LayoutSearch:
     """The fastest layout of the captured step `g` (its model extended to `n_blocks` identical blocks) on `world` ranks
     of `topo` that fits `budget_bytes` per rank. `ac`: 'auto' (the cheapest mix of `policies` that fits), or one policy
     (or its name) for every block.
@@ -514,7 +530,9 @@ def search_layouts(g: StaticGraph, world: int, topo: Topology, budget_bytes: int
     mixed precision on every plan, with `g` captured in `param_dtype` and the masters in `master_dtype`. Tensor
     parallelism is laid out as torchtitan does where the model maps (`tp_layout`): sequence and loss parallelism,
     vocabulary-sharded embedding and output; `sequence_parallel=False` keeps the sequence whole; `async_tp`: its
-    collectives overlapped with their matmuls (`ParallelPlan.async_tp`) on every sequence-parallel layout."""
+    collectives overlapped with their matmuls (`ParallelPlan.async_tp`) on every sequence-parallel layout.
+    `compile`: every block compiled on every layout (`g` with the compiled saved set: `search_graph(w,
+    compile=True)`)."""
     t0 = time.perf_counter()
     try: ac = ac if ac == "auto" else parse_policy(ac)
     except PolicyError as e: raise ParallelPlanError(f"ac {ac!r}: use auto or a checkpointing policy ({e})") from None
@@ -533,7 +551,7 @@ def search_layouts(g: StaticGraph, world: int, topo: Topology, budget_bytes: int
             )
         pins = {**(pins or {}), "tp": 1}
     ctx = _Context(g, n, topo, styles, policies, master_dtype, (param_dtype, reduce_dtype), outer, sp, bool(outer),
-                   async_tp)
+                   async_tp, compile)
     node = topo.levels[0].size if topo.levels else topo.n_devices
     dims = layout_dims(
         world, n_blocks=n, node=node, heads=stack.n_heads, kv_heads=stack.n_kv_heads, seq=ctx.seq, pins=pins
@@ -593,9 +611,20 @@ def search_layouts(g: StaticGraph, world: int, topo: Topology, budget_bytes: int
     )
 
 # %% ../../nbs/45d_parallel_search.ipynb
-def search_graph(w, capture_blocks: int = 3, progress=None, dtype: str | None = None) -> tuple[StaticGraph, int, str]:
+def _compiled_step(w, g: StaticGraph, dtype: str, compile: bool) -> StaticGraph:
+    "`g` (workload `w`'s step in `dtype`) with the compiled saved set per block in its meta when `compile`, else `g`."
+    if not compile: return g
+    from static_dist.compile.saved import with_compile_effects
+    from static_dist.util import torch_dtype
+    args, kwargs, _ = w.inputs(device="meta", dtype=dtype)
+    return with_compile_effects(g, w.build(device="meta", dtype=torch_dtype(dtype)), args, kwargs or None)
+
+# %% ../../nbs/45d_parallel_search.ipynb
+def search_graph(w, capture_blocks: int = 3, progress=None, dtype: str | None = None,
+                 compile: bool = False) -> tuple[StaticGraph, int, str]:
     """(the step of workload `w` to search over, captured in `dtype` (the compute dtype; default the workload's), the
-    model's block count, how it was captured)."""
+    model's block count, how it was captured); `compile`: with what compile saves per block in its meta
+    (`compile.with_compile_effects`, one partition per stack on the captured model)."""
     from static_dist.cost.few_blocks import block_attr_mismatch, first_blocks
     from static_dist.cost.profile import BlockMismatchError, expand_blocks, profile_graph
     from static_dist.structure import find_structure
@@ -619,12 +648,14 @@ def search_graph(w, capture_blocks: int = 3, progress=None, dtype: str | None = 
                 else w.build(device=device, dtype=dtype, seed=seed)
             )
             return first_blocks(m, main.path, capture_blocks)
-        g = dataclasses.replace(w, build=build).graph(name, progress=progress)
+        few = dataclasses.replace(w, build=build)
+        g = few.graph(name, progress=progress)
         try:
             expand_blocks(profile_graph(g), n)
-            return g, n, f"{capture_blocks} of {n} blocks captured, the others identical"
+            how = f"{capture_blocks} of {n} blocks captured, the others identical"
+            return _compiled_step(few, g, name, compile), n, how
         except BlockMismatchError as e: why = "captured blocks differ: " + "; ".join(e.reasons[:2])
-    return w.graph(name, progress=progress), n, f"full capture ({why})"
+    return _compiled_step(w, w.graph(name, progress=progress), name, compile), n, f"full capture ({why})"
 
 # %% ../../nbs/45d_parallel_search.ipynb
 def predict_layout(g: StaticGraph, plan: ParallelPlan, topo: Topology, n_blocks: int | None = None,
@@ -634,7 +665,7 @@ def predict_layout(g: StaticGraph, plan: ParallelPlan, topo: Topology, n_blocks:
     pdt, rdt = (plan.fsdp.param_dtype, plan.fsdp.reduce_dtype) if plan.fsdp else (None, None)
     ctx = _Context(g, n_blocks or len(g.structure.main.blocks), topo, plan.tp_styles,
                    (*dict.fromkeys(plan.ac), *CHECKPOINT_POLICIES), master_dtype, (pdt, rdt), plan.tp_outer,
-                   plan.sequence_parallel, plan.loss_parallel, plan.async_tp)
+                   plan.sequence_parallel, plan.loss_parallel, plan.async_tp, compiles_all(plan))
     check_layout(plan, ctx.full_stack, ctx.seq)
     return Candidate(plan, _memory(ctx, plan), ctx.step_time(plan), note)
 

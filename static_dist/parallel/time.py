@@ -25,6 +25,7 @@ from .memory import (_MATMUL, _block_forward, _block_spans, _regions, boundary_b
 from .plan import (ParallelPlan, ParallelPlanError, block_collectives, block_policies,
                                     outer_collectives, stage_ranges)
 from ..graph.records import BACKWARD, FORWARD, OPTIMIZER
+from ..compile.fused import compiled_op_seconds
 
 
 # %% auto 0
@@ -125,12 +126,16 @@ def _outer_bytes(plan: ParallelPlan, tokens: int, itemsize: int, shapes: dict) -
 
 # %% ../../nbs/45c_parallel_time.ipynb
 _BASE_POLICIES = (NoCheckpoint(), FullCheckpoint(), SelectiveOps())
-_LAST_SECONDS: list = [None, None, None]  # (graph, device, op seconds) of the last call: a search asks once per tp × cp
+_LAST_SECONDS: list = [None, None, (), None]  # (graph, device, compiled blocks, op seconds) of the last call
 
-def _op_seconds(g: StaticGraph, device) -> np.ndarray:
-    "`topology.op_seconds` of `g` on `device`, remembered for the last (graph, device) pair (the very objects)."
-    if _LAST_SECONDS[0] is not g or _LAST_SECONDS[1] is not device: _LAST_SECONDS[:] = g, device, op_seconds(g, device)
-    return _LAST_SECONDS[2]
+def _op_seconds(g: StaticGraph, device, compiled: tuple = ()) -> np.ndarray:
+    """`topology.op_seconds` of `g` on `device`, with the blocks `compiled` charged as Inductor runs them
+    (`compile.compiled_op_seconds`: each fused elementwise chain one kernel); remembered for the last call's (graph,
+    device) objects and blocks (a search asks once per tp × cp)."""
+    L = _LAST_SECONDS
+    if L[0] is not g or L[1] is not device or L[2] != compiled:
+        L[:] = g, device, compiled, compiled_op_seconds(g, device, compiled) if compiled else op_seconds(g, device)
+    return L[3]
 
 # %% ../../nbs/45c_parallel_time.ipynb
 def rank_work(g: StaticGraph, plan: ParallelPlan, topo: Topology, device=None, policies=()) -> RankWork:
@@ -141,7 +146,8 @@ def rank_work(g: StaticGraph, plan: ParallelPlan, topo: Topology, device=None, p
     ob, k = op_blocks(g, blocks), len(blocks)
     phase = g.op_phases()
     fac = _op_factor(g, plan, blocks)
-    sec = _op_seconds(g, topo if device is None else device) * fac
+    compiled = tuple(b for b, c in zip(blocks, plan.compile) if c)
+    sec = _op_seconds(g, topo if device is None else device, compiled) * fac
     nb = [t.nbytes for t in g.tensors]
     inb = ob >= 0
     f_first = np.flatnonzero(inb & (phase == FORWARD)); b_first = np.flatnonzero(inb & (phase == BACKWARD))

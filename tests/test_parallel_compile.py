@@ -1,0 +1,101 @@
+"""Compile priced by the parallel models: a compiled block's saved bytes read through `parallel.memory.rank_profile`
+against what autograd keeps for the block compiled by Inductor on CPU, the step time of a compiled plan, and the report
+of `static-dist plan --compile`."""
+import contextlib
+import io
+import re
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from static_dist.compile.apply import block_inputs
+from static_dist.compile.saved import with_compile_effects
+from static_dist.graph import capture
+from static_dist.parallel import ParallelPlan, predict_parallel_memory, predict_step_time, rank_profile, rank_work
+from static_dist.topology import preset
+from static_dist.zoo import get_model
+
+CACHE = Path(tempfile.gettempdir()) / "static_dist_inductor_cache"
+
+
+def _measured(fn, model, args, kwargs) -> int:
+    """Bytes of the distinct storages autograd saves in a forward and backward of `fn` (a pack hook sees each), the
+    model's parameters and buffers and the inputs that need no grad (RoPE tables) aside."""
+    nograd = [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if torch.is_tensor(a) and not a.requires_grad]
+    skip, seen = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers(), *nograd]}, {}
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in skip: seen[st.data_ptr()] = st.nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t): out = fn(*args, **kwargs)
+    out.float().sum().backward()
+    return sum(seen.values())
+
+
+def _saved_in(profile, block: str) -> int:
+    "Bytes of the rank profile's saved activations first saved inside `block`."
+    return sum(b for b, where, *_ in profile.saved if where == block or where.startswith(block + "."))
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    "The tiny Llama (2 blocks) at batch 2 × 64 on meta, captured, with the compiled saved set attached."
+    z = get_model("tiny")
+    meta = z.build("meta")
+    (tokens,), targets = z.batch(2, 64)
+    g = with_compile_effects(capture(meta, (tokens,), loss_fn=z.loss, targets=targets), meta, (tokens.to("meta"),))
+    return z, tokens, g
+
+
+def test_parallel_memory_predicts_what_inductor_saves(monkeypatch, tiny):
+    z, tokens, g = tiny
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(CACHE))
+    real = z.build("cpu")
+    ra, rk = block_inputs(real, ["layers.0"], (tokens,))["layers.0"]
+    ra = (ra[0].requires_grad_(True), *ra[1:])                   # the residual stream needs grad, as in training
+    eager = _measured(real.layers[0], real, ra, rk)
+    torch._dynamo.reset()
+    compiled = _measured(torch.compile(real.layers[0], backend="inductor"), real, ra, rk)
+    torch._dynamo.reset()
+    predicted = _saved_in(rank_profile(g, ParallelPlan(compile=(True, True))), "layers.0")
+    assert predicted == compiled, (predicted, compiled, eager)
+    assert _saved_in(rank_profile(g, ParallelPlan()), "layers.0") == eager != compiled
+
+
+def test_compile_lowers_the_peak_where_nothing_is_checkpointed(tiny):
+    _, _, g = tiny
+    peak = lambda **kw: predict_parallel_memory(g, ParallelPlan(**kw)).peak_bytes
+    assert peak(compile=(True, True)) < peak()
+    for ac in (("full",) * 2, ("selective",) * 2):               # the policy decides what a checkpointed block keeps
+        assert peak(ac=ac, compile=(True, True)) == peak(ac=ac)
+    assert peak() > peak(compile=(True, False)) > peak(compile=(True, True))
+
+
+def test_compile_lowers_the_step_time(tiny):
+    _, _, g = tiny
+    topo = preset("cluster", n_nodes=1, gpus_per_node=1)
+    eager, comp = (rank_work(g, ParallelPlan(compile=c), topo) for c in ((), (True, True)))
+    assert (comp.fwd_blocks < eager.fwd_blocks).all() and (comp.bwd_blocks < eager.bwd_blocks).all()
+    assert (comp.fwd_pre, comp.fwd_post, comp.bwd_post, comp.optimizer) == (
+        eager.fwd_pre, eager.fwd_post, eager.bwd_post, eager.optimizer)     # outside the blocks: nothing compiled
+    t = lambda w, c: predict_step_time(w, ParallelPlan(compile=c), topo).step_seconds
+    assert t(comp, (True, True)) < t(eager, ())
+
+
+def _plan(*argv) -> tuple[int, str]:
+    from static_dist.app.cli import main
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out): code = main(["plan", "--model", "tiny", "--world", "2", *argv])
+    return code, " ".join(out.getvalue().split())         # rich wraps lines at the terminal's width
+
+
+def test_plan_compile_prints_lower_memory_and_time():
+    (c0, eager), (c1, comp) = _plan(), _plan("--compile")
+    assert c0 == c1 == 0, (eager, comp)
+    num = lambda pat, s: float(re.search(pat, s).group(1))
+    mib = lambda s: num(r"\*?\*?peak\*?\*? \*?\*?([\d.]+) MiB", s)
+    ms = lambda s: num(r"step time\*?\*?: ([\d.]+) ms", s)
+    assert mib(comp) < mib(eager) and ms(comp) < ms(eager), (mib(comp), mib(eager), ms(comp), ms(eager))
+    assert "compiled: 2 blocks, priced" in comp and "compiled:" not in eager
