@@ -514,6 +514,12 @@ def _forward_between_backwards(plan: ParallelPlan, pp_rank: int) -> bool:
     1F1B)?"""
     return plan.schedule == "1F1B" and max(len(plan.stages), 1) - 1 in rank_stages(plan, pp_rank)
 
+def _float8_params(profile: GraphProfile) -> tuple[str, ...]:
+    "The weights of the linears that ran a Float8 matmul (`_scaled_mm`) in the profile's forward."
+    mods = {m for m, n, ph in zip(profile.op_module, profile.op_names, profile.op_phase)
+            if ph == FORWARD and n.startswith("aten._scaled_mm")}
+    return tuple(p.name for p in profile.params if p.name.rpartition(".")[0] in mods and p.name.endswith(".weight"))
+
 def rank_fsdp_plan(plan: ParallelPlan, profile: GraphProfile, pp_rank: int = 0) -> FSDPPlan:
     """The FSDP plan of one rank of pipeline rank `pp_rank`: the plan's units whose modules its stage runs (the root
     always), over its data-parallel mesh, as the pipeline schedule runs them (see above)."""
@@ -524,6 +530,7 @@ def rank_fsdp_plan(plan: ParallelPlan, profile: GraphProfile, pp_rank: int = 0) 
         return FSDPPlan(1, (1,), (FSDPUnit(""),), ignored=top, accumulation_steps=plan.microbatches if d.pp > 1 else 1)
     mesh = (d.dp_replicate, d.fsdp_size) if d.dp_replicate > 1 else (d.fsdp_size,)
     f = plan.fsdp or FSDPPlan(math.prod(mesh), mesh, (FSDPUnit(""),))
+    if plan.float8_all_gather: f = dataclasses.replace(f, float8_params=_float8_params(profile))
     units = tuple(s for u in f.units if (s := _stage_unit(u, mods)) is not None)
     if d.pp > 1:   # the schedule runs every micro-batch but the last without gradient sync or resharding after backward
         if not _forward_between_backwards(plan, pp_rank):
@@ -558,8 +565,10 @@ def predict_rank_memory(
 def predict_parallel_memory(g: StaticGraph, plan: ParallelPlan, master_dtype: str | None = None) -> ParallelMemory:
     "The peak bytes, by category, of one rank of each pipeline rank under `plan` (checked against the model first)."
     from static_dist.parallel.plan import check_layout
+    from static_dist.parallel.float8 import check_float8
     seq = g.meta.get("inputs", [[0, 0]])[0][1] if g.meta.get("inputs") and len(g.meta["inputs"][0]) > 1 else None
     check_layout(plan, g.structure.main, seq)
+    check_float8(g, plan)
     preds = []
     for r in range(plan.dims.pp):   # the larger of: the actions after a backward of their stage, and those before
         preds.append(max((predict_rank_memory(rank_profile(g, plan, r, master_dtype, p), plan, r, p)
