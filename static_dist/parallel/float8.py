@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import torch
 import torch.nn as nn
 
@@ -15,7 +16,7 @@ from .plan import ParallelPlan, ParallelPlanError
 
 # %% auto 0
 __all__ = ['FLOAT8_RECIPES', 'float8_config', 'convert_float8', 'float8_workload', 'float8_of', 'float8_weights', 'check_float8',
-           'float8_refusal']
+           'float8_weight_casts', 'float8_refusal']
 
 # %% ../../nbs/45ac_parallel_float8.ipynb
 FLOAT8_RECIPES = ("tensorwise", "rowwise")   # torchao's Float8LinearRecipeName values that static_dist plans
@@ -78,6 +79,20 @@ def check_float8(g: StaticGraph, plan: ParallelPlan) -> None:
                                 "converted model (parallel.float8_workload) or drop float8 from the plan")
     raise ParallelPlanError(f"the step was captured with Float8 linears ({ran}) but the plan says float8="
                             f"{plan.float8!r}: set float8={ran!r} or capture the model as the plan says")
+
+# %% ../../nbs/45ac_parallel_float8.ipynb
+def float8_weight_casts(g: StaticGraph) -> np.ndarray:
+    """Per op of the captured step: does it compute only from Float8 linears' weights (their casts, amax and scales)?
+    The forward and backward ops reached from those weights through nothing else."""
+    names = set(float8_weights(g))
+    derived = {s.id for s in g.storages if s.role == "parameter" and s.name in names}
+    out = np.zeros(len(g.ops), dtype=bool)
+    for i, o in enumerate(g.ops):
+        if o.phase == "optimizer" or not o.inputs: continue
+        if all(g.tensors[t].storage in derived for t in o.inputs):
+            out[i] = True
+            derived.update(g.tensors[t].storage for t in o.outputs)
+    return out
 
 # %% ../../nbs/45ac_parallel_float8.ipynb
 def float8_refusal(device) -> str | None:

@@ -30,6 +30,7 @@ from ..graph import StaticGraph, fmt_bytes, op_bytes
 from ..topology import op_dtypes
 from ..graph.checkpoint import CheckpointLifetimes, checkpoint_lifetimes, recompute_bytes
 from ..graph.policies import kept_ops
+from .float8 import float8_weight_casts
 from .plan import ParallelDims, ParallelPlan, ParallelPlanError, block_policies, stage_ranges
 from .schedule import held_by_action, pipeline_held, rank_stages
 from ..placement import block_spec, linear_memory, megatron_styles
@@ -324,6 +325,8 @@ def _view(g: StaticGraph, plan: ParallelPlan, pp_rank: int, blocks, params) -> t
     local = sum(math.prod(tp_param_shape(p.name, p.shape, plan, styles)) * p.itemsize for p in mine)
     frac = local / max(sum(p.numel * p.itemsize for p in params), 1)
     factor = tp_op_factor(g, plan, blocks) / plan.dims.cp
+    if plan.float8_all_gather:      # the unsharded weights' casts run on the shards, before FSDP's gather (float8)
+        factor = factor * ~_remember("float8_casts", g, (), lambda: float8_weight_casts(g))
     return _View(keep, factor, so, mine_st, ac_effects(g, plan, ob, blocks), frac, styles, read), mine, ob
 
 # %% ../../nbs/45b_parallel_memory.ipynb
