@@ -460,6 +460,16 @@ def _ac_name(p) -> str:
         "none" if isinstance(p, NoCheckpoint) else "full"
 
 # %% ../nbs/07_titan.ipynb
+def _float8_note(plan) -> str:
+    "How to give torchtitan the plan's Float8: the 0.3.0 registry form and the older releases' overrides."
+    older = ("--model.converters float8 --float8.enable_fsdp_float8_all_gather "
+             "--float8.precompute_float8_dynamic_scale_for_fsdp" if plan.float8_all_gather else
+             f"--model.converters float8 --float8.recipe_name {plan.float8}")
+    now = ("set converters=[Float8LinearConverter.Config(recipe_name='rowwise')] in the job's model_registry(...)"
+           if plan.float8 == "rowwise" else "rowwise recipes only (tensorwise needs an older release)")
+    return f"float8 {plan.float8}: torchtitan 0.3.0: {now}; older releases: {older}"
+
+# %% ../nbs/07_titan.ipynb
 def titan_overrides(plan, batch: int, seq: int, master_dtype: str = "float32") -> tuple[list[str], list[str]]:
     """(torchtitan command-line arguments, notes) for `plan` with micro-batches of `batch` x `seq` tokens and masters in
     `master_dtype`."""
@@ -482,4 +492,5 @@ def titan_overrides(plan, batch: int, seq: int, master_dtype: str = "float32") -
     if d.pp > 1 and len(plan.stages) > 1: notes.append(f"stages of {'/'.join(map(str, plan.stages))} blocks: "
                                                        "torchtitan "
                                                        "splits its own way (pipeline_parallel_layers_per_stage)")
+    if plan.float8: notes.append(_float8_note(plan))
     return [*(" ".join(out).split()), f"activation-checkpoint:{mode}"], notes

@@ -16,6 +16,7 @@ from .verify import *
 from .pipeline import *
 from .run import *
 from .plots import *
+from .float8 import *
 from static_dist.parallel import (
     apply as _apply,
     memory as _memory,
@@ -25,6 +26,7 @@ from static_dist.parallel import (
 )
 from . import pipeline as _pipeline, plots as _plots, run as _run, time as _time
 from . import verify as _verify
+from . import float8 as _float8
 
 # %% ../../nbs/45_parallel.ipynb
 import math
@@ -156,6 +158,7 @@ __all__ = [
     *_pipeline.__all__,
     *_run.__all__,
     *_plots.__all__,
+    *_float8.__all__,
     "layout_figure",
     "parallel_widget",
 ]
