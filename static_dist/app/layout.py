@@ -376,14 +376,15 @@ def plan_titan(args) -> int:
     print_markdown(
         f"**torchtitan {job.name} as written** (local batch {job.local_batch}, seq {job.seq_len}, {job.ac} "
         f"checkpointing{f' every {job.ac_every} blocks' if job.ac_every else ''}) on {topo.name}, world {world}, "
-        f"budget {fmt_bytes(args.budget)}: {how}; the blocks' attention captured as SDPA; float8 "
-        f"{'on' if job.float8 else 'off'} and compile {'on' if job.compile else 'off'}: read, not yet priced")
+        f"budget {fmt_bytes(args.budget)}: {how}; the blocks' attention captured as SDPA; "
+        + (f"float8 {job.float8_recipe}: priced (torchao's ops captured)" if job.float8_recipe else "float8 off")
+        + f"; compile {'on' if job.compile else 'off'}: read, not yet priced")
     print_markdown("\n".join(layout_lines(given, layout_memory(g, given, n, m), n, m)))
     pdt = job.param_dtype if job.param_dtype != m else None
     rdt = job.reduce_dtype if job.reduce_dtype != (pdt or m) else None
     with status(f"searching layouts of {world} ranks") as update:
         r = search_layouts(g, world, topo, args.budget, n_blocks=n, progress=update, microbatches=(1, 2),
-                           master_dtype=m, param_dtype=pdt, reduce_dtype=rdt)
+                           master_dtype=m, param_dtype=pdt, reduce_dtype=rdt, float8_all_gather=job.float8_all_gather)
     print_markdown(f"\n**the search around it** ({r.considered} layouts considered, {r.evaluated} evaluated in "
                    f"{r.seconds:.2f} s)\n\n" + r.table())
     print_markdown(f"\n**verdict**: {titan_verdict(given, r.best, args.budget)}")

@@ -78,7 +78,8 @@ def op_stages(g: StaticGraph, ob: np.ndarray, block_stage: np.ndarray, n_stages:
 
 # %% ../../nbs/45b_parallel_memory.ipynb
 _COL, _ROW = ("colwise",), ("rowwise",)       # styles whose local output (col) or input (row) features are 1/tp
-_MATMUL = ("aten.mm", "aten.addmm", "aten.bmm", "aten.matmul", "aten.linear")   # a linear's product over its features
+_MATMUL = ("aten.mm", "aten.addmm", "aten.bmm", "aten.matmul", "aten.linear",   # a linear's product over its features
+           "aten._scaled_mm")                                                  # (a Float8 linear's: torchao's)
 
 _OUTER_STYLE = {"embedding": "embedding", "norm": "sequence", "output": "colwise"}   # tp_outer role -> style
 
