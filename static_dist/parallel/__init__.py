@@ -32,6 +32,7 @@ from . import float8 as _float8
 import math
 
 from ..graph import StaticGraph, fmt_bytes
+from .float8 import float8_of
 from ..harness import View, harness, harness_figure, widgets
 
 # %% ../../nbs/45_parallel.ipynb
@@ -65,9 +66,11 @@ def layout_figure(mem: ParallelMemory, step: StepTime, budget: int):
 
 # %% ../../nbs/45_parallel.ipynb
 def _layout_view(g: StaticGraph, topo, world: int, budget_mib: float, tp: int, pp: int, cp: int, ac: str,
-                 sequence: bool = True, loss: bool = True) -> View:
+                 sequence: bool = True, loss: bool = True,
+                 float8_all_gather: bool = False) -> View:
     """The layout for these degrees: its memory and time, or why the model cannot take it. `sequence`, `loss`: sequence
-    and loss parallelism where the model maps (`tp_layout`)."""
+    and loss parallelism where the model maps (`tp_layout`). The plan carries the Float8 recipe `g` was captured with
+    (`float8_of`); `float8_all_gather`: FSDP gathers its weights in float8 (tensorwise, dp_shard > 1)."""
     from static_dist.fsdp import FSDPPlan, block_units
     from static_dist.placement import block_spec, megatron_styles, sequence_blocker
     from static_dist.parallel.search import balanced_stages
@@ -87,8 +90,10 @@ def _layout_view(g: StaticGraph, topo, world: int, budget_mib: float, tp: int, p
         tpf = dict(tp_styles=styles, sequence_parallel=sp, loss_parallel=lp, tp_outer=outer if (sp or lp) else ())
         work = rank_work(g, ParallelPlan(ParallelDims(cp=cp, tp=tp), **tpf), topo)
         fsdp = FSDPPlan(d.fsdp_size, (d.fsdp_size,), block_units(stack.blocks)) if d.fsdp_size > 1 else None
+        f8 = dict(float8=float8_of(g),
+                  float8_all_gather=float8_all_gather and float8_of(g) == "tensorwise" and d.fsdp_size > 1)
         plan = ParallelPlan(d, stages=balanced_stages(work, n, pp), microbatches=2 * pp if pp > 1 else 1,
-                            ac=(ac,) * n, fsdp=fsdp, name="widget", **tpf)
+                            ac=(ac,) * n, fsdp=fsdp, name="widget", **tpf, **f8)
         mem = predict_parallel_memory(g, plan)
     except ParallelPlanError as e:
         return View(str(e), f"**Not a layout for this model**: {e}")
@@ -110,12 +115,17 @@ def _layout_view(g: StaticGraph, topo, world: int, budget_mib: float, tp: int, p
     elif sequence and not plan.sequence_parallel:
         off["sequence"] = sequence_blocker(g) or "no embedding and output around the blocks to shard the sequence at"
     if tp > 1 and not plan.tp_outer: off["loss"] = "no output projection of the vocabulary outside the blocks"
+    if plan.float8 != "tensorwise": off["float8_all_gather"] = "torchao gathers float8 weights under tensorwise only"
+    elif d.fsdp_size == 1: off["float8_all_gather"] = "no FSDP to gather with (dp_shard 1)"
+    if plan.float8: text += f"; float8 {plan.float8}" + (", FSDP gathers in float8" if plan.float8_all_gather else "")
     return View((plan, mem, step), text, layout_figure(mem, step, budget), disabled=off)
 
 # %% ../../nbs/45_parallel.ipynb
-def parallel_widget(g: StaticGraph, topo=None, world: int = 8, budget_mib: float | None = None):
+def parallel_widget(g: StaticGraph, topo=None, world: int = 8, budget_mib: float | None = None,
+                    float8_graphs: dict | None = None):
     """Harness: tp (with sequence and loss parallelism), pp, cp, checkpointing and budget -> each pipeline rank's memory
-    stack and the step's time by term."""
+    stack and the step's time by term. `float8_graphs`: {recipe: the step captured converted (`float8_workload`)},
+    which the float8 control picks between (off: `g`)."""
     from static_dist.graph.policies import POLICIES
     from static_dist.topology import preset
     W = widgets()
@@ -127,8 +137,9 @@ def parallel_widget(g: StaticGraph, topo=None, world: int = 8, budget_mib: float
         budget_mib = 2.0 ** math.ceil(math.log2(max(base / 2**20, 1.0)))
     degrees = [d for d in (1, 2, 4, 8) if d <= world]
     wide = dict(style={"description_width": "initial"}, continuous_update=False)
+    graphs = {"off": g, **(float8_graphs or {})}          # the step as captured for each Float8 recipe
     return harness(
-        lambda **kw: _layout_view(g, topo, world, **kw),
+        lambda float8="off", **kw: _layout_view(graphs[float8], topo, world, **kw),
         budget_mib=W.FloatLogSlider(
             value=budget_mib,
             base=2,
@@ -144,6 +155,8 @@ def parallel_widget(g: StaticGraph, topo=None, world: int = 8, budget_mib: float
         ac=W.ToggleButtons(options=list(POLICIES)),
         sequence=W.Checkbox(value=True, description="sequence parallel", style=wide["style"]),
         loss=W.Checkbox(value=True, description="loss parallel", style=wide["style"]),
+        float8=W.Dropdown(options=list(graphs), value="off", description="float8", disabled=len(graphs) == 1),
+        float8_all_gather=W.Checkbox(value=False, description="float8 all-gather", style=wide["style"]),
     )
 
 # %% ../../nbs/45_parallel.ipynb
