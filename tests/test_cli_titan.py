@@ -43,7 +43,8 @@ def test_toml_job(tmp_path):
     assert code == 0, out
     assert "dp_shard 2 × cp 1 × tp 2 × pp 1 (world 4)" in out and "blocks 0-5 full" in out
     assert "float32 master weights and optimizer state, float32 compute" in out
-    assert "float8 tensorwise: priced (torchao's ops captured); compile on: read, not yet priced" in " ".join(out.split())
+    text = " ".join(out.split())
+    assert "float8 tensorwise: priced (torchao's ops captured); compile on: read, not yet priced" in text
 
 
 def test_emit_torchtitan_parses_in_torchtitan():

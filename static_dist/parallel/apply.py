@@ -146,7 +146,8 @@ def apply_float8(model: nn.Module, plan: ParallelPlan) -> None:
 # %% ../../nbs/45e_parallel_apply.ipynb
 def apply_parallel_plan(model: nn.Module, plan: ParallelPlan, mesh=None, *, seq: int | None = None,
                         compile_backend: str = "inductor", stack=None, stage: int | None = None) -> nn.Module:
-    """Apply `plan` to `model` in place, in torchtitan's order: Float8, tensor parallelism, checkpointing, compile, FSDP.
+    """Apply `plan` to `model` in place, in torchtitan's order: Float8, tensor parallelism, checkpointing, compile,
+    FSDP.
     `mesh`: the plan's DeviceMesh (default: `axes.device_mesh(plan.dims)`). With pp > 1, `model` is pipeline stage
     `stage`
     (`parallel.pipeline.build_pipeline` splits the model and calls this on each stage) and `stack` the whole model's

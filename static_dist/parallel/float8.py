@@ -103,6 +103,7 @@ def float8_refusal(device) -> str | None:
                 f"Float8LinearConverter checks); this run is on {device.type}: drop float8 from the plan or run on one")
     major, minor = torch.cuda.get_device_capability(device)
     if (major, minor) < (8, 9):
-        return (f"float8 training needs compute capability 8.9+ (FP8 tensor cores); {torch.cuda.get_device_name(device)}"
-                f" is {major}.{minor}: drop float8 from the plan or run on an H100/L40S-class GPU")
+        name = torch.cuda.get_device_name(device)
+        return (f"float8 training needs compute capability 8.9+ (FP8 tensor cores); {name} is {major}.{minor}: drop "
+                "float8 from the plan or run on an H100/L40S-class GPU")
     return None

@@ -73,7 +73,8 @@ def _functional_axis(plan: ParallelPlan) -> str:
 
 def _float8_amax_reduces(profile, f) -> int:
     """All-reduces of torchao's float8 all-gather per step: each float8 weight's amax, before each gather of its unit
-    (`WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather`, `reduce_amax=True`), gathered as `predict_comms` counts."""
+    (`WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather`, `reduce_amax=True`), gathered as `predict_comms`
+    counts."""
     if not f.float8_params or f.shard_size == 1: return 0
     units, f8 = {u.module: u for u in f.units}, set(f.float8_params)
     again = lambda l: bool(l.module) and units[l.module].reshard_after_forward is not False
