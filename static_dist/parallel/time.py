@@ -85,6 +85,8 @@ class RankWork:
     float8_params: tuple = (None, 0.0, 0.0)
     """Of `block_params`, `pre_params` and `post_params`: the local bytes (captured dtype) of the Float8 linears'
     weights (`parallel.float8_weights`), which FSDP gathers at one byte per element under `float8_all_gather`."""
+    float8_count: tuple = (None, 0, 0)
+    "How many such weights, per block, before and after the stack: one amax all-reduce each per float8 gather."
 
 # %% ../../nbs/45c_parallel_time.ipynb
 def _op_factor(g: StaticGraph, plan: ParallelPlan, blocks) -> np.ndarray:
@@ -175,6 +177,7 @@ def rank_work(g: StaticGraph, plan: ParallelPlan, topo: Topology, device=None, p
     local = lambda p: math.prod(tp_param_shape(p.name, p.shape, plan, styles)) * p.itemsize
     bp, pre, post = np.zeros(k), 0.0, 0.0
     f8_names, f8b, f8r = set(float8_weights(g)), np.zeros(k), [0.0, 0.0]     # of them, the Float8 linears' weights
+    n8b, n8r = np.zeros(k, dtype=np.int64), [0, 0]
     of = {b: j for j, b in enumerate(blocks)}
     first = {}
     for i, o in enumerate(g.ops):
@@ -182,9 +185,9 @@ def rank_work(g: StaticGraph, plan: ParallelPlan, topo: Topology, device=None, p
     for p in params:
         b = next((of[x] for x in _prefixes(p.name) if x in of), None)
         is8 = p.name in f8_names
-        if b is not None: bp[b] += local(p); f8b[b] += local(p) * is8
-        elif first.get(p.name.rpartition(".")[0], 0) < f0: pre += local(p); f8r[0] += local(p) * is8
-        else: post += local(p); f8r[1] += local(p) * is8
+        if b is not None: bp[b] += local(p); f8b[b] += local(p) * is8; n8b[b] += is8
+        elif first.get(p.name.rpartition(".")[0], 0) < f0: pre += local(p); f8r[0] += local(p) * is8; n8r[0] += is8
+        else: post += local(p); f8r[1] += local(p) * is8; n8r[1] += is8
     itemsize = params[0].itemsize if params else 4
     # the optimizer without per-op launches: on a GPU torch runs it as a few multi-tensor (foreach) kernels
     opt = float((sec[phase == OPTIMIZER] - device_spec(topo if device is None else device).op_overhead).sum())
@@ -217,6 +220,7 @@ def rank_work(g: StaticGraph, plan: ParallelPlan, topo: Topology, device=None, p
         attn_recompute=rc_attn,
         outer_bytes=_outer_bytes(plan, tokens, itemsize, {p.name: p.shape for p in params}),
         float8_params=(f8b, *f8r),
+        float8_count=(n8b, *n8r),
     )
 
 # %% ../../nbs/45c_parallel_time.ipynb
@@ -377,6 +381,8 @@ class _Layout:
     "{(forward?, before the stack?): seconds} of the tensor-parallel collectives outside the blocks."
     float8: np.ndarray | None = None
     "Of `params`, the Float8 linears' weights' bytes per block (`RankWork.float8_params`)."
+    float8_count: np.ndarray | None = None
+    "How many Float8 weights per block (`RankWork.float8_count`)."
 
 # %% ../../nbs/45c_parallel_time.ipynb
 def _per_block(w: RankWork, plan: ParallelPlan, topo: Topology, mesh: MeshSpec, n: int,
@@ -402,12 +408,14 @@ def _per_block(w: RankWork, plan: ParallelPlan, topo: Topology, mesh: MeshSpec, 
     outer = {(f, pre): sum(_coll(topo, mesh, "tp", k, b) for k, b, ff, pp in w.outer_bytes if (ff, pp) == (f, pre))
              for f in (True, False) for pre in (True, False)}
     f8 = extend_blocks(w.float8_params[0], n) if w.float8_params[0] is not None else np.zeros(n)
-    return _Layout(fwd, bwd, rc, tp_f, tp_b, cp_f, cp_b, busy, bp, outer, f8)
+    n8 = extend_blocks(w.float8_count[0], n) if w.float8_count[0] is not None else np.zeros(n, dtype=np.int64)
+    return _Layout(fwd, bwd, rc, tp_f, tp_b, cp_f, cp_b, busy, bp, outer, f8, n8)
 
 # %% ../../nbs/45c_parallel_time.ipynb
 def _fsdp_costs(plan: ParallelPlan, topo: Topology, mesh: MeshSpec, itemsize: int):
     """(all-gather seconds, reduce-scatter + all-reduce seconds) of a unit of `nbytes` captured-dtype parameters, of
-    which `f8` bytes are Float8 linears' weights (gathered at one byte per element under `float8_all_gather`)."""
+    which `f8` bytes are `n8` Float8 linears' weights (under `float8_all_gather`: gathered at one byte per element,
+    each after an all-reduce of its 4-byte amax, `WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather`)."""
     from static_dist.util import DTYPE_BYTES
     f, d = plan.fsdp, plan.dims
     pdt = f.param_dtype if f is not None else None
@@ -417,11 +425,12 @@ def _fsdp_costs(plan: ParallelPlan, topo: Topology, mesh: MeshSpec, itemsize: in
     fd = fsdp_dim(plan)
     memo: dict = {}
     one = 1 / itemsize if plan.float8_all_gather else None      # float8: a byte per element, scales not gathered
-    def ag(nb, f8=0.0):
-        if ("ag", nb, f8) not in memo:
+    def ag(nb, f8=0.0, n8=0):
+        if ("ag", nb, f8, n8) not in memo:
             wire = (nb - f8) * ps + f8 * one if one else nb * ps
-            memo[("ag", nb, f8)] = _coll(topo, mesh, fd, "all_gather", int(wire)) if fd else 0.0
-        return memo[("ag", nb, f8)]
+            amax = n8 * _coll(topo, mesh, fd, "all_reduce", 4) if one and fd else 0.0
+            memo[("ag", nb, f8, n8)] = _coll(topo, mesh, fd, "all_gather", int(wire)) + amax if fd else 0.0
+        return memo[("ag", nb, f8, n8)]
     def sync(nb):
         if ("s", nb) not in memo:
             t = _coll(topo, mesh, fd, "reduce_scatter", int(nb * rs)) if fd else 0.0
@@ -463,17 +472,20 @@ def _rank_micro_batch(w: RankWork, L: _Layout, plan: ParallelPlan, stages: list,
     units, reshard = _block_units(plan)
     root = (w.pre_params if has_pre else 0.0) + (w.post_params if has_post else 0.0)
     root8 = (w.float8_params[1] if has_pre else 0.0) + (w.float8_params[2] if has_post else 0.0)
+    rootn8 = (w.float8_count[1] if has_pre else 0) + (w.float8_count[2] if has_post else 0)
     if not units: root += float(L.params[blocks].sum()) if blocks else 0.0
     if not units and L.float8 is not None: root8 += float(L.float8[blocks].sum()) if blocks else 0.0
+    if not units and L.float8_count is not None: rootn8 += int(L.float8_count[blocks].sum()) if blocks else 0
     f = plan.fsdp
     pf, pb = (f.forward_prefetch, max(f.backward_prefetch, 1)) if f is not None else (0, 1)
     # per-block values as Python floats: the same doubles as the arrays' elements, read without numpy's scalar overhead
     fwd, bwd, rc, tp_b, cp_f, cp_b, prm = (a.tolist() for a in (L.fwd, L.bwd, L.rc, L.tp_b, L.cp_f, L.cp_b, L.params))
     f8 = L.float8.tolist() if L.float8 is not None else [0.0] * len(prm)
-    fag = lambda b: (("f", b), ag(prm[b], f8[b])) if gather else None
-    bag = lambda b: (("b", b), ag(prm[b], f8[b])) if units and reshard is not False else None
+    n8 = L.float8_count.tolist() if L.float8_count is not None else [0] * len(prm)
+    fag = lambda b: (("f", b), ag(prm[b], f8[b], n8[b])) if gather else None
+    bag = lambda b: (("b", b), ag(prm[b], f8[b], n8[b])) if units and reshard is not False else None
     o = {k: v if (has_pre if k[1] else has_post) else 0.0 for k, v in L.outer.items()}
-    root_ag = (("f", "root"), ag(root, root8)) if root and gather else None
+    root_ag = (("f", "root"), ag(root, root8, rootn8)) if root and gather else None
     segs = [((w.fwd_pre if has_pre else 0.0) + o[True, True], root_ag,
              [fag(j) for j in blocks[:pf]] if units and gather else [], [])]
     for i, b in enumerate(blocks):
