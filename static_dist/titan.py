@@ -94,12 +94,22 @@ class TitanJob:
     ac_every: int
     "An older job's layer-wise selective checkpointing (`selective_ac_option = '2'`): every that many blocks in full."
     config: object = field(repr=False, compare=False)
+    float8_recipe: str | None = None
+    "torchao's Float8 recipe of the job's linears ('tensorwise' or 'rowwise'; None: no Float8)."
+    float8_all_gather: bool = False
+    "An older job's `[float8] enable_fsdp_float8_all_gather` (torchtitan 0.3.0 has no such setting)."
 
 # %% ../nbs/07_titan.ipynb
 _AC = {"FullAC": "full", "SelectiveAC": "selective", "MemoryBudgetAC": "memory_budget"}
 _ATTN = {"FlexAttention": "flex", "ScaledDotProductAttention": "sdpa", "VarlenAttention": "varlen"}
 
 def _outer(cfg) -> str: return type(cfg).__qualname__.split(".")[0]
+
+# %% ../nbs/07_titan.ipynb
+def _float8_recipe(cfg) -> str | None:
+    "The recipe of torchao's `Float8LinearConfig` `cfg` by its weight's scaling: tensorwise or rowwise (axiswise)."
+    if cfg is None: return None
+    return "rowwise" if "AXISWISE" in str(cfg.cast_config_weight.scaling_granularity) else "tensorwise"
 
 # %% ../nbs/07_titan.ipynb
 def _record(name: str, c) -> TitanJob:
@@ -118,7 +128,7 @@ def _record(name: str, c) -> TitanJob:
         async_tp=c.compile.enable_async_tensor_parallel,
         loss_chunks=getattr(c.loss, "num_chunks", 0), attention=_ATTN.get(_outer(blk.attention.inner_attention), "?"),
         pp_schedule=p.pipeline_parallel_schedule, microbatch_size=p.pipeline_parallel_microbatch_size, ac_every=0,
-        config=c)
+        config=c, float8_recipe=_float8_recipe(getattr(blk.feed_forward.w1, "_torchao_config", None)))
 
 # %% ../nbs/07_titan.ipynb
 def _ac_config(ac: str):
@@ -226,9 +236,12 @@ def titan_toml(path) -> TitanJob:
                     sequence_parallel=par.get("enable_sequence_parallel"), param_dtype=tr.get("mixed_precision_param"),
                     compile=t.get("compile", {}).get("enable", tr.get("compile")), dtype=tr.get("dtype"),
                     async_tp=t.get("compile", t.get("experimental", {})).get("enable_async_tensor_parallel"))
-    f8 = t.get("float8", {}).get("enable_float8_linear", False) or "float8" in m.get("converters", ())
+    f = t.get("float8", {})
+    f8 = f.get("enable_float8_linear", False) or "float8" in m.get("converters", ())
+    recipe = (f.get("recipe_name") or "tensorwise") if f8 else None     # older torchtitan: tensorwise unless named
     return dataclasses.replace(job, name=f"{path}", float8=bool(f8), ac_every=every,
-                               reduce_dtype=tr.get("mixed_precision_reduce", job.reduce_dtype))
+                               reduce_dtype=tr.get("mixed_precision_reduce", job.reduce_dtype), float8_recipe=recipe,
+                               float8_all_gather=bool(f8 and f.get("enable_fsdp_float8_all_gather", False)))
 
 # %% ../nbs/07_titan.ipynb
 def titan_model(job: TitanJob, device="meta", dtype: torch.dtype | None = None) -> torch.nn.Module:
@@ -251,30 +264,22 @@ def _tokens(vocab: int):
     return make_inputs
 
 # %% ../nbs/07_titan.ipynb
-def _without_float8(job: TitanJob) -> TitanJob:
-    "`job` with its model's Float8 linears (torchtitan's Float8LinearConverter) swapped back for plain `Linear`s."
-    if not job.float8: return job
-    import copy
-    from torchtitan.models.common.linear import Linear
-    c = copy.copy(job.config)
-    c.model_spec = copy.copy(c.model_spec); c.model_spec.model = mc = copy.deepcopy(c.model_spec.model)
-    for _, lin, parent, attr in list(mc.traverse(Linear.Config)):
-        if "Float8" not in type(lin).__qualname__: continue
-        new = Linear.Config(in_features=lin.in_features, out_features=lin.out_features, bias=lin.bias,
-                            param_init=lin.param_init)
-        if isinstance(parent, list): parent[attr] = new
-        else: setattr(parent, attr, new)
-    return dataclasses.replace(job, config=c)
+def _job_model(job: TitanJob, device="meta", dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """`titan_model`, with the Float8 of an older job file converted by torchao as that release's converter did (the
+    registry model its flavor names has plain linears; a registry job's own are torchtitan's Float8Linear already)."""
+    m = titan_model(job, device, dtype)
+    if job.float8_recipe and not any("Float8" in type(l).__name__ for l in m.modules()):
+        from static_dist.parallel.float8 import convert_float8
+        convert_float8(m, job.float8_recipe, job.float8_all_gather)
+    return m
 
 # %% ../nbs/07_titan.ipynb
 def titan_workload(job: TitanJob, optimizer: str = "adamw") -> Workload:
     """The job's model, batch and loss as a static_dist `Workload` (its own capture predicts what torchtitan runs); its
     batch is one micro-batch (the local batch, or a pipeline micro-batch's rows); its loss is chunked as the job's
-    (`step.ChunkedLoss` on `lm_head`, the module torchtitan's trainer hands `ChunkedLossWrapper`).
-    Float8 linears are built as the plain
-    linears they replace: static_dist reads the job's Float8 but does not price it yet."""
-    plain = _without_float8(job)
-    def build(device="meta", dtype=torch.float32, seed: int = 0): return titan_model(plain, device, dtype)
+    (`step.ChunkedLoss` on `lm_head`, the module torchtitan's trainer hands `ChunkedLossWrapper`). Float8 linears are
+    captured as the job builds them (torchao's ops on fake tensors: `parallel.float8`)."""
+    def build(device="meta", dtype=torch.float32, seed: int = 0): return _job_model(job, device, dtype)
     batch = job.microbatch_size if job.pp > 1 else job.local_batch
     loss = ChunkedLoss(titan_loss, "lm_head", job.loss_chunks) if job.loss_chunks else titan_loss
     return Workload(source=f"torchtitan:{job.name}", build=build, batch=batch, seq=job.seq_len,
@@ -326,7 +331,7 @@ def titan_plan(job: TitanJob, g, world: int | None = None, n_blocks: int | None 
     """The `ParallelPlan` torchtitan applies for `job` at `world` ranks, on its captured step `g` (`titan_workload`'s,
     in the compute dtype) whose model has `n_blocks` blocks (default: the job's layers)."""
     from static_dist.fsdp import FSDPPlan, FSDPUnit
-    from static_dist.parallel import ParallelPlan, tp_layout
+    from static_dist.parallel import ParallelPlan, float8_of, tp_layout
     from static_dist.placement import block_spec, megatron_styles
     d, n = titan_dims(job, world), n_blocks or job.n_layers
     tp = {}
@@ -346,7 +351,8 @@ def titan_plan(job: TitanJob, g, world: int | None = None, n_blocks: int | None 
                range(n)) if every else (titan_ac_policy(job),) * n
     m = job.local_batch // job.microbatch_size if d.pp > 1 else 1
     return ParallelPlan(d, stages=titan_stages(job, n), schedule=job.pp_schedule if d.pp > 1 else "1F1B",
-                        microbatches=m, ac=ac, fsdp=fsdp, name=f"torchtitan {job.name}", **tp)
+                        microbatches=m, ac=ac, fsdp=fsdp, name=f"torchtitan {job.name}", float8=float8_of(g),
+                        float8_all_gather=job.float8_all_gather and dp > 1, **tp)
 
 # %% ../nbs/07_titan.ipynb
 @dataclass(frozen=True)
@@ -499,6 +505,16 @@ def _ac_name(p) -> str:
         "none" if isinstance(p, NoCheckpoint) else "full"
 
 # %% ../nbs/07_titan.ipynb
+def _float8_note(plan) -> str:
+    "How to give torchtitan the plan's Float8: the 0.3.0 registry form and the older releases' overrides."
+    older = ("--model.converters float8 --float8.enable_fsdp_float8_all_gather "
+             "--float8.precompute_float8_dynamic_scale_for_fsdp" if plan.float8_all_gather else
+             f"--model.converters float8 --float8.recipe_name {plan.float8}")
+    now = ("set converters=[Float8LinearConverter.Config(recipe_name='rowwise')] in the job's model_registry(...)"
+           if plan.float8 == "rowwise" else "rowwise recipes only (tensorwise needs an older release)")
+    return f"float8 {plan.float8}: torchtitan 0.3.0: {now}; older releases: {older}"
+
+# %% ../nbs/07_titan.ipynb
 def _ac_mode(plan) -> tuple[str, list[str]]:
     "(the one checkpointing mode torchtitan applies for `plan`, notes): a mix of modes is written as the strongest."
     modes = list(dict.fromkeys(_ac_name(p) for p in plan.ac)) or ["none"]
@@ -532,6 +548,7 @@ def titan_overrides(plan, batch: int, seq: int, master_dtype: str = "float32") -
     if d.pp > 1 and len(plan.stages) > 1: notes.append(f"stages of {'/'.join(map(str, plan.stages))} blocks: "
                                                        "torchtitan "
                                                        "splits its own way (pipeline_parallel_layers_per_stage)")
+    if plan.float8: notes.append(_float8_note(plan))
     return [*(" ".join(out).split()), f"activation-checkpoint:{mode}"], notes
 
 # %% ../nbs/07_titan.ipynb

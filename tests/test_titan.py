@@ -241,3 +241,22 @@ def test_missing_torchtitan_says_how_to_install(monkeypatch):
     from static_dist.titan import TitanError, titan_job
     monkeypatch.setitem(sys.modules, "torchtitan.models.llama3", None)    # import of it fails as if not installed
     with pytest.raises(TitanError, match=r'pip install "static_dist\[titan\]"'): titan_job("llama3_8b")
+
+
+def test_titan_float8_job_as_torchtitan_applies_it():
+    """torchtitan's 405B job keeps its Float8 (rowwise recipe, lm_head filtered: its Float8LinearConverter) at 2 layers
+    under FSDP 8: torchtitan's model and parallelize function measured by FSDPMemTracker, against static_dist's
+    prediction from torchao's ops captured on fake tensors (`titan_plan` carries the captured recipe)."""
+    from static_dist.parallel import float8_of, predict_axis_counts, predict_parallel_memory, rank_profile
+    from static_dist.titan import measure_titan, titan_job, titan_plan, titan_workload
+    job = titan_job("llama3_405b", layers=LAYERS, seq_len=SEQ, local_batch=1, ac="none", dp_shard=8, tp=1, pp=1,
+                    cp=1, compile=False)
+    g = titan_workload(job).graph(dtype=job.param_dtype)
+    plan = titan_plan(job, g, 8, LAYERS)
+    assert (job.float8_recipe, float8_of(g), plan.float8) == ("rowwise",) * 3
+    pred = predict_parallel_memory(g, plan, job.master_dtype).peak_bytes
+    counts = predict_axis_counts(rank_profile(g, plan, master_dtype=job.master_dtype), plan)
+    m = measure_titan(job, 8)
+    print(f"405B width Float8 rowwise, FSDP 8: predicted {pred} / measured {m.peak_bytes} = {pred / m.peak_bytes:.6f}")
+    assert abs(pred / m.peak_bytes - 1) <= 0.001      # measured: 0.999999 (the issue asks for 1%)
+    assert {f"dp.{k}": v for k, v in m.collectives.items() if v} == counts

@@ -254,6 +254,11 @@ def _layout_parser(sub):
     p.add_argument("--compile", action="store_true",
                    help="compile every block (torch.compile): predicted with what Inductor's partitioner saves and "
                         "its fused elementwise kernels")
+    p.add_argument("--float8", choices=("tensorwise", "rowwise"),
+                   help="torchao Float8 training of the linears by this recipe: captured converted, priced at the "
+                        "device's FP8 rate (training needs a CUDA GPU of compute capability 8.9+)")
+    p.add_argument("--float8-all-gather", action="store_true",
+                   help="with --float8 tensorwise: FSDP all-gathers the Float8 weights in float8")
     p.add_argument("--sequence-parallel", choices=("auto", "on", "off"), default="auto",
                    help="tensor parallelism with torchtitan's sequence parallelism: auto (where the model maps, the "
                         "default), on (refused, with the reason, where it cannot), off")

@@ -21,9 +21,9 @@ from ..util import check_real_size
 
 # %% auto 0
 __all__ = ['PIN_DIMS', 'COMPILE_PRICED', 'layout_pins', 'layout_precision', 'layout_pipeline', 'layout_topology', 'tp_outer_line',
-           'precision_line', 'ac_summary', 'layout_lines', 'layout_memory', 'layout_reserved', 'cmd_plan', 'titan_args',
-           'titan_prediction', 'titan_verdict', 'print_titan_overrides', 'titan_search', 'plan_titan', 'measured_peak',
-           'collective_timeout', 'check_context_parallel', 'train_plan', 'cmd_train']
+           'precision_line', 'float8_line', 'ac_summary', 'layout_lines', 'layout_memory', 'layout_reserved',
+           'cmd_plan', 'titan_args', 'titan_prediction', 'titan_verdict', 'print_titan_overrides', 'titan_search',
+           'plan_titan', 'measured_peak', 'collective_timeout', 'check_context_parallel', 'train_plan', 'cmd_train']
 
 # %% ../../nbs/92a_layout.ipynb
 PIN_DIMS = tuple(a.name for a in AXES)   # one --flag per axis
@@ -115,6 +115,13 @@ def precision_line(plan, master_dtype: str) -> str:
     rdt = (plan.fsdp.reduce_dtype if plan.fsdp else None) or pdt
     return f"{master_dtype} master weights and optimizer state, {pdt} compute, {rdt} gradient reduction"
 
+def float8_line(plan) -> str:
+    "What a Float8 plan converts and how FSDP gathers the converted weights."
+    pdt = (plan.fsdp.param_dtype if plan.fsdp else None) or "the compute dtype"
+    return (f"torchao's {plan.float8} recipe on the linears with features in multiples of 16 (their casts and "
+            "scales captured, their matmuls at the FP8 rate); FSDP gathers their weights in "
+            + ("float8 (one byte per element)" if plan.float8_all_gather else pdt))
+
 # %% ../../nbs/92a_layout.ipynb
 def _ac_label(p) -> str:
     "A policy's label, or its name and the count of ops it saves where the label lists them (torchtitan's 20 ops)."
@@ -150,6 +157,7 @@ def layout_lines(best, columns: list, n_blocks: int, master_dtype: str = "float3
     if d.tp > 1: out.append(f"- tensor parallel: " + ", ".join(f"{n} {s}" for n, s in p.tp_styles))
     if d.tp > 1: out.append(f"- around the blocks: {tp_outer_line(p)}")
     out.append(f"- precision: {precision_line(p, master_dtype)}")
+    if p.float8: out.append(f"- float8: {float8_line(p)}")
     out.append(
         f"- checkpointing ({n_blocks} blocks): {ac_summary(p.ac)}"
         + (f"; compiled: {sum(p.compile)} blocks, {COMPILE_PRICED}" if p.compile else "")
@@ -228,7 +236,7 @@ def cmd_plan(args) -> int:
     it."""
     import dataclasses
     from static_dist.graph import fmt_bytes
-    from static_dist.parallel import search_graph, search_layouts
+    from static_dist.parallel import float8_workload, search_graph, search_layouts
     from static_dist.topology import assumed_numbers
     if args.torchtitan: return plan_titan(args)
     if args.world is None: args.world = 8
@@ -238,17 +246,22 @@ def cmd_plan(args) -> int:
     topo = layout_topology(args.topology, args.world)
     if args.out: check_writable(args.out, force=args.force)
     w = workload_of(args)
-    with status(f"capturing {w.source}") as update:
-        g, n, how = search_graph(w, progress=update, dtype=pdt, compile=args.compile or args.async_tp)
+    if args.float8_all_gather and args.float8 != "tensorwise":
+        raise UsageError("--float8-all-gather needs --float8 tensorwise: torchao gathers float8 weights with one scale "
+                         "per tensor only")
+    w8 = float8_workload(w, args.float8, args.float8_all_gather)   # the model converted as the plan will convert it
+    with status(f"capturing {w8.source}") as update:
+        g, n, how = search_graph(w8, progress=update, dtype=pdt, compile=args.compile or args.async_tp)
     with status(f"searching layouts of {args.world} ranks") as update:
         r = search_layouts(g, args.world, topo, args.budget, n_blocks=n, pins=pins, ac=args.ac, progress=update,
                            schedule=args.schedule, microbatches=(1, 2), microbatch_count=micro,
                            virtual_stages=virtual, master_dtype=w.dtype, param_dtype=pdt, reduce_dtype=rdt,
                            sequence_parallel={"auto": None, "on": True, "off": False}[args.sequence_parallel],
-                           async_tp=args.async_tp, compile=args.compile or args.async_tp)
+                           async_tp=args.async_tp, compile=args.compile or args.async_tp,
+                           float8_all_gather=args.float8_all_gather)
     print_markdown(
         f"**{w.source}** (batch {w.batch}, seq {w.seq}, {w.optimizer}, {w.dtype} masters, {pdt or w.dtype} compute, "
-        f"{rdt or pdt or w.dtype} reduction) on {topo.name}, world "
+        f"{rdt or pdt or w.dtype} reduction{f', float8 {args.float8}' if args.float8 else ''}) on {topo.name}, world "
         f"{args.world}, budget {fmt_bytes(args.budget)}" + (f", pinned {pins}" if pins else "") + f": {how}; "
         f"{r.considered} layouts considered, {r.evaluated} evaluated in {r.seconds:.2f} s"
     )
@@ -303,6 +316,7 @@ def titan_args(args):
     from static_dist.titan import titan_job, titan_toml
     flags = [("--model", args.model != "tiny"), ("--batch", args.batch), ("--seq", args.seq), ("--dtype", args.dtype),
              ("--param-dtype", args.param_dtype), ("--reduce-dtype", args.reduce_dtype), ("--compile", args.compile),
+             ("--float8", args.float8), ("--float8-all-gather", args.float8_all_gather),
              ("--input-shape", args.input_shape), ("--verify", args.verify), ("--ac", args.ac != "auto"),
              ("--async-tp", args.async_tp),
              *(("--" + k.replace("_", "-"), getattr(args, k) is not None) for k in PIN_DIMS)]
@@ -365,7 +379,7 @@ def titan_search(job, g, n: int, world: int, topo, budget: int, progress=None, p
     rdt = job.reduce_dtype if job.reduce_dtype != (pdt or m) else None
     return search_layouts(g, world, topo, budget, n_blocks=n, progress=progress, microbatches=(1, 2),
                           master_dtype=m, param_dtype=pdt, reduce_dtype=rdt, pins=pins, async_tp=job.async_tp,
-                          compile=job.compile)
+                          compile=job.compile, float8_all_gather=job.float8_all_gather)
 
 
 # %% ../../nbs/92a_layout.ipynb
@@ -385,9 +399,9 @@ def plan_titan(args) -> int:
     print_markdown(
         f"**torchtitan {job.name} as written** (local batch {job.local_batch}, seq {job.seq_len}, {job.ac} "
         f"checkpointing{f' every {job.ac_every} blocks' if job.ac_every else ''}) on {topo.name}, world {world}, "
-        f"budget {fmt_bytes(args.budget)}: {how}; the blocks' attention captured as SDPA; float8 "
-        f"{'on' if job.float8 else 'off'}: read, not yet priced; compile "
-        f"{'on, ' + COMPILE_PRICED if job.compile else 'off'}; "
+        f"budget {fmt_bytes(args.budget)}: {how}; the blocks' attention captured as SDPA; "
+        + (f"float8 {job.float8_recipe}: priced (torchao's ops captured)" if job.float8_recipe else "float8 off")
+        + f"; compile {'on, ' + COMPILE_PRICED if job.compile else 'off'}; "
         f"async TP {'on (priced: its overlap)' if given.plan.async_tp else 'off'}"
         + (f"; loss in {job.loss_chunks} chunks" if job.loss_chunks else ""))
     print_markdown("\n".join(layout_lines(given, layout_memory(g, given, n, m), n, m)))
@@ -568,6 +582,10 @@ def train_plan(args) -> int:
     )  # before any process group: one line on each rank
     if plan.dims.cp > 1: check_context_parallel(w, plan)
     if args.no_compile: plan = dataclasses.replace(plan, compile=())
+    if plan.float8:      # one line on each rank, before any process group
+        from static_dist.parallel import float8_refusal
+        dev = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+        if why := float8_refusal(dev): raise UsageError(f"--plan {args.plan} trains float8 {plan.float8}: {why}")
     timeout = collective_timeout(w, plan, args.collective_timeout)
     with process_group(timeout=timeout) as n:
         with status(f"training {w.source} on rank {rank} of {n}"):

@@ -67,7 +67,7 @@ def _cached(kind: str, profile: GraphProfile, plan: FSDPPlan, fn):
     more often, and profiles that differ only in the bytes they hold share these fields (the very objects)."""
     src = (profile.op_module, profile.op_phase, profile.op_flops, profile.params)
     key = (kind, *map(id, src), tuple(u.modules for u in plan.units), plan.ignored, plan.shard_size, plan.param_dtype,
-           plan.reduce_dtype)
+           plan.reduce_dtype, plan.float8_params)
     hit = _CACHE.get(key)
     if hit is not None and all(a is b for a, b in zip(hit[0], src)): return hit[1]
     if len(_CACHE) > 256: _CACHE.clear()
@@ -104,14 +104,16 @@ def _span(first: np.ndarray, last: np.ndarray, ix: list, ph: int) -> tuple[int, 
 # %% ../../nbs/40c_fsdp_memory.ipynb
 def _unit_sizes(ps: list, plan: FSDPPlan) -> tuple[int, int, int, int, int]:
     "(sharded, unsharded, grad, reduce-scatter, optimizer state) bytes on rank 0 of a unit holding parameters `ps`."
-    s, sh, un, st = plan.shard_size, 0, 0, 0
+    s, sh, un, st, un8 = plan.shard_size, 0, 0, 0, 0
+    f8 = set(plan.float8_params)
     for p in ps:
         a, b = shard_numel(p.shape, s)
         sh, un, st = sh + a * p.itemsize, un + b, st + math.ceil(p.state_bytes * a / max(p.numel, 1))
+        un8 += b if p.name in f8 else 0                  # gathered in float8: one byte per element
     csize = _dtype_size(plan.param_dtype, ps[0].itemsize if ps else 4)
     rsize = _dtype_size(plan.reduce_dtype or plan.param_dtype, ps[0].itemsize if ps else 4)
     # the gradient accumulated without sync: FSDP2 upcasts it to the reduce dtype (`to_accumulated_grad_if_needed`)
-    return sh, un * csize, sum(p.numel for p in ps) * rsize, un * rsize, st
+    return sh, (un - un8) * csize + un8, sum(p.numel for p in ps) * rsize, un * rsize, st
 
 # %% ../../nbs/40c_fsdp_memory.ipynb
 def _layout(profile: GraphProfile, plan: FSDPPlan) -> tuple[UnitLayout, ...]:

@@ -91,6 +91,9 @@ class FSDPPlan:
     name: str = "plan"
     reasons: tuple[tuple[str, str], ...] = ()
     "(decision, why) pairs."
+    float8_params: tuple[str, ...] = ()
+    """Parameters FSDP gathers in float8 (torchao's `enable_fsdp_float8_all_gather`, `parallel.float8`): one byte
+    per element unsharded."""
 
     @property
     def shard_size(self) -> int: return self.mesh_shape[-1]
@@ -209,6 +212,7 @@ def _plan_from_dict(d) -> FSDPPlan:
         f("sync_every_microbatch", boolean(), False),
         f("name", string(), "plan"),
         tuple(map(tuple, f("reasons", _REASONS, ()))),
+        tuple(f("float8_params", list_of(string(nonempty=True)), ())),
     )
 
 # %% ../../nbs/40b_fsdp_plan.ipynb

@@ -23,7 +23,7 @@ from torch._subclasses.fake_tensor import (DataDependentOutputException, Dynamic
                                            UnsupportedOperatorException)
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils.module_tracker import ModuleTracker
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
@@ -401,16 +401,21 @@ def _call(func, types, args, kwargs): return func(*args, **kwargs)
 
 @patch
 def run(self: _Recorder, func, types, args, kwargs: dict, call: Callable = _call):
-    "Run an op by `call(func, types, args, kwargs)` and record it; a failing op notes the module it failed in."
+    """Run an op by `call(func, types, args, kwargs)` and record it; a failing op notes the module it failed in. An op
+    on a tensor subclass that FakeTensorMode hands back (NotImplemented) is not recorded: the subclass runs it, and
+    the ops it runs on its inner tensors come back through the mode and are."""
     try: out = call(func, types, args, kwargs)
     except Exception:
         if self.failed_in is None: self.failed_in = self.module()
         raise
+    if out is NotImplemented: return out
     self.record(func, args, kwargs, out)
     return out
 
 @patch
 def __torch_dispatch__(self: _Recorder, func, types, args=(), kwargs=None):
+    # a wrapper subclass (torchao's Float8TrainingTensor) runs the op itself: its inner ops come back here
+    if any(is_traceable_wrapper_subclass_type(t) for t in types): return NotImplemented
     return self.run(func, types, args, kwargs or {})
 
 # %% ../../nbs/00c_graph_recorder.ipynb

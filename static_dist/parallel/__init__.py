@@ -16,6 +16,7 @@ from .verify import *
 from .pipeline import *
 from .run import *
 from .plots import *
+from .float8 import *
 from static_dist.parallel import (
     apply as _apply,
     memory as _memory,
@@ -25,11 +26,13 @@ from static_dist.parallel import (
 )
 from . import pipeline as _pipeline, plots as _plots, run as _run, time as _time
 from . import verify as _verify
+from . import float8 as _float8
 
 # %% ../../nbs/45_parallel.ipynb
 import math
 
 from ..graph import StaticGraph, fmt_bytes
+from .float8 import float8_of
 from ..harness import View, harness, harness_figure, widgets
 
 # %% ../../nbs/45_parallel.ipynb
@@ -67,11 +70,12 @@ PRECISIONS = ("fp32", "bf16 on fp32 masters")   # the widget's precision: fp32 t
 # %% ../../nbs/45_parallel.ipynb
 def _layout_view(g: StaticGraph, topo, world: int, budget_mib: float, tp: int, pp: int, cp: int, ac: str,
                  sequence: bool = True, loss: bool = True, precision: str = "fp32", compile: bool = False,
-                 bf16: StaticGraph | None = None) -> View:
+                 float8_all_gather: bool = False, bf16: StaticGraph | None = None) -> View:
     """The layout for these degrees: its memory and time, or why the model cannot take it. `sequence`, `loss`: sequence
     and loss parallelism where the model maps (`tp_layout`); `precision`: one of `PRECISIONS` (bf16 compute is FSDP's
     `param_dtype` on `bf16`, the step captured in bfloat16); `compile`: every block compiled (the step's meta holds
-    the compiled saved set, `compile.with_compile_effects`)."""
+    the compiled saved set, `compile.with_compile_effects`). The plan carries the Float8 recipe the step was captured
+    with (`float8_of`); `float8_all_gather`: FSDP gathers its weights in float8 (tensorwise, dp_shard > 1)."""
     from static_dist.fsdp import FSDPPlan, block_units
     from static_dist.placement import block_spec, megatron_styles, sequence_blocker
     from static_dist.parallel.search import balanced_stages
@@ -96,8 +100,10 @@ def _layout_view(g: StaticGraph, topo, world: int, budget_mib: float, tp: int, p
         pdt = "bfloat16" if mixed else None
         fsdp = (FSDPPlan(d.fsdp_size, (d.fsdp_size,), block_units(stack.blocks), param_dtype=pdt)
                 if d.fsdp_size > 1 or mixed else None)
+        f8 = dict(float8=float8_of(step_g),
+                  float8_all_gather=float8_all_gather and float8_of(step_g) == "tensorwise" and d.fsdp_size > 1)
         plan = ParallelPlan(d, stages=balanced_stages(work, n, pp), microbatches=2 * pp if pp > 1 else 1,
-                            ac=(ac,) * n, compile=comp, fsdp=fsdp, name="widget", **tpf)
+                            ac=(ac,) * n, compile=comp, fsdp=fsdp, name="widget", **tpf, **f8)
         mem = predict_parallel_memory(step_g, plan, "float32" if mixed else None)
     except ParallelPlanError as e:
         return View(str(e), f"**Not a layout for this model**: {e}")
@@ -123,14 +129,19 @@ def _layout_view(g: StaticGraph, topo, world: int, budget_mib: float, tp: int, p
     if bf16 is None: off["precision"] = "no bfloat16 capture of the step given (parallel_widget's bf16)"
     if "compiled_saved" not in step_g.meta:
         off["compile"] = "the capture has no compiled saved set (search_graph's compile)"
+    if plan.float8 != "tensorwise": off["float8_all_gather"] = "torchao gathers float8 weights under tensorwise only"
+    elif d.fsdp_size == 1: off["float8_all_gather"] = "no FSDP to gather with (dp_shard 1)"
+    if plan.float8: text += f"; float8 {plan.float8}" + (", FSDP gathers in float8" if plan.float8_all_gather else "")
     return View((plan, mem, step), text, layout_figure(mem, step, budget), disabled=off)
 
 # %% ../../nbs/45_parallel.ipynb
 def parallel_widget(g: StaticGraph, topo=None, world: int = 8, budget_mib: float | None = None,
-                    bf16: StaticGraph | None = None):
-    """Harness: tp (with sequence and loss parallelism), pp, cp, checkpointing, precision, compile and budget -> each
-    pipeline rank's memory stack and the step's time by term. `bf16`: the step captured in bfloat16 (the precision
-    control's bf16 compute); compile needs the compiled saved set in the steps' meta (`search_graph(..., compile=True)`)."""
+                    bf16: StaticGraph | None = None, float8_graphs: dict | None = None):
+    """Harness: tp (with sequence and loss parallelism), pp, cp, checkpointing, precision, compile, Float8 and budget ->
+    each pipeline rank's memory stack and the step's time by term. `bf16`: the step captured in bfloat16 (the precision
+    control's bf16 compute); compile needs the compiled saved set in the steps' meta (`search_graph(..., compile=True)`);
+    `float8_graphs`: {recipe: the step captured converted (`float8_workload`)}, which the float8 control picks between
+    (off: `g`; a converted step is priced as captured, without the precision control)."""
     from static_dist.graph.policies import POLICIES
     from static_dist.topology import preset
     W = widgets()
@@ -142,8 +153,10 @@ def parallel_widget(g: StaticGraph, topo=None, world: int = 8, budget_mib: float
         budget_mib = 2.0 ** math.ceil(math.log2(max(base / 2**20, 1.0)))
     degrees = [d for d in (1, 2, 4, 8) if d <= world]
     wide = dict(style={"description_width": "initial"}, continuous_update=False)
+    graphs = {"off": g, **(float8_graphs or {})}          # the step as captured for each Float8 recipe
     return harness(
-        lambda **kw: _layout_view(g, topo, world, bf16=bf16, **kw),
+        lambda float8="off", **kw: _layout_view(graphs[float8], topo, world, bf16=bf16 if float8 == "off" else None,
+                                                **kw),
         budget_mib=W.FloatLogSlider(
             value=budget_mib,
             base=2,
@@ -161,6 +174,8 @@ def parallel_widget(g: StaticGraph, topo=None, world: int = 8, budget_mib: float
         loss=W.Checkbox(value=True, description="loss parallel", style=wide["style"]),
         precision=W.ToggleButtons(options=list(PRECISIONS)),
         compile=W.Checkbox(value=False, description="compile", style=wide["style"]),
+        float8=W.Dropdown(options=list(graphs), value="off", description="float8", disabled=len(graphs) == 1),
+        float8_all_gather=W.Checkbox(value=False, description="float8 all-gather", style=wide["style"]),
     )
 
 # %% ../../nbs/45_parallel.ipynb
@@ -175,6 +190,7 @@ __all__ = [
     *_pipeline.__all__,
     *_run.__all__,
     *_plots.__all__,
+    *_float8.__all__,
     "layout_figure",
     "parallel_widget",
 ]

@@ -20,7 +20,7 @@ from ..placement import parallel_style
 from ..structure import find_structure
 
 # %% auto 0
-__all__ = ['plan_blocks', 'apply_tp', 'step_context', 'apply_ac', 'apply_compile', 'apply_async_tp', 'apply_fsdp',
+__all__ = ['plan_blocks', 'apply_tp', 'step_context', 'apply_ac', 'apply_compile', 'apply_async_tp', 'apply_fsdp', 'apply_float8',
            'apply_parallel_plan']
 
 # %% ../../nbs/45e_parallel_apply.ipynb
@@ -165,9 +165,16 @@ def apply_fsdp(model: nn.Module, plan: ParallelPlan, mesh) -> None:
     apply_plan(model, dataclasses.replace(f, units=tuple(u for u in f.units if has(u))), fsdp_mesh(mesh))
 
 # %% ../../nbs/45e_parallel_apply.ipynb
+def apply_float8(model: nn.Module, plan: ParallelPlan) -> None:
+    "Convert the model's linears to torchao's Float8 training linears by the plan's recipe (none without one)."
+    from static_dist.parallel.float8 import convert_float8
+    if plan.float8: convert_float8(model, plan.float8, plan.float8_all_gather)
+
+# %% ../../nbs/45e_parallel_apply.ipynb
 def apply_parallel_plan(model: nn.Module, plan: ParallelPlan, mesh=None, *, seq: int | None = None,
                         compile_backend: str = "inductor", stack=None, stage: int | None = None) -> nn.Module:
-    """Apply `plan` to `model` in place, in torchtitan's order: tensor parallelism, checkpointing, compile, FSDP.
+    """Apply `plan` to `model` in place, in torchtitan's order: Float8, tensor parallelism, checkpointing, compile,
+    FSDP.
     `mesh`: the plan's DeviceMesh (default: `axes.device_mesh(plan.dims)`). With pp > 1, `model` is pipeline stage
     `stage`
     (`parallel.pipeline.build_pipeline` splits the model and calls this on each stage) and `stack` the whole model's
@@ -182,6 +189,7 @@ def apply_parallel_plan(model: nn.Module, plan: ParallelPlan, mesh=None, *, seq:
         )
     blocks = plan_blocks(plan, stack, stage)
     mesh = device_mesh(plan.dims) if mesh is None else mesh
+    apply_float8(model, plan)
     if "tp" in mesh.mesh_dim_names: apply_async_tp(plan, mesh["tp"]); apply_tp(model, plan, mesh["tp"], blocks)
     apply_ac(model, plan, blocks)
     apply_compile(model, plan, compile_backend, blocks)

@@ -30,6 +30,7 @@ from ..graph import StaticGraph, fmt_bytes, op_bytes
 from ..topology import op_dtypes
 from ..graph.checkpoint import CheckpointLifetimes, checkpoint_lifetimes, recompute_bytes
 from ..graph.policies import kept_ops
+from .float8 import float8_weight_casts
 from .plan import ParallelDims, ParallelPlan, ParallelPlanError, block_policies, stage_ranges
 from .schedule import held_by_action, pipeline_held, rank_stages
 from ..placement import block_spec, linear_memory, megatron_styles
@@ -77,7 +78,8 @@ def op_stages(g: StaticGraph, ob: np.ndarray, block_stage: np.ndarray, n_stages:
 
 # %% ../../nbs/45b_parallel_memory.ipynb
 _COL, _ROW = ("colwise",), ("rowwise",)       # styles whose local output (col) or input (row) features are 1/tp
-_MATMUL = ("aten.mm", "aten.addmm", "aten.bmm", "aten.matmul", "aten.linear")   # a linear's product over its features
+_MATMUL = ("aten.mm", "aten.addmm", "aten.bmm", "aten.matmul", "aten.linear",   # a linear's product over its features
+           "aten._scaled_mm")                                                  # (a Float8 linear's: torchao's)
 
 _OUTER_STYLE = {"embedding": "embedding", "norm": "sequence", "output": "colwise"}   # tp_outer role -> style
 
@@ -380,6 +382,8 @@ def _view(g: StaticGraph, plan: ParallelPlan, pp_rank: int, blocks, params) -> t
     local = sum(math.prod(tp_param_shape(p.name, p.shape, plan, styles)) * p.itemsize for p in mine)
     frac = local / max(sum(p.numel * p.itemsize for p in params), 1)
     factor = tp_op_factor(g, plan, blocks) / plan.dims.cp
+    if plan.float8_all_gather:      # the unsharded weights' casts run on the shards, before FSDP's gather (float8)
+        factor = factor * ~_remember("float8_casts", g, (), lambda: float8_weight_casts(g))
     return (_View(keep, factor, so, mine_st, ac_effects(g, plan, ob, blocks), frac, styles, read,
                   compile_scale(g, plan, blocks)), mine, ob)
 
@@ -571,6 +575,12 @@ def _forward_between_backwards(plan: ParallelPlan, pp_rank: int) -> bool:
     1F1B)?"""
     return plan.schedule == "1F1B" and max(len(plan.stages), 1) - 1 in rank_stages(plan, pp_rank)
 
+def _float8_params(profile: GraphProfile) -> tuple[str, ...]:
+    "The weights of the linears that ran a Float8 matmul (`_scaled_mm`) in the profile's forward."
+    mods = {m for m, n, ph in zip(profile.op_module, profile.op_names, profile.op_phase)
+            if ph == FORWARD and n.startswith("aten._scaled_mm")}
+    return tuple(p.name for p in profile.params if p.name.rpartition(".")[0] in mods and p.name.endswith(".weight"))
+
 def rank_fsdp_plan(plan: ParallelPlan, profile: GraphProfile, pp_rank: int = 0) -> FSDPPlan:
     """The FSDP plan of one rank of pipeline rank `pp_rank`: the plan's units whose modules its stage runs (the root
     always), over its data-parallel mesh, as the pipeline schedule runs them (see above)."""
@@ -581,6 +591,7 @@ def rank_fsdp_plan(plan: ParallelPlan, profile: GraphProfile, pp_rank: int = 0) 
         return FSDPPlan(1, (1,), (FSDPUnit(""),), ignored=top, accumulation_steps=plan.microbatches if d.pp > 1 else 1)
     mesh = (d.dp_replicate, d.fsdp_size) if d.dp_replicate > 1 else (d.fsdp_size,)
     f = plan.fsdp or FSDPPlan(math.prod(mesh), mesh, (FSDPUnit(""),))
+    if plan.float8_all_gather: f = dataclasses.replace(f, float8_params=_float8_params(profile))
     units = tuple(s for u in f.units if (s := _stage_unit(u, mods)) is not None)
     if d.pp > 1:   # the schedule runs every micro-batch but the last without gradient sync or resharding after backward
         if not _forward_between_backwards(plan, pp_rank):
@@ -615,8 +626,10 @@ def predict_rank_memory(
 def predict_parallel_memory(g: StaticGraph, plan: ParallelPlan, master_dtype: str | None = None) -> ParallelMemory:
     "The peak bytes, by category, of one rank of each pipeline rank under `plan` (checked against the model first)."
     from static_dist.parallel.plan import check_layout
+    from static_dist.parallel.float8 import check_float8
     seq = g.meta.get("inputs", [[0, 0]])[0][1] if g.meta.get("inputs") and len(g.meta["inputs"][0]) > 1 else None
     check_layout(plan, g.structure.main, seq)
+    check_float8(g, plan)
     preds = []
     for r in range(plan.dims.pp):   # the larger of: the actions after a backward of their stage, and those before
         preds.append(max((predict_rank_memory(rank_profile(g, plan, r, master_dtype, p), plan, r, p)

@@ -111,6 +111,10 @@ class ParallelPlan:
     """The sequence-parallel sub-layers' all-gathers and reduce-scatters run in pieces under their matmuls (torch's
     micro-pipeline TP: `torch._inductor.config._micro_pipeline_tp` and symmetric memory on the tp group, torchtitan's
     `compile.enable_async_tensor_parallel`): CUDA and compile only."""
+    float8: str | None = None
+    "torchao Float8 training of the linears (`parallel.float8`): 'tensorwise' or 'rowwise' (None: off)."
+    float8_all_gather: bool = False
+    "FSDP all-gathers the Float8 linears' weights in float8 (torchao's `enable_fsdp_float8_all_gather`; tensorwise)."
 
     def __post_init__(self):
         object.__setattr__(self, "ac", _policies(self.ac))
@@ -177,10 +181,21 @@ def _check_fsdp(p: ParallelPlan) -> None:
                                 "in `ac`; leave the units' `checkpoint` at NoCheckpoint()")
 
 # %% ../../nbs/45a_parallel_plan.ipynb
+def _check_float8(p: ParallelPlan) -> None:
+    "A known recipe; the float8 all-gather only with tensorwise scales and a data-parallel axis to gather over."
+    if p.float8 not in (None, "tensorwise", "rowwise"):
+        raise ParallelPlanError(f"float8 {p.float8!r}: use 'tensorwise' or 'rowwise' (None: off)")
+    if p.float8_all_gather and p.float8 != "tensorwise":
+        raise ParallelPlanError(f"float8_all_gather with float8={p.float8!r}: torchao gathers float8 weights with one "
+                                "scale per tensor only; set float8='tensorwise' or drop float8_all_gather")
+    if p.float8_all_gather and p.dims.dp_replicate * p.dims.fsdp_size == 1:
+        raise ParallelPlanError("float8_all_gather with one data-parallel rank: FSDP gathers nothing; drop it or "
+                                "shard over 2 or more ranks")
+
 def _check_self(p: ParallelPlan) -> None:
     if not isinstance(p.dims, ParallelDims):
         raise ParallelPlanError(f"dims must be a ParallelDims, not {type(p.dims).__name__}")
-    _check_axes(p); _check_fsdp(p)
+    _check_axes(p); _check_fsdp(p); _check_float8(p)
 
 # %% ../../nbs/45a_parallel_plan.ipynb
 def block_policies(plan: ParallelPlan, n_blocks: int) -> tuple[CheckpointPolicy, ...]:
@@ -353,6 +368,8 @@ def _plan_from(d) -> ParallelPlan:
         loss_parallel=f("loss_parallel", boolean(), False),
         tp_outer=tuple(map(tuple, f("tp_outer", list_of(pair), ()))),
         async_tp=f("async_tp", boolean(), False),
+        float8=f("float8", one_of(None, "tensorwise", "rowwise"), None),
+        float8_all_gather=f("float8_all_gather", boolean(), False),
     )
 
 # %% ../../nbs/45a_parallel_plan.ipynb

@@ -46,6 +46,7 @@ from static_dist.parallel.plan import (
     check_layout,
     stage_ranges,
 )
+from .float8 import check_float8, float8_of
 from .time import StepTime, predict_step_time, rank_work
 from ..placement import (block_spec, megatron_styles, outer_roles, sequence_blocker,
                                   blocking_params)
@@ -98,6 +99,7 @@ class _Context:
         self.g, self.n, self.topo, self.styles, self.master = g, n_blocks, topo, styles, master_dtype
         self.compile = compile                         # every block compiled (`g.meta` has the compiled saved set)
         self.precision = precision                     # FSDP's (param_dtype, reduce_dtype) on every plan
+        self.float8, self.float8_all_gather = float8_of(g), False     # the recipe the step ran, on every plan
         # torchtitan's layout around the blocks, when the model maps
         self.outer, self.sp, self.lp = outer, sequence_parallel, loss_parallel
         self.async_tp = async_tp and sequence_parallel          # micro-pipeline TP: sequence parallelism's pairs
@@ -137,7 +139,8 @@ def plan(
     pdt, rdt = self.precision               # with one data-parallel rank, check_layout refuses a mixed precision
     fsdp = FSDPPlan(dp, mesh, units, param_dtype=pdt, reduce_dtype=rdt) if dp > 1 or pdt or rdt else None
     return ParallelPlan(d, stages=stages, schedule=schedule, microbatches=m, ac=tuple(ac), fsdp=fsdp, name=name,
-                        compile=self.compiled(self.n), **self.tp_fields(d))
+                        compile=self.compiled(self.n), float8=self.float8,
+                        float8_all_gather=self.float8_all_gather and dp > 1, **self.tp_fields(d))
 
 # %% ../../nbs/45d_parallel_search.ipynb
 @patch
@@ -521,7 +524,7 @@ def search_layouts(g: StaticGraph, world: int, topo: Topology, budget_bytes: int
                    runners_up: int = 4, progress=None, microbatch_count: int | None = None, virtual_stages: int = 1,
                    param_dtype: str | None = None, reduce_dtype: str | None = None,
                    sequence_parallel: bool | None = None, async_tp: bool = False,
-                   compile: bool = False) -> LayoutSearch:
+                   compile: bool = False, float8_all_gather: bool = False) -> LayoutSearch:
     """The fastest layout of the captured step `g` (its model extended to `n_blocks` identical blocks) on `world` ranks
     of `topo` that fits `budget_bytes` per rank. `ac`: 'auto' (the cheapest mix of `policies` that fits), or one policy
     (or its name) for every block.
@@ -532,7 +535,8 @@ def search_layouts(g: StaticGraph, world: int, topo: Topology, budget_bytes: int
     vocabulary-sharded embedding and output; `sequence_parallel=False` keeps the sequence whole; `async_tp`: its
     collectives overlapped with their matmuls (`ParallelPlan.async_tp`) on every sequence-parallel layout.
     `compile`: every block compiled on every layout (`g` with the compiled saved set: `search_graph(w,
-    compile=True)`)."""
+    compile=True)`). Every plan carries the Float8 recipe `g` was captured with (`parallel.float8_of`);
+    `float8_all_gather`: FSDP gathers its weights in float8 (tensorwise)."""
     t0 = time.perf_counter()
     try: ac = ac if ac == "auto" else parse_policy(ac)
     except PolicyError as e: raise ParallelPlanError(f"ac {ac!r}: use auto or a checkpointing policy ({e})") from None
@@ -552,6 +556,10 @@ def search_layouts(g: StaticGraph, world: int, topo: Topology, budget_bytes: int
         pins = {**(pins or {}), "tp": 1}
     ctx = _Context(g, n, topo, styles, policies, master_dtype, (param_dtype, reduce_dtype), outer, sp, bool(outer),
                    async_tp, compile)
+    ctx.float8_all_gather = float8_all_gather
+    if float8_all_gather and ctx.float8 != "tensorwise":
+        raise ParallelPlanError(f"float8_all_gather on a step captured with float8 {ctx.float8}: torchao gathers "
+                                "float8 weights only under the tensorwise recipe; capture it so or drop the all-gather")
     node = topo.levels[0].size if topo.levels else topo.n_devices
     dims = layout_dims(
         world, n_blocks=n, node=node, heads=stack.n_heads, kv_heads=stack.n_kv_heads, seq=ctx.seq, pins=pins
@@ -667,6 +675,7 @@ def predict_layout(g: StaticGraph, plan: ParallelPlan, topo: Topology, n_blocks:
                    (*dict.fromkeys(plan.ac), *CHECKPOINT_POLICIES), master_dtype, (pdt, rdt), plan.tp_outer,
                    plan.sequence_parallel, plan.loss_parallel, plan.async_tp, compiles_all(plan))
     check_layout(plan, ctx.full_stack, ctx.seq)
+    check_float8(g, plan)
     return Candidate(plan, _memory(ctx, plan), ctx.step_time(plan), note)
 
 

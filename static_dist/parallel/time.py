@@ -22,6 +22,7 @@ from ..topology import MeshSpec, Topology, TwoStreams, collective_time, device_s
 from ..graph.policies import FullCheckpoint, NoCheckpoint, SelectiveOps, recomputed_ops
 from .memory import (_MATMUL, _block_forward, _block_spans, _regions, boundary_bytes, op_blocks,
                                          tp_op_factor, tp_param_shape)
+from .float8 import float8_weights
 from .plan import (ParallelPlan, ParallelPlanError, block_collectives, block_policies,
                                     outer_collectives, stage_ranges)
 from ..graph.records import BACKWARD, FORWARD, OPTIMIZER
@@ -82,6 +83,11 @@ class RankWork:
     outer_bytes: tuple = ()
     """((kind, bytes, forward?, before the stack?), ...) tensor-parallel collectives of one micro-batch outside the
     blocks (`outer_collectives`: the embedding's, the final norm's gather, the loss's)."""
+    float8_params: tuple = (None, 0.0, 0.0)
+    """Of `block_params`, `pre_params` and `post_params`: the local bytes (captured dtype) of the Float8 linears'
+    weights (`parallel.float8_weights`), which FSDP gathers at one byte per element under `float8_all_gather`."""
+    float8_count: tuple = (None, 0, 0)
+    "How many such weights, per block, before and after the stack: one amax all-reduce each per float8 gather."
 
 # %% ../../nbs/45c_parallel_time.ipynb
 def _op_factor(g: StaticGraph, plan: ParallelPlan, blocks) -> np.ndarray:
@@ -176,15 +182,18 @@ def rank_work(g: StaticGraph, plan: ParallelPlan, topo: Topology, device=None, p
     regions, styles = _regions(plan, blocks)
     local = lambda p: math.prod(tp_param_shape(p.name, p.shape, plan, styles)) * p.itemsize
     bp, pre, post = np.zeros(k), 0.0, 0.0
+    f8_names, f8b, f8r = set(float8_weights(g)), np.zeros(k), [0.0, 0.0]     # of them, the Float8 linears' weights
+    n8b, n8r = np.zeros(k, dtype=np.int64), [0, 0]
     of = {b: j for j, b in enumerate(blocks)}
     first = {}
     for i, o in enumerate(g.ops):
         if o.phase == "forward": first.setdefault(o.module, i)
     for p in params:
         b = next((of[x] for x in _prefixes(p.name) if x in of), None)
-        if b is not None: bp[b] += local(p)
-        elif first.get(p.name.rpartition(".")[0], 0) < f0: pre += local(p)
-        else: post += local(p)
+        is8 = p.name in f8_names
+        if b is not None: bp[b] += local(p); f8b[b] += local(p) * is8; n8b[b] += is8
+        elif first.get(p.name.rpartition(".")[0], 0) < f0: pre += local(p); f8r[0] += local(p) * is8; n8r[0] += is8
+        else: post += local(p); f8r[1] += local(p) * is8; n8r[1] += is8
     itemsize = params[0].itemsize if params else 4
     # the optimizer without per-op launches: on a GPU torch runs it as a few multi-tensor (foreach) kernels
     opt = float((sec[phase == OPTIMIZER] - device_spec(topo if device is None else device).op_overhead).sum())
@@ -216,6 +225,8 @@ def rank_work(g: StaticGraph, plan: ParallelPlan, topo: Topology, device=None, p
         kv_grad_bytes=kv_g,
         attn_recompute=rc_attn,
         outer_bytes=_outer_bytes(plan, tokens, itemsize, {p.name: p.shape for p in params}),
+        float8_params=(f8b, *f8r),
+        float8_count=(n8b, *n8r),
     )
 
 # %% ../../nbs/45c_parallel_time.ipynb
@@ -374,6 +385,10 @@ class _Layout:
     params: np.ndarray
     outer: dict
     "{(forward?, before the stack?): seconds} of the tensor-parallel collectives outside the blocks."
+    float8: np.ndarray | None = None
+    "Of `params`, the Float8 linears' weights' bytes per block (`RankWork.float8_params`)."
+    float8_count: np.ndarray | None = None
+    "How many Float8 weights per block (`RankWork.float8_count`)."
 
 # %% ../../nbs/45c_parallel_time.ipynb
 def _async_tp(tp_f: float, tp_b: np.ndarray, fwd: np.ndarray, bwd: np.ndarray) -> tuple[float, np.ndarray]:
@@ -404,11 +419,15 @@ def _per_block(w: RankWork, plan: ParallelPlan, topo: Topology, mesh: MeshSpec, 
         (cp_b, busy)[j][:] += np.array([by[p][i] for i, p in enumerate(pols)], dtype=np.float64)
     outer = {(f, pre): sum(_coll(topo, mesh, "tp", k, b) for k, b, ff, pp in w.outer_bytes if (ff, pp) == (f, pre))
              for f in (True, False) for pre in (True, False)}
-    return _Layout(fwd, bwd, rc, tp_f, tp_b, cp_f, cp_b, busy, bp, outer)
+    f8 = extend_blocks(w.float8_params[0], n) if w.float8_params[0] is not None else np.zeros(n)
+    n8 = extend_blocks(w.float8_count[0], n) if w.float8_count[0] is not None else np.zeros(n, dtype=np.int64)
+    return _Layout(fwd, bwd, rc, tp_f, tp_b, cp_f, cp_b, busy, bp, outer, f8, n8)
 
 # %% ../../nbs/45c_parallel_time.ipynb
 def _fsdp_costs(plan: ParallelPlan, topo: Topology, mesh: MeshSpec, itemsize: int):
-    "(all-gather seconds, reduce-scatter + all-reduce seconds) of a unit of `nbytes` captured-dtype parameters."
+    """(all-gather seconds, reduce-scatter + all-reduce seconds) of a unit of `nbytes` captured-dtype parameters, of
+    which `f8` bytes are `n8` Float8 linears' weights (under `float8_all_gather`: gathered at one byte per element,
+    each after an all-reduce of its 4-byte amax, `WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather`)."""
     from static_dist.util import DTYPE_BYTES
     f, d = plan.fsdp, plan.dims
     pdt = f.param_dtype if f is not None else None
@@ -417,9 +436,13 @@ def _fsdp_costs(plan: ParallelPlan, topo: Topology, mesh: MeshSpec, itemsize: in
     rs = DTYPE_BYTES[rdt] / itemsize if rdt else 1.0
     fd = fsdp_dim(plan)
     memo: dict = {}
-    def ag(nb):
-        if ("ag", nb) not in memo: memo[("ag", nb)] = _coll(topo, mesh, fd, "all_gather", int(nb * ps)) if fd else 0.0
-        return memo[("ag", nb)]
+    one = 1 / itemsize if plan.float8_all_gather else None      # float8: a byte per element, scales not gathered
+    def ag(nb, f8=0.0, n8=0):
+        if ("ag", nb, f8, n8) not in memo:
+            wire = (nb - f8) * ps + f8 * one if one else nb * ps
+            amax = n8 * _coll(topo, mesh, fd, "all_reduce", 4) if one and fd else 0.0
+            memo[("ag", nb, f8, n8)] = _coll(topo, mesh, fd, "all_gather", int(wire)) + amax if fd else 0.0
+        return memo[("ag", nb, f8, n8)]
     def sync(nb):
         if ("s", nb) not in memo:
             t = _coll(topo, mesh, fd, "reduce_scatter", int(nb * rs)) if fd else 0.0
@@ -460,15 +483,22 @@ def _rank_micro_batch(w: RankWork, L: _Layout, plan: ParallelPlan, stages: list,
     blocks = [b for s in stages for b in range(*ranges[s])]
     units, reshard = _block_units(plan)
     root = (w.pre_params if has_pre else 0.0) + (w.post_params if has_post else 0.0)
+    root8 = (w.float8_params[1] if has_pre else 0.0) + (w.float8_params[2] if has_post else 0.0)
+    rootn8 = (w.float8_count[1] if has_pre else 0) + (w.float8_count[2] if has_post else 0)
     if not units: root += float(L.params[blocks].sum()) if blocks else 0.0
+    if not units and L.float8 is not None: root8 += float(L.float8[blocks].sum()) if blocks else 0.0
+    if not units and L.float8_count is not None: rootn8 += int(L.float8_count[blocks].sum()) if blocks else 0
     f = plan.fsdp
     pf, pb = (f.forward_prefetch, max(f.backward_prefetch, 1)) if f is not None else (0, 1)
     # per-block values as Python floats: the same doubles as the arrays' elements, read without numpy's scalar overhead
     fwd, bwd, rc, tp_b, cp_f, cp_b, prm = (a.tolist() for a in (L.fwd, L.bwd, L.rc, L.tp_b, L.cp_f, L.cp_b, L.params))
-    fag = lambda b: (("f", b), ag(prm[b])) if gather else None
-    bag = lambda b: (("b", b), ag(prm[b])) if units and reshard is not False else None
+    f8 = L.float8.tolist() if L.float8 is not None else [0.0] * len(prm)
+    n8 = L.float8_count.tolist() if L.float8_count is not None else [0] * len(prm)
+    fag = lambda b: (("f", b), ag(prm[b], f8[b], n8[b])) if gather else None
+    bag = lambda b: (("b", b), ag(prm[b], f8[b], n8[b])) if units and reshard is not False else None
     o = {k: v if (has_pre if k[1] else has_post) else 0.0 for k, v in L.outer.items()}
-    segs = [((w.fwd_pre if has_pre else 0.0) + o[True, True], (("f", "root"), ag(root)) if root and gather else None,
+    root_ag = (("f", "root"), ag(root, root8, rootn8)) if root and gather else None
+    segs = [((w.fwd_pre if has_pre else 0.0) + o[True, True], root_ag,
              [fag(j) for j in blocks[:pf]] if units and gather else [], [])]
     for i, b in enumerate(blocks):
         segs.append((fwd[b] + L.tp_f + cp_f[b], fag(b) if units else None,

@@ -13,6 +13,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 from ..cost import measure_step_by_category
 from ..fsdp import predict_comms
+from ..fsdp.memory import layout as fsdp_layout
 from ..cost.profile import captured_param_dtype
 from ..graph import fmt_bytes
 from ..launch import process_group
@@ -37,13 +38,14 @@ __all__ = ['axis_counts', 'counts_by_axis', 'predict_axis_counts', 'loss_pieces'
            'verify_selective']
 
 # %% ../../nbs/45f_parallel_verify.ipynb
-def axis_counts(cdm) -> dict[str, int]:
+def axis_counts(cdm, functional: str = "tp") -> dict[str, int]:
     "CommDebugMode's counts as {'axis.kind': n} (`counts_by_axis`)."
-    return counts_by_axis(cdm.get_comm_counts())
+    return counts_by_axis(cdm.get_comm_counts(), functional)
 
-def counts_by_axis(op_counts: dict) -> dict[str, int]:
+def counts_by_axis(op_counts: dict, functional: str = "tp") -> dict[str, int]:
     """{collective op (or its name): count} as {'axis.kind': n}: FSDP's c10d collectives are the data-parallel axis,
-    DTensor's functional ones tensor parallelism."""
+    DTensor's functional ones tensor parallelism (`functional`: the axis they run on; 'dp' for a layout without tp or
+    cp, where only torchao's float8 amax all-reduces issue them)."""
     out: dict[str, int] = {}
     for op, n in op_counts.items():
         s = str(op)
@@ -61,9 +63,23 @@ def counts_by_axis(op_counts: dict) -> dict[str, int]:
             None,
         )
         if kind is None: continue
-        axis = "tp" if "functional" in s else "dp"
+        axis = functional if "functional" in s else "dp"
         out[f"{axis}.{kind}"] = out.get(f"{axis}.{kind}", 0) + n
     return out
+
+# %% ../../nbs/45f_parallel_verify.ipynb
+def _functional_axis(plan: ParallelPlan) -> str:
+    "The axis a layout's functional collectives run on: tp's, but the data-parallel one's float8 amax without tp or cp."
+    return "dp" if plan.float8_all_gather and plan.dims.tp == plan.dims.cp == 1 else "tp"
+
+def _float8_amax_reduces(profile, f) -> int:
+    """All-reduces of torchao's float8 all-gather per step: each float8 weight's amax, before each gather of its unit
+    (`WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather`, `reduce_amax=True`), gathered as `predict_comms`
+    counts."""
+    if not f.float8_params or f.shard_size == 1: return 0
+    units, f8 = {u.module: u for u in f.units}, set(f.float8_params)
+    again = lambda l: bool(l.module) and units[l.module].reshard_after_forward is not False
+    return sum(f.accumulation_steps * (1 + again(l)) * len(f8.intersection(l.params)) for l in fsdp_layout(profile, f))
 
 # %% ../../nbs/45f_parallel_verify.ipynb
 def predict_axis_counts(profile, plan: ParallelPlan) -> dict[str, int]:
@@ -72,6 +88,7 @@ def predict_axis_counts(profile, plan: ParallelPlan) -> dict[str, int]:
     sequence-parallel norm's weight gradient, summed over the sequence shards; per micro-batch)."""
     f = rank_fsdp_plan(plan, profile)
     out = {f"dp.{k}": v for k, v in predict_comms(profile, f).items() if v}
+    if n8 := _float8_amax_reduces(profile, f): out["dp.all_reduce"] = out.get("dp.all_reduce", 0) + n8
     if plan.dims.tp > 1:
         a, n = f.accumulation_steps, len(profile.blocks)
         kinds = [kind for kind, *_ in block_collectives(plan, _styled_order(profile, plan, profile.blocks[0]))] * n
@@ -188,7 +205,7 @@ def verify_parallel(w, plan: ParallelPlan, graph=None, master_dtype: str | None 
         cats, cdm = measure_step_by_category(m, rank_fsdp_plan(plan, prof), args, kwargs, targets, w.loss,
                                              w.optimizer, step_context(plan))
     return ParallelVerification(plan.dims.world, pred, int(cats["Total"]), predict_axis_counts(prof, plan),
-                                axis_counts(cdm), time.perf_counter() - t0, master, cats)
+                                axis_counts(cdm, _functional_axis(plan)), time.perf_counter() - t0, master, cats)
 
 # %% ../../nbs/45f_parallel_verify.ipynb
 class RunTracker(MemTracker):

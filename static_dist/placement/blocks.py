@@ -203,7 +203,7 @@ def block_spec(graph, topo: Topology | None = None) -> BlockSpec:
     return _block_spec(topo, st.path, len(st.blocks), lins, chains)
 
 # %% ../../nbs/30c_placement_blocks.ipynb
-_MATMULS = ("aten.mm", "aten.addmm", "aten.bmm", "aten.matmul", "aten.linear")
+_MATMULS = ("aten.mm", "aten.addmm", "aten.bmm", "aten.matmul", "aten.linear", "aten._scaled_mm")   # _scaled_mm: Float8
 
 def _param_storages(graph, o) -> set:
     "Parameter storages op `o` reads."
