@@ -326,7 +326,7 @@ class _Repeat:
         if not (self.f1 and self.b1 and self.f2 and self.b2 and len(self.f1) == len(self.f2)
                 and len(self.b1) == len(self.b2) == len(self.b0)):
             raise AllocatorError("repeat_block_holds needs blocks 0, 1 and 2 alike, each with forward and backward ops")
-        self.ob, self.ph, self.E, self.n = ob, phase, extra, len(ob)
+        self.ob, self.ph, self.E, self.n = ob.tolist(), phase.tolist(), extra, len(ob)   # lists: read per hold
         self.cut_f, self.cut_b, self.Lf, self.Lb = self.f1[-1] + 1, self.b1[0], len(self.f1), len(self.b1)
         self.at = {i: t for t, i in enumerate(self.f1 + self.b1)}
         self.tmpl = {**dict(zip(self.f2, self.f1)), **dict(zip(self.b2, self.b1)), **dict(zip(self.b0, self.b1))}
@@ -357,7 +357,7 @@ def _end(self: _Repeat, e, j: int):
 def _hold(self: _Repeat, h: Hold, j: int, name: str) -> Hold:
     "Hold `h` of block 1 as copy `j` (-1: the original, re-linked to the first copy)."
     s = self.copy(h.start, j) if h.start >= 0 and self.ob[h.start] == 1 else self.pos(h.start)
-    return dataclasses.replace(h, name=name, start=s, end=self._end(h.end, j))
+    return Hold(name, h.nbytes, s, self._end(h.end, j), h.stream, h.kept, h.after, h.free_order)   # replace(): slower
 
 # %% ../../nbs/06d_cost_allocator.ipynb
 def repeat_block_holds(sets, choice, ob: np.ndarray, phase: np.ndarray, name_block) -> tuple[list[Hold], int]:
@@ -370,16 +370,17 @@ def repeat_block_holds(sets, choice, ob: np.ndarray, phase: np.ndarray, name_blo
     E = len(choice) - k
     if E < 0: raise AllocatorError(f"{len(choice)} blocks are fewer than the {k} captured")
     R = _Repeat(ob, phase, E)
-    where = lambda h: int(ob[h.start]) if h.start >= 0 and ob[h.start] >= 0 else name_block(h.name)
+    blk = ob.tolist()
+    where = lambda h: blk[h.start] if h.start >= 0 and blk[h.start] >= 0 else name_block(h.name)
+    sets = [[(w if w in (0, 1, 2) else -1, h) for h in hs for w in (where(h),)] for hs in sets]   # each hold's block
     out = []
     for b, pick in ((0, choice[0]), (1, choice[1]), (2, choice[-1]), (-1, choice[0])):
-        for h in sets[pick]:
-            w = where(h)
-            if (w if w in (0, 1, 2) else -1) != b: continue
+        for w, h in sets[pick]:
+            if w != b: continue
             if b == 1: out.append(R._hold(h, -1, h.name))
             elif b == 2 and h.end is not None and h.end >= 0 and ob[h.end] == 1 and E:
                 out.append(dataclasses.replace(h, start=R.pos(h.start), end=R.copy(h.end, E - 1)))
             else: out.append(dataclasses.replace(h, start=R.pos(h.start), end=R.pos(h.end)))
     for j in range(E):
-        out += [R._hold(h, j, f"{h.name}@{j + 2}") for h in sets[choice[2 + j]] if where(h) == 1]
+        out += [R._hold(h, j, f"{h.name}@{j + 2}") for w, h in sets[choice[2 + j]] if w == 1]
     return out, R.n + E * (R.Lf + R.Lb)
