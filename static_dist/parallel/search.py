@@ -796,7 +796,7 @@ def bench_plan(progress=None, cases=BENCH_PLAN_CASES, seq: int = 8192, budget_gb
         t1 = time.perf_counter()
         topo = preset("cluster", n_nodes=world // 8, gpus_per_node=8)
         say(f"{name} on {world} ranks: search")
-        r = search_layouts(g, world, topo, int(budget_gb * 1e9), n_blocks=n)
+        r = search_layouts(g, world, topo, int(budget_gb * 1e9), n_blocks=n, reserved=True)
         rows.append(
             dict(
                 model=name,
@@ -809,6 +809,7 @@ def bench_plan(progress=None, cases=BENCH_PLAN_CASES, seq: int = 8192, budget_gb
                 evaluated=r.evaluated,
                 best=r.best.label() if r.best else None,
                 best_memory_bytes=r.best.memory_bytes if r.best else None,
+                best_note=r.best.note if r.best else None,          # its reserved peak, replayed
                 best_step=r.best.time.to_dict() if r.best else None,
                 table=r.table(),
             )
