@@ -200,34 +200,17 @@ def layout_memory(g, best, n_blocks: int, master_dtype: str | None = None) -> li
         return [(name + " (categories need one checkpointing mode or a full capture)", {}, best.memory_bytes)]
 
 # %% ../../nbs/92a_layout.ipynb
-def layout_reserved(w, g, n_blocks: int, plan, allocated: int, budget: int, expandable: bool = False):
-    """(caching-allocator record or None, the report's reserved line, whether the layout fits `budget`): the reserved
-    peak of an FSDP-only layout (tp = pp = cp = 1) on the whole step's graph (`fsdp.predict_fsdp_reserved`, its blocks
-    checkpointed in full as FSDP units' checkpoints), else why it is not modelled, and the allocated peak decides."""
-    import dataclasses
-    from static_dist.fsdp import PlanError, profile_graph
-    from static_dist.fsdp.reserved import predict_fsdp_reserved
-    from static_dist.graph import fmt_bytes
-    from static_dist.graph.policies import FullCheckpoint
-    from static_dist.parallel import rank_fsdp_plan
+def layout_reserved(g, n_blocks: int, plan, allocated: int, budget: int, expandable: bool = False,
+                    master_dtype: str | None = None):
+    """(caching-allocator record of the busiest rank or None, the report's reserved line, whether the layout fits
+    `budget`): `parallel.layout_reserved_peak` of any layout (tp, sequence and loss parallel, cp, pp, checkpointing,
+    masters in `master_dtype`) on the step `g` extended to `n_blocks`; where it cannot be predicted, why, and the
+    allocated peak decides."""
+    from static_dist.fsdp import PlanError
+    from static_dist.parallel import ParallelPlanError, layout_reserved_peak
     from .verbs import reserved_line
-    d, cap = plan.dims, len(g.structure.main.blocks)
-    if max(d.tp, d.pp, d.cp) > 1:
-        return None, (f"reserved: not modelled for tp/pp/cp layouts yet; --budget {fmt_bytes(budget)} applies to the "
-                      f"allocated peak {fmt_bytes(allocated)}"), allocated <= budget
-    compute = (plan.fsdp.param_dtype if plan.fsdp else None) or w.dtype
-    why = (f"{cap} of {n_blocks} blocks captured" if cap != n_blocks else
-           "selective checkpointing" if any(p.checkpoints and not isinstance(p, FullCheckpoint) for p in plan.ac) else
-           f"{w.dtype} masters with {compute} compute" if compute != w.dtype else "")
-    st = None
-    if not why:
-        prof = profile_graph(g)
-        f, ck = rank_fsdp_plan(plan, prof), {b for b, p in zip(g.structure.main.blocks, plan.ac) if p.checkpoints}
-        units = tuple(dataclasses.replace(u, checkpoint="full") if u.module in ck else u for u in f.units)
-        if lost := sorted(ck - {u.module for u in units}): why = f"checkpointed block {lost[0]!r} is not an FSDP unit"
-        try: st = None if why else predict_fsdp_reserved(g, dataclasses.replace(f, units=units), profile=prof,
-                                                          expandable=expandable)
-        except PlanError as e: why = str(e)
+    try: st, why = layout_reserved_peak(g, plan, n_blocks, master_dtype, expandable), ""
+    except (ParallelPlanError, PlanError) as e: st, why = None, str(e)
     return (st, *reserved_line(st, why, allocated, budget, expandable))
 
 # %% ../../nbs/92a_layout.ipynb
@@ -258,7 +241,7 @@ def cmd_plan(args) -> int:
                            virtual_stages=virtual, master_dtype=w.dtype, param_dtype=pdt, reduce_dtype=rdt,
                            sequence_parallel={"auto": None, "on": True, "off": False}[args.sequence_parallel],
                            async_tp=args.async_tp, compile=args.compile or args.async_tp,
-                           float8_all_gather=args.float8_all_gather)
+                           float8_all_gather=args.float8_all_gather, reserved=True)
     print_markdown(
         f"**{w.source}** (batch {w.batch}, seq {w.seq}, {w.optimizer}, {w.dtype} masters, {pdt or w.dtype} compute, "
         f"{rdt or pdt or w.dtype} reduction{f', float8 {args.float8}' if args.float8 else ''}) on {topo.name}, world "
@@ -280,7 +263,7 @@ def cmd_plan(args) -> int:
         plan = dataclasses.replace(plan, reasons=(*plan.reasons, ("tensor parallel", tp_outer_line(plan))))
     columns = layout_memory(g, dataclasses.replace(r.best, plan=plan), n, w.dtype)
     print_markdown("\n".join(layout_lines(dataclasses.replace(r.best, plan=plan), columns, n, w.dtype)))
-    st, line, fits = layout_reserved(w, g, n, plan, r.best.memory_bytes, args.budget, args.expandable_segments)
+    st, line, fits = layout_reserved(g, n, plan, r.best.memory_bytes, args.budget, args.expandable_segments, w.dtype)
     print(line)
     from .verbs import not_fit_message
     print_markdown("\n**layouts compared** (the best, runners-up, and faster ones that lost)\n\n" + r.table())
@@ -379,7 +362,8 @@ def titan_search(job, g, n: int, world: int, topo, budget: int, progress=None, p
     rdt = job.reduce_dtype if job.reduce_dtype != (pdt or m) else None
     return search_layouts(g, world, topo, budget, n_blocks=n, progress=progress, microbatches=(1, 2),
                           master_dtype=m, param_dtype=pdt, reduce_dtype=rdt, pins=pins, async_tp=job.async_tp,
-                          compile=job.compile, float8_all_gather=job.float8_all_gather)
+                          compile=job.compile, float8_all_gather=job.float8_all_gather,
+                          reserved=True)
 
 
 # %% ../../nbs/92a_layout.ipynb
@@ -405,8 +389,12 @@ def plan_titan(args) -> int:
         f"async TP {'on (priced: its overlap)' if given.plan.async_tp else 'off'}"
         + (f"; loss in {job.loss_chunks} chunks" if job.loss_chunks else ""))
     print_markdown("\n".join(layout_lines(given, layout_memory(g, given, n, m), n, m)))
+    print(layout_reserved(g, n, given.plan, given.memory_bytes, args.budget, args.expandable_segments, m)[1])
     print_markdown(f"\n**the search around it** ({r.considered} layouts considered, {r.evaluated} evaluated in "
                    f"{r.seconds:.2f} s)\n\n" + r.table())
+    if r.best:
+        print("search's best: " + layout_reserved(g, n, r.best.plan, r.best.memory_bytes, args.budget,
+                                                  args.expandable_segments, m)[1])
     print_markdown(f"\n**verdict**: {titan_verdict(given, r.best, args.budget)}")
     chosen = r.best.plan if r.best else given.plan
     if args.emit: print_titan_overrides(chosen, job.microbatch_size if job.pp > 1 else job.local_batch, job.seq_len, m)

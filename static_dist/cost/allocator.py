@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import bisect
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Iterable, Literal
 
@@ -17,7 +18,8 @@ from ..graph.records import StaticGraph
 # %% auto 0
 __all__ = ['MIN_BLOCK_SIZE', 'SMALL_SIZE', 'SMALL_BUFFER', 'MIN_LARGE_ALLOC', 'LARGE_BUFFER', 'ROUND_LARGE', 'round_size',
            'allocation_size', 'is_small', 'AllocatorError', 'AllocEvent', 'AllocatorStats', 'CachingAllocator',
-           'reserved_peak', 'Hold', 'step_events', 'graph_holds', 'predict_reserved']
+           'reserved_peak', 'Hold', 'step_events', 'graph_holds', 'predict_reserved', 'curve_holds',
+           'repeat_block_holds']
 
 # %% ../../nbs/06d_cost_allocator.ipynb
 MIN_BLOCK_SIZE = 512            # kMinBlockSize: all sizes are rounded to at least 512 bytes
@@ -302,3 +304,83 @@ def predict_reserved(holds: Iterable[Hold], n_ops: int, *, expandable: bool = Fa
     "The allocator's record of the last of `steps` steps made of `holds` (peaks as `torch.cuda.max_memory_*`)."
     events, last = step_events(holds, n_ops, steps)
     return reserved_peak(events, expandable, max_split_size=max_split_size, reset_at=last)
+
+# %% ../../nbs/06d_cost_allocator.ipynb
+def curve_holds(name: str, curve, stream: str = "default") -> list[Hold]:
+    "Holds whose live bytes at each op are `curve` (bytes per op), allocated and freed last in first out."
+    out, stack = [], []                                  # open holds: [start, bytes]
+    for i, v in enumerate(np.asarray(curve, dtype=np.int64).tolist() + [0]):
+        held = sum(b for _, b in stack)
+        while held > v:                                  # free the newest until at or below v
+            a, b = stack.pop(); held -= b
+            out.append(Hold(f"{name}/{len(out)}", b, a, i - 1, stream))
+        if v > held: stack.append([i, v - held])
+    return out
+
+# %% ../../nbs/06d_cost_allocator.ipynb
+class _Repeat:
+    "Where the ops of a capture of k blocks go when block 1 is repeated `extra` times (`cost.profile._pieces`' order)."
+    def __init__(self, ob: np.ndarray, phase: np.ndarray, extra: int):
+        blk = lambda b, ph: np.flatnonzero((ob == b) & (phase == ph)).tolist()
+        (self.f0, self.b0), (self.f1, self.b1), (self.f2, self.b2) = ((blk(b, 0), blk(b, 1)) for b in (0, 1, 2))
+        if not (self.f1 and self.b1 and self.f2 and self.b2 and len(self.f1) == len(self.f2)
+                and len(self.b1) == len(self.b2) == len(self.b0)):
+            raise AllocatorError("repeat_block_holds needs blocks 0, 1 and 2 alike, each with forward and backward ops")
+        self.ob, self.ph, self.E, self.n = ob.tolist(), phase.tolist(), extra, len(ob)   # lists: read per hold
+        self.cut_f, self.cut_b, self.Lf, self.Lb = self.f1[-1] + 1, self.b1[0], len(self.f1), len(self.b1)
+        self.at = {i: t for t, i in enumerate(self.f1 + self.b1)}
+        self.tmpl = {**dict(zip(self.f2, self.f1)), **dict(zip(self.b2, self.b1)), **dict(zip(self.b0, self.b1))}
+
+    def pos(self, i):
+        "New index of original op `i` (None and -1 kept)."
+        if i is None or i < 0: return i
+        return i + (0 if i < self.cut_f else self.E * self.Lf if i < self.cut_b else self.E * (self.Lf + self.Lb))
+
+    def copy(self, i: int, j: int) -> int:
+        "New index of block 1's op `i` in copy `j` (-1: original block 1)."
+        if j < 0: return self.pos(i)
+        if self.ph[i] == 0: return self.cut_f + j * self.Lf + self.at[i]
+        return self.cut_b + self.E * self.Lf + (self.E - 1 - j) * self.Lb + self.at[i] - self.Lf
+
+# %% ../../nbs/06d_cost_allocator.ipynb
+@patch
+def _end(self: _Repeat, e, j: int):
+    "New end of a hold of block 1's copy `j` (-1: the original block 1) ending at captured op `e`."
+    if e is None or e < 0 or self.ob[e] < 0: return self.pos(e)
+    b, fwd = int(self.ob[e]), self.ph[e] == 0
+    if b == 1: return self.copy(e, j)
+    if b == 2: return self.copy(self.tmpl[e], j + 1) if j + 1 < self.E else self.pos(e)     # into the next block
+    if b == 0 and not fwd: return self.copy(self.tmpl[e], j - 1) if j >= 0 else self.pos(e)  # gradient to the previous
+    return self.pos(e)
+
+@patch
+def _hold(self: _Repeat, h: Hold, j: int, name: str) -> Hold:
+    "Hold `h` of block 1 as copy `j` (-1: the original, re-linked to the first copy)."
+    s = self.copy(h.start, j) if h.start >= 0 and self.ob[h.start] == 1 else self.pos(h.start)
+    return Hold(name, h.nbytes, s, self._end(h.end, j), h.stream, h.kept, h.after, h.free_order)   # replace(): slower
+
+# %% ../../nbs/06d_cost_allocator.ipynb
+def repeat_block_holds(sets, choice, ob: np.ndarray, phase: np.ndarray, name_block) -> tuple[list[Hold], int]:
+    """(holds, op count) of the captured step with block 1 repeated to `len(choice)` blocks: `sets` the holds of each
+    checkpointing mode on the captured ops, `choice` the mode (index in `sets`) of each block, `ob` the block of each
+    op (-1 outside the stack), `phase` each op's (0 forward, 1 backward, 2 optimizer), `name_block(name)` the block a
+    hold from before the step or from the optimizer belongs to (-1: none)."""
+    ob, phase = np.asarray(ob), np.asarray(phase)
+    k = int(ob.max()) + 1
+    E = len(choice) - k
+    if E < 0: raise AllocatorError(f"{len(choice)} blocks are fewer than the {k} captured")
+    R = _Repeat(ob, phase, E)
+    blk = ob.tolist()
+    where = lambda h: blk[h.start] if h.start >= 0 and blk[h.start] >= 0 else name_block(h.name)
+    sets = [[(w if w in (0, 1, 2) else -1, h) for h in hs for w in (where(h),)] for hs in sets]   # each hold's block
+    out = []
+    for b, pick in ((0, choice[0]), (1, choice[1]), (2, choice[-1]), (-1, choice[0])):
+        for w, h in sets[pick]:
+            if w != b: continue
+            if b == 1: out.append(R._hold(h, -1, h.name))
+            elif b == 2 and h.end is not None and h.end >= 0 and ob[h.end] == 1 and E:
+                out.append(dataclasses.replace(h, start=R.pos(h.start), end=R.copy(h.end, E - 1)))
+            else: out.append(dataclasses.replace(h, start=R.pos(h.start), end=R.pos(h.end)))
+    for j in range(E):
+        out += [R._hold(h, j, f"{h.name}@{j + 2}") for w, h in sets[choice[2 + j]] if w == 1]
+    return out, R.n + E * (R.Lf + R.Lb)

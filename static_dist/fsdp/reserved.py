@@ -9,7 +9,8 @@ import dataclasses
 
 from ..cost.allocator import AllocatorStats, Hold, predict_reserved
 from ..cost.profile import GraphProfile, PlanError, profile_graph
-from .memory import _add_all_gathers, _add_reduce_scatters, _add_unsharded, _Curves, _dtype_size
+from .memory import _add_all_gathers, _add_gradients, _add_reduce_scatters, _add_unsharded, _Curves
+from .memory import _dtype_size
 from .memory import layout, shard_numel
 from .plan import FSDPPlan, unit_finder
 from ..graph.checkpoint import CheckpointLifetimes, checkpoint_lifetimes
@@ -21,20 +22,14 @@ __all__ = ['AG_STREAM', 'RS_STREAM', 'fsdp_holds', 'predict_fsdp_reserved']
 # %% ../../nbs/40h_fsdp_reserved.ipynb
 AG_STREAM, RS_STREAM = "all_gather_copy_in", "reduce_scatter"
 
-def _supported(plan: FSDPPlan) -> None:
-    "A PlanError for what the reserved-memory model does not cover."
-    if plan.accumulation_steps > 1:
-        raise PlanError(f"accumulation_steps={plan.accumulation_steps}: reserved memory is predicted for one "
-                        "micro-batch per step; give accumulation_steps=1")
-
 def _intervals(n: int, add) -> dict:
     "{category: [(first op, last op, bytes)]} that `fsdp.memory`'s builder `add` charges on a fresh curve set."
     C = _Curves(n); add(C)
     return {c: [(a, b - 1, v) for a, b, v in ev] for c, ev in C.ev.items()}
 
 # %% ../../nbs/40h_fsdp_reserved.ipynb
-def _unit_holds(l, u, plan: FSDPPlan, pinfo: dict, n: int) -> list[Hold]:
-    "Unit `l`'s shards, unsharded parameters and sharded gradient."
+def _unit_holds(l, u, plan: FSDPPlan, pinfo: dict, n: int, reduce_at: int | None = None) -> list[Hold]:
+    "Unit `l`'s shards, unsharded parameters and sharded gradient (made after `reduce_at` when the schedule reduces)."
     S, out = plan.shard_size, []
     for p in l.params:
         out.append(Hold(f"{p}.shard", shard_numel(pinfo[p].shape, S)[0] * pinfo[p].itemsize, -1))
@@ -44,17 +39,20 @@ def _unit_holds(l, u, plan: FSDPPlan, pinfo: dict, n: int) -> list[Hold]:
         if v == l.unsharded_bytes: out += [Hold(f"{p}.unsharded", nb, a, b) for p, nb in per_param]
         else: out.append(Hold(f"{l.module}.unsharded/r", v, a, b))           # reshard to a smaller group
     # post-backward: reshard (free order 0), reduce-scatter input (after 1), gradients dropped (1), output (after 2)
-    out.append(Hold(f"{l.module}.grad_shard", l.rs_bytes // S, l.bwd[1], None, RS_STREAM, after=2))
+    first = l.bwd[1] if reduce_at is None else min(reduce_at + 1, n - 1)
+    out.append(Hold(f"{l.module}.grad_shard", l.rs_bytes // S, first, None, RS_STREAM, after=2))
     return out
 
 # %% ../../nbs/40h_fsdp_reserved.ipynb
 def _graph_hold(s, owner, pinfo: dict, plan: FSDPPlan, grad_end: dict, opt_ratio: float, opt: bool) -> Hold | None:
-    "Storage `s` as this rank holds it under `plan` (None: FSDP replaces it, or it is not on the device)."
+    """Storage `s` as this rank holds it under `plan` (None: FSDP replaces it, or it is not on the device; a unit's
+    gradient when `grad_end` has no end for it: `_accumulated_grads` holds it)."""
     if s.role == "parameter": return None if owner(s.name) is not None else Hold(s.name, s.nbytes, -1)
     if s.role == "gradient":
         p = s.name.removesuffix(".grad")
         if owner(p) is None or p not in pinfo: return Hold(s.name, s.nbytes, s.created, s.freed)
         q = pinfo[p]
+        if owner(p) not in grad_end: return None
         return Hold(s.name, q.numel * _dtype_size(plan.param_dtype, q.itemsize), s.created, grad_end[owner(p)],
                     free_order=1)
     if s.role == "optimizer_state":
@@ -64,6 +62,21 @@ def _graph_hold(s, owner, pinfo: dict, plan: FSDPPlan, grad_end: dict, opt_ratio
         local = shard_numel(pinfo[p].shape, plan.shard_size)[0]
         return Hold(s.name, -(-s.nbytes * local // max(pinfo[p].numel, 1)), s.created, kept=True)
     return Hold(s.name, int(s.nbytes * opt_ratio) if opt else s.nbytes, s.created, s.freed)
+
+# %% ../../nbs/40h_fsdp_reserved.ipynb
+def _accumulated_grads(l, pinfo: dict, plan: FSDPPlan, n: int, reduce_at: int | None) -> list[Hold]:
+    "Unit `l`'s unsharded gradients when accumulating or reduced at `reduce_at`, per parameter (`_add_gradients`)."
+    rsize = lambda q: _dtype_size(plan.reduce_dtype or plan.param_dtype, q.itemsize)
+    csize = lambda q: _dtype_size(plan.param_dtype, q.itemsize)
+    ps = [(p, pinfo[p]) for p in l.params if pinfo[p].grad_created >= 0]
+    out = []
+    for a, b, v in _intervals(n, lambda C: _add_gradients(C, l, pinfo, plan, reduce_at))["gradients"][:-1]:
+        if a == 0 and v == l.grad_bytes: out += [Hold(f"{p}.grad/acc", q.numel * rsize(q), 0, b, free_order=1)
+                                                 for p, q in ps]
+        else: out += [Hold(f"{p}.grad", v, a, b, free_order=1) for p, q in ps
+                      if q.grad_created == a and q.numel * csize(q) == v][:1] or [Hold(f"{l.module}.grad", v, a, b,
+                                                                                      free_order=1)]
+    return out
 
 # %% ../../nbs/40h_fsdp_reserved.ipynb
 def _recompute_order(r) -> int:
@@ -97,28 +110,33 @@ def _checkpoint_holds(g: StaticGraph, life: CheckpointLifetimes, hs: dict) -> li
     return out
 
 # %% ../../nbs/40h_fsdp_reserved.ipynb
-def fsdp_holds(g: StaticGraph, profile: GraphProfile, plan: FSDPPlan) -> list[Hold]:
-    "Every buffer rank 0 allocates in one step of `g` under `plan`, with its stream and lifetime."
-    _supported(plan)
+def fsdp_holds(g: StaticGraph, profile: GraphProfile, plan: FSDPPlan, *, life: CheckpointLifetimes | None = None,
+               reduce_at: int | None = None) -> list[Hold]:
+    """Every buffer rank 0 allocates in one step of `g` under `plan`, with its stream and lifetime. `life`: what
+    checkpointing changes (default: the plan's checkpointed units, in full); `reduce_at`: the op after which every
+    unit's gradients are reduced at once (a pipeline schedule's), instead of at its post-backward."""
     n, lays, owner = len(g.ops), layout(profile, plan), unit_finder(plan)
     pinfo, units = {p.name: p for p in profile.params}, {u.module: u for u in plan.units}
     full = sum(p.numel * p.itemsize for p in profile.params)
     whole = sum(p.numel * p.itemsize for p in profile.params if owner(p.name) is None)    # ignored: not sharded
     local = sum(l.sharded_bytes for l in lays) + whole
-    grad_end = {l.module: l.bwd[1] for l in lays}
+    acc = plan.accumulation_steps > 1 or reduce_at is not None
+    grad_end = {} if acc else {l.module: l.bwd[1] for l in lays}
     holds = [Hold("all_gather", v, a, b, AG_STREAM) for a, b, v in
              _intervals(n, lambda C: _add_all_gathers(C, profile, plan, lays))["all_gather"]]
     for l in lays:
-        if l.params: holds += _unit_holds(l, units[l.module], plan, pinfo, n)
+        if l.params: holds += _unit_holds(l, units[l.module], plan, pinfo, n, reduce_at)
+        if l.params and acc: holds += _accumulated_grads(l, pinfo, plan, n, reduce_at)
     holds += [Hold("reduce_scatter_input", v, a, b, after=1) for a, b, v in
-              _intervals(n, lambda C: _add_reduce_scatters(C, profile, lays))["reduce_scatter"]]
+              _intervals(n, lambda C: _add_reduce_scatters(C, profile, lays, reduce_at))["reduce_scatter"]]
     ph, hs = g.op_phases(), {}
     for s in g.storages:
         opt = s.created >= 0 and ph[s.created] == 2                 # made by the optimizer step: on the shard
         h = _graph_hold(s, owner, pinfo, plan, grad_end, local / full if full else 1.0, opt)
         if h is not None: hs[s.id] = h
     ck = {m: frozenset() for u in plan.units if u.module and u.checkpoint.checkpoints for m in u.modules}
-    return holds + (_checkpoint_holds(g, checkpoint_lifetimes(g, ck), hs) if ck else list(hs.values()))
+    if life is None and ck: life = checkpoint_lifetimes(g, ck)
+    return holds + (_checkpoint_holds(g, life, hs) if life is not None else list(hs.values()))
 
 # %% ../../nbs/40h_fsdp_reserved.ipynb
 def predict_fsdp_reserved(g: StaticGraph, plan: FSDPPlan, *, profile: GraphProfile | None = None,

@@ -500,6 +500,16 @@ def _root_marks(g: StaticGraph, K: np.ndarray) -> dict:
     )
 
 # %% ../../nbs/45b_parallel_memory.ipynb
+def _pipeline_extra(g: StaticGraph, plan: ParallelPlan, pp_rank: int, v: _View, K: np.ndarray, ob: np.ndarray, mine,
+                    prior_grads: bool) -> np.ndarray:
+    "Bytes the pipeline adds at each of the rank's ops `K`: other micro-batches in flight, sends and receives, inputs."
+    phase, cp = g.op_phases()[K], plan.dims.cp
+    output, boundary = model_output_bytes(g) / cp, boundary_bytes(g, ob, cp)
+    extra = _others_held(g, plan, pp_rank, v, K, phase, output, boundary, mine, prior_grads)
+    inputs = sum(s.nbytes * _storage_fraction(s, v, g, cp) for s in g.storages if s.role == "input")
+    return extra + pipeline_held(plan, pp_rank, phase, boundary, output, _root_marks(g, K)["model_forward_end"], inputs)
+
+# %% ../../nbs/45b_parallel_memory.ipynb
 def rank_profile(g: StaticGraph, plan: ParallelPlan, pp_rank: int = 0, master_dtype: str | None = None,
                  prior_grads: bool = True) -> GraphProfile:
     """The FSDP planner's profile of the captured step as one rank of pipeline rank `pp_rank` holds it under `plan`: at
@@ -512,12 +522,7 @@ def rank_profile(g: StaticGraph, plan: ParallelPlan, pp_rank: int = 0, master_dt
     live, K = _curves(g, v, plan.dims.cp), np.flatnonzero(v.keep)
     newix = lambda i: np.searchsorted(K, i)                         # a captured op -> the rank's next op
     phase = g.op_phases()[K]
-    output, boundary = model_output_bytes(g) / plan.dims.cp, boundary_bytes(g, ob, plan.dims.cp)
-    extra = _others_held(g, plan, pp_rank, v, K, phase, output, boundary, mine, prior_grads)
-    inputs = sum(s.nbytes * _storage_fraction(s, v, g, plan.dims.cp) for s in g.storages if s.role == "input")
-    extra = extra + pipeline_held(
-        plan, pp_rank, phase, boundary, output, _root_marks(g, K)["model_forward_end"], inputs
-    )
+    extra = _pipeline_extra(g, plan, pp_rank, v, K, ob, mine, prior_grads)
     native = (sum(live[r] for r in live)[K] + extra).astype(np.int64)
     temp = live["temporary"][K].astype(np.int64)
     m = to_master(_local_params(mine, v, plan, newix), native, temp, phase, master_dtype)

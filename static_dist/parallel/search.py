@@ -57,8 +57,8 @@ from ..graph.records import BACKWARD, FORWARD
 
 # %% auto 0
 __all__ = ['CHECKPOINT_POLICIES', 'BENCH_PLAN_CASES', 'SPEED_CASES', 'layout_dims', 'compiles_all', 'memory_by_category',
-           'balanced_stages', 'checkpoint_mix', 'Candidate', 'LayoutSearch', 'tp_layout', 'search_layouts',
-           'search_graph', 'predict_layout', 'bare_step_seconds', 'bench_speed', 'bench_plan']
+           'layout_reserved_peak', 'balanced_stages', 'checkpoint_mix', 'Candidate', 'LayoutSearch', 'tp_layout',
+           'search_layouts', 'search_graph', 'predict_layout', 'bare_step_seconds', 'bench_speed', 'bench_plan']
 
 # %% ../../nbs/45d_parallel_search.ipynb
 def _divisors(n: int) -> list[int]: return [d for d in range(1, n + 1) if n % d == 0]
@@ -309,6 +309,30 @@ def memory_by_category(g: StaticGraph, plan: ParallelPlan, n_blocks: int | None 
     return [("busiest stage" if d.pp > 1 else "each rank", pred.at_peak, pred.peak_bytes)]
 
 # %% ../../nbs/45d_parallel_search.ipynb
+def _reserved_stats(ctx: _Context, plan: ParallelPlan, expandable: bool = False):
+    "The allocator's record of the busiest rank of `plan` (see above), on the search's context."
+    from static_dist.cost.allocator import curve_holds, predict_reserved
+    from static_dist.parallel.reserved import extended_rank_holds, predict_parallel_reserved
+    if ctx.full:
+        return max(predict_parallel_reserved(ctx.g, plan, ctx.master, expandable=expandable),
+                   key=lambda s: s.peak_reserved)
+    modes = _stage_modes(ctx, plan, None if plan.ac else NoCheckpoint())
+    P = _mixed_profile(ctx, plan.dims, modes)
+    holds, ops = extended_rank_holds(ctx.g, plan, modes, ctx.master)
+    extra = _pipelined(ctx, plan, P).native - P.native
+    if len(extra) != ops:
+        raise ParallelPlanError(f"the extended holds run {ops} ops where the extended profile has {len(extra)}")
+    return predict_reserved(holds + curve_holds("pipeline", extra), ops, expandable=expandable)
+
+def layout_reserved_peak(g: StaticGraph, plan: ParallelPlan, n_blocks: int | None = None,
+                         master_dtype: str | None = None, expandable: bool = False):
+    "The caching allocator's record (`AllocatorStats`) of the busiest rank of `plan` on `g` extended to `n_blocks`."
+    ctx = _Context(g, n_blocks or len(g.structure.main.blocks), None, plan.tp_styles, CHECKPOINT_POLICIES,
+                   master_dtype, outer=plan.tp_outer, sequence_parallel=plan.sequence_parallel,
+                   loss_parallel=plan.loss_parallel)
+    return _reserved_stats(ctx, plan, expandable)
+
+# %% ../../nbs/45d_parallel_search.ipynb
 def balanced_stages(work, n: int, pp: int) -> tuple[int, ...]:
     "Blocks per stage for `pp` stages of `n` blocks, balancing each stage's forward and backward time."
     if pp == 1: return ()
@@ -524,7 +548,7 @@ def search_layouts(g: StaticGraph, world: int, topo: Topology, budget_bytes: int
                    runners_up: int = 4, progress=None, microbatch_count: int | None = None, virtual_stages: int = 1,
                    param_dtype: str | None = None, reduce_dtype: str | None = None,
                    sequence_parallel: bool | None = None, async_tp: bool = False,
-                   compile: bool = False, float8_all_gather: bool = False) -> LayoutSearch:
+                   compile: bool = False, float8_all_gather: bool = False, reserved: bool = False) -> LayoutSearch:
     """The fastest layout of the captured step `g` (its model extended to `n_blocks` identical blocks) on `world` ranks
     of `topo` that fits `budget_bytes` per rank. `ac`: 'auto' (the cheapest mix of `policies` that fits), or one policy
     (or its name) for every block.
@@ -536,7 +560,11 @@ def search_layouts(g: StaticGraph, world: int, topo: Topology, budget_bytes: int
     collectives overlapped with their matmuls (`ParallelPlan.async_tp`) on every sequence-parallel layout.
     `compile`: every block compiled on every layout (`g` with the compiled saved set: `search_graph(w,
     compile=True)`). Every plan carries the Float8 recipe `g` was captured with (`parallel.float8_of`);
-    `float8_all_gather`: FSDP gathers its weights in float8 (tensorwise)."""
+    `float8_all_gather`: FSDP gathers its weights in float8 (tensorwise). `reserved`: a layout whose allocated
+    peak fits must fit by its reserved peak too; where it does not, the budget for its allocated peak shrinks by the
+    difference and its checkpointing is chosen again. The replay (`_reserved_stats`, seconds at 80 blocks) runs for
+    the best alone; the others take the reserved-over-allocated of the last layout replayed with their tp, cp and
+    pipelining (the runners-up's notes say `reserved ~`)."""
     t0 = time.perf_counter()
     try: ac = ac if ac == "auto" else parse_policy(ac)
     except PolicyError as e: raise ParallelPlanError(f"ac {ac!r}: use auto or a checkpointing policy ({e})") from None
@@ -578,7 +606,7 @@ def search_layouts(g: StaticGraph, world: int, topo: Topology, budget_bytes: int
             heapq.heappush(heap, _Entry(cost=_cost(ctx.step_time(plan)), tick=tick, plan=plan, mode=mode, memory=None))
             tick += 1
     considered = tick
-    found, lost, evaluated, bounds = [], [], 0, {}
+    found, lost, evaluated, bounds, tries, over = [], [], 0, {}, {}, {}
     while heap and len(found) < 1 + runners_up:
         e = heapq.heappop(heap)
         plan, mode, mem = e.plan, e.mode, e.memory
@@ -591,10 +619,31 @@ def search_layouts(g: StaticGraph, world: int, topo: Topology, budget_bytes: int
             except ParallelPlanError as e:
                 if not found: lost.append(Candidate(plan, 0, ctx.step_time(plan), str(e)))
                 continue
+        note = "fits" if mode != "mixed" else "fits with checkpointing"
+        if mem <= budget_bytes and reserved:
+            key, group = (plan.dims, plan.microbatches, plan.stages), (plan.dims.tp, plan.dims.cp, plan.dims.pp > 1)
+            est = over.get(group, max(over.values(), default=None))
+            if found and est is not None: rsv, note = mem + est, f"{note}; reserved ~{fmt_bytes(mem + est)}"
+            elif est is not None and mem + est > budget_bytes: rsv = mem + est   # over, as the layouts like it were
+            else:
+                rsv = _reserved_stats(ctx, plan).peak_reserved
+                over[group], note = rsv - mem, f"{note}; reserved {fmt_bytes(rsv)}"
+            if rsv > budget_bytes:
+                tries[key] = tries.get(key, 0) + 1
+                bare = dataclasses.replace(plan, ac=(NoCheckpoint(),) * ctx.n)
+                nxt = (_with_checkpointing(ctx, bare, _memory(ctx, bare, NoCheckpoint()), budget_bytes - (rsv - mem))
+                       if ac == "auto" and tries[key] <= 2 and rsv - mem < budget_bytes else None)
+                if isinstance(nxt, tuple) and nxt[1] < mem:
+                    p2, m2 = nxt
+                    heapq.heappush(heap, _Entry(cost=_cost(ctx.step_time(p2)), tick=tick, plan=p2, mode="mixed",
+                                                memory=m2))
+                    tick += 1
+                    continue
+                if not found: lost.append(Candidate(plan, mem, ctx.step_time(plan), f"reserved {fmt_bytes(rsv)} > "
+                                                    f"budget {fmt_bytes(budget_bytes)} (allocated {fmt_bytes(mem)})"))
+                continue
         if mem <= budget_bytes:
-            found.append(
-                Candidate(plan, mem, ctx.step_time(plan), "fits" if mode != "mixed" else "fits with checkpointing")
-            )
+            found.append(Candidate(plan, mem, ctx.step_time(plan), note))
             continue
         if ac == "auto" and mode == NoCheckpoint():
             nxt = _with_checkpointing(ctx, plan, mem, budget_bytes)
@@ -790,7 +839,7 @@ def bench_plan(progress=None, cases=BENCH_PLAN_CASES, seq: int = 8192, budget_gb
         t1 = time.perf_counter()
         topo = preset("cluster", n_nodes=world // 8, gpus_per_node=8)
         say(f"{name} on {world} ranks: search")
-        r = search_layouts(g, world, topo, int(budget_gb * 1e9), n_blocks=n)
+        r = search_layouts(g, world, topo, int(budget_gb * 1e9), n_blocks=n, reserved=True)
         rows.append(
             dict(
                 model=name,
@@ -803,6 +852,7 @@ def bench_plan(progress=None, cases=BENCH_PLAN_CASES, seq: int = 8192, budget_gb
                 evaluated=r.evaluated,
                 best=r.best.label() if r.best else None,
                 best_memory_bytes=r.best.memory_bytes if r.best else None,
+                best_note=r.best.note if r.best else None,          # its reserved peak, replayed
                 best_step=r.best.time.to_dict() if r.best else None,
                 table=r.table(),
             )
