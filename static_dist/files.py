@@ -197,7 +197,7 @@ def _unique_keys(pairs: list) -> dict:
 
 def loads_json(text: str | bytes, what: str = "JSON", max_depth: int = MAX_JSON_DEPTH):
     "Parse JSON text nested at most `max_depth` deep; InputError naming `what` for bad text."
-    import json
+    if not isinstance(text, (str, bytes)): raise InputError(f"{what}: expected JSON text, got {type(text).__name__}")
     if isinstance(text, bytes):
         try: text = text.decode()
         except UnicodeDecodeError as e:
