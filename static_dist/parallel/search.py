@@ -130,6 +130,7 @@ def plan(
     units = block_units(self.blocks, d.pp == 1 if reshard is None else reshard)
     pdt, rdt = self.precision               # with one data-parallel rank, check_layout refuses a mixed precision
     fsdp = FSDPPlan(dp, mesh, units, param_dtype=pdt, reduce_dtype=rdt) if dp > 1 or pdt or rdt else None
+    schedule = schedule if d.pp > 1 else "1F1B"     # a schedule is a pipeline's: a pp=1 plan that names one is refused
     return ParallelPlan(d, stages=stages, schedule=schedule, microbatches=m, ac=tuple(ac), fsdp=fsdp, name=name,
                         **self.tp_fields(d))
 
