@@ -497,7 +497,7 @@ def train_plan(args) -> int:
     import os
     import torch.distributed as dist
     from static_dist.launch import process_group, under_torchrun
-    from static_dist.parallel import ParallelPlan, check_layout
+    from static_dist.parallel import ParallelPlan, check_fsdp_modules, check_layout
     from static_dist.structure import find_structure
     if args.backend is not None and args.no_compile:
         raise UsageError(f"--no-compile with --backend {args.backend}: give one of them")
@@ -520,6 +520,7 @@ def train_plan(args) -> int:
     check_layout(
         plan, find_structure(w.build(device="meta")).main, w.seq
     )  # before any process group: one line on each rank
+    check_fsdp_modules(plan, w.build(device="meta"))
     if args.no_compile: plan = dataclasses.replace(plan, compile=())
     with process_group() as n:
         with status(f"training {w.source} on rank {rank} of {n}"):

@@ -157,7 +157,8 @@ def _check_once(tp_styles) -> None:
     seen: dict = {}
     for name, style in tp_styles: seen.setdefault(name, []).append(style)
     if twice := next(((n, s) for n, s in seen.items() if len(s) > 1), None):
-        raise ParallelPlanError(f"tp_styles names {twice[0]!r} twice ({', '.join(twice[1])}): give one style per linear")
+        raise ParallelPlanError(f"tp_styles names {twice[0]!r} twice ({', '.join(twice[1])}): "
+                                "give one style per linear")
 
 def _check_axes(p: ParallelPlan) -> None:
     "The plan's own consistency, axis by axis; ParallelPlanError naming the field and the fix."
@@ -174,8 +175,8 @@ def _check_axes(p: ParallelPlan) -> None:
                                  f"microbatches={p.microbatches} with pp=1") + ": micro-batches and schedules are a "
                                 "pipeline's; set dims.pp >= 2, or use schedule '1F1B' and microbatches 1")
     if not 1 <= p.microbatches <= MAX_MICROBATCHES:
-        raise ParallelPlanError(f"microbatches={p.microbatches}: at most {MAX_MICROBATCHES} (the command line's bound); "
-                                "give fewer, larger micro-batches")
+        raise ParallelPlanError(f"microbatches={p.microbatches}: at most {MAX_MICROBATCHES} (the command line's "
+                                "bound); give fewer, larger micro-batches")
     if d.pp == 1 and len(p.stages) > 1:
         raise ParallelPlanError(f"{len(p.stages)} stages with pp=1: set dims.pp={len(p.stages)}")
     if d.pp > 1 and (
