@@ -73,7 +73,8 @@ def _check_saves(j: int, p: CheckpointPolicy) -> None:
     "ParallelPlanError when selective policy `p` saves a prefix that names no op registered with torch's dispatcher."
     if not isinstance(p, SelectiveOps) or p.save in _KNOWN_SAVES: return
     import torch
-    ops = [n.replace("::", ".") for n in torch._C._dispatch_get_all_op_names()]
+    names = [n.replace("::", ".") for n in torch._C._dispatch_get_all_op_names()]
+    ops = [*names, *(n + ".default" for n in names if n.count(".") == 1)]   # a default overload has no name of its own
     for s in p.save:
         if not any(o.startswith(s) for o in ops):
             raise ParallelPlanError(f"ac[{j}]: save {s!r} names no op registered with torch; give op-name prefixes "
