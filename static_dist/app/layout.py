@@ -89,7 +89,7 @@ def layout_topology(name: str | None, world: int):
     from static_dist.topology import preset
     topo = (
         topology_arg(name, world)
-        if name
+        if name is not None
         else preset("cluster", n_nodes=max(world // 8, 1), gpus_per_node=min(world, 8))
     )
     if topo.n_devices < world:
@@ -521,6 +521,11 @@ def train_plan(args) -> int:
         plan, find_structure(w.build(device="meta")).main, w.seq
     )  # before any process group: one line on each rank
     check_fsdp_modules(plan, w.build(device="meta"))
+    if not args.force and (need := max(_predicted_rank_peaks(w, plan))) > args.budget:   # --budget, as without --plan
+        from static_dist.graph import fmt_bytes
+        print(f"static-dist train: predicted out of memory: the plan's busiest rank needs {fmt_bytes(need)}, the "
+              f"budget is {fmt_bytes(args.budget)}; raise --budget, or pass --force to train anyway", file=sys.stderr)
+        return 3
     if args.no_compile: plan = dataclasses.replace(plan, compile=())
     with process_group() as n:
         with status(f"training {w.source} on rank {rank} of {n}"):

@@ -226,6 +226,7 @@ def _verify(args, w, rep, prof):
 def topology_arg(name: str, n: int):
     "A topology preset sized to `n` devices where the preset allows it, or a topology JSON file."
     from static_dist.placement import load_topology_arg
+    if not str(name).strip(): raise UsageError("--topology is empty: give a preset name (dgx-h100) or a topology JSON")
     try: return load_topology_arg(name, n)
     except (KeyError, ValueError, OSError) as e: raise UsageError(f"--topology {name!r}: {e}") from None
 

@@ -69,7 +69,7 @@ def layout_dims(world: int, *, n_blocks: int, node: int, heads: int = 0, kv_head
     pins = dict(pins or {})
     bad = set(pins) - set(AXIS)
     if bad: raise ParallelPlanError(f"unknown pinned dims {sorted(bad)}: pin {', '.join(AXIS)}")
-    out = []
+    out, partial = [], []    # partial: pinned layouts the whole-node replication rule leaves out
     for tp in _divisors(world):
         if tp > node or node % tp or (heads and heads % tp) or (kv_heads and kv_heads % tp): continue
         for pp in _divisors(world // tp):
@@ -79,9 +79,15 @@ def layout_dims(world: int, *, n_blocks: int, node: int, heads: int = 0, kv_head
                 dp = world // tp // pp // cp
                 for rep in _divisors(dp):
                     shard = dp // rep
-                    if rep > 1 and shard * cp * tp < node: continue      # replicate only across whole sharded nodes
                     d = ParallelDims(rep, shard, cp, tp, pp)
-                    if all(getattr(d, k) == v for k, v in pins.items()): out.append(d)
+                    if not all(getattr(d, k) == v for k, v in pins.items()): continue
+                    if rep > 1 and shard * cp * tp < node: partial.append(d); continue
+                    out.append(d)
+    if not out and partial:
+        raise ParallelPlanError(f"no layout of {world} ranks satisfies the pins {pins}: the search replicates only whole "
+                                f"sharded nodes (dp_shard × cp × tp >= {node} ranks per node), and dp_replicate "
+                                f"{partial[0].dp_replicate} leaves {world // partial[0].dp_replicate} per replica; pin "
+                                f"dp_replicate {max(world // node, 1)} or less, or give a topology with smaller nodes")
     if not out: raise ParallelPlanError(f"no layout of {world} ranks satisfies the pins {pins} and the model "
                                         f"({n_blocks} blocks, {heads} heads, seq {seq}); relax a pin")
     return out
