@@ -21,10 +21,10 @@ from ..files import atomic_write, check_writable
 from ..util import check_memory, check_real_size
 
 # %% auto 0
-__all__ = ['EXPORT_FILES', 'status', 'workload_of', 'input_files', 'print_markdown', 'cmd_capture', 'fsdp_reserved',
-           'reserved_line', 'not_fit_message', 'cmd_plan_fsdp', 'topology_arg', 'mesh_spec', 'cmd_plan_placement',
-           'cmd_plan_offload', 'cmd_check_export', 'rewrite_case', 'cmd_passes', 'cmd_ops', 'parse_fault',
-           'cmd_stability']
+__all__ = ['EXPORT_FILES', 'status', 'workload_of', 'input_files', 'print_markdown', 'fits_no_device', 'cmd_capture',
+           'fsdp_reserved', 'reserved_line', 'not_fit_message', 'cmd_plan_fsdp', 'topology_arg', 'mesh_spec',
+           'cmd_plan_placement', 'cmd_plan_offload', 'cmd_check_export', 'rewrite_case', 'cmd_passes', 'cmd_ops',
+           'parse_fault', 'cmd_stability']
 
 # %% ../../nbs/92_verbs.ipynb
 @contextmanager
@@ -79,6 +79,14 @@ def print_markdown(text: str):
     Console(file=sys.stdout, force_jupyter=False).print(Markdown(text))   # in a notebook: text, not a display
 
 # %% ../../nbs/92_verbs.ipynb
+def fits_no_device(peak: int) -> str | None:
+    "Why a step whose one-process peak is `peak` bytes fits no device in the device table, or None when one holds it."
+    from static_dist.topology.devices import DEVICES
+    big = max(DEVICES.values(), key=lambda d: d.memory_bytes)
+    if peak <= big.memory_bytes: return None
+    return (f"the step's peak of {fmt_bytes(peak)} fits no known device (the largest, {big.name}, holds "
+            f"{fmt_bytes(big.memory_bytes)}): lower --batch or --seq, or shard it across ranks (plan, plan-fsdp)")
+
 def cmd_capture(args) -> int:
     "`static-dist capture`: the captured step's summary (markdown or JSON), optionally the whole graph as JSON."
     if args.save: check_writable(args.save, force=args.force, inputs=input_files(args))
@@ -89,6 +97,8 @@ def cmd_capture(args) -> int:
     else:
         print_markdown(g.summary_markdown())
         print(f"captured in {g.meta['seconds']} s")
+    if (why := fits_no_device(g.summary()["peak_bytes"])):
+        print(f"static-dist capture: {why}", file=sys.stderr); return 3
     return 0
 
 # %% ../../nbs/92_verbs.ipynb
