@@ -165,7 +165,8 @@ def read_bounded(
         if size > limit: raise too_big(f"{what} {path}: {size:,} bytes, more than the {limit:,} allowed")
         chunks, n = [], 0
         while n <= limit:
-            b = os.read(fd, min(1 << 20, limit + 1 - n))   # chunks: never a buffer of `limit` bytes reserved up front
+            try: b = os.read(fd, min(1 << 20, limit + 1 - n))   # chunks: never a buffer of `limit` bytes up front
+            except OSError as e: raise error(f"{what} {path}: cannot read it ({e.strerror})") from None
             if not b: break
             chunks.append(b); n += len(b)
         if n > limit: raise too_big(f"{what} {path}: more than the {limit:,} bytes allowed (it grew while it was read)")
@@ -184,17 +185,30 @@ def _json_depth(text: str) -> int:
     return int(np.cumsum(d).max()) if d.size else 0
 
 # %% ../nbs/00ab_files.ipynb
+class _DuplicateKey(Exception): pass
+
+def _unique_keys(pairs: list) -> dict:
+    "A JSON object's dict, refusing a key given twice (json's default keeps the last one in silence)."
+    out = {}
+    for k, v in pairs:
+        if k in out: raise _DuplicateKey(json.dumps(k)[:80])
+        out[k] = v
+    return out
+
 def loads_json(text: str | bytes, what: str = "JSON", max_depth: int = MAX_JSON_DEPTH):
     "Parse JSON text nested at most `max_depth` deep; InputError naming `what` for bad text."
-    import json
+    if not isinstance(text, (str, bytes)): raise InputError(f"{what}: expected JSON text, got {type(text).__name__}")
     if isinstance(text, bytes):
         try: text = text.decode()
         except UnicodeDecodeError as e:
             raise InputError(f"{what}: not UTF-8 text (byte {e.start}); give a JSON file") from None
     if _json_depth(text) > max_depth:
         raise InputError(f"{what}: nested deeper than {max_depth} levels; not a file this package writes")
-    try: return json.loads(text)
+    try: return json.loads(text, object_pairs_hook=_unique_keys)
     except json.JSONDecodeError as e: raise InputError(f"{what}: not valid JSON ({e})") from None
+    except _DuplicateKey as e: raise InputError(f"{what}: key {e} appears twice in one object; keep one") from None
+    except ValueError as e:                              # an integer longer than Python converts (4300 digits)
+        raise InputError(f"{what}: {str(e).split(';')[0]}; not a file this package writes") from None
 
 def read_json(path, what: str = "JSON file", limit: int = MAX_JSON_BYTES, max_depth: int = MAX_JSON_DEPTH):
     "The JSON value in file `path`, read with `read_bounded` and parsed with `loads_json`."

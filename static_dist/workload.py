@@ -7,6 +7,7 @@ from __future__ import annotations
 # One idea over 500 lines: a workload, what is trained and where it comes from (zoo, file, module, hf:); every
 # source ends in the same record and the same checks, which a split would separate from the sources they guard.
 
+import functools
 import inspect
 import math
 import os
@@ -89,7 +90,7 @@ class Workload:
     _graphs: dict = field(default_factory=dict, init=False, repr=False)
     _key: tuple = field(default=(), init=False, repr=False)
 
-    def __post_init__(self): _validate(self)
+    def __post_init__(self): _validate(self); self.build = _checked_build(self.build, self.source)
 
 # %% ../nbs/03_workload.ipynb
 @patch
@@ -154,6 +155,20 @@ def _validate(w: Workload) -> None:
         raise WorkloadError(f"unknown dtype {w.dtype!r}; use one of {', '.join(DTYPES)}")
     if not callable(w.build) or not callable(w.make_inputs):
         raise WorkloadError(f"workload {w.source!r}: build and make_inputs must be callables")
+
+# %% ../nbs/03_workload.ipynb
+def _checked_build(build: Callable, source: str) -> Callable:
+    "`build` (its signature kept), raising WorkloadError when it returns anything but an nn.Module."
+    if getattr(build, "_checked", False): return build
+    @functools.wraps(build)
+    def checked(*args, **kwargs):
+        m = build(*args, **kwargs)
+        if not isinstance(m, nn.Module):
+            raise WorkloadError(f"workload {source!r}: build returned {type(m).__name__}, not an nn.Module; "
+                                "make it return the model")
+        return m
+    checked._checked = True
+    return checked
 
 # %% ../nbs/03_workload.ipynb
 def _progress_adapter(progress, about: str = ""):

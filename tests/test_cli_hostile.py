@@ -147,7 +147,7 @@ def test_every_case_is_one_line_exit_2(fx):
 
 def test_what_the_fake_capture_allows(fx):
     """A fake capture builds no real input: 2**31-1 samples, or samples of 10**10 floats, capture without allocating
-    them."""
+    them; a peak no known device holds is then said in one line, exit 3 (a predicted out of memory, as train's)."""
     for argv in (
         ["capture", "--model", "mlp", "--batch", "2147483647", "--json"],
         [
@@ -162,7 +162,7 @@ def test_what_the_fake_capture_allows(fx):
         ],
     ):
         code, err = run_main(argv)
-        assert code == 0, err
+        assert code == 3 and "fits no known device" in err and len(err.strip().splitlines()) == 1, err
 
 
 def test_train_refuses_a_predicted_oom_with_the_numbers(tmp_path):

@@ -14,7 +14,7 @@ import time
 import torch
 
 from .cli import UsageError
-from .verbs import print_markdown, status, topology_arg, workload_of
+from .verbs import input_files, print_markdown, status, topology_arg, workload_of
 from ..axes import AXES, device_mesh
 from ..files import atomic_write, check_writable
 from ..util import check_real_size
@@ -89,7 +89,7 @@ def layout_topology(name: str | None, world: int):
     from static_dist.topology import preset
     topo = (
         topology_arg(name, world)
-        if name
+        if name is not None
         else preset("cluster", n_nodes=max(world // 8, 1), gpus_per_node=min(world, 8))
     )
     if topo.n_devices < world:
@@ -227,7 +227,7 @@ def cmd_plan(args) -> int:
     pdt, rdt = layout_precision(args, pins)
     virtual, micro = layout_pipeline(args, pins)
     topo = layout_topology(args.topology, args.world)
-    if args.out: check_writable(args.out, force=args.force)
+    if args.out: check_writable(args.out, force=args.force, inputs=input_files(args))
     w = workload_of(args)
     if args.float8_all_gather and args.float8 != "tensorwise":
         raise UsageError("--float8-all-gather needs --float8 tensorwise: torchao gathers float8 weights with one scale "
@@ -270,7 +270,7 @@ def cmd_plan(args) -> int:
     if args.emit: print_titan_overrides(plan, w.batch, w.seq, w.dtype)
     if args.verify: _verify_layout(w, plan, g if len(g.structure.main.blocks) == n else None)
     if args.out:
-        atomic_write(args.out, plan.to_json(), force=args.force)
+        atomic_write(args.out, plan.to_json(), force=args.force, inputs=input_files(args))
         print(f"plan written to {args.out}")
     if not fits: print(not_fit_message(st, r.best.memory_bytes, args.budget, "layout"), file=sys.stderr)
     return 0 if fits else 3
@@ -374,7 +374,7 @@ def plan_titan(args) -> int:
     job = titan_args(args)
     world = titan_dims(job, args.world).world
     topo = layout_topology(args.topology, world)
-    if args.out: check_writable(args.out, force=args.force)
+    if args.out: check_writable(args.out, force=args.force, inputs=input_files(args))
     with status(f"capturing torchtitan's {job.name}") as update: g, n, how, given = titan_prediction(job, world, topo,
                                                                                                        update)
     with status(f"searching layouts of {world} ranks") as update: r = titan_search(job, g, n, world, topo, args.budget,
@@ -399,7 +399,7 @@ def plan_titan(args) -> int:
     chosen = r.best.plan if r.best else given.plan
     if args.emit: print_titan_overrides(chosen, job.microbatch_size if job.pp > 1 else job.local_batch, job.seq_len, m)
     if args.out and r.best:
-        atomic_write(args.out, chosen.to_json(), force=args.force)
+        atomic_write(args.out, chosen.to_json(), force=args.force, inputs=input_files(args))
         print(f"plan written to {args.out}")
     return 0 if r.best else 3
 
@@ -545,13 +545,13 @@ def train_plan(args) -> int:
     import os
     import torch.distributed as dist
     from static_dist.launch import process_group, under_torchrun
-    from static_dist.parallel import ParallelPlan, check_layout
+    from static_dist.parallel import ParallelPlan, check_fsdp_modules, check_layout
     from static_dist.structure import find_structure
     if args.backend is not None and args.no_compile:
         raise UsageError(f"--no-compile with --backend {args.backend}: give one of them")
     world = int(os.environ.get("WORLD_SIZE", "1")) if under_torchrun() else 1
     rank = int(os.environ.get("RANK", "0")) if under_torchrun() else 0
-    if rank == 0: check_writable(args.log, force=args.force, inputs=[args.plan])
+    if rank == 0: check_writable(args.log, force=args.force, inputs=input_files(args))
     plan = ParallelPlan.from_json(args.plan)
     if plan.dims.world != world:
         how = (
@@ -569,6 +569,12 @@ def train_plan(args) -> int:
         plan, find_structure(w.build(device="meta")).main, w.seq
     )  # before any process group: one line on each rank
     if plan.dims.cp > 1: check_context_parallel(w, plan)
+    check_fsdp_modules(plan, w.build(device="meta"))
+    if not args.force and (need := max(_predicted_rank_peaks(w, plan))) > args.budget:   # --budget, as without --plan
+        from static_dist.graph import fmt_bytes
+        print(f"static-dist train: predicted out of memory: the plan's busiest rank needs {fmt_bytes(need)}, the "
+              f"budget is {fmt_bytes(args.budget)}; raise --budget, or pass --force to train anyway", file=sys.stderr)
+        return 3
     if args.no_compile: plan = dataclasses.replace(plan, compile=())
     if plan.float8:      # one line on each rank, before any process group
         from static_dist.parallel import float8_refusal
@@ -597,7 +603,7 @@ def train_plan(args) -> int:
     ]
     log = dict(workload=w.describe(), plan=json.loads(plan.to_json()), world=n, steps=args.steps, losses=losses,
                peaks=peaks, ranks=every, collective_timeout_s=timeout)
-    atomic_write(args.log, json.dumps(log, indent=2, default=str), force=args.force, inputs=[args.plan])
+    atomic_write(args.log, json.dumps(log, indent=2, default=str), force=args.force, inputs=input_files(args))
     from static_dist.graph import fmt_bytes
     degrees = " × ".join(f"{k} {getattr(plan.dims, k)}" for k in PIN_DIMS if getattr(plan.dims, k) > 1) or "one rank"
     print(
@@ -619,7 +625,7 @@ def cmd_train(args) -> int:
     from static_dist.launch import under_torchrun
     if args.plan: return train_plan(args)
     rank = int(os.environ.get("RANK", "0")) if under_torchrun() else 0
-    if rank == 0: check_writable(args.log, force=args.force)
+    if rank == 0: check_writable(args.log, force=args.force, inputs=input_files(args))
     if args.no_compile and args.backend is not None:
         raise UsageError(f"--no-compile with --backend {args.backend}: give one of them")
     w = workload_of(args)
@@ -638,7 +644,7 @@ def cmd_train(args) -> int:
     if (oom := _predicted_oom(w, cfg, args)): print(f"static-dist train: {oom}", file=sys.stderr); return 3
     with status(f"training {w.source}") as update: log = train_compiled(cfg, progress=update, workload=w)
     if rank != 0: return 0                       # one log: every rank trained, rank 0 writes
-    atomic_write(args.log, json.dumps(log, indent=2, default=str), force=args.force)
+    atomic_write(args.log, json.dumps(log, indent=2, default=str), force=args.force, inputs=input_files(args))
     print(json.dumps(dict(workload=w.describe(), **log["summary"]), indent=2))
     print(f"step log written to {args.log}", file=sys.stderr)
     return 0

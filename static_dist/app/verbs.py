@@ -21,9 +21,10 @@ from ..files import atomic_write, check_writable
 from ..util import check_memory, check_real_size
 
 # %% auto 0
-__all__ = ['EXPORT_FILES', 'status', 'workload_of', 'print_markdown', 'cmd_capture', 'fsdp_reserved', 'reserved_line',
-           'not_fit_message', 'cmd_plan_fsdp', 'topology_arg', 'mesh_spec', 'cmd_plan_placement', 'cmd_plan_offload',
-           'cmd_check_export', 'rewrite_case', 'cmd_passes', 'cmd_ops', 'parse_fault', 'cmd_stability']
+__all__ = ['EXPORT_FILES', 'status', 'workload_of', 'input_files', 'print_markdown', 'fits_no_device', 'cmd_capture',
+           'fsdp_reserved', 'reserved_line', 'not_fit_message', 'cmd_plan_fsdp', 'topology_arg', 'mesh_spec',
+           'cmd_plan_placement', 'cmd_plan_offload', 'cmd_check_export', 'rewrite_case', 'cmd_passes', 'cmd_ops',
+           'parse_fault', 'cmd_stability']
 
 # %% ../../nbs/92_verbs.ipynb
 @contextmanager
@@ -56,6 +57,21 @@ def workload_of(args):
                          input_shape=args.input_shape)
 
 # %% ../../nbs/92_verbs.ipynb
+_INPUT_OPTIONS = ("plan", "topology", "baseline", "key", "device_json", "program", "artifact", "trusted_key",
+                  "trusted_keys")   # the options (dests) that name a file the verb reads
+
+def input_files(args) -> list[str]:
+    "Every file a verb's arguments name as an input (the model's source file, a plan, a topology, keys...)."
+    import os
+    from static_dist.util import is_file_ref
+    model = getattr(args, "model", None)
+    out = [model.rsplit(":", 1)[0]] if isinstance(model, str) and ":" in model and is_file_ref(model) else []
+    for k in _INPUT_OPTIONS:
+        v = getattr(args, k, None)
+        out += [x for x in (v if isinstance(v, list) else [v]) if isinstance(x, (str, os.PathLike)) and str(x)]
+    return out
+
+# %% ../../nbs/92_verbs.ipynb
 def print_markdown(text: str):
     "Markdown rendered by rich on a terminal, plain text in a pipe or a notebook cell's captured stdout."
     from rich.console import Console
@@ -63,16 +79,26 @@ def print_markdown(text: str):
     Console(file=sys.stdout, force_jupyter=False).print(Markdown(text))   # in a notebook: text, not a display
 
 # %% ../../nbs/92_verbs.ipynb
+def fits_no_device(peak: int) -> str | None:
+    "Why a step whose one-process peak is `peak` bytes fits no device in the device table, or None when one holds it."
+    from static_dist.topology.devices import DEVICES
+    big = max(DEVICES.values(), key=lambda d: d.memory_bytes)
+    if peak <= big.memory_bytes: return None
+    return (f"the step's peak of {fmt_bytes(peak)} fits no known device (the largest, {big.name}, holds "
+            f"{fmt_bytes(big.memory_bytes)}): lower --batch or --seq, or shard it across ranks (plan, plan-fsdp)")
+
 def cmd_capture(args) -> int:
     "`static-dist capture`: the captured step's summary (markdown or JSON), optionally the whole graph as JSON."
-    if args.save: check_writable(args.save, force=args.force)
+    if args.save: check_writable(args.save, force=args.force, inputs=input_files(args))
     w = workload_of(args)
     with status(f"capturing {w.source}") as update: g = w.graph(mode=args.mode, progress=update)
-    if args.save: atomic_write(args.save, json.dumps(g.to_dict()), force=args.force)
+    if args.save: atomic_write(args.save, json.dumps(g.to_dict()), force=args.force, inputs=input_files(args))
     if args.json: print(json.dumps(dict(workload=w.describe(), **g.summary()), indent=2))
     else:
         print_markdown(g.summary_markdown())
         print(f"captured in {g.meta['seconds']} s")
+    if (why := fits_no_device(g.summary()["peak_bytes"])):
+        print(f"static-dist capture: {why}", file=sys.stderr); return 3
     return 0
 
 # %% ../../nbs/92_verbs.ipynb
@@ -175,7 +201,7 @@ def cmd_plan_fsdp(args) -> int:
     "`static-dist plan-fsdp`: search a plan (or evaluate `--plan`), print it, optionally verify and write it."
     from static_dist.fsdp import FSDPPlan
     _fsdp_flags(args)
-    if args.out: check_writable(args.out, force=args.force, inputs=[args.plan])
+    if args.out: check_writable(args.out, force=args.force, inputs=input_files(args))
     given = FSDPPlan.from_json(args.plan) if args.plan else None     # read and checked before the capture
     w = workload_of(args)
     prof = _fsdp_profile(args, w, given)
@@ -193,7 +219,7 @@ def cmd_plan_fsdp(args) -> int:
     print(line)
     if args.verify: _verify(args, w, rep, prof)
     if args.out:
-        atomic_write(args.out, rep.plan.to_json(), force=args.force, inputs=[args.plan])
+        atomic_write(args.out, rep.plan.to_json(), force=args.force, inputs=input_files(args))
         print(f"plan written to {args.out}")
     if not fits: print(not_fit_message(st, rep.memory.peak_bytes, args.budget), file=sys.stderr)
     return 0 if fits else 3
@@ -210,6 +236,7 @@ def _verify(args, w, rep, prof):
 def topology_arg(name: str, n: int):
     "A topology preset sized to `n` devices where the preset allows it, or a topology JSON file."
     from static_dist.placement import load_topology_arg
+    if not str(name).strip(): raise UsageError("--topology is empty: give a preset name (dgx-h100) or a topology JSON")
     try: return load_topology_arg(name, n)
     except (KeyError, ValueError, OSError) as e: raise UsageError(f"--topology {name!r}: {e}") from None
 
@@ -274,7 +301,7 @@ def cmd_plan_offload(args) -> int:
     "`static-dist plan-offload`: which saved tensors go to which tier, and when."
     from static_dist.offload import (TIER_PRESETS, offload_device, plan_markdown, plan_offload, plan_summary,
                                      plan_to_dict, tier)
-    if args.save: check_writable(args.save, force=args.force)
+    if args.save: check_writable(args.save, force=args.force, inputs=input_files(args))
     names = args.tier or ["pcie5-pinned", "nvme-gen4"]
     bad = [t for t in names if t not in TIER_PRESETS]
     if bad: raise UsageError(f"--tier {bad[0]!r}: choose from {', '.join(TIER_PRESETS)}")
@@ -288,7 +315,8 @@ def cmd_plan_offload(args) -> int:
     try: plan = plan_offload(g, tuple(tier(t) for t in names), host_limit=args.host_limit, device=args.device,
                              recomputed=tuple(args.recompute or ()), min_bytes=args.min_bytes)
     except ValueError as e: raise UsageError(str(e)) from None
-    if args.save: atomic_write(args.save, json.dumps(plan_to_dict(plan), indent=2), force=args.force)
+    if args.save:
+        atomic_write(args.save, json.dumps(plan_to_dict(plan), indent=2), force=args.force, inputs=input_files(args))
     if args.json: print(json.dumps(dict(workload=w.describe(), **plan_summary(plan)), indent=2))
     else: print_markdown(plan_markdown(plan))
     return 0
@@ -362,7 +390,7 @@ def rewrite_case(model, inputs):
 def cmd_passes(args) -> int:
     "`static-dist passes rewrite`: the exported forward rewritten to the bridged ops, checked against the original."
     from static_dist.passes import profile_nodes
-    if args.trace: check_writable(args.trace, force=args.force)
+    if args.trace: check_writable(args.trace, force=args.force, inputs=input_files(args))
     w = workload_of(args)
     from static_dist.export import workload_case
     case = workload_case(w)
@@ -373,7 +401,7 @@ def cmd_passes(args) -> int:
         # the trace written whole, exclusively without --force, never over a device
         with tempfile.TemporaryDirectory() as d:
             trace = profile_nodes(new, *case.inputs).to_chrome_trace(Path(d) / "trace.json").read_bytes()
-        print(f"wrote {atomic_write(args.trace, trace, force=args.force)}")
+        print(f"wrote {atomic_write(args.trace, trace, force=args.force, inputs=input_files(args))}")
     return 0
 
 # %% ../../nbs/92_verbs.ipynb
@@ -419,7 +447,7 @@ def cmd_stability(args) -> int:
     "`static-dist stability`: one strategy against injected faults, next to the clean and unmitigated runs."
     from dataclasses import asdict
     from static_dist.stability import STRATEGIES, RunConfig, plot_run, run_stability
-    if args.plot: check_writable(args.plot, force=args.force)
+    if args.plot: check_writable(args.plot, force=args.force, inputs=input_files(args))
     if args.strategy not in STRATEGIES:
         raise UsageError(f"--strategy {args.strategy!r}: choose one of {', '.join(STRATEGIES)}")
     faults = [parse_fault(f) for f in args.fault]
@@ -464,7 +492,7 @@ def cmd_stability(args) -> int:
     if args.plot:
         import io
         buf = io.BytesIO(); plot_run([base, run]).savefig(buf, format="png", dpi=80)
-        atomic_write(args.plot, buf.getvalue(), force=args.force)
+        atomic_write(args.plot, buf.getvalue(), force=args.force, inputs=input_files(args))
     if args.json: print(json.dumps(out, indent=2)); return 0
     pct = lambda v: f"{100 * v:+.1f}%"
     print(f"{args.strategy}: held-out loss {run.eval_loss:.4f} ({pct(run.eval_loss / clean.eval_loss - 1)} vs clean "

@@ -5,8 +5,6 @@
 # %% ../../nbs/40f_fsdp_apply.ipynb 3
 from __future__ import annotations
 
-import inspect
-
 import torch
 import torch.nn as nn
 
@@ -33,12 +31,10 @@ def _shard_units(plan: FSDPPlan, mesh, mods: dict) -> None:
     dt = lambda s: None if s is None else getattr(torch, s)
     mp = MixedPrecisionPolicy(param_dtype=dt(plan.param_dtype), reduce_dtype=dt(plan.reduce_dtype))
     order = sorted(plan.units, key=lambda u: (-u.module.count(".") if u.module else 1, u.module == ""))
-    auto = inspect.signature(fully_shard).parameters["reshard_after_forward"].default is None
     for u in order:
         for m in u.modules if u.module else ():
             apply_checkpointing(mods[m], u.checkpoint)
-        r = u.reshard_after_forward
-        if u.module == "" and r is True: r = None if auto else True   # FSDP2's root default: keep after forward
+        r = u.reshard_after_forward                  # the root's is never True (FSDPUnit): the plan says what runs
         target = [mods[m] for m in u.modules] if u.group else mods[u.module]   # a group: one call on the list
         fully_shard(target, mesh=mesh, reshard_after_forward=r, mp_policy=mp, ignored_params=ignored or None)
 

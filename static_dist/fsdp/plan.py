@@ -47,7 +47,8 @@ class FSDPUnit:
     module: str
     "FQN of the module to shard ('' = the root model)."
     reshard_after_forward: bool | int = True
-    "True: free unsharded params after forward; False: keep them to backward; int: reshard to that group size."
+    """True: free unsharded params after forward; False: keep them to backward; int: reshard to that group size. The
+    root's True is False: FSDP2 keeps the root's parameters for backward, so the plan says what runs."""
     checkpoint: CheckpointPolicy = NoCheckpoint()
     "How `apply_plan` checkpoints the unit: `NoCheckpoint()` or `FullCheckpoint()` (or its name, 'none' or 'full')."
     reason: str = ""
@@ -59,6 +60,8 @@ class FSDPUnit:
         try: object.__setattr__(self, "checkpoint", _unit_policy(self.checkpoint))
         except PlanError as e: raise PlanError(f"unit {self.module!r}: checkpoint {e}") from None
         object.__setattr__(self, "group", tuple(self.group))
+        if self.module == "" and self.reshard_after_forward is True:
+            object.__setattr__(self, "reshard_after_forward", False)
 
     @property
     def modules(self) -> tuple[str, ...]:

@@ -20,8 +20,8 @@ from ..placement import parallel_style
 from ..structure import find_structure
 
 # %% auto 0
-__all__ = ['plan_blocks', 'apply_tp', 'step_context', 'apply_ac', 'apply_compile', 'apply_async_tp', 'apply_fsdp', 'apply_float8',
-           'apply_parallel_plan']
+__all__ = ['plan_blocks', 'apply_tp', 'step_context', 'apply_ac', 'apply_compile', 'apply_async_tp', 'check_fsdp_modules',
+           'apply_fsdp', 'apply_float8', 'apply_parallel_plan']
 
 # %% ../../nbs/45e_parallel_apply.ipynb
 def plan_blocks(plan: ParallelPlan, stack, stage: int | None = None) -> tuple[tuple[int, str], ...]:
@@ -153,6 +153,16 @@ def apply_async_tp(plan: ParallelPlan, tp_mesh) -> None:
 
 
 # %% ../../nbs/45e_parallel_apply.ipynb
+def check_fsdp_modules(plan: ParallelPlan, model: nn.Module) -> None:
+    "ParallelPlanError naming an FSDP unit or ignored module of `plan` that `model` (the whole model) lacks."
+    if plan.fsdp is None: return
+    mods = dict(model.named_modules())
+    units = [m for u in plan.fsdp.units for m in u.modules]
+    for what, names in (("unit", units), ("ignored module", plan.fsdp.ignored)):
+        if bad := next((n for n in names if n not in mods), None):
+            raise ParallelPlanError(f"fsdp {what} {bad!r} is not a module of the model (e.g. "
+                                    f"{', '.join(repr(n) for n in list(mods)[1:4])}): fix the name in the plan")
+
 def apply_fsdp(model: nn.Module, plan: ParallelPlan, mesh) -> None:
     """`fully_shard` the plan's FSDP units (those the model has with parameters; the root always) over the data-parallel
     mesh (none for one rank). A pipeline stage keeps only its own modules' parameters, so the others' units drop out."""
@@ -187,6 +197,7 @@ def apply_parallel_plan(model: nn.Module, plan: ParallelPlan, mesh=None, *, seq:
             f"pp={plan.dims.pp}: apply the plan to one pipeline stage; parallel.pipeline.build_pipeline "
             "splits the model and applies it to each stage (or give stage= and the whole model's stack=)"
         )
+    if stage is None: check_fsdp_modules(plan, model)       # a stage lacks other stages' units: build_pipeline checks
     blocks = plan_blocks(plan, stack, stage)
     mesh = device_mesh(plan.dims) if mesh is None else mesh
     apply_float8(model, plan)

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from .apply import apply_parallel_plan
+from .apply import apply_parallel_plan, check_fsdp_modules
 from .schedule import rank_stages
 from .plan import SCHEDULES, ParallelPlan, ParallelPlanError, check_layout, stage_ranges
 from .verify import axis_counts
@@ -363,6 +363,7 @@ def build_pipeline(model: nn.Module, plan: ParallelPlan, mesh, batch, loss_fn: C
         raise ParallelPlanError("the mesh has no 'pp' dim: make it with axes.device_mesh(plan.dims)")
     stack = find_structure(model).main
     check_layout(plan, stack, seq)
+    check_fsdp_modules(plan, model)                    # the whole model: each stage then keeps its own units
     split = plan_split(model, plan, _micro(batch, plan.microbatches), stack)
     if plan.fsdp is not None and plan.fsdp.param_dtype: split = in_compute_dtype(split, plan.fsdp.param_dtype)
     pp = mesh["pp"]

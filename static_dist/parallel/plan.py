@@ -23,8 +23,8 @@ from ..errors import errors_as
 from ..files import loads_json, read_json
 
 # %% auto 0
-__all__ = ['ParallelDims', 'SCHEDULES', 'OUTER_ROLES', 'PARALLEL_SCHEMA', 'ParallelPlanError', 'ParallelPlan', 'block_policies',
-           'stage_ranges', 'check_layout', 'block_collectives', 'outer_collectives']
+__all__ = ['ParallelDims', 'SCHEDULES', 'OUTER_ROLES', 'MAX_MICROBATCHES', 'PARALLEL_SCHEMA', 'ParallelPlanError', 'ParallelPlan',
+           'block_policies', 'stage_ranges', 'check_layout', 'block_collectives', 'outer_collectives']
 
 # %% ../../nbs/45a_parallel_plan.ipynb
 class ParallelPlanError(PlanError):
@@ -67,6 +67,20 @@ SCHEDULES = {
     "Interleaved1F1B": "ScheduleInterleaved1F1B",
 }  # name -> torch.distributed.pipelining class
 
+_KNOWN_SAVES: set = set()   # save tuples whose every prefix names a registered op (a later registration only adds ops)
+
+def _check_saves(j: int, p: CheckpointPolicy) -> None:
+    "ParallelPlanError when selective policy `p` saves a prefix that names no op registered with torch's dispatcher."
+    if not isinstance(p, SelectiveOps) or p.save in _KNOWN_SAVES: return
+    import torch
+    names = [n.replace("::", ".") for n in torch._C._dispatch_get_all_op_names()]
+    ops = [*names, *(n + ".default" for n in names if n.count(".") == 1)]   # a default overload has no name of its own
+    for s in p.save:
+        if not any(o.startswith(s) for o in ops):
+            raise ParallelPlanError(f"ac[{j}]: save {s!r} names no op registered with torch; give op-name prefixes "
+                                    "such as 'aten.mm' (import a custom op's library first)")
+    _KNOWN_SAVES.add(p.save)
+
 def _policies(ac) -> tuple[CheckpointPolicy, ...]:
     """Each entry of a plan's `ac` as a policy object (a name or JSON form is parsed); ParallelPlanError naming the
     entry."""
@@ -74,6 +88,7 @@ def _policies(ac) -> tuple[CheckpointPolicy, ...]:
     for j, a in enumerate(ac):
         try: out.append(parse_policy(a))
         except PolicyError as e: raise ParallelPlanError(f"ac[{j}]: {e}") from None
+        _check_saves(j, out[-1])
     return tuple(out)
 
 # %% ../../nbs/45a_parallel_plan.ipynb
@@ -147,6 +162,16 @@ def _check_outer(p: ParallelPlan) -> None:
         raise ParallelPlanError("async_tp overlaps the all-gathers and reduce-scatters of sequence parallelism with "
                                 "their matmuls: set sequence_parallel (and tp > 1) or drop async_tp")
 
+MAX_MICROBATCHES = 1 << 16   # micro-batches per step: the bound of `--microbatches`
+
+def _check_once(tp_styles) -> None:
+    "ParallelPlanError for a linear given a style twice (a dict of them keeps the last one, in silence)."
+    seen: dict = {}
+    for name, style in tp_styles: seen.setdefault(name, []).append(style)
+    if twice := next(((n, s) for n, s in seen.items() if len(s) > 1), None):
+        raise ParallelPlanError(f"tp_styles names {twice[0]!r} twice ({', '.join(twice[1])}): "
+                                "give one style per linear")
+
 def _check_axes(p: ParallelPlan) -> None:
     "The plan's own consistency, axis by axis; ParallelPlanError naming the field and the fix."
     d = p.dims
@@ -154,8 +179,16 @@ def _check_axes(p: ParallelPlan) -> None:
     bad = [s for _, s in p.tp_styles if s not in STYLES]
     _check_outer(p)
     if bad: raise ParallelPlanError(f"tp_styles: unknown style {bad[0]!r}; use one of {', '.join(STYLES)}")
+    _check_once(p.tp_styles)
     if p.schedule not in SCHEDULES:
         raise ParallelPlanError(f"schedule {p.schedule!r}: use one of {', '.join(SCHEDULES)}")
+    if d.pp == 1 and (p.schedule == "Interleaved1F1B" or p.microbatches != 1):
+        raise ParallelPlanError((f"schedule {p.schedule!r} with pp=1" if p.schedule == "Interleaved1F1B" else
+                                 f"microbatches={p.microbatches} with pp=1") + ": micro-batches and schedules are a "
+                                "pipeline's; set dims.pp >= 2, or use schedule '1F1B' and microbatches 1")
+    if not 1 <= p.microbatches <= MAX_MICROBATCHES:
+        raise ParallelPlanError(f"microbatches={p.microbatches}: at most {MAX_MICROBATCHES} (the command line's "
+                                "bound); give fewer, larger micro-batches")
     if d.pp == 1 and len(p.stages) > 1:
         raise ParallelPlanError(f"{len(p.stages)} stages with pp=1: set dims.pp={len(p.stages)}")
     if d.pp > 1 and (
@@ -353,6 +386,8 @@ def _plan_from(d) -> ParallelPlan:
         f.fail(f"expected {PARALLEL_SCHEMA!r}: write plans with ParallelPlan.to_json", "schema")
     pair = list_of(string(), 2, 2).named("a [name, value] pair of strings")
     fsdp = d.get("fsdp")
+    if fsdp is not None and not isinstance(fsdp, dict):
+        f.fail(f"expected an object (an FSDP plan) or null, found {json.dumps(fsdp)[:40]}", "fsdp")
     return ParallelPlan(
         _dims_from(f.nested("dims", tuple(a.name for a in AXES))),
         tuple(map(tuple, f("tp_styles", list_of(pair), ()))),

@@ -70,7 +70,7 @@ def layout_dims(world: int, *, n_blocks: int, node: int, heads: int = 0, kv_head
     pins = dict(pins or {})
     bad = set(pins) - set(AXIS)
     if bad: raise ParallelPlanError(f"unknown pinned dims {sorted(bad)}: pin {', '.join(AXIS)}")
-    out = []
+    out, partial = [], []    # partial: pinned layouts the whole-node replication rule leaves out
     for tp in _divisors(world):
         if tp > node or node % tp or (heads and heads % tp) or (kv_heads and kv_heads % tp): continue
         for pp in _divisors(world // tp):
@@ -80,9 +80,15 @@ def layout_dims(world: int, *, n_blocks: int, node: int, heads: int = 0, kv_head
                 dp = world // tp // pp // cp
                 for rep in _divisors(dp):
                     shard = dp // rep
-                    if rep > 1 and shard * cp * tp < node: continue      # replicate only across whole sharded nodes
                     d = ParallelDims(rep, shard, cp, tp, pp)
-                    if all(getattr(d, k) == v for k, v in pins.items()): out.append(d)
+                    if not all(getattr(d, k) == v for k, v in pins.items()): continue
+                    if rep > 1 and shard * cp * tp < node: partial.append(d); continue
+                    out.append(d)
+    if not out and partial:
+        raise ParallelPlanError(f"no layout of {world} ranks satisfies the pins {pins}: the search replicates only whole "
+                                f"sharded nodes (dp_shard × cp × tp >= {node} ranks per node), and dp_replicate "
+                                f"{partial[0].dp_replicate} leaves {world // partial[0].dp_replicate} per replica; pin "
+                                f"dp_replicate {max(world // node, 1)} or less, or give a topology with smaller nodes")
     if not out: raise ParallelPlanError(f"no layout of {world} ranks satisfies the pins {pins} and the model "
                                         f"({n_blocks} blocks, {heads} heads, seq {seq}); relax a pin")
     return out
@@ -138,6 +144,7 @@ def plan(
     units = block_units(self.blocks, d.pp == 1 if reshard is None else reshard)
     pdt, rdt = self.precision               # with one data-parallel rank, check_layout refuses a mixed precision
     fsdp = FSDPPlan(dp, mesh, units, param_dtype=pdt, reduce_dtype=rdt) if dp > 1 or pdt or rdt else None
+    schedule = schedule if d.pp > 1 else "1F1B"     # a schedule is a pipeline's: a pp=1 plan that names one is refused
     return ParallelPlan(d, stages=stages, schedule=schedule, microbatches=m, ac=tuple(ac), fsdp=fsdp, name=name,
                         compile=self.compiled(self.n), float8=self.float8,
                         float8_all_gather=self.float8_all_gather and dp > 1, **self.tp_fields(d))
