@@ -254,3 +254,20 @@ def test_gemma2_checkpointed_tp_collectives_exact(tmp_path, ac):
     line = next(l for l in out.splitlines() if l.startswith("verify: collectives per step"))
     pred, meas = line.split("predicted ")[1].split(", measured ")
     assert ast.literal_eval(pred) == ast.literal_eval(meas) and ast.literal_eval(meas)["tp.all_reduce"] == 8, line
+
+
+def test_plan_offers_context_parallelism_only_where_it_is_correct(tmp_path):
+    """Issue 30 item 1: the GPT example builds its positions with arange inside forward, so a cp layout would train it
+    wrongly: --cp 2 is refused naming why, and the search never offers cp > 1 for it. cp x pp is refused (torch's
+    context_parallel wraps one forward/backward, not a schedule)."""
+    code, out, err = run("plan", "--model", "examples/gpt.py:GPT", "--batch", "4", "--seq", "64", "--world", "4",
+                         "--cp", "2")
+    _one_line_error(code, err, "cp=2", "aten.arange inside its forward")
+    code, out, err = run("plan", "--model", "examples/gpt.py:GPT", "--batch", "4", "--seq", "64", "--world", "8",
+                         "--budget", "1MiB", "--out", str(tmp_path / "p.json"))
+    if code == 0: assert ParallelPlan.from_json(tmp_path / "p.json").dims.cp == 1
+    assert "cp 2" not in out and "× cp" not in out, out
+    import pytest as _pt
+    from static_dist.parallel import ParallelPlanError
+    with _pt.raises(ParallelPlanError, match="cp 2 x pp 2"):
+        ParallelPlan(ParallelDims(dp_shard=1, cp=2, pp=2), stages=(1, 1), microbatches=2)

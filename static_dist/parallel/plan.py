@@ -180,6 +180,9 @@ def _check_axes(p: ParallelPlan) -> None:
     _check_outer(p)
     if bad: raise ParallelPlanError(f"tp_styles: unknown style {bad[0]!r}; use one of {', '.join(STYLES)}")
     _check_once(p.tp_styles)
+    if d.cp > 1 and d.pp > 1:
+        raise ParallelPlanError(f"cp {d.cp} x pp {d.pp}: torch's context_parallel wraps one forward and backward, not "
+                                "a pipeline schedule's, so the stages would not shard the sequence; give cp or pp 1")
     if p.schedule not in SCHEDULES:
         raise ParallelPlanError(f"schedule {p.schedule!r}: use one of {', '.join(SCHEDULES)}")
     if d.pp == 1 and (p.schedule == "Interleaved1F1B" or p.microbatches != 1):

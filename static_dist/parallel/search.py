@@ -48,7 +48,7 @@ from static_dist.parallel.plan import (
 )
 from .float8 import check_float8, float8_of
 from .time import StepTime, predict_step_time, rank_work
-from ..placement import (block_spec, megatron_styles, outer_roles, sequence_blocker,
+from ..placement import (block_spec, megatron_styles, outer_roles, sequence_blocker, context_blocker,
                                   blocking_params)
 from ..cost.profile import param_infos
 from ..topology import Topology
@@ -76,7 +76,7 @@ def layout_dims(world: int, *, n_blocks: int, node: int, heads: int = 0, kv_head
         for pp in _divisors(world // tp):
             if pp > max(n_blocks, 1) or (pp > 1 and n_blocks < pp): continue
             for cp in _divisors(world // tp // pp):
-                if cp > 1 and (seq is None or seq % (2 * cp)): continue
+                if cp > 1 and (seq is None or seq % (2 * cp) or pp > 1): continue   # cp x pp: see 45a
                 dp = world // tp // pp // cp
                 for rep in _divisors(dp):
                     shard = dp // rep
@@ -85,10 +85,12 @@ def layout_dims(world: int, *, n_blocks: int, node: int, heads: int = 0, kv_head
                     if rep > 1 and shard * cp * tp < node: partial.append(d); continue
                     out.append(d)
     if not out and partial:
-        raise ParallelPlanError(f"no layout of {world} ranks satisfies the pins {pins}: the search replicates only whole "
-                                f"sharded nodes (dp_shard × cp × tp >= {node} ranks per node), and dp_replicate "
-                                f"{partial[0].dp_replicate} leaves {world // partial[0].dp_replicate} per replica; pin "
-                                f"dp_replicate {max(world // node, 1)} or less, or give a topology with smaller nodes")
+        raise ParallelPlanError(
+            f"no layout of {world} ranks satisfies the pins {pins}: the search replicates only whole "
+            f"sharded nodes (dp_shard × cp × tp >= {node} ranks per node), and dp_replicate "
+            f"{partial[0].dp_replicate} leaves {world // partial[0].dp_replicate} per replica; pin "
+            f"dp_replicate {max(world // node, 1)} or less, or give a topology with smaller nodes"
+        )
     if not out: raise ParallelPlanError(f"no layout of {world} ranks satisfies the pins {pins} and the model "
                                         f"({n_blocks} blocks, {heads} heads, seq {seq}); relax a pin")
     return out
@@ -589,6 +591,10 @@ def search_layouts(g: StaticGraph, world: int, topo: Topology, budget_bytes: int
                 "pairs need separate nn.Linear projections; fused or Conv1D ones are not split): pin tp 1"
             )
         pins = {**(pins or {}), "tp": 1}
+    if (pins or {}).get("cp", 1) != 1 or "cp" not in (pins or {}):
+        if (why := context_blocker(g)) is not None:            # context parallelism would train this model wrongly
+            if (pins or {}).get("cp", 1) > 1: raise ParallelPlanError(f"cp={pins['cp']}: {why}; pin cp 1")
+            pins = {**(pins or {}), "cp": 1}
     ctx = _Context(g, n, topo, styles, policies, master_dtype, (param_dtype, reduce_dtype), outer, sp, bool(outer),
                    async_tp, compile)
     ctx.float8_all_gather = float8_all_gather
