@@ -96,6 +96,7 @@ def _layout_view(g: StaticGraph, topo, world: int, budget_mib: float, tp: int, p
                              if tp > 1 else ((), (), False))
         lp = loss and bool(outer)
         tpf = dict(tp_styles=styles, sequence_parallel=sp, loss_parallel=lp, tp_outer=outer if (sp or lp) else ())
+        if pp > 1: tpf = dict(tp_styles=styles)      # sequence and loss parallelism: not under a pipeline (45a)
         work = rank_work(step_g, ParallelPlan(ParallelDims(cp=cp, tp=tp), compile=comp, **tpf), topo)
         pdt = "bfloat16" if mixed else None
         fsdp = (FSDPPlan(d.fsdp_size, (d.fsdp_size,), block_units(stack.blocks), param_dtype=pdt)
@@ -122,7 +123,10 @@ def _layout_view(g: StaticGraph, topo, world: int, budget_mib: float, tp: int, p
         f"(pp rank {mem.peak_rank}), {verdict} in {fmt_bytes(budget)}; {step.line()}"
     )
     off = {"cp": "the capture has no sequence to split"} if not g.meta.get("inputs") else {}
+    if pp > 1: off["cp"] = "context parallelism does not shard a pipeline's stages (cp × pp is refused): pp 1 first"
+    elif cp > 1: off["pp"] = "a pipeline's stages would not shard the sequence (cp × pp is refused): cp 1 first"
     if tp == 1: off.update(sequence="tensor parallelism is off (tp 1)", loss="tensor parallelism is off (tp 1)")
+    elif pp > 1: off.update(sequence="not modelled under a pipeline (pp > 1)", loss="not modelled under a pipeline (pp > 1)")
     elif sequence and not plan.sequence_parallel:
         off["sequence"] = sequence_blocker(g) or "no embedding and output around the blocks to shard the sequence at"
     if tp > 1 and not plan.tp_outer: off["loss"] = "no output projection of the vocabulary outside the blocks"
