@@ -352,7 +352,7 @@ def titan_plan(job: TitanJob, g, world: int | None = None, n_blocks: int | None 
     m = job.local_batch // job.microbatch_size if d.pp > 1 else 1
     return ParallelPlan(d, stages=titan_stages(job, n), schedule=job.pp_schedule if d.pp > 1 else "1F1B",
                         microbatches=m, ac=ac, fsdp=fsdp, name=f"torchtitan {job.name}", float8=float8_of(g),
-                        float8_all_gather=job.float8_all_gather and dp > 1, **tp)
+                        float8_all_gather=job.float8_all_gather and dp > 1, ac_early_stop=False, **tp)
 
 # %% ../nbs/07_titan.ipynb
 @dataclass(frozen=True)

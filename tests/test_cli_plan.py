@@ -271,3 +271,43 @@ def test_plan_offers_context_parallelism_only_where_it_is_correct(tmp_path):
     from static_dist.parallel import ParallelPlanError
     with _pt.raises(ParallelPlanError, match="cp 2 x pp 2"):
         ParallelPlan(ParallelDims(dp_shard=1, cp=2, pp=2), stages=(1, 1), microbatches=2)
+
+
+def test_train_plan_trains_the_workload_it_was_planned_for(tmp_path):
+    """A plan searched at batch 4 x seq 32 trains batch 4 x seq 32 without being told (the plan file's record); another
+    batch or model is refused in one line; one step's peak is not compared with a steady step's prediction."""
+    code, _, err = run("plan", "--model", "tiny", "--world", "1", "--batch", "4", "--seq", "32",
+                       "--out", str(tmp_path / "p.json"))
+    assert code == 0, err
+    rec = json.loads((tmp_path / "p.json").read_text())["planned_for"]
+    assert (rec["source"], rec["batch"], rec["seq"], rec["optimizer"]) == ("tiny", 4, 32, "adamw")
+    log = tmp_path / "log.json"
+    train = ("train", "--plan", str(tmp_path / "p.json"), "--no-compile", "--log", str(log))
+    code, out, err = run(*train, "--steps", "2")
+    assert code == 0, err
+    got = json.loads(log.read_text())
+    assert (got["workload"]["batch"], got["workload"]["seq"]) == (4, 32)
+    assert got["peaks"][0]["ratio"] is not None and "× measured" in out
+    for extra, words in ((("--batch", "2"), ("--batch 2", "batch 4")), (("--model", "small"), ("parameters", "tiny"))):
+        code, _, err = run(*train, "--steps", "2", "--force", *extra)
+        assert code == 2 and len(err.strip().splitlines()) == 1 and all(w in err for w in words), err
+    code, out, err = run(*train, "--steps", "1", "--force")
+    assert code == 0, err
+    assert json.loads(log.read_text())["peaks"][0]["ratio"] is None
+    assert "not compared: one step" in out and "--steps 2 or more" in err
+
+
+def test_plan_offers_no_pipeline_to_a_model_whose_forward_is_its_loss(tmp_path):
+    """Issue 30 item 13: an hf: causal LM returns its own loss, and a pipeline schedule needs targets for the loss on
+    its last stage (train --plan refused it, "a pipeline needs targets"): --pp 2 is refused at plan time, naming why,
+    and the search never offers pp > 1 for it."""
+    pytest.importorskip("transformers")
+    (tmp_path / "config.json").write_text(json.dumps(dict(
+        model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=256, max_position_embeddings=128)))
+    hf = ("--model", f"hf:{tmp_path / 'config.json'}", "--batch", "4", "--seq", "32")
+    code, out, err = run("plan", *hf, "--world", "4", "--pp", "2")
+    _one_line_error(code, err, "pp=2", "LlamaForCausalLM computes its loss inside its forward", "pin pp 1")
+    code, out, err = run("plan", *hf, "--world", "8", "--budget", "2MiB", "--out", str(tmp_path / "p.json"))
+    if code == 0: assert ParallelPlan.from_json(tmp_path / "p.json").dims.pp == 1
+    assert "× pp 2" not in out and "× pp 4" not in out, out

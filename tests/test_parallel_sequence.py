@@ -81,3 +81,20 @@ def test_plan_refuses_half_layouts():
     p = ParallelPlan(d, (("attention.wq", "colwise"),), sequence_parallel=True, loss_parallel=True,
                      tp_outer=(("tok", "embedding"), ("out", "output")))
     assert ParallelPlan.from_json(p.to_json()) == p
+
+
+@pytest.mark.parametrize("early_stop", [True, False])
+def test_full_checkpointing_with_and_without_early_stop(tiny, early_stop):
+    """torch's recompute stops at the last tensor backward needs (the block's closing reduce-scatter is not issued
+    again); torchtitan's wrappers pass early_stop=False, which re-issues it: CommDebugMode counts each, as predicted."""
+    import dataclasses
+    w, g = tiny
+    n = len(g.structure.main.blocks)
+    p = dataclasses.replace(_plan(g, g.structure.main.blocks), ac=("full",) * n, ac_early_stop=early_stop)
+    v = verify_parallel(w, p, graph=g)
+    print(v.line())
+    assert v.counts_match, (v.predicted_counts, v.measured_counts)
+    plain = _plan(g, g.structure.main.blocks)
+    base = predict_axis_counts(rank_profile(g, plain), plain)["tp.reduce_scatter"]
+    # by hand: full recompute re-issues each block's forward reduce-scatters but its last (2 per block), or all of them
+    assert v.measured_counts["tp.reduce_scatter"] == base + n * (1 if early_stop else 2)

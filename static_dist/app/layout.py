@@ -23,7 +23,8 @@ from ..util import check_real_size
 __all__ = ['PIN_DIMS', 'COMPILE_PRICED', 'layout_pins', 'layout_precision', 'layout_pipeline', 'layout_topology', 'tp_outer_line',
            'precision_line', 'float8_line', 'ac_summary', 'layout_lines', 'layout_memory', 'layout_reserved',
            'cmd_plan', 'titan_args', 'titan_prediction', 'titan_verdict', 'print_titan_overrides', 'titan_search',
-           'plan_titan', 'measured_peak', 'collective_timeout', 'check_context_parallel', 'train_plan', 'cmd_train']
+           'plan_titan', 'measured_peak', 'collective_timeout', 'check_context_parallel', 'planned_for',
+           'planned_workload', 'train_plan', 'cmd_train']
 
 # %% ../../nbs/92a_layout.ipynb
 PIN_DIMS = tuple(a.name for a in AXES)   # one --flag per axis
@@ -270,6 +271,7 @@ def cmd_plan(args) -> int:
     if args.emit: print_titan_overrides(plan, w.batch, w.seq, w.dtype)
     if args.verify: _verify_layout(w, plan, g if len(g.structure.main.blocks) == n else None)
     if args.out:
+        plan = dataclasses.replace(plan, planned_for=planned_for(w))
         atomic_write(args.out, plan.to_json(), force=args.force, inputs=input_files(args))
         print(f"plan written to {args.out}")
     if not fits: print(not_fit_message(st, r.best.memory_bytes, args.budget, "layout"), file=sys.stderr)
@@ -363,7 +365,7 @@ def titan_search(job, g, n: int, world: int, topo, budget: int, progress=None, p
     return search_layouts(g, world, topo, budget, n_blocks=n, progress=progress, microbatches=(1, 2),
                           master_dtype=m, param_dtype=pdt, reduce_dtype=rdt, pins=pins, async_tp=job.async_tp,
                           compile=job.compile, float8_all_gather=job.float8_all_gather,
-                          reserved=True)
+                          reserved=True, ac_early_stop=False)   # torchtitan's FullAC/SelectiveAC: early_stop=False
 
 
 # %% ../../nbs/92a_layout.ipynb
@@ -431,15 +433,15 @@ def _predicted_oom(w, cfg, args) -> str | None:
 # %% ../../nbs/92a_layout.ipynb
 def measured_peak(device) -> tuple:
     """(a context that measures this rank's peak, a function returning (bytes, how), one to call before each step):
-    torch.cuda's allocator on CUDA, else torch's MemTracker over many forwards of a root (`parallel.RunTracker`: a
-    pipeline stage runs once per micro-batch)."""
+    torch.cuda's allocator on CUDA (the last step's: its peak is reset before each), else torch's MemTracker over many
+    forwards of a root (`parallel.RunTracker`: a pipeline stage runs once per micro-batch; every step's)."""
     from contextlib import nullcontext
     if torch.device(device).type == "cuda":
         torch.cuda.reset_peak_memory_stats()
         return (
             nullcontext,
-            lambda: (int(torch.cuda.max_memory_allocated()), "torch.cuda.max_memory_allocated"),
-            lambda: None,
+            lambda: (int(torch.cuda.max_memory_allocated()), "torch.cuda.max_memory_allocated, last step"),
+            torch.cuda.reset_peak_memory_stats,
         )
     from static_dist.parallel import RunTracker, tracked_peak
     mt = RunTracker()
@@ -536,6 +538,30 @@ def check_context_parallel(w, plan) -> None:
 
 
 # %% ../../nbs/92a_layout.ipynb
+def planned_for(w) -> tuple[tuple[str, object], ...]:
+    "The record of workload `w` a plan file keeps (`parallel.PLANNED_FOR`): what `train --plan` will train."
+    from static_dist.parallel import PLANNED_FOR
+    d = w.describe()
+    return tuple((k, d[k]) for k in PLANNED_FOR)
+
+def planned_workload(args, plan):
+    """The workload `train --plan` trains: the options not given take the plan's record (`ParallelPlan.planned_for`);
+    a given one that differs, or a model of another parameter count, is a UsageError."""
+    rec = dict(plan.planned_for)
+    for key in ("batch", "seq", "dtype", "optimizer"):
+        if key not in rec: continue
+        given = getattr(args, key)
+        if given is None: setattr(args, key, rec[key])
+        elif given != rec[key]:
+            raise UsageError(f"--{key} {given}: the plan was searched for {key} {rec[key]}; omit --{key} to train "
+                             f"the plan's, or plan again with --{key} {given}")
+    w = workload_of(args)
+    if "params" in rec and (n := sum(p.numel() for p in w.build(device="meta").parameters())) != rec["params"]:
+        raise UsageError(f"{w.source} has {n:,} parameters, but the plan was searched for {rec.get('source')} with "
+                         f"{rec['params']:,}: give --model {rec.get('source')}, or plan again for this model")
+    return w
+
+# %% ../../nbs/92a_layout.ipynb
 def train_plan(args) -> int:
     """`static-dist train --plan`: the plan checked against the model and the world, applied on every rank (torchrun's,
     or
@@ -561,7 +587,7 @@ def train_plan(args) -> int:
         )
         raise UsageError(f"--plan {args.plan} is for {plan.dims.world} ranks but {how}; run it with torchrun "
                          f"--nproc-per-node {plan.dims.world}, or plan for world {world}")
-    w = workload_of(args)
+    w = planned_workload(args, plan)
     check_real_size(
         sum(p.numel() for p in w.build(device="meta").parameters()), f"{w.source} (train runs it on real weights)"
     )
@@ -590,6 +616,7 @@ def train_plan(args) -> int:
     per_step = list(zip(*[r["losses"] for r in every]))
     losses = [sum(l for l in s if l is not None) / max(sum(l is not None for l in s), 1) for s in per_step]
     predicted = _predicted_rank_peaks(w, plan)
+    steady = args.steps >= 2      # the first step makes the optimizer state: its peak is not the steady step's
     peaks = [
         dict(
             rank=r["rank"],
@@ -597,7 +624,7 @@ def train_plan(args) -> int:
             peak_bytes=r["peak_bytes"],
             peak_is=r["peak_is"],
             predicted_bytes=predicted[r["pp_rank"]],
-            ratio=predicted[r["pp_rank"]] / max(r["peak_bytes"], 1),
+            ratio=predicted[r["pp_rank"]] / max(r["peak_bytes"], 1) if steady else None,
         )
         for r in every
     ]
@@ -610,8 +637,13 @@ def train_plan(args) -> int:
         f"{w.source}: plan {plan.name!r} ({degrees}) on {n} rank(s), {args.steps} steps; loss {losses[0]:.4f} -> "
         f"{losses[-1]:.4f}"
     )
-    for r in peaks: print(f"  rank {r['rank']}: peak {fmt_bytes(r['peak_bytes'])} ({r['peak_is']}), predicted "
-                          f"{fmt_bytes(r['predicted_bytes'])} ({r['ratio']:.3f} × measured)")
+    for r in peaks:
+        vs = f"{r['ratio']:.3f} × measured" if steady else "not compared: one step"
+        print(f"  rank {r['rank']}: peak {fmt_bytes(r['peak_bytes'])} ({r['peak_is']}), predicted "
+              f"{fmt_bytes(r['predicted_bytes'])} for a steady step ({vs})")
+    if not steady:
+        print("the first step makes the optimizer state, so its peak is not a steady step's: give --steps 2 or more "
+              "to compare with the prediction", file=sys.stderr)
     print(f"step log written to {args.log}", file=sys.stderr)
     return 0
 

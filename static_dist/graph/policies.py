@@ -193,13 +193,15 @@ def _sac_context(policy: SelectiveOps):
 def context_fn(self): return functools.partial(_sac_context, self)
 
 # %% ../../nbs/00eb_graph_policies.ipynb
-def apply_checkpointing(module, policy: CheckpointPolicy, block: int = 0):
-    "Checkpoint `module` (block number `block` of the main stack) in place as `policy` says; returns it."
+def apply_checkpointing(module, policy: CheckpointPolicy, block: int = 0, early_stop: bool = True):
+    """Checkpoint `module` (block number `block` of the main stack) in place as `policy` says; returns it.
+    `early_stop=False` recomputes the whole forward, as torchtitan's wrappers do."""
     leaf = parse_policy(policy).for_block(block)
     if not leaf.checkpoints: return module
     from torch.distributed._composable import checkpoint
     fn = leaf.context_fn()
-    return checkpoint(module, context_fn=fn) if fn is not None else checkpoint(module)
+    kw = {"early_stop": False} if not early_stop else {}
+    return checkpoint(module, context_fn=fn, **kw) if fn is not None else checkpoint(module, **kw)
 
 # %% ../../nbs/00eb_graph_policies.ipynb
 @dataclass(frozen=True)

@@ -256,14 +256,16 @@ def _settle_roles(rec: _Recorder, work: nn.Module, names: dict[int, str], opt) -
                 s.update(role="optimizer_state", name=f"{names[id(p)]}.{k}")
 
 # %% ../../nbs/00d_graph_step.ipynb
-def _meta(model: nn.Module, mode: str, device: torch.device, opt, inputs: tuple, kwargs: dict, t0: float) -> dict:
-    """The graph's metadata: model, mode, device, torch, optimizer, input shapes, block structure, capture seconds,
-    and whether float32 matmuls ran on TF32 tensor cores (torch's `allow_tf32`; `set_float32_matmul_precision` sets
-    it)."""
+def _meta(model: nn.Module, mode: str, device: torch.device, opt, inputs: tuple, kwargs: dict, t0: float,
+          targets=None) -> dict:
+    """The graph's metadata: model, mode, device, torch, optimizer, input and target shapes (targets None: the model's
+    output is the loss), block structure, capture seconds, and whether float32 matmuls ran on TF32 tensor cores
+    (torch's `allow_tf32`; `set_float32_matmul_precision` sets it)."""
     shape = lambda x: list(x.shape) if isinstance(x, torch.Tensor) else repr(x)
     return dict(model=type(model).__name__, mode=mode, device=str(device), torch=torch.__version__,
                 optimizer=type(opt).__name__ if opt is not None else None,
                 inputs=[shape(x) for x in inputs], kwargs={k: shape(v) for k, v in kwargs.items()},
+                targets=None if targets is None else shape(targets),
                 structure=find_structure(model).to_dict(), seconds=round(time.perf_counter() - t0, 4),
                 tf32=bool(torch.backends.cuda.matmul.allow_tf32))
 
@@ -371,5 +373,5 @@ def _capture(model, real_inputs, real_kwargs, loss_fn, targets, optimizer, mode,
         _run_step(rec, work, inputs, kwargs, loss_fn, targets, opt, progress)
         _settle_roles(rec, work, names, opt)
     storages = rec.close()
-    meta = {**_meta(model, mode, device, opt, inputs, kwargs, t0), **rec.notes()}
+    meta = {**_meta(model, mode, device, opt, inputs, kwargs, t0, targets), **rec.notes()}
     return StaticGraph(tuple(rec.ops), tuple(rec.tensors), tuple(storages), meta, tuple(rec.saves), tuple(rec.unpacks))

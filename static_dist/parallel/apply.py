@@ -130,7 +130,7 @@ def apply_ac(model: nn.Module, plan: ParallelPlan, blocks=None) -> None:
     """Checkpoint each block under its policy (`plan.ac[i]` for block number i) with
     `graph.policies.apply_checkpointing`."""
     for i, b in _blocks(model, plan, blocks) if plan.ac else ():
-        apply_checkpointing(model.get_submodule(b), plan.ac[i], i)
+        apply_checkpointing(model.get_submodule(b), plan.ac[i], i, plan.ac_early_stop)
 
 # %% ../../nbs/45e_parallel_apply.ipynb
 def apply_compile(model: nn.Module, plan: ParallelPlan, backend: str = "inductor", blocks=None) -> None:

@@ -26,8 +26,8 @@ from ..structure import BlockStack, find_structure
 
 # %% auto 0
 __all__ = ['stage_units', 'TensorSpec', 'PipelineSplit', 'plan_split', 'StageSkip', 'split_stage', 'PipelineRank',
-           'in_compute_dtype', 'build_pipeline', 'sync_tied', 'pipeline_accumulate', 'pipeline_step',
-           'pipeline_axis_counts', 'predict_pipeline_counts']
+           'pipeline_blocker', 'in_compute_dtype', 'build_pipeline', 'sync_tied', 'pipeline_accumulate',
+           'pipeline_step', 'pipeline_axis_counts', 'predict_pipeline_counts']
 
 # %% ../../nbs/45g_parallel_pipeline.ipynb
 def _parents(path: str) -> list[str]:
@@ -318,6 +318,15 @@ def _micro(example, m: int):
         )
     cut = lambda t: t[: b // m] if isinstance(t, torch.Tensor) else t
     return tree_map(cut, (mb.args, mb.kwargs))
+
+# %% ../../nbs/45g_parallel_pipeline.ipynb
+def pipeline_blocker(graph) -> str | None:
+    """Why the captured step cannot run as a pipeline (None: it can, or the capture does not say): a model whose
+    forward returns its own loss (an `hf:` causal LM given its labels) has no targets for the schedule's
+    `loss_fn(output, targets)`, which runs on the last stage."""
+    if "targets" not in graph.meta or graph.meta["targets"] is not None: return None
+    return (f"{graph.meta.get('model', 'the model')} computes its loss inside its forward (no targets), and a "
+            "pipeline schedule runs loss_fn(output, targets) on its last stage")
 
 # %% ../../nbs/45g_parallel_pipeline.ipynb
 def _tied(model: nn.Module, split: PipelineSplit, plan: ParallelPlan, mesh, mine: list[int]) -> tuple:

@@ -18,13 +18,13 @@ from ..fsdp import FSDPPlan, FSDPUnit
 from ..placement import STYLES
 from ..structure import BlockStack
 from ..graph.policies import CheckpointPolicy, NoCheckpoint, PolicyError, SelectiveOps, parse_policy
-from ..validation import Fields, boolean, either, integer, list_of, mapping, one_of, string
+from ..validation import Fields, boolean, dtype_name, either, integer, list_of, mapping, one_of, string
 from ..errors import errors_as
 from ..files import loads_json, read_json
 
 # %% auto 0
-__all__ = ['ParallelDims', 'SCHEDULES', 'OUTER_ROLES', 'MAX_MICROBATCHES', 'PARALLEL_SCHEMA', 'ParallelPlanError', 'ParallelPlan',
-           'block_policies', 'stage_ranges', 'check_layout', 'block_collectives', 'outer_collectives']
+__all__ = ['ParallelDims', 'SCHEDULES', 'OUTER_ROLES', 'MAX_MICROBATCHES', 'PARALLEL_SCHEMA', 'PLANNED_FOR', 'ParallelPlanError',
+           'ParallelPlan', 'block_policies', 'stage_ranges', 'check_layout', 'block_collectives', 'outer_collectives']
 
 # %% ../../nbs/45a_parallel_plan.ipynb
 class ParallelPlanError(PlanError):
@@ -130,6 +130,13 @@ class ParallelPlan:
     "torchao Float8 training of the linears (`parallel.float8`): 'tensorwise' or 'rowwise' (None: off)."
     float8_all_gather: bool = False
     "FSDP all-gathers the Float8 linears' weights in float8 (torchao's `enable_fsdp_float8_all_gather`; tensorwise)."
+    ac_early_stop: bool = True
+    """A checkpointed block's recompute stops once backward has every tensor it needs (torch's default); False runs
+    the block's whole forward again, as torchtitan's `FullAC`/`SelectiveAC` wrap it (`early_stop=False`): its last
+    tensor-parallel collective is issued again too."""
+    planned_for: tuple[tuple[str, object], ...] = ()
+    """(key, value) of the workload the plan was searched for (`PLANNED_FOR`: source, batch, seq, dtype, optimizer,
+    params; `static-dist plan --out` writes them): `train --plan` trains that workload and refuses another."""
 
     def __post_init__(self):
         object.__setattr__(self, "ac", _policies(self.ac))
@@ -349,6 +356,7 @@ def to_dict(self: ParallelPlan) -> dict:
     d = dataclasses.asdict(self)
     d["fsdp"] = None if self.fsdp is None else self.fsdp.to_dict()
     d["ac"] = [p.to_json() for p in self.ac]
+    d["planned_for"] = dict(self.planned_for)
     return {"schema": PARALLEL_SCHEMA, **d}
 
 # %% ../../nbs/45a_parallel_plan.ipynb
@@ -359,6 +367,17 @@ def to_json(self: ParallelPlan) -> str:
 
 # %% ../../nbs/45a_parallel_plan.ipynb
 def _degree(what: str): return integer(1, _MAX_DEGREE, what)
+
+PLANNED_FOR = ("source", "batch", "seq", "dtype", "optimizer", "params")   # the workload record of a plan file
+
+def _planned_for(f: Fields, d: dict) -> tuple[tuple[str, object], ...]:
+    "The plan file's record of its workload (`ParallelPlan.planned_for`), each field typed; () when absent."
+    if "planned_for" not in d: return ()
+    g = f.nested("planned_for", PLANNED_FOR)
+    checks = dict(source=string(nonempty=True), batch=_degree("a batch >= 1"),
+                  seq=either(_degree("a sequence length >= 1"), one_of(None)), dtype=dtype_name(),
+                  optimizer=string(nonempty=True), params=integer(0, 2**62, "a parameter count"))
+    return tuple((k, g(k, checks[k])) for k in PLANNED_FOR if k in g)
 
 # %% ../../nbs/45a_parallel_plan.ipynb
 def _dims_from(f: Fields) -> ParallelDims:
@@ -408,6 +427,8 @@ def _plan_from(d) -> ParallelPlan:
         async_tp=f("async_tp", boolean(), False),
         float8=f("float8", one_of(None, "tensorwise", "rowwise"), None),
         float8_all_gather=f("float8_all_gather", boolean(), False),
+        ac_early_stop=f("ac_early_stop", boolean(), True),
+        planned_for=_planned_for(f, d),
     )
 
 # %% ../../nbs/45a_parallel_plan.ipynb

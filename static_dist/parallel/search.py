@@ -47,6 +47,7 @@ from static_dist.parallel.plan import (
     stage_ranges,
 )
 from .float8 import check_float8, float8_of
+from .pipeline import pipeline_blocker
 from .time import StepTime, predict_step_time, rank_work
 from ..placement import (block_spec, megatron_styles, outer_roles, sequence_blocker, context_blocker,
                                   blocking_params)
@@ -102,7 +103,7 @@ class _Context:
     def __init__(
         self, g: StaticGraph, n_blocks: int, topo: Topology, styles: tuple, policies: tuple, master_dtype: str | None,
         precision: tuple[str | None, str | None] = (None, None), outer: tuple = (), sequence_parallel: bool = False,
-        loss_parallel: bool = False, async_tp: bool = False, compile: bool = False,
+        loss_parallel: bool = False, async_tp: bool = False, compile: bool = False, ac_early_stop: bool = True,
     ):
         self.g, self.n, self.topo, self.styles, self.master = g, n_blocks, topo, styles, master_dtype
         self.compile = compile                         # every block compiled (`g.meta` has the compiled saved set)
@@ -111,6 +112,7 @@ class _Context:
         # torchtitan's layout around the blocks, when the model maps
         self.outer, self.sp, self.lp = outer, sequence_parallel, loss_parallel
         self.async_tp = async_tp and sequence_parallel          # micro-pipeline TP: sequence parallelism's pairs
+        self.ac_early_stop = ac_early_stop                      # False: recomputes re-issue every tp collective
         self.policies = tuple(parse_policy(p) for p in policies)
         self.stack = g.structure.main
         self.captured = len(self.stack.blocks)
@@ -126,9 +128,9 @@ class _Context:
         """The plan's tensor-parallel fields for degrees `d`: the blocks' styles and, with `outer`, torchtitan's rest
         (not under a pipeline yet: a stage boundary would carry a sequence shard, and the loss runs in the schedule)."""
         if d.tp == 1: return {}
-        if d.pp > 1: return dict(tp_styles=self.styles)
+        if d.pp > 1: return dict(tp_styles=self.styles, ac_early_stop=self.ac_early_stop)
         return dict(tp_styles=self.styles, sequence_parallel=self.sp, loss_parallel=self.lp,
-                    tp_outer=self.outer, async_tp=self.async_tp)
+                    tp_outer=self.outer, async_tp=self.async_tp, ac_early_stop=self.ac_early_stop)
 
     def compiled(self, n: int) -> tuple[bool, ...]:
         "A plan's `compile` field for `n` blocks: every block when the context compiles, else none."
@@ -557,7 +559,8 @@ def search_layouts(g: StaticGraph, world: int, topo: Topology, budget_bytes: int
                    runners_up: int = 4, progress=None, microbatch_count: int | None = None, virtual_stages: int = 1,
                    param_dtype: str | None = None, reduce_dtype: str | None = None,
                    sequence_parallel: bool | None = None, async_tp: bool = False,
-                   compile: bool = False, float8_all_gather: bool = False, reserved: bool = False) -> LayoutSearch:
+                   compile: bool = False, float8_all_gather: bool = False, reserved: bool = False,
+                   ac_early_stop: bool = True) -> LayoutSearch:
     """The fastest layout of the captured step `g` (its model extended to `n_blocks` identical blocks) on `world` ranks
     of `topo` that fits `budget_bytes` per rank. `ac`: 'auto' (the cheapest mix of `policies` that fits), or one policy
     (or its name) for every block.
@@ -573,7 +576,8 @@ def search_layouts(g: StaticGraph, world: int, topo: Topology, budget_bytes: int
     peak fits must fit by its reserved peak too; where it does not, the budget for its allocated peak shrinks by the
     difference and its checkpointing is chosen again. The replay (`_reserved_stats`, seconds at 80 blocks) runs for
     the best alone; the others take the reserved-over-allocated of the last layout replayed with their tp, cp and
-    pipelining (the runners-up's notes say `reserved ~`)."""
+    pipelining (the runners-up's notes say `reserved ~`). `ac_early_stop=False`: checkpointed blocks recompute their
+    whole forward (`ParallelPlan.ac_early_stop`, torchtitan's wrappers)."""
     t0 = time.perf_counter()
     try: ac = ac if ac == "auto" else parse_policy(ac)
     except PolicyError as e: raise ParallelPlanError(f"ac {ac!r}: use auto or a checkpointing policy ({e})") from None
@@ -595,8 +599,11 @@ def search_layouts(g: StaticGraph, world: int, topo: Topology, budget_bytes: int
         if (why := context_blocker(g)) is not None:            # context parallelism would train this model wrongly
             if (pins or {}).get("cp", 1) > 1: raise ParallelPlanError(f"cp={pins['cp']}: {why}; pin cp 1")
             pins = {**(pins or {}), "cp": 1}
+    if (why := pipeline_blocker(g)) is not None:                # the schedule's loss needs targets
+        if (pins or {}).get("pp", 1) > 1: raise ParallelPlanError(f"pp={pins['pp']}: {why}; pin pp 1")
+        pins = {**(pins or {}), "pp": 1}
     ctx = _Context(g, n, topo, styles, policies, master_dtype, (param_dtype, reduce_dtype), outer, sp, bool(outer),
-                   async_tp, compile)
+                   async_tp, compile, ac_early_stop)
     ctx.float8_all_gather = float8_all_gather
     if float8_all_gather and ctx.float8 != "tensorwise":
         raise ParallelPlanError(f"float8_all_gather on a step captured with float8 {ctx.float8}: torchao gathers "
@@ -735,7 +742,7 @@ def predict_layout(g: StaticGraph, plan: ParallelPlan, topo: Topology, n_blocks:
     pdt, rdt = (plan.fsdp.param_dtype, plan.fsdp.reduce_dtype) if plan.fsdp else (None, None)
     ctx = _Context(g, n_blocks or len(g.structure.main.blocks), topo, plan.tp_styles,
                    (*dict.fromkeys(plan.ac), *CHECKPOINT_POLICIES), master_dtype, (pdt, rdt), plan.tp_outer,
-                   plan.sequence_parallel, plan.loss_parallel, plan.async_tp, compiles_all(plan))
+                   plan.sequence_parallel, plan.loss_parallel, plan.async_tp, compiles_all(plan), plan.ac_early_stop)
     check_layout(plan, ctx.full_stack, ctx.seq)
     check_float8(g, plan)
     return Candidate(plan, _memory(ctx, plan), ctx.step_time(plan), note)

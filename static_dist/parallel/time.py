@@ -409,8 +409,8 @@ def _per_block(w: RankWork, plan: ParallelPlan, topo: Topology, mesh: MeshSpec, 
     fcoll = [_coll(topo, mesh, "tp", kind, b) for kind, b, f in w.tp_bytes if f]
     tp_f = sum(fcoll)
     tp_b = sum(_coll(topo, mesh, "tp", kind, b) for kind, b, f in w.tp_bytes if not f) + np.where(
-        checkpointed, sum(fcoll[:-1]), 0.0
-    )
+        checkpointed, sum(fcoll if not plan.ac_early_stop else fcoll[:-1]), 0.0
+    )  # a recompute re-issues the forward's collectives but the last (early stop) or all of them
     if plan.async_tp: tp_f, tp_b = _async_tp(tp_f, tp_b, fwd, bwd + rc)
     *ring, again = _cp_block_seconds(w, plan, topo, cp_rotate, set(pols))
     cp_f, cp_b, busy = (extend_blocks(a, n) for a in ring)

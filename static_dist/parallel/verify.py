@@ -111,14 +111,16 @@ def loss_pieces(profile, plan: ParallelPlan) -> int:
 
 def _recomputed(profile, plan: ParallelPlan) -> list[str]:
     """Forward TP collectives a checkpointed block issues again in backward, less those a selective policy saves
-    (torchtitan's saves reduce_scatter_tensor). checkpoint's recompute stops once backward has every tensor it needs:
-    the last collective is issued again only when the block saves something after it (Gemma 2's post-feed-forward
-    norm), not when its output only feeds the residual (Llama)."""
+    (torchtitan's saves reduce_scatter_tensor). checkpoint's recompute stops once backward has every tensor it needs
+    (`plan.ac_early_stop`, torch's default): the last collective is issued again only when the block saves something
+    after it (Gemma 2's post-feed-forward norm), not when its output only feeds the residual (Llama). Without early
+    stop (torchtitan's wrappers) the whole forward runs again, every collective with it."""
     out, n = [], len(profile.blocks)
     for b, pol in zip(profile.blocks, block_policies(plan, n) if len(plan.ac) == n else (NoCheckpoint(),) * n):
         if not pol.checkpoints: continue
         fwd = [(kind, lin) for kind, lin, _, f in block_collectives(plan, _styled_order(profile, plan, b)) if f]
-        again = fwd if fwd and _saves_after(profile, f"{b}.{fwd[-1][1]}", b) else fwd[:-1]
+        whole = not plan.ac_early_stop or fwd and _saves_after(profile, f"{b}.{fwd[-1][1]}", b)
+        again = fwd if whole else fwd[:-1]
         out += [k for k, _ in again if not (isinstance(pol, SelectiveOps) and pol.saves(_FUNCTIONAL[k]))]
     return out
 
