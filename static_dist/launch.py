@@ -63,7 +63,8 @@ def watch_parent(interval: float = 1.0) -> None:
 
 # %% ../nbs/00h_launch.ipynb
 class PeerError(LaunchError):
-    "A collective failed because another rank is stuck past the timeout or gone: which rank, which collective, what to do."
+    """A collective failed because another rank is stuck past the timeout or gone: which rank, which collective, what to
+    do."""
 
 _STUCK = ("Timed out", "timed out", "Watchdog caught collective operation timeout")
 _GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Connection refused",

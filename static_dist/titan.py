@@ -4,6 +4,8 @@
 
 # %% ../nbs/07_titan.ipynb 3
 from __future__ import annotations
+# One idea over 500 lines: a torchtitan job, read, laid out as static_dist's plan and measured by torchtitan's own
+# code; the reader, the plan and the measurement share the job's fields, which a split would scatter.
 
 import dataclasses
 import tempfile

@@ -36,7 +36,8 @@ def _model_verbs_outputs():
         opts = {a.option_strings[-1]: a for a in sp._actions if a.option_strings}
         if "--model" not in opts: continue
         for name, a in opts.items():
-            if getattr(a.type, "kind", None) == "outfile": yield pytest.param(prefix, name, id=f"{' '.join(prefix)} {name}")
+            if getattr(a.type, "kind", None) == "outfile":
+                yield pytest.param(prefix, name, id=f"{' '.join(prefix)} {name}")
 
 
 def test_cases_reach_the_verbs_the_issue_names():

@@ -100,7 +100,7 @@ def test_emit_torchtitan_of_a_searched_layout():
 
 
 def test_plan_async_tp_priced_written_and_emitted(tmp_path):
-    "`plan --async-tp`: the chosen sequence-parallel layout carries async TP (compiled blocks, as torchtitan requires), "
+    "`plan --async-tp`: the chosen sequence-parallel layout carries async TP (compiled blocks, as torchtitan requires),"
     "its step time is the plan's with the overlap, and `--emit torchtitan` writes it as torchtitan's own options."
     import warnings
     from torchtitan.config.manager import ConfigManager

@@ -28,7 +28,9 @@ def _ranks(cwd: Path) -> dict[int, int]:
 def _start(tmp_path: Path, *extra: str) -> subprocess.Popen:
     "torchrun of `train --plan` (dp_shard 2 of the tiny model, many steps), as the README writes it (with `--`)."
     from static_dist.app.cli import main
-    assert main(["plan", "--model", "tiny", "--world", "2", "--dp-shard", "2", "--out", str(tmp_path / "plan.json")]) == 0
+    assert (
+        main(["plan", "--model", "tiny", "--world", "2", "--dp-shard", "2", "--out", str(tmp_path / "plan.json")]) == 0
+    )
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
            "static_dist.app", "--", "train", "--plan", "plan.json", "--model", "tiny", "--steps", "1000000",

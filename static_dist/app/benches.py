@@ -75,7 +75,8 @@ def bench_titan_jobs(progress=None, jobs=TITAN_BENCH_JOBS, budget_gb: float = 80
     if progress: progress(f"torchtitan {job.name}: its code on the chosen plan, {layers} blocks")
     r = titan_search(job, g, n, world, topo, budget, pins={"pp": 1, "cp": 1})
     if r.best is None: check = dict(skipped=f"no layout without pipeline or context parallelism fits {budget_gb} GB")
-    else: check = dict(chosen=r.best.label(), search_seconds=r.seconds, **check_titan(job, r.best.plan, layers).to_dict())
+    else:
+        check = dict(chosen=r.best.label(), search_seconds=r.seconds, **check_titan(job, r.best.plan, layers).to_dict())
     return dict(bench="plan-torchtitan", budget_bytes=budget, results=rows, check=check)
 
 def bench_layouts(progress=None) -> dict:

@@ -500,9 +500,10 @@ def _plan_rank(w, plan, steps: int, backend: str) -> dict:
 def _predicted_rank_peaks(w, plan) -> list[int]:
     """Predicted peak bytes of each pipeline rank of `plan` on the workload's captured step (the capture's master dtype:
     the model `train` builds; captured in the plan's compute dtype), to print beside what each rank measured."""
-    from static_dist.parallel import predict_parallel_memory
+    from static_dist.parallel import float8_workload, predict_parallel_memory
     compute = (plan.fsdp.param_dtype if plan.fsdp else None) or w.dtype
-    return [m.peak_bytes for m in predict_parallel_memory(w.graph(compute), plan, w.dtype).ranks]
+    w8 = float8_workload(w, plan.float8, plan.float8_all_gather)     # the linears converted as the plan converts them
+    return [m.peak_bytes for m in predict_parallel_memory(w8.graph(compute), plan, w.dtype).ranks]
 
 # %% ../../nbs/92a_layout.ipynb
 def collective_timeout(w, plan, given: float | None) -> float:
@@ -596,16 +597,16 @@ def train_plan(args) -> int:
     )  # before any process group: one line on each rank
     if plan.dims.cp > 1: check_context_parallel(w, plan)
     check_fsdp_modules(plan, w.build(device="meta"))
+    if plan.float8:      # one line on each rank, before any process group
+        from static_dist.parallel import float8_refusal
+        dev = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+        if why := float8_refusal(dev): raise UsageError(f"--plan {args.plan} trains float8 {plan.float8}: {why}")
     if not args.force and (need := max(_predicted_rank_peaks(w, plan))) > args.budget:   # --budget, as without --plan
         from static_dist.graph import fmt_bytes
         print(f"static-dist train: predicted out of memory: the plan's busiest rank needs {fmt_bytes(need)}, the "
               f"budget is {fmt_bytes(args.budget)}; raise --budget, or pass --force to train anyway", file=sys.stderr)
         return 3
     if args.no_compile: plan = dataclasses.replace(plan, compile=())
-    if plan.float8:      # one line on each rank, before any process group
-        from static_dist.parallel import float8_refusal
-        dev = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
-        if why := float8_refusal(dev): raise UsageError(f"--plan {args.plan} trains float8 {plan.float8}: {why}")
     timeout = collective_timeout(w, plan, args.collective_timeout)
     with process_group(timeout=timeout) as n:
         with status(f"training {w.source} on rank {rank} of {n}"):

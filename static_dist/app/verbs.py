@@ -4,6 +4,8 @@
 
 # %% ../../nbs/92_verbs.ipynb 4
 from __future__ import annotations
+# One idea over 500 lines: the verbs, each a few lines from parsed options to the library's answer; they share
+# the workload, status and output helpers that sit beside them here.
 
 import json
 import sys

@@ -4,6 +4,8 @@
 
 # %% ../../nbs/50b_offload_plan.ipynb 3
 from __future__ import annotations
+# One idea over 500 lines: the offload plan, tiers, classes and schedule under one host limit; each choice reads
+# the others' bytes and times, which a split would pass between modules.
 
 import dataclasses
 import math

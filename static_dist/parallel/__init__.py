@@ -126,7 +126,8 @@ def _layout_view(g: StaticGraph, topo, world: int, budget_mib: float, tp: int, p
     if pp > 1: off["cp"] = "context parallelism does not shard a pipeline's stages (cp × pp is refused): pp 1 first"
     elif cp > 1: off["pp"] = "a pipeline's stages would not shard the sequence (cp × pp is refused): cp 1 first"
     if tp == 1: off.update(sequence="tensor parallelism is off (tp 1)", loss="tensor parallelism is off (tp 1)")
-    elif pp > 1: off.update(sequence="not modelled under a pipeline (pp > 1)", loss="not modelled under a pipeline (pp > 1)")
+    elif pp > 1:
+        off.update(sequence="not modelled under a pipeline (pp > 1)", loss="not modelled under a pipeline (pp > 1)")
     elif sequence and not plan.sequence_parallel:
         off["sequence"] = sequence_blocker(g) or "no embedding and output around the blocks to shard the sequence at"
     if tp > 1 and not plan.tp_outer: off["loss"] = "no output projection of the vocabulary outside the blocks"
@@ -143,7 +144,8 @@ def parallel_widget(g: StaticGraph, topo=None, world: int = 8, budget_mib: float
                     bf16: StaticGraph | None = None, float8_graphs: dict | None = None):
     """Harness: tp (with sequence and loss parallelism), pp, cp, checkpointing, precision, compile, Float8 and budget ->
     each pipeline rank's memory stack and the step's time by term. `bf16`: the step captured in bfloat16 (the precision
-    control's bf16 compute); compile needs the compiled saved set in the steps' meta (`search_graph(..., compile=True)`);
+    control's bf16 compute); compile needs the compiled saved set in the steps' meta (`search_graph(...,
+    compile=True)`);
     `float8_graphs`: {recipe: the step captured converted (`float8_workload`)}, which the float8 control picks between
     (off: `g`; a converted step is priced as captured, without the precision control)."""
     from static_dist.graph.policies import POLICIES

@@ -141,9 +141,12 @@ def _tp_op_factor(g: StaticGraph, plan: ParallelPlan, blocks) -> np.ndarray:
         reads = sharded[list(o.inputs)].any()
         if s in _COL + _ROW:                       # the linear itself: its output (fwd) or its input's gradient (bwd)
             if (s in _COL) == fwd or (reads and not o.op.startswith(_MATMUL)): f[i] = 1 / tp
-            # its weight's gradient is the rank's shard's (a chunked loss's pieces make it as a temporary)
+            # its weight's gradient is the rank's shard's (a chunked loss's pieces make it as a temporary): the
+            # backward matmul of the weight's shape that does not read the weight (the input gradient's reads it, and
+            # has the weight's shape too when the tokens number the output features)
             w = weights.get(f"{o.module}.weight")
-            if not fwd and w and o.op.startswith(_MATMUL) and g.tensors[o.outputs[0]].shape in (w, w[::-1]):
+            if not fwd and w and o.op.startswith(_MATMUL) and g.tensors[o.outputs[0]].shape in (w, w[::-1]) \
+                    and not any(g.storages[g.tensors[t].storage].role == "parameter" for t in o.inputs):
                 f[i] = 1 / tp
         elif s is None and o.phase != "optimizer" and _under_any(o.module, regions) and reads: f[i] = 1 / tp
         if f[i] < 1: sharded[list(o.outputs)] = True
