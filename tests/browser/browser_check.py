@@ -428,6 +428,18 @@ def save(drv):
     assert r == "ok", f"docmanager:save failed: {r}"
 
 
+JS_LOG_ENTRIES = """const d = arguments[arguments.length - 1];
+window.jupyterapp.commands.execute('logconsole:open').then(() => setTimeout(() => d(
+  [...document.querySelectorAll('.jp-LogConsolePanel .jp-OutputArea-output')]
+    .map(e => e.querySelector('img') ? '<image>' : e.textContent.trim().slice(0, 200))), 1000), e => d([String(e)]));"""
+
+
+def log_console(drv) -> list[str]:
+    "What JupyterLab's log console holds: outputs that landed outside any cell (a kernel warning, a stray plot)."
+    drv.set_script_timeout(20)
+    return drv.execute_async_script(JS_LOG_ENTRIES)
+
+
 def check_lab_run_all(shots: Path, notebook: Path | None = None, timeout: float = 150) -> dict:
     """Open a copy of `notebook` in JupyterLab, Run All, and check there is no error output (page and saved file)."""
     nb = Path(notebook or os.environ.get("BROWSER_NOTEBOOK") or ROOT / "nbs" / "00a_util.ipynb")
@@ -442,6 +454,8 @@ def check_lab_run_all(shots: Path, notebook: Path | None = None, timeout: float 
             open_notebook(drv, base, token, nb.name)
             state = run_all(drv, timeout)
             secs = time.time() - t0
+            time.sleep(2)   # widget echoes (an Output widget syncs what it captured back) arrive after the kernel idles
+            log = log_console(drv)
             drv.save_screenshot(str(shots / f"lab_run_all_{nb.stem}.png"))
             save(drv)
         saved = json.loads((tmp / nb.name).read_text())
@@ -449,6 +463,7 @@ def check_lab_run_all(shots: Path, notebook: Path | None = None, timeout: float 
     file_errors = [f"cell {i}: {o.get('ename')}: {o.get('evalue')}" for i, c in enumerate(saved["cells"])
                    for o in c.get("outputs", []) if o.get("output_type") == "error"]
     ran = sum(1 for c in saved["cells"] if c["cell_type"] == "code" and c.get("execution_count"))
+    assert not log, f"Run All of {nb.name} left {len(log)} entr(ies) in JupyterLab's log console: {log[:3]}"
     assert not errors and not file_errors, (
         f"Run All of {nb.name} in JupyterLab left error outputs: {errors or file_errors}"
     )
