@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 from ..fsdp.memory import CATEGORIES, CATEGORY_COLORS
-from ..graph import pyplot
+from ..harness import harness_figure
 from .memory import ParallelMemory
 from .plan import ParallelPlan, ParallelPlanError
 from .schedule import schedule_actions
@@ -61,10 +61,10 @@ def _bytes_unit(n: float) -> tuple[float, str]:
 
 # %% ../../nbs/45i_parallel_plots.ipynb
 def _figure(ax, w: float = 7, h: float = 3):
-    "The axes' figure, or a new small one (dpi 80) and its axes."
+    "The axes' figure, or a new small one (dpi 80) that pyplot does not track, and its axes."
     if ax is not None: return ax.figure, ax
-    fig = pyplot("the parallel plots").figure(figsize=(w, h), dpi=80)
-    return fig, fig.add_subplot()
+    fig, (ax,) = harness_figure(w, h)
+    return fig, ax
 
 # %% ../../nbs/45i_parallel_plots.ipynb
 def plot_rank_memory(mem: ParallelMemory, measured: dict | None = None, ax=None):
