@@ -226,6 +226,8 @@ def check_reader(docs: Path, shots: Path) -> dict:
         if not re.search(r"static-dist plan ", index["code"]): problems.append("index.html: no `static-dist plan`")
         if not re.search(r"torchrun [^\n]*(static-dist|-m static_dist\.app --) train --plan", index["code"]):
             problems.append("index.html: no torchrun ... static-dist train --plan command")
+        if "plan written to" not in "\n".join(index["outputs"]):
+            problems.append("index.html: the front page's `plan` run shows no plan written (a budget nothing fits?)")
         for c in nav:
             lost = [s for s in c["stages"] if s not in seen[c["head"]]["links"]]
             if lost: problems.append(f"{c['head']}: the chapter overview does not link its stages {lost}")

@@ -14,9 +14,10 @@ scientific notation (`1.18e+3`). A control that is disabled must say why in its 
 been moved at least once. The default plans move each control once (about 20 changes); the full sweep adds every
 option of every dropdown and every stability strategy with every control it enables.
 clone: copies of the four chapter notebooks, opened without running and untrusted as in a fresh clone, show a picture
-(not blank) where the harness is, beside a table of its controls' values, and no `interactive(...)` text; with their kernels started and autosave every 2 s,
-each file is saved unchanged but for the kernelspec's display name (nbdev_clean writes the kernel's name there,
-JupyterLab the kernel's display name; `language_info` is kept by settings.ini's allowed_metadata_keys).
+(not blank) where the harness is, beside a table of its controls' values, and no `interactive(...)` text; with their
+kernels started and autosave every 2 s, each file is saved unchanged but for the kernelspec's display name (nbdev_clean
+writes the kernel's name there, JupyterLab the kernel's display name; `language_info` is kept by settings.ini's
+allowed_metadata_keys).
 
 Screenshots of each harness as first drawn and after its last change go to $BROWSER_OUT (default /tmp/browser-shots).
 """
