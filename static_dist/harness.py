@@ -143,11 +143,16 @@ def _readout(c) -> str:
     v = c.label if hasattr(c, "label") else c.value
     return f"{v:g}" if isinstance(v, float) else str(v)
 
+def _controls(w) -> list:
+    "Harness `w`'s controls: its arguments' widgets, less the `fixed` values (not widgets)."
+    from ipywidgets import Widget
+    return [c for c in w.kwargs_widgets if isinstance(c, Widget)]
+
 def saved_view(w) -> str:
     "Harness `w` as last drawn, in Markdown: a table of its controls' values, then its text and its picture."
     cell = lambda s: str(s).replace("|", "\\|").replace("\n", " ")
     rows = [f"| {cell(c.description or c._kwarg)} | {cell(_readout(c))}"
-            f"{cell(f' (disabled: {c.tooltip})') if c.disabled else ''} |" for c in w.kwargs_widgets]
+            f"{cell(f' (disabled: {c.tooltip})') if c.disabled else ''} |" for c in _controls(w)]
     text, png = w.shown or ("", None)
     pic = f"![the harness as last drawn](data:image/png;base64,{base64.b64encode(png).decode('ascii')})" if png else ""
     note = "*Saved as last drawn; run the notebook (trusted) to move the controls.*"
@@ -180,4 +185,4 @@ def sweep(w) -> dict[str, bool]:
 def discard(w) -> None:
     "Empty harness `w`'s output and close it and its controls (its `Output` stays open for the frontend's echo)."
     w.out.clear_output()
-    for c in (*w.kwargs_widgets, w): c.close()
+    for c in (*_controls(w), w): c.close()

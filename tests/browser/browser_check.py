@@ -196,12 +196,13 @@ SHOWN_PAGES = ("parallel_plan.html", "parallel_verify.html", "parallel_run.html"
 
 
 def check_reader(docs: Path, shots: Path) -> dict:
-    """The reader's path through the built site (issue 31): the front page shows `static-dist plan` and the torchrun
-    `train --plan` command and links every chapter; every chapter overview links each of its stages; the parallel plan,
-    verify and run pages show plots and tables, no raw dicts; no cell shows one picture twice (a returned pyplot figure
-    is also flushed by the inline backend); no page keeps a progress spinner or an `Output()`; every
-    harness snapshot has its controls and a picture; every page is named without its number prefix and has a table of
-    contents. Raises AssertionError listing the problems; else a summary."""
+    """The reader's path through the built site (issue 31): the front page shows `static-dist plan` (run, a plan
+    written, its memory plotted) and the torchrun `train --plan` command, and links every chapter; every chapter
+    overview links each of its stages; the parallel plan, verify and run pages show plots and tables, no raw dicts; no
+    cell shows one picture twice (a returned pyplot figure is also flushed by the inline backend); no page keeps a
+    progress spinner or an `Output()`; every harness snapshot has its controls and a picture; every page is named
+    without its number prefix and has a table of contents. Raises AssertionError listing the problems; else a
+    summary."""
     import re
     pages = sorted(p.name for p in docs.glob("*.html"))
     problems = [f"{n}: page named with its notebook's number prefix" for n in pages if re.match(r"\d+[a-z]*_", n)]
@@ -226,6 +227,7 @@ def check_reader(docs: Path, shots: Path) -> dict:
         if not re.search(r"static-dist plan ", index["code"]): problems.append("index.html: no `static-dist plan`")
         if not re.search(r"torchrun [^\n]*(static-dist|-m static_dist\.app --) train --plan", index["code"]):
             problems.append("index.html: no torchrun ... static-dist train --plan command")
+        if not index["images"]: problems.append("index.html: no plot on the front page")
         if "plan written to" not in "\n".join(index["outputs"]):
             problems.append("index.html: the front page's `plan` run shows no plan written (a budget nothing fits?)")
         for c in nav:
