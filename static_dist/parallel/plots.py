@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 from ..fsdp.memory import CATEGORIES, CATEGORY_COLORS
-from ..harness import harness_figure
+from ..graph import pyplot
 from .memory import ParallelMemory
 from .plan import ParallelPlan, ParallelPlanError
 from .schedule import schedule_actions
@@ -61,10 +61,12 @@ def _bytes_unit(n: float) -> tuple[float, str]:
 
 # %% ../../nbs/45i_parallel_plots.ipynb
 def _figure(ax, w: float = 7, h: float = 3):
-    "The axes' figure, or a new small one (dpi 80) that pyplot does not track, and its axes."
+    "The axes' figure, or a new small one (dpi 80), closed in pyplot (shown once, as a value), and its axes."
     if ax is not None: return ax.figure, ax
-    fig, (ax,) = harness_figure(w, h)
-    return fig, ax
+    plt = pyplot("the parallel plots")
+    fig = plt.figure(figsize=(w, h), dpi=80)
+    plt.close(fig)
+    return fig, fig.add_subplot()
 
 # %% ../../nbs/45i_parallel_plots.ipynb
 def plot_rank_memory(mem: ParallelMemory, measured: dict | None = None, ax=None):
