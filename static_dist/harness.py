@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 # %% auto 0
-__all__ = ['harness_figure', 'figure_png', 'png_variance', 'overlapping_labels', 'View', 'widgets', 'harness', 'nudge', 'sweep',
-           'discard']
+__all__ = ['harness_figure', 'figure_png', 'png_variance', 'overlapping_labels', 'View', 'widgets', 'harness', 'saved_view',
+           'nudge', 'sweep', 'discard']
 
 # %% ../nbs/29_harness.ipynb
 def harness_figure(width: float, height: float, rows: int = 1, heights: tuple | None = None, sharex: bool = False):
@@ -103,6 +103,7 @@ def _harness_class():
         def _repr_mimebundle_(self, **kw):
             b = super()._repr_mimebundle_(**kw)
             if self.png: b["image/png"] = base64.b64encode(self.png).decode("ascii")
+            if self.shown: b["text/markdown"] = saved_view(self)
             return b
     return Harness
 
@@ -137,6 +138,28 @@ def harness(view: Callable[..., View], **controls):
     return _harness_class()(view, **controls)
 
 # %% ../nbs/29_harness.ipynb
+def _readout(c) -> str:
+    "A control's value as its readout shows it: an option's label, a number without trailing zeros."
+    v = c.label if hasattr(c, "label") else c.value
+    return f"{v:g}" if isinstance(v, float) else str(v)
+
+def _controls(w) -> list:
+    "Harness `w`'s controls: its arguments' widgets, less the `fixed` values (not widgets)."
+    from ipywidgets import Widget
+    return [c for c in w.kwargs_widgets if isinstance(c, Widget)]
+
+def saved_view(w) -> str:
+    "Harness `w` as last drawn, in Markdown: a table of its controls' values, then its text and its picture."
+    cell = lambda s: str(s).replace("|", "\\|").replace("\n", " ")
+    rows = [f"| {cell(c.description or c._kwarg)} | {cell(_readout(c))}"
+            f"{cell(f' (disabled: {c.tooltip})') if c.disabled else ''} |" for c in _controls(w)]
+    text, png = w.shown or ("", None)
+    pic = f"![the harness as last drawn](data:image/png;base64,{base64.b64encode(png).decode('ascii')})" if png else ""
+    note = "*Saved as last drawn; run the notebook (trusted) to move the controls.*"
+    return "\n\n".join(s for s in (note, "| control | value |\n|---|---|\n" + "\n".join(rows), text, pic) if s)
+
+
+# %% ../nbs/29_harness.ipynb
 def nudge(control) -> None:
     "Move `control` one notch: a selection to its next option, a checkbox over, a slider one step (back from its end)."
     if isinstance(control.value, bool):
@@ -160,6 +183,6 @@ def sweep(w) -> dict[str, bool]:
 
 # %% ../nbs/29_harness.ipynb
 def discard(w) -> None:
-    "Empty harness `w`'s output and close it and its controls."
+    "Empty harness `w`'s output and close it and its controls (its `Output` stays open for the frontend's echo)."
     w.out.clear_output()
-    for c in (*w.children, w): c.close()
+    for c in (*_controls(w), w): c.close()

@@ -113,3 +113,10 @@ def test_plan_then_torchrun_run_as_written(tmp_path):
     log = json.loads((tmp_path / torchrun[torchrun.index("--log") + 1]).read_text())
     assert log["world"] == 4 and len(log["peaks"]) == 4
     assert all(abs(r["predicted_bytes"] / r["peak_bytes"] - 1) < 0.03 for r in log["peaks"]), log["peaks"]
+
+
+def test_front_page_plan_run_shows_a_plan():
+    "The `plan` the front page runs (its saved output, in the README) found a layout and wrote it, as the text says."
+    out = README[README.index("## A layout over every axis"):].split("```python\n", 1)[1].split("\n```\n\n```\n", 1)[1]
+    out = out.split("```", 1)[0]
+    assert "plan written to" in out and "no layout fits" not in out, out[-600:]

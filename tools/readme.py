@@ -1,12 +1,16 @@
 """Write README.md from index.ipynb (nbdev_readme needs quarto, which cannot be installed here).
 
 Markdown cells are copied; code cells become ```python blocks followed by their text output; cells marked
-`#| hide` are left out and other `#|` directives are dropped. `--check` exits 1 if README.md is out of date.
+`#| hide` are left out and other `#|` directives are dropped. Terminal colour codes in a text output (a verb's rich
+table run in a kernel) are dropped: a README is plain text. `--check` exits 1 if README.md is out of date.
 """
-import json, sys
+import json, re, sys
 from pathlib import Path
 
 root = Path(__file__).resolve().parent.parent
+
+ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")   # SGR colours and cursor codes
+
 
 def render(nb: dict) -> str:
     parts = []
@@ -24,7 +28,7 @@ def render(nb: dict) -> str:
             if o.get("output_type") == "stream": out.append("".join(o["text"]))
             elif "data" in o and "text/markdown" in o["data"]: parts.append("".join(o["data"]["text/markdown"]).strip())
             elif "data" in o and "text/plain" in o["data"]: out.append("".join(o["data"]["text/plain"]))
-        text = "".join(out).strip("\n")
+        text = ANSI.sub("", "".join(out)).strip("\n")
         if text: parts.append(f"```\n{text}\n```")
     return "<!-- generated from index.ipynb by tools/readme.py: edit the notebook, not this file -->\n\n" + \
         "\n\n".join(parts) + "\n"

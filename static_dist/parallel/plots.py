@@ -61,9 +61,11 @@ def _bytes_unit(n: float) -> tuple[float, str]:
 
 # %% ../../nbs/45i_parallel_plots.ipynb
 def _figure(ax, w: float = 7, h: float = 3):
-    "The axes' figure, or a new small one (dpi 80) and its axes."
+    "The axes' figure, or a new small one (dpi 80), closed in pyplot (shown once, as a value), and its axes."
     if ax is not None: return ax.figure, ax
-    fig = pyplot("the parallel plots").figure(figsize=(w, h), dpi=80)
+    plt = pyplot("the parallel plots")
+    fig = plt.figure(figsize=(w, h), dpi=80)
+    plt.close(fig)
     return fig, fig.add_subplot()
 
 # %% ../../nbs/45i_parallel_plots.ipynb

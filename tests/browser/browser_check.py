@@ -1,6 +1,6 @@
 """Browser checks with headless Chromium (Debian's `chromium` + `chromium-driver`) driven by Selenium.
 
-    python tests/browser/browser_check.py [docs|docs-features|lab|harness|clone ...]     # all when none is named
+    python tests/browser/browser_check.py [docs|docs-features|reader|lab|harness|clone ...]   # all when none is named
 
 1. docs: every page of the built docs site (`python tools/build_docs.py` -> _docs/, or $BROWSER_DOCS), served over
    http on a free localhost port, loads with no missing image, no failed request to the site, and every internal link
@@ -12,7 +12,9 @@
 2. lab: JupyterLab started headless (free localhost port, random token, its own temp root, config and workspace
    folders), one notebook ($BROWSER_NOTEBOOK, default nbs/00a_util.ipynb, copied to the temp root so nothing in the
    repo is written) opened, Run All Cells executed through JupyterLab's own command, the kernel awaited, and no error
-   output, both in the page and in the saved file.
+   output, both in the page and in the saved file; nothing in JupyterLab's log console (a `No such comm` warning, a
+   stray plot); no widget view saved but a harness's (a progress spinner); no cell showing one picture twice.
+   reader: the reader's path through the built site (issue 31): see check_reader.
 3. harness, clone: every control of the four chapter harnesses, and the chapter notebooks as a fresh clone shows
    them (untrusted, not run; clean on open): see harness_check.py.
 
@@ -163,6 +165,87 @@ def check_docs(docs: Path, shots: Path) -> dict:
         if missing: problems.append(f"requests for missing files: {sorted(set(missing))[:5]}")
     if problems: raise AssertionError(f"{len(problems)} problem(s) in the docs site:\n  " + "\n  ".join(problems[:40]))
     return info
+
+
+# ---------------------------------------------------------------- 1c. the reader's path (issue 31)
+
+JS_READER = """
+const main = document.querySelector('main.docs-main');
+const nav = [...document.querySelectorAll('.docs-nav-list > .chapter')].map(c => ({
+  head: c.querySelector('a').getAttribute('href'),
+  stages: [...c.querySelectorAll('a.stage')].map(a => a.getAttribute('href'))}));
+const outs = [...main.querySelectorAll('.jp-OutputArea-output')];
+const snaps = [...main.querySelectorAll('.widget-snapshot')].map(s => ({
+  controls: s.querySelectorAll('table.widget-controls tr').length,
+  images: [...s.querySelectorAll('img')].filter(i => i.complete && i.naturalWidth > 0).length}));
+const twice = [...main.querySelectorAll('.jp-Cell')].filter(c => {
+  const s = [...c.querySelectorAll('.jp-OutputArea-output img')].map(i => i.getAttribute('src'));
+  return new Set(s).size < s.length;}).length;
+return {nav, twice, toc: document.querySelectorAll('aside.docs-toc li').length,
+        links: [...main.querySelectorAll('a[href]')].map(a => a.getAttribute('href').split('#')[0]),
+        code: [...main.querySelectorAll('pre, code')].map(e => e.textContent).join('\\n'),
+        outputs: outs.map(o => o.innerText.slice(0, 2000)),
+        tables: main.querySelectorAll('.jp-OutputArea-output table').length,
+        images: [...main.querySelectorAll('.jp-OutputArea-output img')]
+          .filter(i => i.complete && i.naturalWidth > 0).length,
+        snaps};
+"""
+SPINNER = "⠋⠙⠹⠸⠼⠴⠦⠧⠇⠏"   # rich's dots spinner: a progress widget saved mid-spin
+RAW_DICT = r"\{'[\w.]+': "      # a result printed as a raw dict ({'dp.all_gather': 4, ...}), not as a table
+SHOWN_PAGES = ("parallel_plan.html", "parallel_verify.html", "parallel_run.html")   # item 3's pages
+
+
+def check_reader(docs: Path, shots: Path) -> dict:
+    """The reader's path through the built site (issue 31): the front page shows `static-dist plan` (run, a plan
+    written, its memory plotted) and the torchrun `train --plan` command, and links every chapter; every chapter
+    overview links each of its stages; the parallel plan, verify and run pages show plots and tables, no raw dicts; no
+    cell shows one picture twice (a returned pyplot figure is also flushed by the inline backend); no page keeps a
+    progress spinner or an `Output()`; every harness snapshot has its controls and a picture; every page is named
+    without its number prefix and has a table of contents. Raises AssertionError listing the problems; else a
+    summary."""
+    import re
+    pages = sorted(p.name for p in docs.glob("*.html"))
+    problems = [f"{n}: page named with its notebook's number prefix" for n in pages if re.match(r"\d+[a-z]*_", n)]
+    with serve(docs) as (base, _missing), chrome() as drv:
+        seen = {}
+        for name in pages:
+            _load(drv, urljoin(base, name))
+            seen[name] = r = drv.execute_script(JS_READER)
+            if not r["toc"]: problems.append(f"{name}: no headings, so no table of contents")
+            if r["twice"]: problems.append(f"{name}: {r['twice']} cell(s) show the same picture twice")
+            text = "\n".join(r["outputs"])
+            if any(ch in text for ch in SPINNER) or re.search(r"^Output\(\)$", text, re.M):
+                problems.append(f"{name}: an output keeps a progress spinner or an empty Output() widget")
+            for k, s in enumerate(r["snaps"]):
+                if not (s["controls"] and s["images"]):
+                    problems.append(f"{name}: harness snapshot {k} shows {s['controls']} controls and "
+                                    f"{s['images']} pictures")
+        index, nav = seen["index.html"], seen["index.html"]["nav"]
+        heads = [c["head"] for c in nav if c["head"] != "index.html"]
+        missing = [h for h in heads if h not in index["links"]]
+        if missing: problems.append(f"index.html: no link to the chapters {missing}")
+        if not re.search(r"static-dist plan ", index["code"]): problems.append("index.html: no `static-dist plan`")
+        if not re.search(r"torchrun [^\n]*(static-dist|-m static_dist\.app --) train --plan", index["code"]):
+            problems.append("index.html: no torchrun ... static-dist train --plan command")
+        if not index["images"]: problems.append("index.html: no plot on the front page")
+        if "plan written to" not in "\n".join(index["outputs"]):
+            problems.append("index.html: the front page's `plan` run shows no plan written (a budget nothing fits?)")
+        for c in nav:
+            lost = [s for s in c["stages"] if s not in seen[c["head"]]["links"]]
+            if lost: problems.append(f"{c['head']}: the chapter overview does not link its stages {lost}")
+        for name in SHOWN_PAGES:
+            r = seen[name]
+            if r["images"] < 1 or r["tables"] < 1:
+                problems.append(f"{name}: {r['images']} plots and {r['tables']} tables in its outputs")
+            raw = [o[:80] for o in r["outputs"] if re.search(RAW_DICT, o)]
+            if raw: problems.append(f"{name}: results printed as raw dicts: {raw[:2]}")
+        _load(drv, urljoin(base, "parallel_plan.html"))
+        drv.execute_script("document.querySelector('main .jp-OutputArea-output img').scrollIntoView()")
+        drv.save_screenshot(str(shots / "docs_parallel_plan.png"))
+    if problems:
+        raise AssertionError(f"{len(problems)} problem(s) on the reader's path:\n  " + "\n  ".join(problems[:40]))
+    return dict(pages=len(pages), chapters=len(nav), snapshots=sum(len(r["snaps"]) for r in seen.values()),
+                **{n: dict(images=seen[n]["images"], tables=seen[n]["tables"]) for n in SHOWN_PAGES})
 
 
 # ---------------------------------------------------------------- 1b. docs features: offline, search, [source], sidebar
@@ -428,6 +511,27 @@ def save(drv):
     assert r == "ok", f"docmanager:save failed: {r}"
 
 
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+
+
+def _same_picture_twice(cell: dict) -> bool:
+    "Does a saved cell show one PNG twice (a returned pyplot figure that the inline backend also flushed)?"
+    pngs = ["".join(o["data"]["image/png"]) for o in cell.get("outputs", []) if "image/png" in o.get("data", {})]
+    return len(set(pngs)) < len(pngs)
+
+
+JS_LOG_ENTRIES = """const d = arguments[arguments.length - 1];
+window.jupyterapp.commands.execute('logconsole:open').then(() => setTimeout(() => d(
+  [...document.querySelectorAll('.jp-LogConsolePanel .jp-OutputArea-output')]
+    .map(e => e.querySelector('img') ? '<image>' : e.textContent.trim().slice(0, 200))), 1000), e => d([String(e)]));"""
+
+
+def log_console(drv) -> list[str]:
+    "What JupyterLab's log console holds: outputs that landed outside any cell (a kernel warning, a stray plot)."
+    drv.set_script_timeout(20)
+    return drv.execute_async_script(JS_LOG_ENTRIES)
+
+
 def check_lab_run_all(shots: Path, notebook: Path | None = None, timeout: float = 150) -> dict:
     """Open a copy of `notebook` in JupyterLab, Run All, and check there is no error output (page and saved file)."""
     nb = Path(notebook or os.environ.get("BROWSER_NOTEBOOK") or ROOT / "nbs" / "00a_util.ipynb")
@@ -442,13 +546,22 @@ def check_lab_run_all(shots: Path, notebook: Path | None = None, timeout: float 
             open_notebook(drv, base, token, nb.name)
             state = run_all(drv, timeout)
             secs = time.time() - t0
+            time.sleep(2)   # widget echoes (an Output widget syncs what it captured back) arrive after the kernel idles
+            log = log_console(drv)
             drv.save_screenshot(str(shots / f"lab_run_all_{nb.stem}.png"))
             save(drv)
         saved = json.loads((tmp / nb.name).read_text())
     errors = [f"cell {c['i']}: {e}" for c in state["cells"] for e in c["errors"]]
     file_errors = [f"cell {i}: {o.get('ename')}: {o.get('evalue')}" for i, c in enumerate(saved["cells"])
                    for o in c.get("outputs", []) if o.get("output_type") == "error"]
+    widgets = [i for i, c in enumerate(saved["cells"]) for o in c.get("outputs", []) if WIDGET_VIEW in o.get("data", {})
+               and not "".join(o["data"].get("text/plain", "")).startswith("Harness(")]
+    assert not widgets, f"Run All of {nb.name} saved widget views that are not harnesses (a progress spinner?): " \
+        f"cells {widgets}"
+    twice = [i for i, c in enumerate(saved["cells"]) if _same_picture_twice(c)]
+    assert not twice, f"Run All of {nb.name}: cells {twice} show the same picture twice"
     ran = sum(1 for c in saved["cells"] if c["cell_type"] == "code" and c.get("execution_count"))
+    assert not log, f"Run All of {nb.name} left {len(log)} entr(ies) in JupyterLab's log console: {log[:3]}"
     assert not errors and not file_errors, (
         f"Run All of {nb.name} in JupyterLab left error outputs: {errors or file_errors}"
     )
@@ -473,23 +586,25 @@ def _harness_check():
 
 
 def main(argv=None) -> int:
-    which = (argv if argv is not None else sys.argv[1:]) or ["docs", "docs-features", "lab", "harness", "clone"]
+    which = (argv if argv is not None else sys.argv[1:]) or ["docs", "docs-features", "reader", "lab", "harness",
+                                                              "clone"]
     if MISSING_BROWSER: print(f"SKIP: {MISSING_BROWSER}"); return 0
     shots, rc = out_dir(), 0
     for w in which:
         t0 = time.time()
         try:
-            if w.startswith("docs"):
+            if w.startswith("docs") or w == "reader":
                 d = docs_dir()
                 if not (d / "index.html").exists():
                     subprocess.run([sys.executable, str(ROOT / "tools" / "build_docs.py"), "--out", str(d)], check=True)
             if w == "docs":
                 r = check_docs(d, shots); r = dict(pages=len(r), images=sum(v["images"] for v in r.values()))
             elif w == "docs-features": r = check_docs_features(d, shots)
+            elif w == "reader": r = check_reader(d, shots)
             elif w == "lab": r = check_lab_run_all(shots)
             elif w == "harness": r = _harness_check().check_harnesses(shots)
             elif w == "clone": r = _harness_check().check_fresh_clone(shots)
-            else: print(f"unknown check {w!r}: give docs, docs-features, lab, harness or clone"); return 2
+            else: print(f"unknown check {w!r}: give docs, docs-features, reader, lab, harness or clone"); return 2
             print(f"ok   {w:13s} {time.time() - t0:5.1f} s  {r}")
         except AssertionError as e:
             print(f"FAIL {w:13s} {time.time() - t0:5.1f} s  {e}"); rc = 1

@@ -9,19 +9,21 @@ its plan (`PLANS`): `*` moves every enabled control not yet moved one notch (a d
 slider one step with the arrow keys), `name=value` picks an option, `name=each` picks every option in turn. After each
 change: the widget's output differs from before; every plot image in it is not blank (variance of its grey levels
 above `MIN_VARIANCE`); the widget shows no stderr or error; and JupyterLab's log console counter (outputs that landed
-outside any cell or widget) is still 0. A control that is disabled must say why in its tooltip; every control must have
+outside any cell or widget) is still 0; no element carries title="null" (a tooltip of None), and no slider reads out in
+scientific notation (`1.18e+3`). A control that is disabled must say why in its tooltip; every control must have
 been moved at least once. The default plans move each control once (about 20 changes); the full sweep adds every
 option of every dropdown and every stability strategy with every control it enables.
 clone: copies of the four chapter notebooks, opened without running and untrusted as in a fresh clone, show a picture
-(not blank) where the harness is, and no `interactive(...)` text; with their kernels started and autosave every 2 s,
-each file is saved unchanged but for the kernelspec's display name (nbdev_clean writes the kernel's name there,
-JupyterLab the kernel's display name; `language_info` is kept by settings.ini's allowed_metadata_keys).
+(not blank) where the harness is, beside a table of its controls' values, and no `interactive(...)` text; with their
+kernels started and autosave every 2 s, each file is saved unchanged but for the kernelspec's display name (nbdev_clean
+writes the kernel's name there, JupyterLab the kernel's display name; `language_info` is kept by settings.ini's
+allowed_metadata_keys).
 
 Screenshots of each harness as first drawn and after its last change go to $BROWSER_OUT (default /tmp/browser-shots).
 """
 from __future__ import annotations
 
-import json, os, shutil, sys, tempfile, time
+import json, os, re, shutil, sys, tempfile, time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -92,7 +94,9 @@ const errs = out ? [...out.querySelectorAll(
   '[data-mime-type="application/vnd.jupyter.stderr"], .jp-RenderedText[data-mime-type*="error"]')]
   .map(e => e.textContent.slice(0, 300)) : [];
 const runs = w.className.match(/harness-runs-(\d+)/);
-return {controls, html: out ? out.innerHTML : '', images: stats, errors: errs,
+const nullTitles = [...w.querySelectorAll('[title="null"]')].length;
+const readouts = [...w.querySelectorAll('.widget-readout')].map(r => r.textContent.trim());
+return {controls, html: out ? out.innerHTML : '', images: stats, errors: errs, nullTitles, readouts,
         text: out ? out.innerText.slice(0, 400) : '',
         runs: runs ? parseInt(runs[1]) : null};
 """
@@ -206,6 +210,9 @@ def _check_state(r: Result, s: dict, what: str, log0: int, drv) -> None:
     if n > log0:
         r.problems.append(f"{r.name}: after {what}: {n - log0} output(s) in the log console: {log_text(drv)[:300]}")
     r.log_entries = max(r.log_entries, n - log0)
+    if s["nullTitles"]: r.problems.append(f"{r.name}: after {what}: {s['nullTitles']} element(s) with title=\"null\"")
+    sci = [x for x in s["readouts"] if re.search(r"\de[+-]?\d", x)]
+    if sci: r.problems.append(f"{r.name}: after {what}: slider readouts in scientific notation: {sci}")
     for c in s["controls"]:
         if c["disabled"]:
             r.disabled_seen[c["name"]] = c["tip"]
@@ -330,7 +337,10 @@ nb.content.widgets.forEach((c, i) => {
     for (let k = 0; k < d.length; k += 4) { const v = (d[k] + d[k + 1] + d[k + 2]) / 3; s += v; s2 += v * v; }
     return s2 / n - (s / n) * (s / n);
   });
-  found.push({cell: i, imgs, text: area.innerText.slice(0, 300), trusted: c.model.trusted});
+  const controls = [...area.querySelectorAll('table')].filter(t => [...t.querySelectorAll('th')]
+    .map(h => h.textContent.trim()).join(' ') === 'control value')
+    .map(t => t.querySelectorAll('tbody tr').length);
+  found.push({cell: i, imgs, controls, text: area.innerText.slice(0, 300), trusted: c.model.trusted});
 });
 return found;
 """
@@ -352,15 +362,18 @@ ALLOWED_ON_OPEN = {
 }  # nbdev_clean writes the kernel's name there, JupyterLab its display name
 
 
-def check_fresh_clone(shots: Path, names: list[str] | None = None, timeout: float = 120, settle: float = 6) -> dict:
-    """The chapter notebooks as a fresh clone shows them: copies opened untrusted, not run, autosave every 2 s. Each
-    harness output is a picture (not blank), not `interactive(...)` text; and once their kernels have started and
+def check_fresh_clone(shots: Path, names: list[str] | None = None, timeout: float = 120, settle: float = 6,
+                      folder: Path | None = None) -> dict:
+    """The chapter notebooks as a fresh clone shows them: copies (from `folder`, $BROWSER_CLONE_NBS, else nbs/) opened
+    untrusted, not run, autosave every 2 s. Each harness output is a picture (not blank) beside a table of its controls'
+    values, not `interactive(...)` text; and once their kernels have started and
     autosave has had time to run, each file differs from the repo's at most in `ALLOWED_ON_OPEN`."""
     names = names or list(CHAPTERS)
     out, problems = {}, []
     with tempfile.TemporaryDirectory(prefix="lab_pictures_") as tmp:
         tmp = Path(tmp)
-        for n in names: shutil.copy2(bc.ROOT / "nbs" / f"{CHAPTERS[n]}.ipynb", tmp)
+        folder = Path(folder or os.environ.get("BROWSER_CLONE_NBS") or bc.ROOT / "nbs")
+        for n in names: shutil.copy2(folder / f"{CHAPTERS[n]}.ipynb", tmp)
         autosave = {"@jupyterlab/docmanager-extension/plugin": {"autosaveInterval": 2}}
         with bc.jupyterlab(tmp, settings=autosave) as (base, token), bc.chrome(1200, 1000) as drv:
             drv.get(f"{base}lab?token={token}")
@@ -372,6 +385,9 @@ def check_fresh_clone(shots: Path, names: list[str] | None = None, timeout: floa
                     all(v is not None for v in h["imgs"]) for h in f) and f, timeout, f"{n}'s harness output to render")
                 for h in found:
                     ok = h["imgs"] and all(v > MIN_VARIANCE for v in h["imgs"]) and "interactive(" not in h["text"]
+                    if not (h["controls"] and h["controls"][0] > 0):
+                        problems.append(f"{CHAPTERS[n]}: cell {h['cell']} shows no table of its controls' values "
+                                        "beside the picture")
                     if h["trusted"]:
                         problems.append(
                             f"{CHAPTERS[n]}: cell {h['cell']} opened trusted; the check needs an untrusted copy"
@@ -385,7 +401,8 @@ def check_fresh_clone(shots: Path, names: list[str] | None = None, timeout: floa
                                           found[0]["cell"])
                 drv.execute_script("arguments[0].scrollIntoView()", cell)
                 time.sleep(0.3); cell.screenshot(str(shots / f"untrusted_{n}.png"))
-                out[n] = dict(harness_cells=len(found), pictures=sum(len(h["imgs"]) for h in found))
+                out[n] = dict(harness_cells=len(found), pictures=sum(len(h["imgs"]) for h in found),
+                              controls=sum(sum(h["controls"]) for h in found))
             bc.wait_for(lambda: drv.execute_script(JS_ALL_IDLE), timeout, "every notebook's kernel to start")
             time.sleep(settle)
             dirty = drv.execute_script(
@@ -394,7 +411,7 @@ def check_fresh_clone(shots: Path, names: list[str] | None = None, timeout: floa
             )
         for n in names:
             f = f"{CHAPTERS[n]}.ipynb"
-            diff = _json_diff(json.loads((bc.ROOT / "nbs" / f).read_text()), json.loads((tmp / f).read_text()))
+            diff = _json_diff(json.loads((folder / f).read_text()), json.loads((tmp / f).read_text()))
             out[n]["changed_on_open"] = diff
             if set(diff) - ALLOWED_ON_OPEN:
                 problems.append(f"{f}: opening it in JupyterLab changed {sorted(set(diff) - ALLOWED_ON_OPEN)[:8]}")

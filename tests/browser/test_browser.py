@@ -1,6 +1,6 @@
-"""Browser checks (marked `browser`): the built docs (every page; offline load, search, [source] links, sidebar), Run
-All
-in JupyterLab, every control of the four chapter harnesses, and the chapter notebooks as a fresh clone opens them.
+"""Browser checks (marked `browser`): the built docs (every page; offline load, search, [source] links, sidebar; the
+reader's path of issue 31), Run All in JupyterLab, every control of the four chapter harnesses, and the chapter
+notebooks as a fresh clone opens them.
 
 They need Debian's chromium and chromium-driver (installed by .ci/setup) and skip with one reason without them.
 Screenshots go to $BROWSER_OUT (default /tmp/browser-shots). Run by hand: python tests/browser/browser_check.py
@@ -54,8 +54,22 @@ def test_docs_features(docs, shots):
     assert r["source_links"] > 0 and r["source"]["py"].startswith("src/static_dist/"), r
 
 
-def test_lab_run_all_no_error(shots):
-    r = bc.check_lab_run_all(shots)
+def test_docs_reader_path(docs, shots):
+    """Issue 31's reader: front page commands and chapter links, each overview's stage links, plots and tables on the
+    parallel plan/verify/run pages, no raw dicts, no spinner, no picture twice, page names, a TOC on every page."""
+    r = bc.check_reader(docs, shots)
+    assert r["chapters"] > 1 and r["snapshots"] >= len(hc.CHAPTERS), r
+
+
+# the default notebook, the harness notebook (its test harnesses are discarded: 'No such comm' came from there) and the
+# parallel plots (a pyplot figure returned was shown twice)
+RUN_ALL = [None, "nbs/29_harness.ipynb", "nbs/45i_parallel_plots.ipynb"]
+
+
+@pytest.mark.parametrize("notebook", RUN_ALL)
+def test_lab_run_all_no_error(shots, notebook):
+    "Run All: no error, nothing in the log console, no widget view but a harness's saved, no picture shown twice."
+    r = bc.check_lab_run_all(shots, notebook=bc.ROOT / notebook if notebook else None)
     assert r["code_cells"] > 0
 
 
@@ -71,6 +85,7 @@ def test_harnesses_every_control(shots):
 
 
 def test_fresh_clone_shows_pictures_and_opens_clean(shots):
-    "Untrusted, not run: a picture where each harness is; opening changes only the kernelspec's display name."
+    """Untrusted, not run: a picture and a table of the controls' values where each harness is; opening changes only
+    the kernelspec's display name."""
     r = hc.check_fresh_clone(shots)
-    assert all(r[n]["pictures"] >= 1 for n in hc.CHAPTERS), r
+    assert all(r[n]["pictures"] >= 1 and r[n]["controls"] >= 1 for n in hc.CHAPTERS), r
