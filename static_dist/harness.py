@@ -184,5 +184,5 @@ def sweep(w) -> dict[str, bool]:
 # %% ../nbs/29_harness.ipynb
 def discard(w) -> None:
     "Empty harness `w`'s output and close it and its controls (its `Output` stays open for the frontend's echo)."
-    w.out.clear_output()
+    w.out.outputs = ()       # the synced trait itself: clear_output() waits for a frontend to echo it
     for c in (*_controls(w), w): c.close()
