@@ -259,6 +259,7 @@ def _grads_made(l: UnitLayout, at: int, pinfo: dict, plan: FSDPPlan) -> int:
 def _add_all_gathers(C: _Curves, profile: GraphProfile, plan: FSDPPlan, lays) -> list[tuple[int, int, object, bool]]:
     """All-gather outputs from their issue (or the prefetch that issued them) to their copy-out; each issue as (the op
     it comes before, the op the output is charged from, the unit, whether the unit gathers for itself)."""
+    if plan.shard_size == 1: return []                # FSDP2 copies the shard into the parameters: no all-gather
     units, pinfo = {u.module: u for u in plan.units}, {p.name: p for p in profile.params}
     fwd_end = lays[0].fwd[1] if lays else C.n - 1
     model_end = profile.model_forward_end                # the root's post-forward
