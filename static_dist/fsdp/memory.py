@@ -256,9 +256,12 @@ def _grads_made(l: UnitLayout, at: int, pinfo: dict, plan: FSDPPlan) -> int:
     return sum(q.numel * _dtype_size(plan.param_dtype, q.itemsize) for q in made)
 
 # %% ../../nbs/40c_fsdp_memory.ipynb
-def _add_all_gathers(C: _Curves, profile: GraphProfile, plan: FSDPPlan, lays) -> list[tuple[int, int, object, bool]]:
+def _add_all_gathers(C: _Curves, profile: GraphProfile, plan: FSDPPlan, lays,
+                     pipelined: bool = False) -> list[tuple[int, int, object, bool]]:
     """All-gather outputs from their issue (or the prefetch that issued them) to their copy-out; each issue as (the op
-    it comes before, the op the output is charged from, the unit, whether the unit gathers for itself)."""
+    it comes before, the op the output is charged from, the unit, whether the unit gathers for itself). `pipelined`:
+    a pipeline stage's units stay gathered between micro-batches, so only a stage's first forward gathers, while the
+    rank's curve stands for every micro-batch: a prefetched unit's output is charged at its copy-out alone."""
     if plan.shard_size == 1: return []                # FSDP2 copies the shard into the parameters: no all-gather
     units, pinfo = {u.module: u for u in plan.units}, {p.name: p for p in profile.params}
     fwd_end = lays[0].fwd[1] if lays else C.n - 1
@@ -285,7 +288,7 @@ def _add_all_gathers(C: _Curves, profile: GraphProfile, plan: FSDPPlan, lays) ->
             if root_pf: issue = root_pre_bwd                  # the root's implicit prefetch
             # forward: the result is kept (`all_gather_state`, prefetched or not) until the next unit's copy-out, the
             # last one to the root's post-forward; a unit gathering for itself frees the one before after its gather
-            if key: end = start
+            if key or (pipelined and prefetched): end = start
             elif i + 1 < len(seq): end = seq[i + 1].fwd[0] - (1 if p else 0)
             else: end = model_end
             # issued in the pre-hook of the unit that prefetches it (in backward, before its first op), else in its own
@@ -411,7 +414,7 @@ def predict_memory(profile: GraphProfile, plan: FSDPPlan, *, reduce_after_backwa
     bwd = np.flatnonzero(profile.op_phase == BACKWARD)
     reduce_at = int(bwd[-1]) if reduce_after_backward and len(bwd) else None
     total_sh = _add_units(C, profile, plan, lays, reduce_at)
-    issues = _add_all_gathers(C, profile, plan, lays)
+    issues = _add_all_gathers(C, profile, plan, lays, pipelined=reduce_after_backward)
     _add_reduce_scatters(C, profile, lays, reduce_at)
     curves = C.curves()
     act, runs = _activations(profile, plan, lays, total_sh / total_full if total_full else 1.0)
@@ -419,8 +422,8 @@ def predict_memory(profile: GraphProfile, plan: FSDPPlan, *, reduce_after_backwa
     total = sum(curves.values())
     i = int(np.argmax(total))
     at_peak = {c: int(v[i]) for c, v in curves.items()}
-    for m, c in _issue_moments(profile, plan, lays, curves, issues):   # between two ops: the peak where they are more
-        if sum(c.values()) > sum(at_peak.values()): i, at_peak = m, c
+    for m, c in [] if reduce_after_backward else _issue_moments(profile, plan, lays, curves, issues):
+        if sum(c.values()) > sum(at_peak.values()): i, at_peak = m, c     # between two ops: the peak where higher
     return MemoryPrediction(sum(at_peak.values()), i, ("forward", "backward", "optimizer")[profile.op_phase[i]],
                             profile.op_module[i], at_peak, curves)
 
