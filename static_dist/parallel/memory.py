@@ -342,7 +342,8 @@ def _param_stage(params, g: StaticGraph, so: np.ndarray) -> dict[str, int]:
 def _stage_params(params, g: StaticGraph, so: np.ndarray) -> list[tuple[int, ParamInfo]]:
     """(stage, parameter) for every copy the stages hold: each parameter on its module's stage (`_param_stage`), and a
     tied weight (`shared_params`) on each stage whose forward reads it, under the name that stage uses, its gradient
-    made by that stage's first backward op there: every stage keeps a copy of its own (`pipeline._tied` syncs them)."""
+    made where the capture made it, or else by that stage's first backward op there: every stage keeps a copy of its
+    own (`pipeline._tied` syncs them)."""
     first, out = _first_stages(g, so), []
     tied = {t[0]: t for t in _remember("tied", g, (), lambda: shared_params(g, param_infos(g)[1]))}
     bwd = [i for i, o in enumerate(g.ops) if o.phase == "backward"] if tied else []
@@ -353,9 +354,10 @@ def _stage_params(params, g: StaticGraph, so: np.ndarray) -> list[tuple[int, Par
             s = _module_stage(first, q.module)
             if s in held: continue
             held.add(s)
-            made = next((i for i in bwd if so[i] == s and within(g.ops[i].module, q.module)), -1)
-            out.append((s, dataclasses.replace(q, grad_created=made if made >= 0 and p.grad_created >= 0
-                                               else p.grad_created)))
+            made = p.grad_created                     # the capture's, where that op runs on this stage
+            if made >= 0 and so[made] != s:
+                made = next((i for i in bwd if so[i] == s and within(g.ops[i].module, q.module)), made)
+            out.append((s, dataclasses.replace(q, grad_created=made)))
     return out
 
 
