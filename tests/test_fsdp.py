@@ -189,3 +189,82 @@ def test_api_misuse_is_a_plan_error(call, tiny_graph):
 def test_fsdp_widget_takes_a_graph_too(tiny_graph):
     from static_dist.fsdp import fsdp_widget
     assert fsdp_widget(tiny_graph).result is not None
+
+
+def _tracked_modules(w, plan, monkeypatch, dtype=None):
+    """FSDPMemTracker's peak (its 'Total') and {module FQN: its forward peak} over the second step of `plan` on `w`
+    under a fake process group (verify's own measurement, the tracker kept)."""
+    import static_dist.cost.measure as M
+    from static_dist.fsdp.apply import apply_plan, plan_mesh
+    from static_dist.launch import process_group
+    from static_dist.workload import DTYPES
+    keep, peak_by = {}, M.peak_by_category
+    monkeypatch.setattr(M, "peak_by_category", lambda t: (keep.setdefault("t", t), peak_by(t))[1])
+    args, kwargs, targets = w.inputs(dtype=plan.param_dtype or w.dtype)
+    with process_group(fake_world=plan.world_size):
+        m = w.build(device="meta", dtype=DTYPES[dtype or w.dtype])
+        apply_plan(m, plan, plan_mesh(plan, "cpu"))
+        cats, _ = M.measure_step_by_category(m, plan, args, kwargs, targets, w.loss, w.optimizer)
+    fwd = {st.mod_fqn.partition(".")[2]: max(d["Total"] for s in v for d in s.values())
+           for st in keep["t"].memory_tracking.values() for k, v in st.snapshots.items() if k.value == "Peak Forward"}
+    return int(cats["Total"]), fwd
+
+
+def test_forward_all_gather_kept_until_the_next_copy_out(monkeypatch):
+    """FSDP2 keeps each forward all-gather output (`all_gather_state`) until the next unit's copy-out, a prefetched
+    unit's too: each block's forward peak, as FSDPMemTracker measures it, is the predicted one (within the optimizer's
+    step scalars); before, a prefetched unit's output was let go at its copy-out, one gathered block short in every
+    block's forward (1.73 vs 1.92 MB on the tiny Llama)."""
+    from static_dist.cost.few_blocks import profile_workload
+    from static_dist.fsdp import FSDPPlan, block_units, layout, predict_memory
+    from static_dist.workload import load_workload
+    w = load_workload("tiny", batch=2, seq=64)
+    prof = profile_workload(w, expand=False)
+    plan = FSDPPlan(4, (4,), block_units(prof.blocks))
+    pred = predict_memory(prof, plan)
+    total, fwd = _tracked_modules(w, plan, monkeypatch)
+    tot = sum(pred.curves.values())
+    for l in layout(prof, plan):
+        if l.module in prof.blocks:
+            assert 0 <= fwd[l.module] - tot[l.fwd[0]:l.fwd[1] + 1].max() <= 128, (l.module, fwd[l.module])
+    assert 0 <= total - pred.peak_bytes <= 128
+
+
+@pytest.fixture(scope="module")
+def hf_olmo2(tmp_path_factory):
+    "A 4-block, width-256 OLMo 2 config written here (nothing downloaded): q/k norms over all heads, fp32 rotary."
+    transformers = pytest.importorskip("transformers")
+    d = tmp_path_factory.mktemp("olmo2")
+    transformers.Olmo2Config(num_hidden_layers=4, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                             intermediate_size=512, vocab_size=1024, max_position_embeddings=256, eos_token_id=0,
+                             pad_token_id=1).save_pretrained(d)
+    return f"hf:{d / 'config.json'}"
+
+
+def _olmo2_per_block(src, world):
+    from static_dist.cost.few_blocks import profile_workload
+    from static_dist.fsdp import FSDPPlan, block_units, verify_workload
+    from static_dist.workload import load_workload
+    w = load_workload(src, batch=2, seq=64)
+    prof = profile_workload(w, "bfloat16", "float32", expand=False)
+    plan = FSDPPlan(world, (world,), block_units(prof.blocks), param_dtype="bfloat16", reduce_dtype="float32")
+    return verify_workload(w, plan, prof)
+
+
+def test_mixed_precision_all_gather_input_held_at_its_issue(hf_olmo2):
+    """OLMo 2 per-block at world 2, bf16 over fp32 masters: the peak is where the last block's backward prefetches
+    the one before, with the block's shard cast to bf16 (FSDP2's `_get_param_all_gather_inputs`) beside the all-gather
+    output; was 0.9973 of FSDPMemTracker (82,944 B short), now 0.9995 (what is left is the next test's)."""
+    v = _olmo2_per_block(hf_olmo2, 2)
+    assert abs(v.ratio - 1) < 0.001, v.line()
+
+
+@pytest.mark.xfail(strict=True, reason="not modelled: FSDP2's MixedPrecisionPolicy.cast_forward_inputs "
+                   "(torch/distributed/fsdp/_fully_shard/_fsdp_state.py:346-353) casts each unit's floating inputs to "
+                   "param_dtype; OLMo 2's rotary cos/sin are float32 in the bf16 capture, so every block keeps its own "
+                   "bf16 copy for backward (2 x 8 KiB here), which the captured step has not")
+@pytest.mark.parametrize("world", [2, 4])
+def test_mixed_precision_forward_input_casts(hf_olmo2, world):
+    "Exact with the per-block input casts: today 16,512 B (world 2) and 16,606 B (world 4) short, 0.9995 and 0.9992."
+    v = _olmo2_per_block(hf_olmo2, world)
+    assert v.predicted_bytes >= v.measured_bytes - 256, v.line()

@@ -256,8 +256,13 @@ def _grads_made(l: UnitLayout, at: int, pinfo: dict, plan: FSDPPlan) -> int:
     return sum(q.numel * _dtype_size(plan.param_dtype, q.itemsize) for q in made)
 
 # %% ../../nbs/40c_fsdp_memory.ipynb
-def _add_all_gathers(C: _Curves, profile: GraphProfile, plan: FSDPPlan, lays) -> None:
-    "All-gather outputs from their issue (or the prefetch that issued them) to their copy-out."
+def _add_all_gathers(C: _Curves, profile: GraphProfile, plan: FSDPPlan, lays,
+                     pipelined: bool = False) -> list[tuple[int, int, object, bool]]:
+    """All-gather outputs from their issue (or the prefetch that issued them) to their copy-out; each issue as (the op
+    it comes before, the op the output is charged from, the unit, whether the unit gathers for itself). `pipelined`:
+    a pipeline stage's units stay gathered between micro-batches, so only a stage's first forward gathers, while the
+    rank's curve stands for every micro-batch: a prefetched unit's output is charged at its copy-out alone."""
+    if plan.shard_size == 1: return []                # FSDP2 copies the shard into the parameters: no all-gather
     units, pinfo = {u.module: u for u in plan.units}, {p.name: p for p in profile.params}
     fwd_end = lays[0].fwd[1] if lays else C.n - 1
     model_end = profile.model_forward_end                # the root's post-forward
@@ -270,6 +275,7 @@ def _add_all_gathers(C: _Curves, profile: GraphProfile, plan: FSDPPlan, lays) ->
     if root_pre_bwd < 0:
         nb = [i for i in np.flatnonzero(profile.op_phase == BACKWARD) if profile.op_module[i]]
         root_pre_bwd = int(nb[0]) if nb else (root.bwd[0] if root else 0)
+    issues = []
     for seq, p, key in ((list(lays), plan.forward_prefetch, 0), (bwd_need, plan.backward_prefetch, 1)):
         seq = [l for l in seq if l.params]
         for i, l in enumerate(seq):
@@ -278,17 +284,22 @@ def _add_all_gathers(C: _Curves, profile: GraphProfile, plan: FSDPPlan, lays) ->
             prefetched = bool(p) and i >= 1          # by the unit p before it (the first ones by the first unit)
             q = seq[max(i - p, 0)]
             issue = (q.bwd[0] + 1 if key else q.fwd[0]) if prefetched else start
-            if key and i == 0 and p and root is not None: issue = root_pre_bwd   # the root's implicit prefetch
-            # forward, unit not prefetched: the result is kept (`all_gather_state`) until the next unit's
-            # copy-out, the last one to the root's post-forward; a prefetched unit's is freed at its copy-out
-            if key or prefetched: end = start
-            elif i + 1 < len(seq): end = seq[i + 1].fwd[0]
+            root_pf = bool(key and i == 0 and p and root is not None)
+            if root_pf: issue = root_pre_bwd                  # the root's implicit prefetch
+            # forward: the result is kept (`all_gather_state`, prefetched or not) until the next unit's copy-out, the
+            # last one to the root's post-forward; a unit gathering for itself frees the one before after its gather
+            if key or (pipelined and prefetched): end = start
+            elif i + 1 < len(seq): end = seq[i + 1].fwd[0] - (1 if p else 0)
             else: end = model_end
+            # issued in the pre-hook of the unit that prefetches it (in backward, before its first op), else in its own
+            issues.append((q.bwd[0] if prefetched and key else issue, issue, l, not (prefetched or root_pf)))
             if key:   # freed at its copy-out, before the unit's first op: that op holds the larger of it and the grads
                       # the op makes (the copy-out's moment, or the op's)
                 C.add("all_gather", min(issue, start), start - 1, l.unsharded_bytes)
                 C.add("all_gather", start, start, max(l.unsharded_bytes - _grads_made(l, start, pinfo, plan), 0))
             else: C.add("all_gather", min(issue, start), max(end, start), l.unsharded_bytes)
+    return issues
+
 
 # %% ../../nbs/40c_fsdp_memory.ipynb
 def _add_reduce_scatters(C: _Curves, profile: GraphProfile, lays, reduce_at: int | None = None) -> None:
@@ -342,6 +353,35 @@ def _add_recomputes(act: np.ndarray, runs: list, all_gather: np.ndarray) -> np.n
     return act
 
 # %% ../../nbs/40c_fsdp_memory.ipynb
+def _copy_in_bytes(profile: GraphProfile, plan: FSDPPlan, l: UnitLayout, pinfo: dict) -> int:
+    "Bytes of unit `l`'s shard cast to `param_dtype` for its all-gather (0 when the parameters are in it already)."
+    if plan.param_dtype is None or plan.param_dtype == profile.master_dtype: return 0
+    f8 = set(plan.float8_params)                      # gathered by torchao's own pre-all-gather, not this copy
+    return sum(shard_numel(pinfo[p].shape, plan.shard_size)[0] for p in l.params if p not in f8) * \
+        DTYPE_BYTES[plan.param_dtype]
+
+def _issue_moments(profile: GraphProfile, plan: FSDPPlan, lays, curves: dict, issues) -> list[tuple[int, dict]]:
+    """(op, {category: bytes}) of each all-gather issue under mixed precision, just before that op: its cast shard
+    in `all_gather` with the outputs in flight after it; the op's own activations and gradients not yet made, and a
+    unit gathering for itself not yet copied out."""
+    pinfo, out = {p.name: p for p in profile.params}, []
+    for m, at, l, own in issues:
+        extra = _copy_in_bytes(profile, plan, l, pinfo)
+        if not extra: continue
+        c = {k: int(v[m]) for k, v in curves.items()}
+        c["gradients"] -= sum(_grads_made(u, m, pinfo, plan) for u in lays)
+        c["activations"] = int(min(curves["activations"][max(m - 1, 0)], c["activations"]))
+        c["all_gather"] = int(curves["all_gather"][at])
+        if own:
+            c["unsharded_params"] -= l.unsharded_bytes
+            if profile.op_phase[m] == BACKWARD:       # charged the output less the grads the op makes: all of it
+                c["all_gather"] += l.unsharded_bytes - max(l.unsharded_bytes - _grads_made(l, m, pinfo, plan), 0)
+        c["all_gather"] += extra
+        out.append((m, c))
+    return out
+
+
+# %% ../../nbs/40c_fsdp_memory.ipynb
 @dataclass(frozen=True)
 class MemoryPrediction:
     "Predicted bytes on rank 0 at every op of one (steady-state) step, by category."
@@ -374,15 +414,18 @@ def predict_memory(profile: GraphProfile, plan: FSDPPlan, *, reduce_after_backwa
     bwd = np.flatnonzero(profile.op_phase == BACKWARD)
     reduce_at = int(bwd[-1]) if reduce_after_backward and len(bwd) else None
     total_sh = _add_units(C, profile, plan, lays, reduce_at)
-    _add_all_gathers(C, profile, plan, lays)
+    issues = _add_all_gathers(C, profile, plan, lays, pipelined=reduce_after_backward)
     _add_reduce_scatters(C, profile, lays, reduce_at)
     curves = C.curves()
     act, runs = _activations(profile, plan, lays, total_sh / total_full if total_full else 1.0)
     curves["activations"] = _add_recomputes(act, runs, curves["all_gather"])
     total = sum(curves.values())
     i = int(np.argmax(total))
-    return MemoryPrediction(int(total[i]), i, ("forward", "backward", "optimizer")[profile.op_phase[i]],
-                            profile.op_module[i], {c: int(v[i]) for c, v in curves.items()}, curves)
+    at_peak = {c: int(v[i]) for c, v in curves.items()}
+    for m, c in [] if reduce_after_backward else _issue_moments(profile, plan, lays, curves, issues):
+        if sum(c.values()) > sum(at_peak.values()): i, at_peak = m, c     # between two ops: the peak where higher
+    return MemoryPrediction(sum(at_peak.values()), i, ("forward", "backward", "optimizer")[profile.op_phase[i]],
+                            profile.op_module[i], at_peak, curves)
 
 # %% ../../nbs/40c_fsdp_memory.ipynb
 CATEGORY_COLORS = {"sharded_params": "#4c72b0", "optimizer_state": "#8172b2", "unsharded_params": "#64b5cd",

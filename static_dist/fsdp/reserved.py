@@ -123,7 +123,7 @@ def fsdp_holds(g: StaticGraph, profile: GraphProfile, plan: FSDPPlan, *, life: C
     acc = plan.accumulation_steps > 1 or reduce_at is not None
     grad_end = {} if acc else {l.module: l.bwd[1] for l in lays}
     holds = [Hold("all_gather", v, a, b, AG_STREAM) for a, b, v in
-             _intervals(n, lambda C: _add_all_gathers(C, profile, plan, lays))["all_gather"]]
+             _intervals(n, lambda C: _add_all_gathers(C, profile, plan, lays, reduce_at is not None))["all_gather"]]
     for l in lays:
         if l.params: holds += _unit_holds(l, units[l.module], plan, pinfo, n, reduce_at)
         if l.params and acc: holds += _accumulated_grads(l, pinfo, plan, n, reduce_at)

@@ -25,6 +25,7 @@ from static_dist.cost.profile import (
     shared_params,
     to_master,
     tokens_of,
+    within,
 )
 from ..graph import StaticGraph, fmt_bytes, op_bytes
 from ..topology import op_dtypes
@@ -324,17 +325,44 @@ class _View:
     compiled: dict              # storage id -> factor on its bytes: the saved activations of compiled blocks
 
 # %% ../../nbs/45b_parallel_memory.ipynb
-def _param_stage(params, g: StaticGraph, so: np.ndarray) -> dict[str, int]:
-    "Stage of each parameter: the stage of the first forward op of its module (stage 0 for an unused one)."
+def _first_stages(g: StaticGraph, so: np.ndarray) -> dict[str, int]:
+    "Stage of the first forward op of each module that ran one."
     first = {}
     for i, o in enumerate(g.ops):
         if o.phase == "forward" and o.module not in first: first[o.module] = int(so[i])
-    out = {}
+    return first
+
+def _module_stage(first: dict, m: str) -> int:
+    "Stage of module `m` (or its nearest ancestor that ran an op; stage 0 for one that ran none)."
+    while m not in first and m: m = m.rpartition(".")[0]
+    return first.get(m, 0)
+
+def _param_stage(params, g: StaticGraph, so: np.ndarray) -> dict[str, int]:
+    "Stage of each parameter: the stage of the first forward op of its module (stage 0 for an unused one)."
+    first = _first_stages(g, so)
+    return {p.name: _module_stage(first, p.module) for p in params}
+
+def _stage_params(params, g: StaticGraph, so: np.ndarray) -> list[tuple[int, ParamInfo]]:
+    """(stage, parameter) for every copy the stages hold: each parameter on its module's stage (`_param_stage`), and a
+    tied weight (`shared_params`) on each stage whose forward reads it, under the name that stage uses, its gradient
+    made where the capture made it, or else by that stage's first backward op there: every stage keeps a copy of its
+    own (`pipeline._tied` syncs them)."""
+    first, out = _first_stages(g, so), []
+    tied = {t[0]: t for t in _remember("tied", g, (), lambda: shared_params(g, param_infos(g)[1]))}
+    bwd = [i for i, o in enumerate(g.ops) if o.phase == "backward"] if tied else []
     for p in params:
-        m = p.module
-        while m not in first and m: m = m.rpartition(".")[0]
-        out[p.name] = first.get(m, 0)
+        if p.name not in tied: out.append((_module_stage(first, p.module), p)); continue
+        held = set()
+        for q in (dataclasses.replace(p, name=n) for n in tied[p.name]):
+            s = _module_stage(first, q.module)
+            if s in held: continue
+            held.add(s)
+            made = p.grad_created                     # the capture's, where that op runs on this stage
+            if made >= 0 and so[made] != s:
+                made = next((i for i in bwd if so[i] == s and within(g.ops[i].module, q.module)), made)
+            out.append((s, dataclasses.replace(q, grad_created=made)))
     return out
+
 
 # %% ../../nbs/45b_parallel_memory.ipynb
 def _storage_fraction(s, v: _View, g: StaticGraph, cp: int) -> float:
@@ -380,8 +408,7 @@ def _view(g: StaticGraph, plan: ParallelPlan, pp_rank: int, blocks, params) -> t
     keep = own | (so == -1)
     read = frozenset(g.tensors[t].storage for i in np.flatnonzero(own) for t in g.ops[i].inputs)
     regions, styles = _regions(plan, blocks)
-    pst = _param_stage(params, g, so)
-    mine = [p for p in params if pst[p.name] in mine_st]
+    mine = [p for s, p in _stage_params(params, g, so) if s in mine_st]
     local = sum(math.prod(tp_param_shape(p.name, p.shape, plan, styles)) * p.itemsize for p in mine)
     frac = local / max(sum(p.numel * p.itemsize for p in params), 1)
     factor = tp_op_factor(g, plan, blocks) / plan.dims.cp
