@@ -13,7 +13,7 @@ from static_dist.graph.recorder import CaptureError
 from static_dist.workload import DTYPES, load_workload
 
 
-def _same_graph(new, old) -> None:
+def _same_graph(new, old, targets=None) -> None:
     "Every record equal, field by field (a field the new capture drops or changes fails here, named)."
     assert len(new.ops) == len(old.ops) and len(new.tensors) == len(old.tensors)
     for table in ("ops", "tensors", "storages"):
@@ -21,9 +21,12 @@ def _same_graph(new, old) -> None:
             assert dataclasses.asdict(a) == dataclasses.asdict(b), (table, a, b)
         assert getattr(new, table) == getattr(old, table)
     assert new.saves == old.saves and new.unpacks == old.unpacks
-    # the capture's own wall time; whether TF32 was on (recorded since the reference was frozen: off, torch's default)
-    drop = lambda m: {k: v for k, v in m.items() if k not in ("seconds", "tf32")}
+    # the capture's own wall time; whether TF32 was on (recorded since the reference was frozen: off, torch's default);
+    # the targets' shape (recorded since: None where the model's output is the loss), checked against the targets given
+    drop = lambda m: {k: v for k, v in m.items() if k not in ("seconds", "tf32", "targets")}
     assert drop(new.meta) == drop(old.meta) and new.meta["tf32"] is torch.backends.cuda.matmul.allow_tf32 is False
+    want = None if targets is None else list(targets.shape)
+    assert new.meta["targets"] == want, (new.meta["targets"], want)
 
 
 def _workload_step(source: str, **kw):
@@ -40,14 +43,14 @@ def test_zoo_capture_records_what_the_old_recorder_did(name):
     model, args, kw = _workload_step(name, batch=2, seq=32)
     new, old = capture(model, args, **kw), old_capture(model, args, **kw)
     assert len(new.ops) > 50 and {o.phase for o in new.ops} == {"forward", "backward", "optimizer"}
-    _same_graph(new, old)
+    _same_graph(new, old, kw["targets"])
 
 
 def test_hf_capture_records_what_the_old_recorder_did(hf_tiny_llama):
     model, args, kw = _workload_step(hf_tiny_llama, batch=2, seq=32)
     new, old = capture(model, args, **kw), old_capture(model, args, **kw)
     assert any(o.module.startswith("model.layers.1.") for o in new.ops) and sum(o.flops for o in new.ops) > 0
-    _same_graph(new, old)
+    _same_graph(new, old, kw["targets"])     # None: the causal LM's output is its loss
 
 
 def test_real_capture_records_what_the_old_recorder_did():
@@ -55,13 +58,13 @@ def test_real_capture_records_what_the_old_recorder_did():
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.0), nn.Linear(16, 4))
     x, y = torch.randn(3, 8), torch.randn(3, 4)
     kw = dict(loss_fn=nn.functional.mse_loss, targets=y, optimizer="adamw", mode="real")
-    _same_graph(capture(model, (x,), **kw), old_capture(model, (x,), **kw))
+    _same_graph(capture(model, (x,), **kw), old_capture(model, (x,), **kw), y)
 
 
 def test_a_bf16_step_records_what_the_old_recorder_did():
     "A step in bfloat16 with an fp32 master-free AdamW: dtypes and bytes of every tensor as before."
     model, args, kw = _workload_step("tiny", batch=1, seq=16, dtype="bfloat16")
-    _same_graph(capture(model, args, **kw), old_capture(model, args, **kw))
+    _same_graph(capture(model, args, **kw), old_capture(model, args, **kw), kw["targets"])
 
 
 class _MixedDtypes(nn.Module):
