@@ -185,7 +185,9 @@ def chunked_loss(lf: ChunkedLoss, head: nn.Module, hidden: torch.Tensor, targets
     for i, (leaf, h, t) in enumerate(zip(leaves, hs, ts)):
         if i == len(hs) - 1 and hasattr(head, "set_requires_gradient_sync"):
             head.set_requires_gradient_sync(True, recurse=False)
-        loss = step_loss(lf.loss, head(h), t)
+        # bound as torchtitan binds it: a chunk's logits live through its backward and the next chunk's forward
+        logits = head(h)
+        loss = step_loss(lf.loss, logits, t)
         total = total + loss.detach()
         if buf is None: continue
         (loss * scale if scale != 1 else loss).backward()

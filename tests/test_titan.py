@@ -258,3 +258,17 @@ def test_titan_float8_job_as_torchtitan_applies_it():
     print(f"405B width Float8 rowwise, FSDP 8: predicted {pred} / measured {m.peak_bytes} = {pred / m.peak_bytes:.6f}")
     assert abs(pred / m.peak_bytes - 1) <= 0.001      # measured: 0.999999 (the issue asks for 1%)
     assert {f"dp.{k}": v for k, v in m.collectives.items() if v} == counts
+
+
+def test_chunked_loss_holds_each_chunks_logits_as_torchtitan_does():
+    """ChunkedLossWrapper binds each chunk's logits to a local (`logits = lm_head(h_chunk)`), so they live through the
+    chunk's backward and the next chunk's forward. At 8,192 tokens per rank one chunk's bf16 logits (1,024 x 128,256 x
+    2 B = 250 MiB) were missing from the prediction: 0.983 of torchtitan's peak before the step bound them too."""
+    from static_dist.parallel import predict_parallel_memory
+    from static_dist.titan import measure_titan, titan_job, titan_plan, titan_workload
+    job = titan_job("llama3_8b", layers=2, seq_len=2048, local_batch=4, dp_shard=2, loss_chunks=8)
+    g = titan_workload(job).graph(dtype=job.param_dtype)
+    ratio = predict_parallel_memory(g, titan_plan(job, g, 2), job.master_dtype).peak_bytes / measure_titan(
+        job, 2).peak_bytes
+    print(f"predicted / measured {ratio:.4f}")
+    assert abs(ratio - 1) <= 0.005, ratio     # 0.9972 measured: 48.5 MiB (1.5 B x dim per token) not yet traced
