@@ -161,7 +161,9 @@ def _sequence_factor(g: StaticGraph, plan: ParallelPlan, blocks, regions: set, s
     sub-layers (norms, residual adds), of the final norm and the embedding's forward holds 1/tp, and so does a
     row-parallel linear's output (reduce-scattered onto the sequence); what a sub-layer reads is gathered whole (the
     copy its column-parallel linears save). Vocabulary: the embedding's backward makes a 1/tp gradient table; with loss
-    parallelism the output projection's logits and the ops of the loss that keep the vocabulary dim hold 1/tp."""
+    parallelism the output projection's logits and the ops of the loss that keep the vocabulary dim hold 1/tp. The
+    final norm's output that the step reads outside every module (a chunked loss's pieces) is whole: torchtitan's
+    final norm gathers it for them."""
     tp, sp = plan.dims.tp, plan.sequence_parallel
     roles = {m: r for m, r in plan.tp_outer}
     ob = module_blocks((o.module for o in g.ops), tuple(blocks))
@@ -170,6 +172,10 @@ def _sequence_factor(g: StaticGraph, plan: ParallelPlan, blocks, regions: set, s
     feeds = set()                                   # tensors a sharded sub-layer reads from outside it: gathered
     for o in g.ops:
         if o.phase == "forward" and _under_any(o.module, regions): feeds.update(o.inputs)
+    # what the step reads outside every module (a chunked loss's pieces of the final norm's output): torchtitan's
+    # final norm gathers its output whole for it (`pre_lm_head_norm_config`), one copy per rank
+    outside = {t for o, b in zip(g.ops, ob) if o.phase == "forward" and b < 0 and o.module not in roles
+               and not _under_any(o.module, regions) and styles.get(o.module) is None for t in o.inputs}
     for i, o in enumerate(g.ops):
         if o.phase == "optimizer": continue
         fwd, role, s = o.phase == "forward", roles.get(o.module), styles.get(o.module)
@@ -181,6 +187,7 @@ def _sequence_factor(g: StaticGraph, plan: ParallelPlan, blocks, regions: set, s
             out = g.tensors[o.outputs[0]].shape if o.outputs else ()
             f[i] = 1 / tp if vocab and out and out[-1] == vocab else 1.0
         if sp and fwd and f[i] < 1 and not inside and any(t in feeds for t in o.outputs): f[i] = 1.0
+        if sp and fwd and role == "norm" and any(t in outside for t in o.outputs): f[i] = 1.0
         if f[i] < 1: sharded[list(o.outputs)] = True
 
 
