@@ -18,8 +18,9 @@ from typing import Sequence
 from .errors import InputError, StaticDistError
 
 # %% auto 0
-__all__ = ['MAX_JSON_BYTES', 'MAX_JSON_DEPTH', 'MAX_SMALL_BYTES', 'file_kind', 'stat_or_none', 'check_name', 'check_writable',
-           'umask', 'new_mode', 'place', 'atomic_write', 'silent_stderr_fd', 'read_bounded', 'loads_json', 'read_json']
+__all__ = ['MAX_JSON_BYTES', 'MAX_JSON_DEPTH', 'MAX_SMALL_BYTES', 'file_kind', 'stat_or_none', 'check_name',
+           'check_writable', 'umask', 'new_mode', 'place', 'atomic_write', 'silent_stderr_fd', 'read_bounded',
+           'loads_json', 'read_json']
 
 # %% ../nbs/00ab_files.ipynb
 def file_kind(st) -> str:

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 # %% auto 0
-__all__ = ['harness_figure', 'figure_png', 'png_variance', 'overlapping_labels', 'View', 'widgets', 'harness', 'saved_view',
-           'nudge', 'sweep', 'discard']
+__all__ = ['harness_figure', 'figure_png', 'png_variance', 'overlapping_labels', 'View', 'widgets', 'harness',
+           'saved_view', 'nudge', 'sweep', 'discard']
 
 # %% ../nbs/29_harness.ipynb
 def harness_figure(width: float, height: float, rows: int = 1, heights: tuple | None = None, sharex: bool = False):

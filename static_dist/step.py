@@ -15,8 +15,8 @@ import torch.nn as nn
 from .errors import InputError
 
 # %% auto 0
-__all__ = ['OPTIMIZERS', 'step_loss', 'StepError', 'make_optimizer', 'MicroBatch', 'micro_batch', 'batch_loss', 'ChunkedLoss',
-           'skipping', 'chunked_loss', 'forward_backward', 'train_step']
+__all__ = ['OPTIMIZERS', 'step_loss', 'StepError', 'make_optimizer', 'MicroBatch', 'micro_batch', 'batch_loss',
+           'ChunkedLoss', 'skipping', 'chunked_loss', 'forward_backward', 'train_step']
 
 # %% ../nbs/00g_step.ipynb
 def step_loss(loss_fn, out, targets=None):

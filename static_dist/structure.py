@@ -15,7 +15,8 @@ from .validation import Fields, boolean, integer, list_of, string
 from .errors import StaticDistError
 
 # %% auto 0
-__all__ = ['LinearInfo', 'BlockStack', 'ModelStructure', 'find_structure', 'StructureError', 'is_compiled', 'compiled_modules']
+__all__ = ['LinearInfo', 'BlockStack', 'ModelStructure', 'find_structure', 'StructureError', 'is_compiled',
+           'compiled_modules']
 
 # %% ../nbs/01a_structure.ipynb
 @dataclass(frozen=True)

@@ -14,9 +14,9 @@ import triton
 import triton.language as tl
 
 # %% auto 0
-__all__ = ['interpreting', 'launch_config', 'acc_type', 'softmax_fwd_kernel', 'softmax_bwd_kernel', 'softmax_fwd', 'softmax_bwd',
-           'interpreter_ready', 'add_relu_kernel', 'add_relu', 'rmsnorm_fwd_kernel', 'rmsnorm_bwd_kernel',
-           'rms_norm_fwd', 'rms_norm_bwd']
+__all__ = ['interpreting', 'launch_config', 'acc_type', 'softmax_fwd_kernel', 'softmax_bwd_kernel', 'softmax_fwd',
+           'softmax_bwd', 'interpreter_ready', 'add_relu_kernel', 'add_relu', 'rmsnorm_fwd_kernel',
+           'rmsnorm_bwd_kernel', 'rms_norm_fwd', 'rms_norm_bwd']
 
 # %% ../nbs/20a_triton_kernels.ipynb
 def interpreting() -> bool:

@@ -19,8 +19,9 @@ from .errors import InputError, StaticDistError, first_line, interrupted
 from .files import atomic_write, file_kind, stat_or_none
 
 # %% auto 0
-__all__ = ['MAX_BYTES', 'DTYPE_BYTES', 'DTYPES', 'MAX_REAL_PARAMS', 'parse_bytes', 'is_file_ref', 'import_file', 'import_ref',
-           'resolve', 'torch_dtype', 'environment', 'write_result', 'TooBigError', 'check_memory', 'check_real_size']
+__all__ = ['MAX_BYTES', 'DTYPE_BYTES', 'DTYPES', 'MAX_REAL_PARAMS', 'parse_bytes', 'is_file_ref', 'import_file',
+           'import_ref', 'resolve', 'torch_dtype', 'environment', 'write_result', 'TooBigError', 'check_memory',
+           'check_real_size']
 
 # %% ../nbs/00a_util.ipynb
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,

@@ -16,8 +16,8 @@ from .errors import InputError
 from .util import DTYPES
 
 # %% auto 0
-__all__ = ['INT64_MIN', 'INT64_MAX', 'Bad', 'shown', 'Check', 'integer', 'number', 'string', 'boolean', 'mapping', 'anything',
-           'either', 'one_of', 'dtype_name', 'list_of', 'optional', 'Fields']
+__all__ = ['INT64_MIN', 'INT64_MAX', 'Bad', 'shown', 'Check', 'integer', 'number', 'string', 'boolean', 'mapping',
+           'anything', 'either', 'one_of', 'dtype_name', 'list_of', 'optional', 'Fields']
 
 # %% ../nbs/00ac_validation.ipynb
 INT64_MIN, INT64_MAX = -2**63, 2**63 - 1

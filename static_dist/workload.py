@@ -28,9 +28,9 @@ from .errors import InputError, StaticDistError, errors_as, first_line
 from .workload_hf import hf_config, hf_head, hf_parts, hf_sizes, quiet_transformers
 
 # %% auto 0
-__all__ = ['MAX_DIM', 'DTYPES', 'OPTIMIZERS', 'DEFAULT_BATCH', 'DEFAULT_SEQ', 'WorkloadError', 'Workload', 'module_builder',
-           'max_positions', 'token_loss', 'token_inputs', 'square_loss', 'shape_inputs', 'parse_input_shape',
-           'load_workload']
+__all__ = ['MAX_DIM', 'DTYPES', 'OPTIMIZERS', 'DEFAULT_BATCH', 'DEFAULT_SEQ', 'WorkloadError', 'Workload',
+           'module_builder', 'max_positions', 'token_loss', 'token_inputs', 'square_loss', 'shape_inputs',
+           'parse_input_shape', 'load_workload']
 
 # %% ../nbs/03_workload.ipynb
 class WorkloadError(StaticDistError, ValueError):

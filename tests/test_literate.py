@@ -42,3 +42,18 @@ def test_finds_long_lines_in_notebooks_and_modules(tmp_path):
 def test_no_line_over_120_characters():
     long = cell_stats.long_lines()
     assert not long, f"{len(long)} lines over {cell_stats.MAX_LINE} characters (wrap them), first: {long[:5]}"
+
+
+def test_wrap_all_keeps_nbdev_names_within_120(tmp_path):
+    "nbdev 2.4.7 wraps `__all__` at 120 and then prefixes it (up to 130); tools/wrap_all.py re-wraps, names kept."
+    import ast, textwrap
+    spec = importlib.util.spec_from_file_location("wrap_all", ROOT / "tools" / "wrap_all.py")
+    wrap_all = importlib.util.module_from_spec(spec); spec.loader.exec_module(wrap_all)
+    names = [f"name_{i:02d}_of_a_module" for i in range(30)]
+    tw = textwrap.TextWrapper(width=120, initial_indent='', subsequent_indent=' ' * 11, break_long_words=False)
+    module = f'"""doc"""\n\n# %% auto 0\n__all__ = ' + "\n".join(tw.wrap(str(names))) + "\n\n# %% cell\nx = 1\n"
+    assert max(map(len, module.splitlines())) > 120                      # what nbdev writes, as nbdev builds it
+    out = wrap_all.rewrapped(module)
+    assert max(map(len, out.splitlines())) <= 120 and out.endswith("\n\n# %% cell\nx = 1\n")
+    block = out.split("# %% auto 0\n")[1].split("\n\n")[0]
+    assert ast.literal_eval(block.removeprefix("__all__ = ")) == names and wrap_all.rewrapped(out) == out

@@ -18,8 +18,8 @@ from ..outputs import OutputFolder
 from ..util import check_memory, check_real_size, environment, resolve
 
 # %% auto 0
-__all__ = ['BENCHES', 'TITAN_BENCH_JOBS', 'bench_function', 'bench_titan_jobs', 'bench_layouts', 'capture_once', 'bench_capture',
-           'bench_cli', 'cmd_bench']
+__all__ = ['BENCHES', 'TITAN_BENCH_JOBS', 'bench_function', 'bench_titan_jobs', 'bench_layouts', 'capture_once',
+           'bench_capture', 'bench_cli', 'cmd_bench']
 
 # %% ../../nbs/94_benches.ipynb
 BENCHES = {

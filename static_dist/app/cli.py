@@ -19,8 +19,8 @@ from ..files import check_name, file_kind, stat_or_none
 from ..util import parse_bytes, resolve
 
 # %% auto 0
-__all__ = ['MAX_COUNT', 'MAX_RANKS', 'PIPELINE_SCHEDULES', 'FLOAT_DTYPES', 'VERBS', 'count', 'real', 'size', 'mesh', 'infile',
-           'outfile', 'prefix', 'outdir', 'Parser', 'build_parser', 'UsageError', 'main']
+__all__ = ['MAX_COUNT', 'MAX_RANKS', 'PIPELINE_SCHEDULES', 'FLOAT_DTYPES', 'VERBS', 'count', 'real', 'size', 'mesh',
+           'infile', 'outfile', 'prefix', 'outdir', 'Parser', 'build_parser', 'UsageError', 'main']
 
 # %% ../../nbs/90_cli.ipynb
 MAX_COUNT = 2**31 - 1   # ranks, steps, batch: beyond this no array or process group is sensible

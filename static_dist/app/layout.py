@@ -20,10 +20,10 @@ from ..files import atomic_write, check_writable
 from ..util import check_real_size
 
 # %% auto 0
-__all__ = ['PIN_DIMS', 'COMPILE_PRICED', 'layout_pins', 'layout_precision', 'layout_pipeline', 'layout_topology', 'tp_outer_line',
-           'precision_line', 'float8_line', 'ac_summary', 'layout_lines', 'layout_memory', 'layout_reserved',
-           'cmd_plan', 'titan_args', 'titan_prediction', 'titan_verdict', 'print_titan_overrides', 'titan_search',
-           'plan_titan', 'measured_peak', 'collective_timeout', 'check_context_parallel', 'planned_for',
+__all__ = ['PIN_DIMS', 'COMPILE_PRICED', 'layout_pins', 'layout_precision', 'layout_pipeline', 'layout_topology',
+           'tp_outer_line', 'precision_line', 'float8_line', 'ac_summary', 'layout_lines', 'layout_memory',
+           'layout_reserved', 'cmd_plan', 'titan_args', 'titan_prediction', 'titan_verdict', 'print_titan_overrides',
+           'titan_search', 'plan_titan', 'measured_peak', 'collective_timeout', 'check_context_parallel', 'planned_for',
            'planned_workload', 'train_plan', 'cmd_train']
 
 # %% ../../nbs/92a_layout.ipynb

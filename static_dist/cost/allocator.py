@@ -16,9 +16,9 @@ from ..errors import StaticDistError
 from ..graph.records import StaticGraph
 
 # %% auto 0
-__all__ = ['MIN_BLOCK_SIZE', 'SMALL_SIZE', 'SMALL_BUFFER', 'MIN_LARGE_ALLOC', 'LARGE_BUFFER', 'ROUND_LARGE', 'round_size',
-           'allocation_size', 'is_small', 'AllocatorError', 'AllocEvent', 'AllocatorStats', 'CachingAllocator',
-           'reserved_peak', 'Hold', 'step_events', 'graph_holds', 'predict_reserved', 'curve_holds',
+__all__ = ['MIN_BLOCK_SIZE', 'SMALL_SIZE', 'SMALL_BUFFER', 'MIN_LARGE_ALLOC', 'LARGE_BUFFER', 'ROUND_LARGE',
+           'round_size', 'allocation_size', 'is_small', 'AllocatorError', 'AllocEvent', 'AllocatorStats',
+           'CachingAllocator', 'reserved_peak', 'Hold', 'step_events', 'graph_holds', 'predict_reserved', 'curve_holds',
            'repeat_block_holds']
 
 # %% ../../nbs/06d_cost_allocator.ipynb

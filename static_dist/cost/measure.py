@@ -15,7 +15,8 @@ from ..graph import explain_failure, quiet_torch_logs
 from ..step import MicroBatch, make_optimizer, train_step
 
 # %% auto 0
-__all__ = ['comm_counter', 'comm_counts', 'to_empty_tied', 'peak_by_category', 'measure_step_by_category', 'measure_step']
+__all__ = ['comm_counter', 'comm_counts', 'to_empty_tied', 'peak_by_category', 'measure_step_by_category',
+           'measure_step']
 
 # %% ../../nbs/06c_cost_measure.ipynb
 def _one_step(m, opt, inputs, kwargs, targets, loss_fn, plan, around=None):

@@ -13,8 +13,8 @@ from ..errors import StaticDistError, errors_as
 from ..files import loads_json, read_json
 
 # %% auto 0
-__all__ = ['SCHEMA', 'SCHEMA_VERSION', 'SEVERITIES', 'Stage', 'Finding', 'NumericCheck', 'ExportReport', 'ReportFileError',
-           'ReportDiff']
+__all__ = ['SCHEMA', 'SCHEMA_VERSION', 'SEVERITIES', 'Stage', 'Finding', 'NumericCheck', 'ExportReport',
+           'ReportFileError', 'ReportDiff']
 
 # %% ../../nbs/10b_export_report.ipynb
 SCHEMA, SCHEMA_VERSION = 'static_dist.export_report', 1

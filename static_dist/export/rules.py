@@ -13,7 +13,8 @@ from .source import SourceLoc, _first_line, _op_parts, loc_from_exception, node_
 from .report import Finding, _md_escape
 
 # %% auto 0
-__all__ = ['RULES', 'RESIZE_MAP', 'Rule', 'rules_markdown', 'resize_attrs', 'MatmulResize', 'graph_findings', 'error_findings']
+__all__ = ['RULES', 'RESIZE_MAP', 'Rule', 'rules_markdown', 'resize_attrs', 'MatmulResize', 'graph_findings',
+           'error_findings']
 
 # %% ../../nbs/10d_export_rules.ipynb
 @dataclass(frozen=True)

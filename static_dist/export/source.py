@@ -11,8 +11,8 @@ import torch
 from ..errors import StaticDistError
 
 # %% auto 0
-__all__ = ['INSTALL_HINT', 'MissingDependency', 'require', 'quiet', 'SourceLoc', 'is_user_file', 'is_user_frame', 'loc_from_text',
-           'loc_from_exception', 'node_loc', 'op_name']
+__all__ = ['INSTALL_HINT', 'MissingDependency', 'require', 'quiet', 'SourceLoc', 'is_user_file', 'is_user_frame',
+           'loc_from_text', 'loc_from_exception', 'node_loc', 'op_name']
 
 # %% ../../nbs/10a_export_source.ipynb
 INSTALL_HINT = 'pip install "static_dist[export]"'

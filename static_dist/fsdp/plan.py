@@ -25,8 +25,8 @@ from ..errors import errors_as
 from ..files import loads_json, read_json
 
 # %% auto 0
-__all__ = ['PLAN_SCHEMA', 'MAX_WORLD', 'MAX_PLAN_BYTES', 'FSDPUnit', 'FSDPPlan', 'block_units', 'innermost', 'unit_members',
-           'unit_finder', 'unit_of', 'validate']
+__all__ = ['PLAN_SCHEMA', 'MAX_WORLD', 'MAX_PLAN_BYTES', 'FSDPUnit', 'FSDPPlan', 'block_units', 'innermost',
+           'unit_members', 'unit_finder', 'unit_of', 'validate']
 
 # %% ../../nbs/40b_fsdp_plan.ipynb
 _PRICED = (NoCheckpoint, FullCheckpoint)   # the policies fsdp.memory and fsdp.steptime price

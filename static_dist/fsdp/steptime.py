@@ -20,8 +20,8 @@ from ..graph.records import BACKWARD, FORWARD, OPTIMIZER
 
 
 # %% auto 0
-__all__ = ['Span', 'StepPrediction', 'CostModel', 'default_cost_model', 'predict_comms', 'profile_seconds', 'predict_step',
-           'plot_fsdp_timeline']
+__all__ = ['Span', 'StepPrediction', 'CostModel', 'default_cost_model', 'predict_comms', 'profile_seconds',
+           'predict_step', 'plot_fsdp_timeline']
 
 # %% ../../nbs/40d_fsdp_steptime.ipynb
 @dataclass(frozen=True)

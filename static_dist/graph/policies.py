@@ -16,8 +16,8 @@ from fastcore.basics import patch_to
 from ..errors import InputError
 
 # %% auto 0
-__all__ = ['POLICIES', 'PolicyError', 'CheckpointPolicy', 'parse_policy', 'NoCheckpoint', 'FullCheckpoint', 'SelectiveOps',
-           'kept_ops', 'recomputed_ops', 'apply_checkpointing', 'SelectiveLayers']
+__all__ = ['POLICIES', 'PolicyError', 'CheckpointPolicy', 'parse_policy', 'NoCheckpoint', 'FullCheckpoint',
+           'SelectiveOps', 'kept_ops', 'recomputed_ops', 'apply_checkpointing', 'SelectiveLayers']
 
 # %% ../../nbs/00eb_graph_policies.ipynb
 class PolicyError(InputError):

@@ -21,7 +21,8 @@ from .step import _build_optimizer, _check_inputs, _check_kwargs
 from ..step import MicroBatch, forward_backward, train_step
 
 # %% auto 0
-__all__ = ['ROLE_COLORS', 'storage_differences', 'memtracker_peak', 'op_bytes', 'roofline_seconds', 'pyplot', 'plot_memory']
+__all__ = ['ROLE_COLORS', 'storage_differences', 'memtracker_peak', 'op_bytes', 'roofline_seconds', 'pyplot',
+           'plot_memory']
 
 # %% ../../nbs/00e_graph_query.ipynb
 @patch

@@ -17,8 +17,8 @@ from fastcore.basics import patch
 from ..structure import ModelStructure
 
 # %% auto 0
-__all__ = ['PHASES', 'FORWARD', 'BACKWARD', 'OPTIMIZER', 'ROLES', 'Phase', 'Role', 'PhaseIndex', 'OpRecord', 'TensorRecord',
-           'StorageRecord', 'StaticGraph', 'Lifetime', 'Peak', 'ModuleStats', 'fmt_bytes', 'fmt_flops']
+__all__ = ['PHASES', 'FORWARD', 'BACKWARD', 'OPTIMIZER', 'ROLES', 'Phase', 'Role', 'PhaseIndex', 'OpRecord',
+           'TensorRecord', 'StorageRecord', 'StaticGraph', 'Lifetime', 'Peak', 'ModuleStats', 'fmt_bytes', 'fmt_flops']
 
 # %% ../../nbs/00b_graph_records.ipynb
 PHASES = ("forward", "backward", "optimizer")

@@ -40,8 +40,8 @@ from static_dist.offload.spill import (
 )
 
 # %% auto 0
-__all__ = ['OffloadMismatchError', 'OffloadCompiledError', 'OffloadCorruptionError', 'OffloadInplaceError', 'refuse_compiled',
-           'OffloadExecutor']
+__all__ = ['OffloadMismatchError', 'OffloadCompiledError', 'OffloadCorruptionError', 'OffloadInplaceError',
+           'refuse_compiled', 'OffloadExecutor']
 
 # %% ../../nbs/50e_offload_executor.ipynb
 class OffloadMismatchError(OffloadError):

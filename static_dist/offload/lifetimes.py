@@ -15,7 +15,8 @@ from ..topology import DEVICES, DeviceSpec, device_spec, op_seconds
 from ..errors import InputError
 
 # %% auto 0
-__all__ = ['DEVICE_NAMES', 'OffloadDeviceError', 'offload_device', 'SavedTensor', 'checkpointed_modules', 'saved_tensors']
+__all__ = ['DEVICE_NAMES', 'OffloadDeviceError', 'offload_device', 'SavedTensor', 'checkpointed_modules',
+           'saved_tensors']
 
 # %% ../../nbs/50a_offload_lifetimes.ipynb
 class OffloadDeviceError(InputError):

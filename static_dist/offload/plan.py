@@ -20,9 +20,10 @@ from ..topology import DeviceSpec, op_seconds
 from ..errors import StaticDistError
 
 # %% auto 0
-__all__ = ['GB', 'TIER_PRESETS', 'Klass', 'CLASSES', 'CLASS_COLORS', 'OffloadError', 'OffloadUsageError', 'Tier', 'tier',
-           'tiers_from_topology', 'classify', 'OffloadDecision', 'OffloadPlan', 'graph_signature', 'planned_live_bytes',
-           'out_of_reach', 'plan_offload', 'plan_summary', 'plan_markdown', 'plot_lifetimes', 'plot_offload_memory']
+__all__ = ['GB', 'TIER_PRESETS', 'Klass', 'CLASSES', 'CLASS_COLORS', 'OffloadError', 'OffloadUsageError', 'Tier',
+           'tier', 'tiers_from_topology', 'classify', 'OffloadDecision', 'OffloadPlan', 'graph_signature',
+           'planned_live_bytes', 'out_of_reach', 'plan_offload', 'plan_summary', 'plan_markdown', 'plot_lifetimes',
+           'plot_offload_memory']
 
 # %% ../../nbs/50b_offload_plan.ipynb
 class OffloadError(StaticDistError, RuntimeError):

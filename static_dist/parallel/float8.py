@@ -15,8 +15,8 @@ from ..graph import StaticGraph
 from .plan import ParallelPlan, ParallelPlanError
 
 # %% auto 0
-__all__ = ['FLOAT8_RECIPES', 'float8_config', 'convert_float8', 'float8_workload', 'float8_of', 'float8_weights', 'check_float8',
-           'float8_weight_casts', 'float8_refusal']
+__all__ = ['FLOAT8_RECIPES', 'float8_config', 'convert_float8', 'float8_workload', 'float8_of', 'float8_weights',
+           'check_float8', 'float8_weight_casts', 'float8_refusal']
 
 # %% ../../nbs/45ac_parallel_float8.ipynb
 FLOAT8_RECIPES = ("tensorwise", "rowwise")   # torchao's Float8LinearRecipeName values that static_dist plans

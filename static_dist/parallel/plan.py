@@ -23,8 +23,9 @@ from ..errors import errors_as
 from ..files import loads_json, read_json
 
 # %% auto 0
-__all__ = ['ParallelDims', 'SCHEDULES', 'OUTER_ROLES', 'MAX_MICROBATCHES', 'PARALLEL_SCHEMA', 'PLANNED_FOR', 'ParallelPlanError',
-           'ParallelPlan', 'block_policies', 'stage_ranges', 'check_layout', 'block_collectives', 'outer_collectives']
+__all__ = ['ParallelDims', 'SCHEDULES', 'OUTER_ROLES', 'MAX_MICROBATCHES', 'PARALLEL_SCHEMA', 'PLANNED_FOR',
+           'ParallelPlanError', 'ParallelPlan', 'block_policies', 'stage_ranges', 'check_layout', 'block_collectives',
+           'outer_collectives']
 
 # %% ../../nbs/45a_parallel_plan.ipynb
 class ParallelPlanError(PlanError):

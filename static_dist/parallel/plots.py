@@ -13,8 +13,8 @@ from .schedule import schedule_actions
 from .time import TIME_TERMS, StepTime
 
 # %% auto 0
-__all__ = ['TRACKER_CATEGORIES', 'TERM_COLORS', 'MdTable', 'md_table', 'counts_table', 'measured_categories', 'plot_rank_memory',
-           'plot_step_terms', 'schedule_timeline', 'idle_fraction', 'plot_schedule']
+__all__ = ['TRACKER_CATEGORIES', 'TERM_COLORS', 'MdTable', 'md_table', 'counts_table', 'measured_categories',
+           'plot_rank_memory', 'plot_step_terms', 'schedule_timeline', 'idle_fraction', 'plot_schedule']
 
 # %% ../../nbs/45i_parallel_plots.ipynb
 class MdTable(str):

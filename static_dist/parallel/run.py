@@ -27,8 +27,8 @@ from .plan import ParallelPlan, ParallelPlanError
 from ..step import MicroBatch, micro_batch, train_step
 
 # %% auto 0
-__all__ = ['position_buffers', 'cp_context', 'dp_slice', 'plan_rows', 'split_rows', 'PlanRank', 'prepare_rank', 'plan_step',
-           'run_plans']
+__all__ = ['position_buffers', 'cp_context', 'dp_slice', 'plan_rows', 'split_rows', 'PlanRank', 'prepare_rank',
+           'plan_step', 'run_plans']
 
 # %% ../../nbs/45h_parallel_run.ipynb
 def position_buffers(model: nn.Module, seq: int) -> tuple[str, ...]:

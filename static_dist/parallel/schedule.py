@@ -14,7 +14,8 @@ from ..graph.records import BACKWARD, OPTIMIZER
 
 
 # %% auto 0
-__all__ = ['rank_stages', 'schedule_actions', 'Held', 'held_by_action', 'in_flight', 'pipeline_buffers', 'pipeline_held']
+__all__ = ['rank_stages', 'schedule_actions', 'Held', 'held_by_action', 'in_flight', 'pipeline_buffers',
+           'pipeline_held']
 
 # %% ../../nbs/45ab_parallel_schedule.ipynb
 def rank_stages(plan: ParallelPlan, pp_rank: int) -> frozenset:

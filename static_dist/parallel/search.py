@@ -57,9 +57,10 @@ from ..graph.records import BACKWARD, FORWARD
 
 
 # %% auto 0
-__all__ = ['CHECKPOINT_POLICIES', 'BENCH_PLAN_CASES', 'SPEED_CASES', 'layout_dims', 'compiles_all', 'memory_by_category',
-           'layout_reserved_peak', 'balanced_stages', 'checkpoint_mix', 'Candidate', 'LayoutSearch', 'tp_layout',
-           'search_layouts', 'search_graph', 'predict_layout', 'bare_step_seconds', 'bench_speed', 'bench_plan']
+__all__ = ['CHECKPOINT_POLICIES', 'BENCH_PLAN_CASES', 'SPEED_CASES', 'layout_dims', 'compiles_all',
+           'memory_by_category', 'layout_reserved_peak', 'balanced_stages', 'checkpoint_mix', 'Candidate',
+           'LayoutSearch', 'tp_layout', 'search_layouts', 'search_graph', 'predict_layout', 'bare_step_seconds',
+           'bench_speed', 'bench_plan']
 
 # %% ../../nbs/45d_parallel_search.ipynb
 def _divisors(n: int) -> list[int]: return [d for d in range(1, n + 1) if n % d == 0]

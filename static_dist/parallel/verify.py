@@ -32,8 +32,8 @@ from ..graph.records import FORWARD
 
 
 # %% auto 0
-__all__ = ['axis_counts', 'counts_by_axis', 'predict_axis_counts', 'loss_pieces', 'ParallelVerification', 'verify_parallel',
-           'RunTracker', 'tracked_peak', 'static_metadata', 'pp_rank_global', 'StageVerification',
+__all__ = ['axis_counts', 'counts_by_axis', 'predict_axis_counts', 'loss_pieces', 'ParallelVerification',
+           'verify_parallel', 'RunTracker', 'tracked_peak', 'static_metadata', 'pp_rank_global', 'StageVerification',
            'PipelineVerification', 'verify_pipeline', 'predicted_stack_bytes', 'measured_stack_bytes',
            'verify_selective']
 

@@ -13,8 +13,8 @@ from .groups import NoRepeatedBlocksError, PlacementError, _main, _param_memory
 from ..topology import Topology, op_seconds
 
 # %% auto 0
-__all__ = ['LinearSpec', 'BlockSpec', 'llama_block_spec', 'block_spec', 'outer_roles', 'sequence_blocker', 'context_blocker',
-           'blocking_params', 'tp_blockers']
+__all__ = ['LinearSpec', 'BlockSpec', 'llama_block_spec', 'block_spec', 'outer_roles', 'sequence_blocker',
+           'context_blocker', 'blocking_params', 'tp_blockers']
 
 # %% ../../nbs/30c_placement_blocks.ipynb
 @dataclass(frozen=True)

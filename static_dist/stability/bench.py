@@ -30,8 +30,8 @@ from static_dist.stability.run import (
 )
 
 # %% auto 0
-__all__ = ['BENCH_FAULTS', 'CONFIGS', 'stability_bench', 'config_checks', 'fsdp_check', 'run_fsdp_check', 'bench_markdown',
-           'bench_stability']
+__all__ = ['BENCH_FAULTS', 'CONFIGS', 'stability_bench', 'config_checks', 'fsdp_check', 'run_fsdp_check',
+           'bench_markdown', 'bench_stability']
 
 # %% ../../nbs/60f_stability_bench.ipynb
 BENCH_FAULTS = (Fault("grad_spike", 100), Fault("nan_grad", 100), Fault("nan_activation", 100),

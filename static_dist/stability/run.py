@@ -22,7 +22,8 @@ from ..step import batch_loss, make_optimizer
 from ..structure import find_structure
 
 # %% auto 0
-__all__ = ['RunConfig', 'RunReport', 'run_stability', 'recover_steps', 'detection', 'localized', 'measure_overhead', 'plot_run']
+__all__ = ['RunConfig', 'RunReport', 'run_stability', 'recover_steps', 'detection', 'localized', 'measure_overhead',
+           'plot_run']
 
 # %% ../../nbs/60e_stability_run.ipynb
 @dataclass(frozen=True)

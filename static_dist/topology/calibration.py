@@ -18,9 +18,9 @@ from .devices import DeviceSpec, device_spec, peak_flops
 from ..launch import launch
 
 # %% auto 0
-__all__ = ['CalibrationPoint', 'collective_buffers', 'run_collective', 'measure_collectives', 'fit_alpha_beta', 'Calibration',
-           'fit_calibration', 'matmul_flops', 'calibrate', 'DeviceRates', 'device_rates', 'calibrate_device',
-           'calibration_on_ranks', 'launch_calibration', 'plot_calibration', 'calibration_table']
+__all__ = ['CalibrationPoint', 'collective_buffers', 'run_collective', 'measure_collectives', 'fit_alpha_beta',
+           'Calibration', 'fit_calibration', 'matmul_flops', 'calibrate', 'DeviceRates', 'device_rates',
+           'calibrate_device', 'calibration_on_ranks', 'launch_calibration', 'plot_calibration', 'calibration_table']
 
 # %% ../../nbs/02b_topology_calibration.ipynb
 @dataclass(frozen=True)

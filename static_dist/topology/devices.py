@@ -14,8 +14,8 @@ from ..graph import StaticGraph, op_bytes
 from ..errors import InputError
 
 # %% auto 0
-__all__ = ['EFFICIENCIES', 'DEVICES', 'DeviceError', 'DeviceSpec', 'peak_flops', 'Rate', 'device_spec', 'assumed_numbers',
-           'op_dtypes', 'work_seconds', 'op_seconds', 'TwoStreams']
+__all__ = ['EFFICIENCIES', 'DEVICES', 'DeviceError', 'DeviceSpec', 'peak_flops', 'Rate', 'device_spec',
+           'assumed_numbers', 'op_dtypes', 'work_seconds', 'op_seconds', 'TwoStreams']
 
 # %% ../../nbs/02c_topology_devices.ipynb
 class DeviceError(InputError):

@@ -19,9 +19,9 @@ from ..errors import InputError, errors_as
 from ..files import atomic_write, read_json
 
 # %% auto 0
-__all__ = ['LINK_KINDS', 'MAX_DEVICES', 'MAX_TOPOLOGY_BYTES', 'NVSWITCH_H100', 'PCIE_GEN5', 'PCIE_GEN4', 'NICS', 'PRESETS',
-           'COLLECTIVES', 'ALGORITHMS', 'TopologyError', 'Link', 'Level', 'Topology', 'load_topology', 'preset',
-           'MeshSpec', 'check_mesh', 'collective_bytes', 'collective_steps', 'alpha_beta', 'collective_time']
+__all__ = ['LINK_KINDS', 'MAX_DEVICES', 'MAX_TOPOLOGY_BYTES', 'NVSWITCH_H100', 'PCIE_GEN5', 'PCIE_GEN4', 'NICS',
+           'PRESETS', 'COLLECTIVES', 'ALGORITHMS', 'TopologyError', 'Link', 'Level', 'Topology', 'load_topology',
+           'preset', 'MeshSpec', 'check_mesh', 'collective_bytes', 'collective_steps', 'alpha_beta', 'collective_time']
 
 # %% ../../nbs/02a_topology_model.ipynb
 class TopologyError(InputError):
