@@ -2,6 +2,7 @@ import os
 
 import pytest
 import torch
+from hf_configs import hf_source
 
 # Triton kernels run on CPU only under the interpreter, which must be chosen before triton is first imported
 # (torch.compile imports it); decide once for the whole session.
@@ -43,12 +44,9 @@ def offload_tiny():
 
 @pytest.fixture(scope="session")
 def hf_tiny_llama(tmp_path_factory):
-    "A tiny Hugging Face Llama config written here (nothing downloaded), as an `hf:` workload source."
-    transformers = pytest.importorskip("transformers")
-    d = tmp_path_factory.mktemp("hf_llama")
-    transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                             intermediate_size=128, vocab_size=256, max_position_embeddings=256).save_pretrained(d)
-    return f"hf:{d / 'config.json'}"
+    "A tiny Hugging Face Llama config, as an `hf:` workload source."
+    return hf_source(tmp_path_factory, "LlamaConfig", num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                     num_key_value_heads=2, intermediate_size=128, vocab_size=256, max_position_embeddings=256)
 
 
 OWN_LOSS_MODEL = '''

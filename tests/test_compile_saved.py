@@ -1,8 +1,6 @@
 """`compiled_saved_bytes` (the partitioner on fake tensors) against what autograd keeps for a block compiled by Inductor
 on CPU, and `compile_effects`' eager side against the same block run eagerly."""
 import os
-import tempfile
-from pathlib import Path
 
 import pytest
 import torch
@@ -11,23 +9,8 @@ from static_dist.compile.apply import block_inputs
 from static_dist.compile.saved import block_call, compile_effects, compiled_saved, compiled_saved_bytes
 from static_dist.graph import capture
 from static_dist.zoo import get_model
+from saved_bytes import CACHE, measured_saved
 
-CACHE = Path(tempfile.gettempdir()) / "static_dist_inductor_cache"
-
-
-def _measured(fn, model, args, kwargs) -> int:
-    """Bytes of the distinct storages autograd saves while `fn(*args, **kwargs)` runs forward and backward, the model's
-    parameters and buffers and the block's inputs that need no grad (RoPE tables, masks: held once for the model) aside
-    (a pack hook sees every tensor `save_for_backward` keeps)."""
-    nograd = [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if torch.is_tensor(a) and not a.requires_grad]
-    skip, seen = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers(), *nograd]}, {}
-    def pack(t):
-        st = t.untyped_storage()
-        if st.data_ptr() not in skip: seen[st.data_ptr()] = st.nbytes()
-        return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t): out = fn(*args, **kwargs)
-    out.float().sum().backward()
-    return sum(seen.values())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.slow)])
@@ -39,9 +22,9 @@ def test_compiled_block_saves_what_the_partitioner_predicts(monkeypatch, dtype):
     ra, rk = block_inputs(real, ["layers.0"], (tokens,))["layers.0"]
     ra = (ra[0].requires_grad_(True), *ra[1:])                   # the residual stream needs grad, as in training
     predicted = compiled_saved_bytes(meta, "layers.0", *block_call(meta, "layers.0", (tokens.to("meta"),)))
-    eager = _measured(real.layers[0], real, ra, rk)
+    eager = measured_saved(real.layers[0], real, ra, rk)
     torch._dynamo.reset()
-    compiled = _measured(torch.compile(real.layers[0], backend="inductor"), real, ra, rk)
+    compiled = measured_saved(torch.compile(real.layers[0], backend="inductor"), real, ra, rk)
     torch._dynamo.reset()
     assert compiled == predicted, (compiled, predicted, eager)
     assert compiled < eager, (compiled, eager)       # compile recomputes cheap chains that eager saves
@@ -76,8 +59,8 @@ def test_hf_block_saves_what_the_partitioner_predicts(monkeypatch):
     args, kwargs = block_call(model, "model.layers.0", (tokens,))
     predicted = compiled_saved_bytes(model, "model.layers.0", args, kwargs)
     layer = model.model.layers[0]
-    eager = _measured(lambda *a, **k: layer(*a, **k), model, args, kwargs)
+    eager = measured_saved(lambda *a, **k: layer(*a, **k), model, args, kwargs)
     torch._dynamo.reset()
-    compiled = _measured(torch.compile(layer, backend="inductor"), model, args, kwargs)
+    compiled = measured_saved(torch.compile(layer, backend="inductor"), model, args, kwargs)
     torch._dynamo.reset()
     assert compiled == predicted < eager, (compiled, predicted, eager)

@@ -233,12 +233,10 @@ def test_forward_all_gather_kept_until_the_next_copy_out(monkeypatch):
 @pytest.fixture(scope="module")
 def hf_olmo2(tmp_path_factory):
     "A 4-block, width-256 OLMo 2 config written here (nothing downloaded): q/k norms over all heads, fp32 rotary."
-    transformers = pytest.importorskip("transformers")
-    d = tmp_path_factory.mktemp("olmo2")
-    transformers.Olmo2Config(num_hidden_layers=4, hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
-                             intermediate_size=512, vocab_size=1024, max_position_embeddings=256, eos_token_id=0,
-                             pad_token_id=1).save_pretrained(d)
-    return f"hf:{d / 'config.json'}"
+    from hf_configs import hf_source
+    return hf_source(tmp_path_factory, "Olmo2Config", num_hidden_layers=4, hidden_size=256, num_attention_heads=4,
+                     num_key_value_heads=2, intermediate_size=512, vocab_size=1024, max_position_embeddings=256,
+                     eos_token_id=0, pad_token_id=1)
 
 
 def _olmo2_per_block(src, world):

@@ -4,8 +4,6 @@ of `static-dist plan --compile`."""
 import contextlib
 import io
 import re
-import tempfile
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,22 +14,8 @@ from static_dist.graph import capture
 from static_dist.parallel import ParallelPlan, predict_parallel_memory, predict_step_time, rank_profile, rank_work
 from static_dist.topology import preset
 from static_dist.zoo import get_model
+from saved_bytes import CACHE, measured_saved
 
-CACHE = Path(tempfile.gettempdir()) / "static_dist_inductor_cache"
-
-
-def _measured(fn, model, args, kwargs) -> int:
-    """Bytes of the distinct storages autograd saves in a forward and backward of `fn` (a pack hook sees each), the
-    model's parameters and buffers and the inputs that need no grad (RoPE tables) aside."""
-    nograd = [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if torch.is_tensor(a) and not a.requires_grad]
-    skip, seen = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers(), *nograd]}, {}
-    def pack(t):
-        st = t.untyped_storage()
-        if st.data_ptr() not in skip: seen[st.data_ptr()] = st.nbytes()
-        return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t): out = fn(*args, **kwargs)
-    out.float().sum().backward()
-    return sum(seen.values())
 
 
 def _saved_in(profile, block: str) -> int:
@@ -55,9 +39,9 @@ def test_parallel_memory_predicts_what_inductor_saves(monkeypatch, tiny):
     real = z.build("cpu")
     ra, rk = block_inputs(real, ["layers.0"], (tokens,))["layers.0"]
     ra = (ra[0].requires_grad_(True), *ra[1:])                   # the residual stream needs grad, as in training
-    eager = _measured(real.layers[0], real, ra, rk)
+    eager = measured_saved(real.layers[0], real, ra, rk)
     torch._dynamo.reset()
-    compiled = _measured(torch.compile(real.layers[0], backend="inductor"), real, ra, rk)
+    compiled = measured_saved(torch.compile(real.layers[0], backend="inductor"), real, ra, rk)
     torch._dynamo.reset()
     predicted = _saved_in(rank_profile(g, ParallelPlan(compile=(True, True))), "layers.0")
     assert predicted == compiled, (predicted, compiled, eager)

@@ -756,20 +756,10 @@ BENCH_PLAN_CASES = (("llama3-70b", 256), ("llama3-405b", 512))
 def _measure_seconds(w, plan: ParallelPlan) -> tuple[int, float]:
     """(FSDPMemTracker's peak on rank 0, seconds) of `plan` applied to workload `w` and stepped under a fake process
     group."""
-    from static_dist.cost.measure import measure_step_by_category
-    from static_dist.launch import process_group
-    from static_dist.axes import device_mesh
-    from static_dist.parallel.apply import apply_parallel_plan, step_context
-    from static_dist.util import torch_dtype
+    from static_dist.parallel.verify import measure_plan
     t0 = time.perf_counter()
-    args, kwargs, targets = w.inputs()
-    with process_group(fake_world=plan.dims.world):
-        m = apply_parallel_plan(
-            w.build(device="meta", dtype=torch_dtype(w.dtype)), plan, device_mesh(plan.dims, "cpu"), seq=w.seq
-        )
-        one = FSDPPlan(1, (1,), (FSDPUnit(""),))                      # one data-parallel rank: nothing sharded
-        cats, _ = measure_step_by_category(m, plan.fsdp or one, args, kwargs, targets, w.loss, w.optimizer,
-                                           step_context(plan))        # loss_parallel() where the logits stay sharded
+    one = FSDPPlan(1, (1,), (FSDPUnit(""),))                          # one data-parallel rank: nothing sharded
+    cats, _ = measure_plan(w, plan, plan.fsdp or one, w.dtype, w.dtype)
     return int(cats["Total"]), time.perf_counter() - t0
 
 # %% ../../nbs/45d_parallel_search.ipynb

@@ -33,9 +33,9 @@ from ..graph.records import FORWARD
 
 # %% auto 0
 __all__ = ['axis_counts', 'counts_by_axis', 'predict_axis_counts', 'loss_pieces', 'ParallelVerification',
-           'verify_parallel', 'RunTracker', 'tracked_peak', 'static_metadata', 'pp_rank_global', 'StageVerification',
-           'PipelineVerification', 'verify_pipeline', 'predicted_stack_bytes', 'measured_stack_bytes',
-           'verify_selective']
+           'measure_plan', 'verify_parallel', 'RunTracker', 'tracked_peak', 'static_metadata', 'pp_rank_global',
+           'StageVerification', 'PipelineVerification', 'verify_pipeline', 'predicted_stack_bytes',
+           'measured_stack_bytes', 'verify_selective']
 
 # %% ../../nbs/45f_parallel_verify.ipynb
 def axis_counts(cdm, functional: str = "tp") -> dict[str, int]:
@@ -178,6 +178,17 @@ class ParallelVerification:
         )
 
 # %% ../../nbs/45f_parallel_verify.ipynb
+def measure_plan(w, plan: ParallelPlan, fsdp, master: str, compute: str) -> tuple[dict, object]:
+    """(FSDPMemTracker's peak by category, CommDebugMode) of `plan` applied to workload `w`, built on meta with `master`
+    parameters, its floating inputs in `compute`, stepped (under `fsdp`'s micro-batches) in a fake process group of
+    the plan's world, inside `step_context` (loss parallelism)."""
+    args, kwargs, targets = w.inputs(dtype=compute)
+    with process_group(fake_world=plan.dims.world):
+        m = apply_parallel_plan(
+            w.build(device="meta", dtype=torch_dtype(master)), plan, device_mesh(plan.dims, "cpu"), seq=w.seq
+        )
+        return measure_step_by_category(m, fsdp, args, kwargs, targets, w.loss, w.optimizer, step_context(plan))
+
 def verify_parallel(w, plan: ParallelPlan, graph=None, master_dtype: str | None = None) -> ParallelVerification:
     """Measure `plan` on workload `w` under a fake process group of the plan's world size, next to the prediction from
     `graph` (default: the workload's capture in the compute dtype). The model is built on meta with `master_dtype`
@@ -199,13 +210,7 @@ def verify_parallel(w, plan: ParallelPlan, graph=None, master_dtype: str | None 
         )
     prof = rank_profile(g, plan, master_dtype=master)
     pred = predict_parallel_memory(g, plan, master).peak_bytes
-    args, kwargs, targets = w.inputs(dtype=captured or master)        # floating inputs in the compute dtype
-    with process_group(fake_world=plan.dims.world):
-        m = apply_parallel_plan(
-            w.build(device="meta", dtype=torch_dtype(master)), plan, device_mesh(plan.dims, "cpu"), seq=w.seq
-        )
-        cats, cdm = measure_step_by_category(m, rank_fsdp_plan(plan, prof), args, kwargs, targets, w.loss,
-                                             w.optimizer, step_context(plan))
+    cats, cdm = measure_plan(w, plan, rank_fsdp_plan(plan, prof), master, captured or master)
     return ParallelVerification(plan.dims.world, pred, int(cats["Total"]), predict_axis_counts(prof, plan),
                                 axis_counts(cdm, _functional_axis(plan)), time.perf_counter() - t0, master, cats)
 
