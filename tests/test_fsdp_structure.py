@@ -205,7 +205,12 @@ def _check(text: str, prof) -> None:
     except PlanError as e:
         assert str(e) and "\n" not in str(e).split(": ", 1)[0]
         return
-    _subset(json.loads(text), json.loads(plan.to_json()))
+    given = json.loads(text)
+    for u in given.get("units", []):
+        # FSDP2 never reshards the root after forward (FSDPState._lazy_init drops its post-forward mesh), so a root
+        # unit's `true` loads as the `false` that runs
+        if u.get("module") == "" and u.get("reshard_after_forward") is True: u["reshard_after_forward"] = False
+    _subset(given, json.loads(plan.to_json()))
 
 
 _PROF = []

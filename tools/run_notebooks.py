@@ -118,10 +118,12 @@ CELL_TIMEOUT = 400   # seconds one cell may run: the slowest cell takes about 15
 
 
 def run_one(nb_path: Path, timeout: int, python: str = sys.executable) -> dict:
-    """`_run_one`, and once more if a cell timed out: under load nbclient has been seen to wait out a cell whose kernel
-    had gone idle (a reply it never received); a second run that times out too is reported as such."""
+    """`_run_one`, and once more if a cell timed out (under load nbclient has been seen to wait out a cell whose kernel
+    had gone idle: a reply it never received) or the kernel died; a second failure is reported as such."""
     r = _run_one(nb_path, timeout, python)
-    if r["problem"] and ("Timeout" in r["problem"] or "timed out" in r["problem"]):
+    # and once more if its kernel died: kernels started side by side can pick the same free port (jupyter_client
+    # chooses ports before binding them), and the loser dies at once
+    if r["problem"] and any(s in r["problem"] for s in ("Timeout", "timed out", "DeadKernel", "Kernel died")):
         again = _run_one(nb_path, timeout, python)
         again["problem"] = again["problem"] and f"{again['problem']} (twice; first: {r['problem']})"
         again["retried"] = r["problem"]

@@ -131,8 +131,8 @@ def test_run_check_and_write(tmp_path, capsys):
         == 1
     )
     out = capsys.readouterr().out
-    assert "bad.ipynb cell 1 ('1/0'): ZeroDivisionError: division by zero" in out
-    assert "good.ipynb: harness notebook shows no widget" in out
+    assert "bad.ipynb cell 1 ('1/0'): ZeroDivisionError: division by zero" in out, out
+    assert "good.ipynb: harness notebook shows no widget" in out, out
     t = json.loads((tmp_path / "t.json").read_text())["notebooks"]
     assert {Path(k).name: v["errors"] for k, v in t.items()} == {"bad.ipynb": 1, "good.ipynb": 0}
     # --write --out: outputs kept, machine paths gone, nbdev_clean leaves the file as it is, sources untouched
