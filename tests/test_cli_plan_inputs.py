@@ -32,3 +32,26 @@ def test_plan_file_with_a_key_twice_refused(tmp_path):
     code, err = run_main(["train", "--model", "tiny", "--seq", "16", "--plan", str(p), "--steps", "1",
                           "--log", str(tmp_path / "log.json")])
     assert code == 2 and 'key "name" appears twice' in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_plan_budget_beyond_the_device_refused(tmp_path):
+    "A budget larger than one device of the topology is refused; without --budget the plan is searched under all of it."
+    from dataclasses import replace
+    from static_dist.topology import preset
+    topo = tmp_path / "small.json"
+    replace(preset("cluster", n_nodes=1, gpus_per_node=1), device_memory=2**30).save(topo)
+    code, err = run_main(["plan", "--model", "tiny", "--seq", "16", "--world", "1", "--topology", str(topo),
+                          "--budget", "900GiB"])
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "--budget 900.00 GiB is more than one H100-SXM of the topology holds (1.00 GiB)" in err, err
+    p = tmp_path / "p.json"
+    code, err = run_main(["plan", "--model", "tiny", "--seq", "16", "--world", "1", "--topology", str(topo),
+                          "--out", str(p)])
+    assert code == 0, err
+
+
+def test_plan_default_budget_is_the_device_memory(capsys):
+    "An H100 holds the 81,559 MiB its driver reports (nvidia-smi), the default budget of a plan on H100 nodes."
+    from static_dist.app.cli import main
+    assert main(["plan", "--model", "tiny", "--seq", "16", "--world", "1"]) == 0
+    assert "budget 79.65 GiB" in capsys.readouterr().out

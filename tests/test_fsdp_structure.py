@@ -207,8 +207,8 @@ def _check(text: str, prof) -> None:
         return
     given = json.loads(text)
     for u in given.get("units", []):
-        # FSDP2 never reshards the root after forward (FSDPState._lazy_init drops its post-forward mesh), so a root
-        # unit's `true` loads as the `false` that runs
+        # a root unit's `true` loads as `false` (FSDPUnit): older files wrote `true` for a root that fully_shard's
+        # default (None) never reshards after forward (FSDPState._lazy_init), and `false` is what apply_plan runs
         if u.get("module") == "" and u.get("reshard_after_forward") is True: u["reshard_after_forward"] = False
     _subset(given, json.loads(plan.to_json()))
 

@@ -240,9 +240,10 @@ def _layout_parser(sub):
     p.add_argument(
         "--topology", help="preset name or topology JSON (default: a cluster of 8-GPU H100 nodes sized to --world)"
     )
-    p.add_argument("--budget", type=size("--budget", lo=1), default="80GiB",
-                   help="memory per rank (default 80GiB): the reserved peak (caching-allocator replay) where it is "
-                        "modelled, else the allocated peak; the report says which")
+    p.add_argument("--budget", type=size("--budget", lo=1),
+                   help="memory per rank (default: the topology's device memory, 81,559 MiB on an H100; at most that): "
+                        "the reserved peak (caching-allocator replay) where it is modelled, else the allocated peak; "
+                        "the report says which")
     p.add_argument("--expandable-segments", action="store_true",
                    help="model the allocator under PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
     pins = p.add_argument_group("pins (fix a degree; the search chooses the others)")

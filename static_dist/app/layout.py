@@ -21,10 +21,10 @@ from ..util import check_real_size
 
 # %% auto 0
 __all__ = ['PIN_DIMS', 'COMPILE_PRICED', 'layout_pins', 'layout_precision', 'layout_pipeline', 'layout_topology',
-           'tp_outer_line', 'precision_line', 'float8_line', 'ac_summary', 'layout_lines', 'layout_memory',
-           'layout_reserved', 'cmd_plan', 'titan_args', 'titan_prediction', 'titan_verdict', 'print_titan_overrides',
-           'titan_search', 'plan_titan', 'measured_peak', 'collective_timeout', 'check_context_parallel', 'planned_for',
-           'planned_workload', 'train_plan', 'cmd_train']
+           'layout_budget', 'tp_outer_line', 'precision_line', 'float8_line', 'ac_summary', 'layout_lines',
+           'layout_memory', 'layout_reserved', 'cmd_plan', 'titan_args', 'titan_prediction', 'titan_verdict',
+           'print_titan_overrides', 'titan_search', 'plan_titan', 'measured_peak', 'collective_timeout',
+           'check_context_parallel', 'planned_for', 'planned_workload', 'train_plan', 'cmd_train']
 
 # %% ../../nbs/92a_layout.ipynb
 PIN_DIMS = tuple(a.name for a in AXES)   # one --flag per axis
@@ -98,6 +98,15 @@ def layout_topology(name: str | None, world: int):
             f"--topology {name}: {topo.n_devices} devices, fewer than --world {world}; give a larger topology"
         )
     return topo
+
+def layout_budget(args, topo) -> int:
+    "--budget, at most what one of the topology's devices holds (default: all of it); sets `args.budget`."
+    from static_dist.graph import fmt_bytes
+    if args.budget is None: args.budget = topo.device_memory
+    elif args.budget > topo.device_memory:
+        raise UsageError(f"--budget {fmt_bytes(args.budget)} is more than one {topo.device} of the topology holds "
+                         f"({fmt_bytes(topo.device_memory)}); give at most that, or a topology with larger devices")
+    return args.budget
 
 # %% ../../nbs/92a_layout.ipynb
 def tp_outer_line(plan) -> str:
@@ -228,6 +237,7 @@ def cmd_plan(args) -> int:
     pdt, rdt = layout_precision(args, pins)
     virtual, micro = layout_pipeline(args, pins)
     topo = layout_topology(args.topology, args.world)
+    layout_budget(args, topo)
     if args.out: check_writable(args.out, force=args.force, inputs=input_files(args))
     w = workload_of(args)
     if args.float8_all_gather and args.float8 != "tensorwise":
@@ -376,6 +386,7 @@ def plan_titan(args) -> int:
     job = titan_args(args)
     world = titan_dims(job, args.world).world
     topo = layout_topology(args.topology, world)
+    layout_budget(args, topo)
     if args.out: check_writable(args.out, force=args.force, inputs=input_files(args))
     with status(f"capturing torchtitan's {job.name}") as update: g, n, how, given = titan_prediction(job, world, topo,
                                                                                                        update)
