@@ -144,6 +144,18 @@ def widget_snapshot(model_id: str, state: dict) -> str | None:
     return "".join(parts)
 
 
+def saved_view_html(data: dict) -> str:
+    """HTML for a widget saved without its state (a notebook saved without "Save widget state", or cleaned): what its
+    display also carries (`harness.saved_view`: the controls table, the text and the picture as Markdown, else the
+    picture), with a note; its text/plain ("interactive(...)") only when there is nothing else."""
+    note = ('<div class="widget-snapshot"><div class="widget-note">Interactive in Jupyter; its state was not saved, '
+            'so this is what it showed.</div>')
+    for mime in ("text/markdown", "text/html", "image/png", "image/svg+xml"):
+        if mime in data:
+            return note + _output_html(dict(output_type="display_data", data={mime: data[mime]})) + "</div>"
+    return f"<pre>{html.escape(_text(data.get('text/plain', 'widget')))}</pre>"
+
+
 def _output_html(o: dict) -> str:
     "A small HTML rendering of one nbformat output (inside a widget snapshot)."
     if o.get("output_type") == "stream":
@@ -518,11 +530,7 @@ def docs_notebook(nb: dict, after_cell=lambda cell: "") -> dict:
                 data = o.get("data", {})
                 if WIDGET_MIME in data:
                     snap = widget_snapshot(data[WIDGET_MIME].get("model_id", ""), state)
-                    o = dict(
-                        output_type="display_data",
-                        metadata={},
-                        data={"text/html": snap} if snap else {"text/plain": _text(data.get("text/plain", "widget"))},
-                    )
+                    o = dict(output_type="display_data", metadata={}, data={"text/html": snap or saved_view_html(data)})
                 new_out.append(o)
             c["outputs"] = new_out
             if c["source"].strip() or c["outputs"]: cells.append(c)

@@ -309,3 +309,17 @@ def test_build_docs_is_reproducible(tmp_path):
     files = sorted(p.relative_to(tmp_path / "a") for p in (tmp_path / "a").rglob("*") if p.is_file())
     assert files == sorted(p.relative_to(tmp_path / "b") for p in (tmp_path / "b").rglob("*") if p.is_file())
     assert all((tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes() for f in files)
+
+
+def test_docs_widget_saved_without_state():
+    """A widget view whose state was not saved shows what its display also carries (the harness's controls table,
+    text and picture as Markdown) in the docs, not `interactive(...)`; only a bare view falls back to its text."""
+    view = widget_nb()["cells"][1]["outputs"][0]
+    md = "| control | value |\n|---|---|\n| mesh | 4x2 |\n\n![plot](data:image/png;base64,iVBORw0KGgo=)"
+    rich = dict(view, data={**view["data"], "text/markdown": md, "image/png": "iVBORw0KGgo="})
+    (out,) = bd.docs_notebook(nb_of(code("w", [rich])))["cells"][0]["outputs"]
+    h = out["data"]["text/html"]
+    assert "state was not saved" in h and "<td>mesh</td>" in h and "<td>4x2</td>" in h, h
+    assert 'src="data:image/png;base64,iVBORw0KGgo="' in h and "interactive(...)" not in h, h
+    (bare,) = bd.docs_notebook(nb_of(code("w", [view])))["cells"][0]["outputs"]
+    assert bare["data"]["text/html"] == "<pre>interactive(...)</pre>"
