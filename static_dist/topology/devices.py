@@ -129,12 +129,12 @@ DEVICES: dict[str, DeviceSpec] = {
     # NVIDIA H200 datasheet (SXM): H100's compute and links, 141 GB HBM3e at 4.8 TB/s
     "H200-SXM": _spec("H200-SXM", 67e12, 494.5e12, 989.5e12, 989.5e12, 1979e12, 4.8e12, 141 * 10**9, 450e9, 64e9,
                       datasheet="NVIDIA H200 datasheet (SXM), dense"),
-    # NVIDIA L40S datasheet: 91.6 FP32, 183 TF32, 362.05 BF16/FP16, 733 FP8 dense; 864 GB/s; PCIe Gen4 64 GB/s both ways;
-    # memory: the driver's 46,068 MiB
+    # NVIDIA L40S datasheet: 91.6 FP32, 183 TF32, 362.05 BF16/FP16, 733 FP8 dense; 864 GB/s; PCIe Gen4 64 GB/s both ways
+    # (memory: the driver's 46,068 MiB)
     "L40S": _spec("L40S", 91.6e12, 183e12, 362.05e12, 362.05e12, 733e12, 864e9, 46_068 * 2**20, 0.0, 32e9,
                   datasheet="NVIDIA L40S datasheet, dense"),
-    # NVIDIA A100 datasheet (80GB SXM): 19.5 FP32, 156 TF32, 312 BF16/FP16 dense, no FP8; 2,039 GB/s; NVLink 600 GB/s;
-    # memory: the driver's 81,920 MiB
+    # NVIDIA A100 datasheet (80GB SXM): 19.5 FP32, 156 TF32, 312 BF16/FP16 dense, no FP8; 2,039 GB/s; NVLink 600 GB/s
+    # (memory: the driver's 81,920 MiB)
     "A100-SXM-80GB": _spec("A100-SXM-80GB", 19.5e12, 156e12, 312e12, 312e12, 0.0, 2.039e12, 81_920 * 2**20, 300e9,
                            32e9,
                            datasheet="NVIDIA A100 datasheet (80GB SXM), dense"),
