@@ -1,10 +1,11 @@
 """Where a drawn matplotlib figure puts its legends and labels, against where its data is (display pixels).
 
 A legend covers data when its window extent meets a data artist of an axes where that artist is drawn (inside the
-axes, which clip it): a line's points and the segments between them (not the line's bounding box), a bar or patch (its
-area if filled or hatched, else its outline), a filled area (stackplot, broken_barh) or a scatter marker's centre; and, wherever they are, the texts placed on the
-data (`ax.texts`, annotations included). Shaded spans (`axvspan`/`axhspan`: a patch placed in axes units one way) are
-background, not data. A legend beside the axes (`bbox_to_anchor` past 1.0) meets none of it and passes.
+axes, which clip it): a line's points and the segments between them (not the line's bounding box), a bar or patch
+(its area if filled or hatched, else its outline), a filled area (stackplot, broken_barh) or a scatter marker's
+centre; and, wherever they are, the texts placed on the data (`ax.texts`, annotations included). Shaded spans
+(`axvspan`/`axhspan`: a patch placed in axes units one way) are background, not data. A legend beside the axes
+(`bbox_to_anchor` past 1.0) meets none of it and passes; one that lands on a neighbouring axes' data does not.
 Texts above and around the data (titles, fault labels, phase names) must not overlap one another either.
 """
 from __future__ import annotations
@@ -68,7 +69,7 @@ def _patch_meets(p: Patch, box: Bbox) -> bool:
 def _collection_meets(c: Collection, box: Bbox) -> bool:
     "A scatter's marker centres, or the filled areas (stackplot, broken_barh) or segments of any other collection."
     if isinstance(c, PathCollection):
-        off = c.get_offset_transform().transform(np.asarray(c.get_offsets(), float))
+        off = c.get_offset_transform().transform(np.asarray(c.get_offsets(), float).reshape(-1, 2))
         off = off[np.isfinite(off).all(axis=1)]
         return bool(((off[:, 0] > box.x0) & (off[:, 0] < box.x1) & (off[:, 1] > box.y0) & (off[:, 1] < box.y1)).any())
     t, filled = c.get_transform(), not isinstance(c, LineCollection)

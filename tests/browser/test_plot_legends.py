@@ -4,7 +4,8 @@ Every plot the library exports that draws a legend, an annotation or a text is d
 own notebook uses, and `plot_geometry` measures, in display pixels, whether a legend meets a line's points or segments,
 a bar, a filled area, a scatter marker or a text on the data, and whether titles and labels overlap one another.
 The checks are shown to fail: on hand-made figures with a legend on the data, and on today's plots with their legends
-put back where they were before b432a41 (loc="upper left", ncol=2 on the FSDP memory; "upper right" on the runs).
+put back where they were before b432a41 (FSDP memory: loc="upper left", ncol=2; placement: matplotlib's "best";
+stability: "upper right", the fault labels inside the axes).
 """
 import functools, json, math, sys
 from pathlib import Path
@@ -171,8 +172,10 @@ def _calibration(saved: bool):
     return plot_calibration(fit_calibration(syn, "synthetic", 4))
 
 
-def _placement():
-    "30's tiny model on a 2x2 mesh of cpu-2socket, Megatron's linears' state as the budget."
+def _placement(harness: bool = False):
+    "30's tiny model on a 2x2 mesh of cpu-2socket, Megatron's linears' state as the budget; or the harness's default."
+    from static_dist.placement import _placement_view
+    if harness: return _placement_view("tiny", "dgx-h100", "2x4").fig
     from static_dist.graph import capture
     from static_dist.placement import block_spec, evaluate_plan, megatron_styles, plan_report, plot_plans
     from static_dist.topology import MeshSpec, preset
@@ -242,8 +245,7 @@ PLOTS = {
     "topology.plot_calibration synthetic": lambda: _calibration(False),
     "topology.plot_calibration gloo4": lambda: _calibration(True),
     "placement.plot_plans": _placement,
-    "placement harness (tiny, dgx-h100, 2x4)": lambda: __import__(
-        "static_dist.placement", fromlist=["_placement_view"])._placement_view("tiny", "dgx-h100", "2x4").fig,
+    "placement harness (tiny, dgx-h100, 2x4)": lambda: _placement(harness=True),
     "fsdp.plot_fsdp_memory": lambda: _fsdp_plot("memory"),
     "fsdp.plot_fsdp_timeline": lambda: _fsdp_plot("timeline"),
     "fsdp harness": lambda: _fsdp_plot("harness"),
@@ -274,19 +276,52 @@ def test_no_legend_on_data(name):
 # ---- the legends as they were before b432a41, on today's data: the check fails
 
 
-def test_fsdp_memory_legend_before_b432a41_fails():
-    fig = _fsdp_plot("memory")
-    fig.axes[0].legend(fontsize=6, loc="upper left", ncol=2)
-    bad = legends_on_data(fig)
-    assert bad and "'activations'" in bad[0], bad
+def _stability_before(fig):
+    "plot_run's fault labels inside the axes, as annotate(kind, (step, 1), ..., va='top') put them before b432a41."
+    for t in fig.axes[0].texts: t.xy = t.xyann = (t.xy[0], 1.0); t.set_va("top")
+    return fig
 
 
-def test_stability_legend_before_b432a41_fails():
-    "plot_run's legend in the upper right, and its fault label inside the axes under it, as before b432a41."
-    fig = _stability_plot("two faults")
-    ax = fig.axes[0]
-    for t in ax.texts:                                  # annotate(kind, (step, 1), ..., va="top"): the old position
-        t.xy = t.xyann = (t.xy[0], 1.0); t.set_va("top")
-    ax.legend(fontsize=7, loc="upper right")
+BEFORE = {   # plot, the legend as b432a41's parent placed it, what it covers on today's data
+    "fsdp memory": (lambda: _fsdp_plot("memory"), dict(fontsize=6, loc="upper left", ncol=2), "'activations'"),
+    "placement": (_placement, dict(fontsize=7), "Rectangle x4"),           # the wq bars and their neighbours
+    "stability": (lambda: _stability_before(_stability_plot("two faults")), dict(fontsize=7, loc="upper right"),
+                  "Text 'bad_batches'"),                                  # the fault label under the legend
+}
+
+
+@pytest.mark.parametrize("name", list(BEFORE))
+def test_legend_before_b432a41_fails(name):
+    draw, placement, covered = BEFORE[name]
+    fig = draw()
+    fig.axes[0].legend(**placement)
     bad = legends_on_data(fig)
-    assert bad and "Text 'bad_batches'" in bad[0], bad
+    assert bad and covered in bad[0], bad
+
+
+# ---- every function of the library that draws a legend, an annotation or a text is drawn above
+
+DRAWN_BY = {   # function -> a case of PLOTS that draws it
+    "_shade_phases": "graph.plot_memory", "plot_memory": "graph.plot_memory",
+    "plot_calibration": "topology.plot_calibration synthetic", "plot_plans": "placement.plot_plans",
+    "plot_fsdp_memory": "fsdp.plot_fsdp_memory", "plot_fsdp_timeline": "fsdp.plot_fsdp_timeline",
+    "_scale_to_peak": "fsdp harness, budget off scale", "_phase_lines": "offload.plot_lifetimes",
+    "_lifetime_legend": "offload.plot_lifetimes", "plot_offload_memory": "offload.plot_offload_memory",
+    "plot_rank_memory": "parallel rank memory", "plot_step_terms": "parallel step terms",
+    "plot_schedule": "parallel schedule 1F1B", "layout_figure": "parallel layout pp",
+    "plot_run": "stability.plot_run", "_plot_rule": "stability harness rewind",
+}
+
+
+def test_every_labelling_function_is_drawn():
+    "A new plot that draws a legend or a label fails here until a case of PLOTS draws it from its notebook's inputs."
+    import ast
+    found = set()
+    for py in (ROOT / "static_dist").rglob("*.py"):
+        for f in ast.walk(ast.parse(py.read_text())):
+            if isinstance(f, ast.FunctionDef) and any(
+                    isinstance(c, ast.Call) and isinstance(c.func, ast.Attribute)
+                    and c.func.attr in ("legend", "annotate", "text") for c in ast.walk(f)):
+                found.add(f.name)
+    assert found == set(DRAWN_BY), (found - set(DRAWN_BY), set(DRAWN_BY) - found)
+    assert set(DRAWN_BY.values()) <= set(PLOTS)
