@@ -241,6 +241,6 @@ def plot_fsdp_timeline(step: StepPrediction, ax=None, title: str | None = None):
     ax.set_yticks([0, 1], ["comm", "compute"]); ax.set_xlabel("ms (last micro-batch)")
     ax.set_title(title or f"step {step.step_seconds * 1e3:,.1f} ms, exposed comm "
                  f"{step.exposed_comm_seconds * 1e3:,.1f} ms", fontsize=9)
-    ax.legend(fontsize=6, ncol=3, loc="upper right")
+    ax.legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)   # beside: the streams fill it
     fig.tight_layout()
     return fig

@@ -80,7 +80,8 @@ def _plot_rule(ax, run: RunReport, s: Strategy):
             ax.plot(steps, _zscores([r.loss for r in run.records], s.loss_rule), lw=1, color="C2", label="loss z-score")
         ax.axhline(s.grad_rule.z, color="k", ls="--", lw=0.8, label=f"z {s.grad_rule.z:g}")
         ax.set_yscale("symlog", linthresh=10); ax.set_ylabel("z-score")
-    ax.set_xlabel("step"); ax.legend(fontsize=7, loc="upper left")
+    ax.set_xlabel("step")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)   # beside, as plot_run's
 
 # %% ../../nbs/60_stability.ipynb
 def _stability_figure(runs, s: Strategy):
