@@ -147,12 +147,11 @@ def fsdp_degrees(mesh_shape) -> dict[str, int]:
 
 def fsdp_mesh(mesh):
     "The mesh FSDP shards over, from a `device_mesh`: `dp_shard_cp`, with `dp_replicate` in front for HSDP."
-    dims = tuple(n for n in ("dp_replicate", "dp_shard_cp") if optional_mesh(mesh, n) is not None)
-    if not dims: return None
     # torch 2.13 warns that slicing a flattened dim will be deprecated; it is still
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Slicing a flattened dim")   # how torchtitan builds the FSDP mesh
-        return mesh[dims]
+        dims = tuple(n for n in ("dp_replicate", "dp_shard_cp") if optional_mesh(mesh, n) is not None)
+        return mesh[dims] if dims else None
 
 # %% ../nbs/04_axes.ipynb
 EXPERT_FSDP = "efsdp"   # torchtitan's name for the data-parallel ranks left to the experts: dp_shard·cp / ep

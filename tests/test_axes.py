@@ -16,7 +16,7 @@ def test_parallel_dims_are_the_table():
     assert set(MESH_DIMS) == {a.name for a in AXES if not a.borrows}   # ep draws its ranks from dp_shard x cp
     d = ParallelDims(**{a.name: 2 for a in AXES})
     assert d.world == 2 ** len(MESH_DIMS)
-    d = dataclasses.replace(d, cp=1, ep=1)  # cp x pp is refused by the plan (context_parallel wraps no schedule), ep x pp
+    d = dataclasses.replace(d, cp=1, ep=1)  # the plan refuses cp x pp (context_parallel wraps no schedule) and ep x pp
     plan = ParallelPlan(d, stages=(1, 1), microbatches=2)
     assert sorted(json.loads(plan.to_json())["dims"]) == sorted(a.name for a in AXES)
     assert ParallelPlan.from_json(plan.to_json()).dims == d

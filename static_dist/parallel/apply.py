@@ -185,8 +185,8 @@ def apply_float8(model: nn.Module, plan: ParallelPlan) -> None:
 
 # %% ../../nbs/45e_parallel_apply.ipynb
 class ExpertParallel:
-    """Mixed into a mixture of experts by `apply_ep`: its `experts` runs this rank's `E / ep` experts on their slots from
-    every ep rank, gathered and returned by all-to-all with equal splits (`ep_mesh`: the ep dim of `axes.expert_mesh`)."""
+    """Mixed into a mixture of experts by `apply_ep`: its `experts` runs this rank's `E / ep` experts on their slots
+    from every ep rank, gathered and returned by all-to-all with equal splits (`ep_mesh`: `axes.expert_mesh`'s ep)."""
     ep_mesh = None
 
     def experts(self, xe: torch.Tensor, w1, w2, w3) -> torch.Tensor:
@@ -212,8 +212,8 @@ def check_experts(plan: ParallelPlan, model: nn.Module) -> None:
     if ep == 1: return
     moes = expert_modules(model)
     if not moes:
-        raise ParallelPlanError(f"ep={ep}: the model has no mixture of experts (the zoo's MoE, experts as 3-D w1/w2/w3) "
-                                "whose experts ep could split; use ep=1")
+        raise ParallelPlanError(f"ep={ep}: the model has no mixture of experts (the zoo's MoE, experts as 3-D "
+                                "w1/w2/w3) whose experts ep could split; use ep=1")
     if bad := next(((n, m.n_experts) for n, m in moes.items() if m.n_experts % ep), None):
         raise ParallelPlanError(f"ep={ep} does not divide the {bad[1]} experts of {bad[0]}: give an ep that divides "
                                 f"{bad[1]}")
@@ -241,7 +241,7 @@ def apply_expert_fsdp(model: nn.Module, plan: ParallelPlan, mesh, experts) -> No
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     d, f = plan.dims, plan.fsdp
     dt = lambda s: None if s is None else getattr(torch, s)
-    mp = MixedPrecisionPolicy(param_dtype=dt(f.param_dtype if f else None), reduce_dtype=dt(f.reduce_dtype if f else None))
+    mp = MixedPrecisionPolicy(param_dtype=dt(f and f.param_dtype), reduce_dtype=dt(f and f.reduce_dtype))
     dense, sparse = fsdp_mesh(mesh), experts[tuple(n for n in experts.mesh_dim_names if n != "ep")]
     for m in expert_modules(model).values():
         for c in m.children(): fully_shard(c, mesh=dense, mp_policy=mp)

@@ -42,7 +42,7 @@ def _check_degrees(self) -> None:
 ParallelDims = dataclasses.make_dataclass(   # one field per row of axes.AXES, in its order, each 1 by default
     "ParallelDims", [(a.name, int, 1) for a in AXES], frozen=True,
     namespace={"__post_init__": _check_degrees, "__module__": __name__,
-               "__doc__": "Degrees of each axis of `axes.AXES`; the world is the product of those that borrow no ranks."})
+               "__doc__": "Degrees of each axis of `axes.AXES`; the world: the product of those borrowing no ranks."})
 
 # %% ../../nbs/45a_parallel_plan.ipynb
 @patch(as_prop=True)
