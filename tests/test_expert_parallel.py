@@ -10,10 +10,13 @@ from pathlib import Path
 
 import pytest
 
+from static_dist.fsdp import FSDPPlan, FSDPUnit
 from static_dist.launch import launch
 from static_dist.parallel import ParallelDims, ParallelPlan, ParallelPlanError
+from static_dist.parallel.apply import check_experts
 from static_dist.parallel.search import layout_dims
 from static_dist.app.layout import layout_pins
+from static_dist.zoo import get_model
 
 SOURCE = f"{Path(__file__).parent / 'moe_no_drop.py'}:tiny_moe_no_drop"   # capacity E / top_k: no token dropped
 LAYERS = 2                                                                 # tiny-moe: a mixture in each of 2 blocks
@@ -31,6 +34,9 @@ def test_ep_borrows_ranks_and_is_checked():
     assert layout_pins(Namespace(world=4, **pins)) == {"dp_shard": 4, "ep": 2}   # --ep 2 is not 2 more ranks
     with pytest.raises(ParallelPlanError, match="does not price expert parallelism"):
         layout_dims(4, n_blocks=2, node=4, pins={"ep": 2})
+    units = FSDPPlan(4, (4,), (FSDPUnit(""), FSDPUnit("layers.0"), FSDPUnit("layers.1.moe.router")))
+    with pytest.raises(ParallelPlanError, match="unit 'layers.1.moe.router' is the mixture of experts layers.1.moe"):
+        check_experts(ParallelPlan(d, fsdp=units), get_model("tiny-moe").build("meta"))
 
 
 _APPLY = r"""

@@ -207,7 +207,8 @@ def expert_modules(model: nn.Module) -> dict[str, nn.Module]:
     return {n: m for n, m in model.named_modules() if isinstance(m, MoE)}
 
 def check_experts(plan: ParallelPlan, model: nn.Module) -> None:
-    "ParallelPlanError when ep > 1 and the model has no mixture of experts, or ep does not divide one's experts."
+    """ParallelPlanError when ep > 1 and the model has no mixture of experts, ep does not divide one's experts, or an
+    FSDP unit of the plan is a mixture or inside one (`apply_expert_fsdp` shards those)."""
     ep = plan.dims.ep
     if ep == 1: return
     moes = expert_modules(model)
@@ -217,6 +218,10 @@ def check_experts(plan: ParallelPlan, model: nn.Module) -> None:
     if bad := next(((n, m.n_experts) for n, m in moes.items() if m.n_experts % ep), None):
         raise ParallelPlanError(f"ep={ep} does not divide the {bad[1]} experts of {bad[0]}: give an ep that divides "
                                 f"{bad[1]}")
+    units = [m for u in (plan.fsdp.units if plan.fsdp else ()) for m in u.modules]
+    if bad := next(((u, n) for u in units for n in moes if u == n or u.startswith(n + ".")), None):
+        raise ParallelPlanError(f"fsdp unit {bad[0]!r} is the mixture of experts {bad[1]} or inside it: with ep, each "
+                                "mixture is sharded by the experts' own units; drop it from the FSDP plan")
 
 def apply_ep(model: nn.Module, plan: ParallelPlan, experts) -> None:
     """Each mixture's expert weights split on dim 0 over the ep dim of `experts` (`axes.expert_mesh`; DTensor
