@@ -13,8 +13,9 @@ from dataclasses import dataclass
 from .errors import StaticDistError
 
 # %% auto 0
-__all__ = ['AXES', 'AXIS', 'MESH_DIMS', 'FLAT_DIMS', 'FLAT', 'MeshError', 'Axis', 'FlatDim', 'degrees', 'mesh_dims',
-           'device_mesh', 'optional_mesh', 'fsdp_degrees', 'fsdp_mesh', 'layout_mesh', 'fsdp_dim']
+__all__ = ['AXES', 'AXIS', 'MESH_DIMS', 'BORROWED', 'FLAT_DIMS', 'FLAT', 'EXPERT_FSDP', 'MeshError', 'Axis', 'FlatDim',
+           'degrees', 'borrow_error', 'mesh_dims', 'device_mesh', 'optional_mesh', 'fsdp_degrees', 'fsdp_mesh',
+           'expert_mesh', 'layout_mesh', 'fsdp_dim']
 
 # %% ../nbs/04_axes.ipynb
 class MeshError(StaticDistError, ValueError):
@@ -30,12 +31,17 @@ class Axis:
     order: int
     "Place in the mesh, outer (0) to inner: torchtitan's pp, dp_replicate, dp_shard, cp, tp."
     params: str
-    "How parameters lie across its ranks: 'replicated', 'sharded' (FSDP's dim 0), 'split' (TP) or 'staged' (PP)."
+    """How parameters lie across its ranks: 'replicated', 'sharded' (FSDP's dim 0), 'split' (TP), 'staged' (PP) or
+    'experts' (EP: whole experts per rank)."""
     activations: str
-    "The activation dimension its ranks split: 'batch', 'sequence', 'hidden', or '' (none: PP holds other layers)."
+    """The activation dimension its ranks split: 'batch', 'sequence', 'hidden', or '' (none: PP holds other layers, EP's
+    ranks are data-parallel ranks already)."""
     collectives: tuple[str, ...]
     "What its ranks exchange in a training step."
     doc: str
+    borrows: tuple[str, ...] = ()
+    """The axes whose ranks it regroups instead of adding its own (ep: dp_shard and cp, as torchtitan draws it); () for
+    an axis that multiplies the world."""
 
 # %% ../nbs/04_axes.ipynb
 AXES = (   # a field of ParallelDims per row, in this order (positional ParallelDims(dp_replicate, dp_shard, ...))
@@ -49,9 +55,12 @@ AXES = (   # a field of ParallelDims per row, in this order (positional Parallel
          "Tensor parallel: ranks that split each linear."),
     Axis("pp", "pp", 0, "staged", "", ("send/recv",),
          "Pipeline stages (ranks along the pipeline)."),
+    Axis("ep", "ep", 5, "experts", "", ("all_to_all",),
+         "Expert parallel: ranks that split a mixture's experts, drawn from dp_shard x cp.", ("dp_shard", "cp")),
 )
 AXIS = {a.name: a for a in AXES}
-MESH_DIMS = tuple(a.name for a in sorted(AXES, key=lambda a: a.order))   # torchtitan's order, outer to inner
+MESH_DIMS = tuple(a.name for a in sorted(AXES, key=lambda a: a.order) if not a.borrows)   # the world's axes, outer
+BORROWED = {a.name: a.borrows for a in AXES if a.borrows}   # axis: the axes its ranks are drawn from
 
 # %% ../nbs/04_axes.ipynb
 @dataclass(frozen=True)
@@ -84,7 +93,17 @@ def degrees(dims) -> dict[str, int]:
         )
     for a, v in out.items():
         if isinstance(v, bool) or not isinstance(v, int) or v < 1: raise MeshError(f"{a}={v!r}: give a degree >= 1")
+    if why := borrow_error(out): raise MeshError(why)
     return out
+
+def borrow_error(d: Mapping) -> str | None:
+    "Why degrees `d` ({axis: degree}) make no mesh because an axis that borrows ranks does not divide them; None: fine."
+    for a, src in BORROWED.items():
+        n = math.prod(d.get(s, 1) for s in src)
+        if n % d.get(a, 1):
+            return (f"{a}={d[a]} does not divide {' x '.join(src)} = {n}: {a}'s ranks are drawn from those axes' "
+                    f"(torchtitan's ParallelDims), so give a divisor of {n}")
+    return None
 
 def mesh_dims(dims) -> tuple[tuple[int, ...], tuple[str, ...]]:
     "(shape, names) of the device mesh: the axes larger than 1 in mesh order (`dp_shard` of 1 with HSDP or one rank)."
@@ -128,12 +147,28 @@ def fsdp_degrees(mesh_shape) -> dict[str, int]:
 
 def fsdp_mesh(mesh):
     "The mesh FSDP shards over, from a `device_mesh`: `dp_shard_cp`, with `dp_replicate` in front for HSDP."
-    dims = tuple(n for n in ("dp_replicate", "dp_shard_cp") if optional_mesh(mesh, n) is not None)
-    if not dims: return None
     # torch 2.13 warns that slicing a flattened dim will be deprecated; it is still
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Slicing a flattened dim")   # how torchtitan builds the FSDP mesh
-        return mesh[dims]
+        dims = tuple(n for n in ("dp_replicate", "dp_shard_cp") if optional_mesh(mesh, n) is not None)
+        return mesh[dims] if dims else None
+
+# %% ../nbs/04_axes.ipynb
+EXPERT_FSDP = "efsdp"   # torchtitan's name for the data-parallel ranks left to the experts: dp_shard·cp / ep
+
+def expert_mesh(mesh, dims):
+    """The experts' DeviceMesh from a `device_mesh` of `dims`: (`dp_replicate`,) `efsdp`, `ep` over the same ranks,
+    `dp_shard × cp` regrouped with ep innermost (torchtitan's sparse mesh); None with ep 1."""
+    d = degrees(dims)
+    if d["ep"] == 1: return None
+    src = BORROWED["ep"]
+    sizes = {}
+    for a in MESH_DIMS:
+        if a == src[0]: sizes |= {EXPERT_FSDP: math.prod(d[s] for s in src) // d["ep"], "ep": d["ep"]}
+        elif a not in src and d[a] > 1: sizes[a] = d[a]
+    world = mesh if mesh.ndim == 1 else mesh._flatten("world")
+    sparse = world._unflatten(0, tuple(sizes.values()), tuple(sizes))
+    return sparse[tuple(n for n in ("dp_replicate", EXPERT_FSDP, "ep") if n in sizes)]
 
 # %% ../nbs/04_axes.ipynb
 def layout_mesh(dims):

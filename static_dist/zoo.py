@@ -196,13 +196,18 @@ class MoE(nn.Module):
         combine = torch.einsum('kte,ktc,kt->tec', choice, in_slot, gates.t())
         return dispatch, combine
 
+    def experts(self, xe: torch.Tensor, w1, w2, w3) -> torch.Tensor:
+        """Each expert's SwiGLU on its slots, `(E, C, dim) -> (E, C, dim)`, with weights `w1`, `w2`, `w3` (expert
+        parallelism swaps in one that sends the slots to the ranks that keep the experts)."""
+        h = F.silu(torch.bmm(xe, w1)) * torch.bmm(xe, w3)                      # (E, C, hidden)
+        return torch.bmm(h, w2)
+
     def forward(self, x):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         dispatch, combine = self.route(x)
         xe = torch.einsum('tec,td->ecd', dispatch.to(x.dtype), x)              # (E, C, dim)
-        h = F.silu(torch.bmm(xe, self.w1)) * torch.bmm(xe, self.w3)            # (E, C, hidden)
-        y = torch.einsum('tec,ecd->td', combine.to(x.dtype), torch.bmm(h, self.w2))
+        y = torch.einsum('tec,ecd->td', combine.to(x.dtype), self.experts(xe, self.w1, self.w2, self.w3))
         return y.view(shape)
 
 # %% ../nbs/01_zoo.ipynb

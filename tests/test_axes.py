@@ -13,10 +13,10 @@ from static_dist.parallel import ParallelDims, ParallelPlan
 def test_parallel_dims_are_the_table():
     "A field per row, in the table's order; the plan file's `dims` keys are the same names."
     assert [f.name for f in dataclasses.fields(ParallelDims)] == [a.name for a in AXES]
-    assert set(MESH_DIMS) == {a.name for a in AXES}
+    assert set(MESH_DIMS) == {a.name for a in AXES if not a.borrows}   # ep draws its ranks from dp_shard x cp
     d = ParallelDims(**{a.name: 2 for a in AXES})
-    assert d.world == 2 ** len(AXES)
-    d = dataclasses.replace(d, cp=1)  # cp x pp is refused by the plan (context_parallel wraps no schedule)
+    assert d.world == 2 ** len(MESH_DIMS)
+    d = dataclasses.replace(d, cp=1, ep=1)  # the plan refuses cp x pp (context_parallel wraps no schedule) and ep x pp
     plan = ParallelPlan(d, stages=(1, 1), microbatches=2)
     assert sorted(json.loads(plan.to_json())["dims"]) == sorted(a.name for a in AXES)
     assert ParallelPlan.from_json(plan.to_json()).dims == d
@@ -100,22 +100,22 @@ def test_fsdp_plan_uses_the_same_names():
 _ONE_MORE_ROW = r"""
 import json
 import static_dist.axes as ax
-row = ax.Axis("ep", "ep", 5, "split", "", ("all_to_all",), "A test row: an axis added to the table only.")
-ax.AXES, ax.AXIS["ep"], ax.MESH_DIMS = ax.AXES + (row,), row, ax.MESH_DIMS + ("ep",)
+row = ax.Axis("xp", "xp", 6, "split", "", ("all_to_all",), "A test row: an axis added to the table only.")
+ax.AXES, ax.AXIS["xp"], ax.MESH_DIMS = ax.AXES + (row,), row, ax.MESH_DIMS + ("xp",)
 from static_dist.app.cli import build_parser
 from static_dist.launch import process_group
 from static_dist.parallel import ParallelDims, ParallelPlan
-d = ParallelDims(dp_shard=2, ep=2)                                   # a field, a degree of the world
-assert d.world == 4 and d.mesh == ((2, 2), ("dp_shard", "ep")), d.mesh
+d = ParallelDims(dp_shard=2, xp=2)                                   # a field, a degree of the world
+assert d.world == 4 and d.mesh == ((2, 2), ("dp_shard", "xp")), d.mesh
 assert ParallelPlan.from_json(ParallelPlan(d).to_json()).dims == d  # the plan file reads and writes it
-assert build_parser().parse_args(["plan", "--ep", "2"]).ep == 2      # the command line pins it
+assert build_parser().parse_args(["plan", "--xp", "2"]).xp == 2      # the command line pins it
 with process_group(fake_world=4):
     mesh = ax.device_mesh(d, "cpu")
-    assert mesh.mesh_dim_names == ("dp_shard", "ep") and mesh["ep"].size() == 2
+    assert mesh.mesh_dim_names == ("dp_shard", "xp") and mesh["xp"].size() == 2
 print("ok")
 """
 
 
 def test_a_new_row_is_a_new_axis_everywhere():
-    "One more row in the table (an `ep` here) is a ParallelDims field, a plan-file key, a CLI pin and a mesh dim."
+    "One more row in the table (an `xp` here) is a ParallelDims field, a plan-file key, a CLI pin and a mesh dim."
     assert _run(_ONE_MORE_ROW).strip().endswith("ok")

@@ -15,7 +15,7 @@ import torch
 
 from .cli import UsageError
 from .verbs import input_files, print_markdown, status, topology_arg, workload_of
-from ..axes import AXES, device_mesh
+from ..axes import AXES, MESH_DIMS, device_mesh
 from ..files import atomic_write, check_writable
 from ..util import check_real_size
 
@@ -34,15 +34,16 @@ def layout_pins(args) -> dict:
     import math
     pins = {k: getattr(args, k) for k in PIN_DIMS if getattr(args, k, None) is not None}
     flag = lambda k: "--" + k.replace("_", "-")
-    if pins and args.world % math.prod(pins.values()):
-        given = " × ".join(f"{flag(k)} {v}" for k, v in pins.items())
+    world = {k: v for k, v in pins.items() if k in MESH_DIMS}       # --ep borrows ranks: it adds none to the world
+    if world and args.world % math.prod(world.values()):
+        given = " × ".join(f"{flag(k)} {v}" for k, v in world.items())
         raise UsageError(
-            f"{given} = {math.prod(pins.values())} ranks does not divide --world {args.world}; pin degrees "
+            f"{given} = {math.prod(world.values())} ranks does not divide --world {args.world}; pin degrees "
             f"whose product divides it"
         )
-    if len(pins) == len(PIN_DIMS) and math.prod(pins.values()) != args.world:
+    if len(world) == len(MESH_DIMS) and math.prod(world.values()) != args.world:
         raise UsageError(
-            f"every degree is pinned and their product {math.prod(pins.values())} is not --world {args.world}"
+            f"every degree is pinned and their product {math.prod(world.values())} is not --world {args.world}"
         )
     return pins
 

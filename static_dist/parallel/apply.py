@@ -12,7 +12,7 @@ import math
 import torch
 import torch.nn as nn
 
-from ..axes import device_mesh, fsdp_mesh
+from ..axes import EXPERT_FSDP, device_mesh, expert_mesh, fsdp_mesh
 from ..fsdp import FSDPPlan, FSDPUnit, apply_plan
 from ..graph.policies import apply_checkpointing
 from .plan import ParallelPlan, ParallelPlanError, check_layout, stage_ranges
@@ -20,8 +20,9 @@ from ..placement import parallel_style
 from ..structure import find_structure
 
 # %% auto 0
-__all__ = ['plan_blocks', 'apply_tp', 'step_context', 'apply_ac', 'apply_compile', 'apply_async_tp',
-           'check_fsdp_modules', 'apply_fsdp', 'apply_float8', 'apply_parallel_plan']
+__all__ = ['EXPERT_WEIGHTS', 'plan_blocks', 'apply_tp', 'step_context', 'apply_ac', 'apply_compile', 'apply_async_tp',
+           'check_fsdp_modules', 'apply_fsdp', 'apply_float8', 'ExpertParallel', 'expert_modules', 'check_experts',
+           'apply_ep', 'apply_expert_fsdp', 'apply_parallel_plan']
 
 # %% ../../nbs/45e_parallel_apply.ipynb
 def plan_blocks(plan: ParallelPlan, stack, stage: int | None = None) -> tuple[tuple[int, str], ...]:
@@ -163,11 +164,13 @@ def check_fsdp_modules(plan: ParallelPlan, model: nn.Module) -> None:
             raise ParallelPlanError(f"fsdp {what} {bad!r} is not a module of the model (e.g. "
                                     f"{', '.join(repr(n) for n in list(mods)[1:4])}): fix the name in the plan")
 
-def apply_fsdp(model: nn.Module, plan: ParallelPlan, mesh) -> None:
+def apply_fsdp(model: nn.Module, plan: ParallelPlan, mesh, experts=None) -> None:
     """`fully_shard` the plan's FSDP units (those the model has with parameters; the root always) over the data-parallel
-    mesh (none for one rank). A pipeline stage keeps only its own modules' parameters, so the others' units drop out."""
+    mesh (none for one rank). A pipeline stage keeps only its own modules' parameters, so the others' units drop out.
+    With ep > 1 each mixture of experts is sharded first (`apply_expert_fsdp` on `experts`, the `axes.expert_mesh`)."""
     d = plan.dims
     if d.dp_replicate * d.fsdp_size == 1: return           # one data-parallel rank: parameters stay whole
+    if d.ep > 1: apply_expert_fsdp(model, plan, mesh, experts)
     mshape = (d.dp_replicate, d.fsdp_size) if d.dp_replicate > 1 else (d.fsdp_size,)
     f = plan.fsdp or FSDPPlan(math.prod(mshape), mshape, (FSDPUnit(""),))
     mods = dict(model.named_modules())
@@ -181,10 +184,83 @@ def apply_float8(model: nn.Module, plan: ParallelPlan) -> None:
     if plan.float8: convert_float8(model, plan.float8, plan.float8_all_gather)
 
 # %% ../../nbs/45e_parallel_apply.ipynb
+class ExpertParallel:
+    """Mixed into a mixture of experts by `apply_ep`: its `experts` runs this rank's `E / ep` experts on their slots
+    from every ep rank, gathered and returned by all-to-all with equal splits (`ep_mesh`: `axes.expert_mesh`'s ep)."""
+    ep_mesh = None
+
+    def experts(self, xe: torch.Tensor, w1, w2, w3) -> torch.Tensor:
+        from torch.distributed._functional_collectives import all_to_all_single_autograd
+        ep, (E, C, D) = self.ep_mesh.size(), xe.shape
+        swap = lambda t: all_to_all_single_autograd(t.contiguous(), None, None, self.ep_mesh)   # chunk r to rank r
+        mine = swap(xe).view(ep, E // ep, C, D).transpose(0, 1).reshape(E // ep, ep * C, D)      # by source rank
+        y = super().experts(mine, *(w.to_local() for w in (w1, w2, w3)))                        # (E / ep, ep·C, D)
+        return swap(y.view(E // ep, ep, C, -1).transpose(0, 1)).view(E, C, -1)
+
+# %% ../../nbs/45e_parallel_apply.ipynb
+EXPERT_WEIGHTS = ("w1", "w2", "w3")   # the zoo MoE's 3-D expert weights, (E, ·, ·)
+_EP_CLASSES: dict = {}
+
+def expert_modules(model: nn.Module) -> dict[str, nn.Module]:
+    "{FQN: module} of the model's mixtures of experts that `apply_ep` lays out (the zoo's `MoE`)."
+    from static_dist.zoo import MoE
+    return {n: m for n, m in model.named_modules() if isinstance(m, MoE)}
+
+def check_experts(plan: ParallelPlan, model: nn.Module) -> None:
+    """ParallelPlanError when ep > 1 and the model has no mixture of experts, ep does not divide one's experts, or an
+    FSDP unit of the plan is a mixture or inside one (`apply_expert_fsdp` shards those)."""
+    ep = plan.dims.ep
+    if ep == 1: return
+    moes = expert_modules(model)
+    if not moes:
+        raise ParallelPlanError(f"ep={ep}: the model has no mixture of experts (the zoo's MoE, experts as 3-D "
+                                "w1/w2/w3) whose experts ep could split; use ep=1")
+    if bad := next(((n, m.n_experts) for n, m in moes.items() if m.n_experts % ep), None):
+        raise ParallelPlanError(f"ep={ep} does not divide the {bad[1]} experts of {bad[0]}: give an ep that divides "
+                                f"{bad[1]}")
+    units = [m for u in (plan.fsdp.units if plan.fsdp else ()) for m in u.modules]
+    if bad := next(((u, n) for u in units for n in moes if u == n or u.startswith(n + ".")), None):
+        raise ParallelPlanError(f"fsdp unit {bad[0]!r} is the mixture of experts {bad[1]} or inside it: with ep, each "
+                                "mixture is sharded by the experts' own units; drop it from the FSDP plan")
+
+def apply_ep(model: nn.Module, plan: ParallelPlan, experts) -> None:
+    """Each mixture's expert weights split on dim 0 over the ep dim of `experts` (`axes.expert_mesh`; DTensor
+    `Shard(0)`, this rank keeping its `E / ep`), and `ExpertParallel` mixed into its class. Nothing with ep 1."""
+    from torch.distributed.tensor import DTensor, Shard
+    check_experts(plan, model)
+    if plan.dims.ep == 1: return
+    ep_mesh = experts["ep"]
+    ep, r = ep_mesh.size(), ep_mesh.get_local_rank()
+    for m in expert_modules(model).values():
+        for w in EXPERT_WEIGHTS:
+            mine = getattr(m, w).detach().chunk(ep)[r].clone()
+            setattr(m, w, nn.Parameter(DTensor.from_local(mine, ep_mesh, [Shard(0)], run_check=False)))
+        cls = type(m)
+        m.__class__ = _EP_CLASSES.setdefault(cls, type(f"ExpertParallel{cls.__name__}", (ExpertParallel, cls), {}))
+        m.ep_mesh = ep_mesh
+
+# %% ../../nbs/45e_parallel_apply.ipynb
+def apply_expert_fsdp(model: nn.Module, plan: ParallelPlan, mesh, experts) -> None:
+    """`fully_shard` each mixture of experts (ep > 1): its children (the router) over the data-parallel mesh, its
+    experts over `experts` (`axes.expert_mesh`) less its ep dim, their gradients divided by every data-parallel rank."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    d, f = plan.dims, plan.fsdp
+    dt = lambda s: None if s is None else getattr(torch, s)
+    mp = MixedPrecisionPolicy(param_dtype=dt(f and f.param_dtype), reduce_dtype=dt(f and f.reduce_dtype))
+    dense, sparse = fsdp_mesh(mesh), experts[tuple(n for n in experts.mesh_dim_names if n != "ep")]
+    for m in expert_modules(model).values():
+        for c in m.children(): fully_shard(c, mesh=dense, mp_policy=mp)
+        fully_shard(m, mesh=sparse, mp_policy=mp)
+        m.set_gradient_divide_factor(float(d.dp_replicate * d.fsdp_size))
+        # over 2+ efsdp ranks: a plain sum, divided after (gloo has no PREMUL_SUM); not over 1, where torch 2.13's
+        # FSDP divides the copied gradient by the factor and then again by the sum's own factor
+        if experts[EXPERT_FSDP].size() > 1: m.set_force_sum_reduction_for_comms(True)
+
+# %% ../../nbs/45e_parallel_apply.ipynb
 def apply_parallel_plan(model: nn.Module, plan: ParallelPlan, mesh=None, *, seq: int | None = None,
                         compile_backend: str = "inductor", stack=None, stage: int | None = None) -> nn.Module:
-    """Apply `plan` to `model` in place, in torchtitan's order: Float8, tensor parallelism, checkpointing, compile,
-    FSDP.
+    """Apply `plan` to `model` in place, in torchtitan's order: Float8, tensor parallelism, expert parallelism,
+    checkpointing, compile, FSDP.
     `mesh`: the plan's DeviceMesh (default: `axes.device_mesh(plan.dims)`). With pp > 1, `model` is pipeline stage
     `stage`
     (`parallel.pipeline.build_pipeline` splits the model and calls this on each stage) and `stack` the whole model's
@@ -198,11 +274,14 @@ def apply_parallel_plan(model: nn.Module, plan: ParallelPlan, mesh=None, *, seq:
             "splits the model and applies it to each stage (or give stage= and the whole model's stack=)"
         )
     if stage is None: check_fsdp_modules(plan, model)       # a stage lacks other stages' units: build_pipeline checks
+    check_experts(plan, model)
     blocks = plan_blocks(plan, stack, stage)
     mesh = device_mesh(plan.dims) if mesh is None else mesh
+    experts = expert_mesh(mesh, plan.dims)
     apply_float8(model, plan)
     if "tp" in mesh.mesh_dim_names: apply_async_tp(plan, mesh["tp"]); apply_tp(model, plan, mesh["tp"], blocks)
+    apply_ep(model, plan, experts)
     apply_ac(model, plan, blocks)
     apply_compile(model, plan, compile_backend, blocks)
-    apply_fsdp(model, plan, mesh)
+    apply_fsdp(model, plan, mesh, experts)
     return model

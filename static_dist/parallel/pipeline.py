@@ -448,9 +448,10 @@ def pipeline_step(rank: PipelineRank, optimizer: torch.optim.Optimizer, batch, *
                       accumulate=pipeline_accumulate(rank))
 
 # %% ../../nbs/45g_parallel_pipeline.ipynb
-def pipeline_axis_counts(cdm) -> dict[str, int]:
-    "`axis_counts` of a `comm_counter(point_to_point=True)`, with its sends and receives as 'pp.send' and 'pp.recv'."
-    out = axis_counts(cdm)
+def pipeline_axis_counts(cdm, functional: str = "tp") -> dict[str, int]:
+    """`axis_counts` of a `comm_counter(point_to_point=True)` (`functional`: the axis of its functional collectives),
+    with its sends and receives as 'pp.send' and 'pp.recv'."""
+    out = axis_counts(cdm, functional)
     for op, n in cdm.get_comm_counts().items():
         s = str(op)
         k = "pp.send" if s.endswith("c10d.send") else "pp.recv" if s.endswith("c10d.recv_") else None

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from fastcore.basics import patch
 
-from ..axes import AXES, FLAT, MESH_DIMS, mesh_dims
+from ..axes import AXES, FLAT, MESH_DIMS, borrow_error, mesh_dims
 from ..cost import PlanError
 from ..fsdp import FSDPPlan, FSDPUnit
 from ..placement import STYLES
@@ -37,16 +37,17 @@ def _check_degrees(self) -> None:
         v = getattr(self, a.name)
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ParallelPlanError(f"ParallelDims.{a.name}={v!r}: give a degree >= 1")
+    if why := borrow_error(dataclasses.asdict(self)): raise ParallelPlanError(f"ParallelDims.{why}")
 
 ParallelDims = dataclasses.make_dataclass(   # one field per row of axes.AXES, in its order, each 1 by default
     "ParallelDims", [(a.name, int, 1) for a in AXES], frozen=True,
     namespace={"__post_init__": _check_degrees, "__module__": __name__,
-               "__doc__": "Degrees of each axis of `axes.AXES`; their product is the world size."})
+               "__doc__": "Degrees of each axis of `axes.AXES`; the world: the product of those borrowing no ranks."})
 
 # %% ../../nbs/45a_parallel_plan.ipynb
 @patch(as_prop=True)
 def world(self: ParallelDims) -> int:
-    "Ranks in all: the product of the degrees."
+    "Ranks in all: the product of the degrees, but ep's (its ranks are dp_shard × cp's, `axes.BORROWED`)."
     return math.prod(getattr(self, d) for d in MESH_DIMS)
 
 # %% ../../nbs/45a_parallel_plan.ipynb
@@ -236,10 +237,18 @@ def _check_float8(p: ParallelPlan) -> None:
         raise ParallelPlanError("float8_all_gather with one data-parallel rank: FSDP gathers nothing; drop it or "
                                 "shard over 2 or more ranks")
 
+def _check_ep(p: ParallelPlan) -> None:
+    "Expert parallelism is applied next to data parallelism only (tensor parallelism inside experts is not built)."
+    d = p.dims
+    if d.ep > 1 and (d.tp > 1 or d.pp > 1):
+        raise ParallelPlanError(f"ep={d.ep} with tp={d.tp}, pp={d.pp}: expert parallelism is applied with "
+                                "dp_replicate, dp_shard and cp only (no tensor parallelism inside experts, no "
+                                "pipeline stages yet); use tp=1 and pp=1 with ep")
+
 def _check_self(p: ParallelPlan) -> None:
     if not isinstance(p.dims, ParallelDims):
         raise ParallelPlanError(f"dims must be a ParallelDims, not {type(p.dims).__name__}")
-    _check_axes(p); _check_fsdp(p); _check_float8(p)
+    _check_axes(p); _check_fsdp(p); _check_float8(p); _check_ep(p)
 
 # %% ../../nbs/45a_parallel_plan.ipynb
 def block_policies(plan: ParallelPlan, n_blocks: int) -> tuple[CheckpointPolicy, ...]:

@@ -188,7 +188,8 @@ def _cp_shards_ok(rank: PlanRank, ref: nn.Module, args, targets) -> bool:
                     all(torch.equal(rank.model.get_buffer(b), ref.get_buffer(b)[:s][mine]) for b in bufs))
 
 def _run_one(
-    source: str, plan: ParallelPlan, steps: int, lr: float, eps: float, batch: int, seq: int, rtol: float, atol: float
+    source: str, plan: ParallelPlan, steps: int, lr: float, eps: float, batch: int, seq: int, rtol: float, atol: float,
+    optimizer: str = "adamw",
 ) -> dict:
     "One plan on this rank next to a single-process reference: losses, parameters, collectives (see above)."
     import time
@@ -199,7 +200,8 @@ def _run_one(
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     ref, model, mb = w.build_model(dev, seed=0), w.build_model(dev, seed=0), w.micro_batch(dev)
     rank = prepare_rank(model, plan, device_mesh(plan.dims, dev), mb, w.loss, seq=seq)
-    opt, ropt = (make_optimizer("adamw", m.parameters(), lr=lr, eps=eps) for m in (rank, ref))
+    kw = {} if optimizer == "sgd" else {"eps": eps}
+    opt, ropt = (make_optimizer(optimizer, m.parameters(), lr=lr, **kw) for m in (rank, ref))
     rep = dict(losses=[], ref_losses=[], counts=[], step_seconds=[], predicted=None, cp_shards_ok=None, error=None)
     if plan.dims.pp > 1: rep["predicted"] = predict_pipeline_counts(plan, rank.pipeline.split, rank.pipeline.pp_rank)
     try:
@@ -212,7 +214,7 @@ def _run_one(
             loss = plan_step(rank, opt, mb, around=lambda: cdm)
             rep["step_seconds"].append(time.perf_counter() - t1)
             rep["losses"].append(None if loss is None else loss.item())
-            rep["counts"].append(pipeline_axis_counts(cdm))
+            rep["counts"].append(pipeline_axis_counts(cdm, "ep" if plan.dims.ep > 1 else "tp"))   # ep: no tp
             rep["ref_losses"].append(train_step(ref, ropt, [mb], w.loss).item())
     except ParallelPlanError as e: rep["error"] = str(e)
     if rep["error"] is None: rep["max_abs"], rep["close"] = _params_close(rank.modules, ref, rtol, atol)
@@ -221,16 +223,16 @@ def _run_one(
 
 # %% ../../nbs/45h_parallel_run.ipynb
 def run_plans(runs: list, steps: int = 3, lr: float = 1e-3, eps: float = 1e-6, batch: int = 4, seq: int = 32,
-              rtol: float = 1e-4, atol: float = 1e-5) -> list[dict]:
-    """Every rank's target for `launch`: each `(model source, plan JSON)` of `runs` run for `steps` AdamW steps next to
-    a
-    single-process reference. Rank 0 returns one report per run: the mean loss per step and the reference's, every
+              rtol: float = 1e-4, atol: float = 1e-5, optimizer: str = "adamw") -> list[dict]:
+    """Every rank's target for `launch`: each `(model source, plan JSON)` of `runs` run for `steps` steps of
+    `optimizer` (AdamW; 'sgd' shows a gradient's scale, which Adam's normalisation hides) next to a single-process
+    reference. Rank 0 returns one report per run: the mean loss per step and the reference's, every
     rank's report (max |parameter difference|, allclose, collectives and seconds per step, prediction, cp shards,
     error)."""
     import torch.distributed as dist
     out = []
     for source, pj in runs:
-        rep = _run_one(source, ParallelPlan.from_json(pj), steps, lr, eps, batch, seq, rtol, atol)
+        rep = _run_one(source, ParallelPlan.from_json(pj), steps, lr, eps, batch, seq, rtol, atol, optimizer)
         every = [None] * dist.get_world_size()
         dist.all_gather_object(every, rep)
         per_step = list(zip(*[r["losses"] for r in every]))
