@@ -1,0 +1,184 @@
+"""Mixture-of-experts capture (issue 32, item 1): the MoE layers read from the module tree of the zoo's, transformers'
+and torchtitan's models, and the routing assumption a captured step records, each checked against a hand count from
+the model's config (not against the code's own output)."""
+import contextlib
+import io
+import json
+
+import pytest
+import torch
+
+from hf_configs import hf_source
+from static_dist.app.cli import main
+from static_dist.graph import capture
+from static_dist.moe import Routing, RoutingError, find_moe, routing_from
+from static_dist.workload import load_workload
+
+B, S = 2, 16                     # every capture here: batch 2 x seq 16 = 32 tokens
+T = B * S
+
+
+def _expected(per_expert, n_experts, top_k, router, shared=0, itemsize=2):
+    "The hand counts a layer should show: (experts, top-k, expert bytes, router params, shared params, active)."
+    return n_experts, top_k, n_experts * per_expert * itemsize, router, shared, router + shared + top_k * per_expert
+
+
+def _seen(layer):
+    return (layer.n_experts, layer.top_k, layer.expert_bytes, layer.router_params, layer.shared_params,
+            layer.active_params)
+
+
+def _routed_rows(g, layer_meta):
+    "Rows of the first operand of each forward grouped or batched expert matmul run in the layer's experts module."
+    by_id = {t.id: t for t in g.tensors}
+    return [by_id[o.inputs[0]].shape for o in g.ops if o.phase == "forward" and o.flops
+            and ("grouped_mm" in o.op or "bmm" in o.op) and _under(o.module, layer_meta["experts"])]
+
+
+def _under(fqn, top): return fqn == top or fqn.startswith(top + ".")
+
+
+def test_routing_assumption_by_hand():
+    "The busiest expert's rows: 32 tokens top-2 of 8 experts is a mean of 8; 1.5 x that is 12; at most every token."
+    assert routing_from(None) == Routing() and routing_from("balanced").busiest(T, 8, 2) == 8
+    assert routing_from("imbalance=1.5").busiest(T, 8, 2) == 12
+    assert routing_from("capacity=1.25").busiest(T, 8, 2) == 10
+    assert routing_from("imbalance=8").busiest(T, 4, 2) == T
+    assert Routing().busiest(10, 8, 2) == 3                       # 2.5 rows on average: one expert has 3
+    for bad in ("imbalance=0.99", "capacity=0", "capacity=-1", "imbalance=nan", "uniform", "imbalance"):
+        with pytest.raises(RoutingError, match="give 'balanced'"): routing_from(bad)
+
+
+def test_zoo_moe():
+    """tiny-moe (dim 64, SwiGLU experts of hidden 192, 4 experts, top-2, capacity factor 1.25): an expert holds
+    3·64·192 parameters, the router 4·64. The zoo's experts run on (E, C, dim) slots with C = ⌈1.25·T·2/4⌉ = 20: the
+    capture, stating the layers' own capacity=1.25 when given no assumption, records the same 20 as the busiest
+    expert's rows."""
+    w = load_workload("tiny-moe", batch=B, seq=S)
+    layers = find_moe(w.build_model("meta"))
+    assert [l.path for l in layers] == ["layers.0.moe", "layers.1.moe"]
+    assert _seen(layers[0]) == _expected(3 * 64 * 192, 4, 2, 4 * 64, itemsize=4)
+    assert layers[0].capacity_factor == 1.25
+    g = w.graph()                                                     # no assumption given: the layers' own capacity
+    assert g.meta["routing"] == dict(kind="capacity", factor=1.25, assumption="capacity=1.25")
+    for m in g.meta["moe"]:
+        assert (m["tokens"], m["routed"], m["busiest"]) == (T, 2 * T, 20)
+        per_expert = {s[:2] for s in _routed_rows(g, m) if len(s) == 3 and s[0] == 4}   # bmm of (E, C, width)
+        assert per_expert == {(4, 20)}, per_expert                       # the model's own slots
+    balanced = w.graph(routing="balanced")                            # another assumption, another capture
+    assert balanced.meta["routing"]["assumption"] == "balanced"
+    assert [m["busiest"] for m in balanced.meta["moe"]] == [16, 16]
+
+
+HF = {   # transformers config, its fields, and the hand count of one MoE layer (bf16: 2 bytes a parameter)
+    "mixtral": ("MixtralConfig", dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_local_experts=4,
+                                      num_experts_per_tok=2),
+                # experts: gate_up (2·96)×64 + down 64×96; router 4×64; no shared expert
+                _expected(2 * 96 * 64 + 64 * 96, 4, 2, 4 * 64), 2),
+    "qwen3-moe": ("Qwen3MoeConfig", dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                                         num_hidden_layers=2, num_experts=8, num_experts_per_tok=2, head_dim=16),
+                  _expected(3 * 64 * 32, 8, 2, 8 * 64), 2),
+    # DeepSeek-V3: layer 0 dense (first_k_dense_replace=1); shared experts of n_shared·moe_intermediate = 32 hidden
+    "deepseek-v3": ("DeepseekV3Config", dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                                             num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=8,
+                                             n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
+                                             q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                                             v_head_dim=16, num_key_value_heads=4),
+                    _expected(3 * 64 * 32, 8, 2, 8 * 64, shared=3 * 64 * 32), 2),
+}
+
+
+@pytest.mark.parametrize("name", list(HF))
+def test_hf_moe(tmp_path_factory, name):
+    """Each layer's experts, top-k, bytes, router, shared and active parameters by hand; the capture (grouped_mm
+    experts, bf16) states the balanced assumption and an imbalance, and every routed row (T·k) goes through each
+    grouped matmul of the layer's experts once."""
+    config, fields, expected, n_moe = HF[name]
+    src = hf_source(tmp_path_factory, config, num_attention_heads=4, vocab_size=256, max_position_embeddings=128,
+                    **{"num_key_value_heads": 2, **fields})
+    w = load_workload(src, batch=B, seq=S, dtype="bfloat16")
+    layers = find_moe(w.build_model("meta"))
+    assert len(layers) == n_moe and all(_seen(l) == expected for l in layers), [_seen(l) for l in layers]
+    assert all(l.shared == ((f"{l.path}.shared_experts",) if name == "deepseek-v3" else ()) for l in layers)
+    g = w.graph(routing="imbalance=1.5")
+    k, e = expected[1], expected[0]
+    assert g.meta["routing"]["assumption"] == "imbalance=1.5"
+    busiest = -(-3 * T * k // (2 * e))                                 # ⌈1.5·T·k/E⌉
+    assert [(m["tokens"], m["routed"], m["busiest"]) for m in g.meta["moe"]] == [(T, T * k, busiest)] * n_moe
+    for m in g.meta["moe"]:
+        rows = _routed_rows(g, m)
+        assert rows and {r[0] for r in rows} == {T * k}, rows
+
+
+def test_eager_experts_are_reported_not_guessed(tmp_path_factory):
+    "transformers' eager experts loop over `nonzero` of the expert mask: the capture names the layer, module and op."
+    config, fields = HF["mixtral"][:2]
+    w = load_workload(hf_source(tmp_path_factory, config, num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                                max_position_embeddings=128, **fields), batch=1, seq=8, dtype="bfloat16")
+    model = w.build_model("meta")
+    model.config._experts_implementation = "eager"
+    args, kwargs, targets = w.inputs("meta")
+    with pytest.raises(RoutingError) as e:
+        capture(model, args, example_kwargs=kwargs, targets=targets, loss_fn=w.loss, routing="imbalance=2")
+    said = str(e.value)
+    assert "MoE layer 'model.layers.0.mlp'" in said and "aten.nonzero.default in module 'model.layers.0.mlp.experts'" \
+        in said and "imbalance=2 not applied" in said and len(said.splitlines()) == 1
+
+
+def _titan_model(registry: str, job: str):
+    "torchtitan's job model cut to 2 layers, attention as SDPA (no block mask without its data loader), in bf16."
+    import importlib
+    pytest.importorskip("torchtitan")
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    mc = getattr(importlib.import_module(f"torchtitan.models.{registry}.config_registry"), job)().model_spec.model
+    mc.layers = mc.layers[:2]
+    for blk in mc.layers: blk.attention.inner_attention = ScaledDotProductAttention.Config()
+    with torch.device("meta"): return mc.build().to(torch.bfloat16)
+
+
+# torchtitan 0.3.0's registries: qwen3 debugmodel_moe (qwen3/__init__.py: dim 256, moe_hidden_dim 768, 64 experts,
+# top_k 8, no shared experts); deepseek_v3 debugmodel (dim 256, moe_hidden_dim 256, 8 experts, router_top_k 3,
+# 2 shared experts: hidden 512, layer 0 dense)
+TITAN = {"qwen3_moe_debug": ("qwen3", _expected(3 * 256 * 768, 64, 8, 64 * 256), ["layers.0.moe", "layers.1.moe"]),
+         "deepseek_v3_debugmodel": ("deepseek_v3", _expected(3 * 256 * 256, 8, 3, 8 * 256, shared=3 * 256 * 512),
+                                    ["layers.1.moe"])}
+
+
+@pytest.mark.parametrize("job", list(TITAN))
+def test_titan_moe(job):
+    registry, expected, paths = TITAN[job]
+    m = _titan_model(registry, job)
+    layers = find_moe(m)
+    assert [l.path for l in layers] == paths and all(_seen(l) == expected for l in layers), [_seen(l) for l in layers]
+    first = paths[0]
+    assert (layers[0].experts, layers[0].router) == (f"{first}.routed_experts.inner_experts", f"{first}.router.gate")
+    from static_dist.titan import titan_loss
+    x = torch.randint(0, 100, (B, S), device="meta")
+    g = capture(m, (x,), targets=x, loss_fn=titan_loss)
+    k = expected[1]
+    assert g.meta["routing"]["assumption"] == "balanced"
+    seen = [(mm["tokens"], mm["routed"], mm["busiest"]) for mm in g.meta["moe"]]
+    assert seen == [(T, T * k, T * k // expected[0])] * len(paths), seen
+    assert {r[0] for r in _routed_rows(g, g.meta["moe"][0])} == {T * k}
+
+
+def _cli(*argv):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try: code = main(list(argv))
+        except SystemExit as e: code = e.code
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_cli_capture_prints_the_moe_summary():
+    """tiny-moe at 2 x 16: 32 tokens, 64 routed rows, 24 for the busiest expert at imbalance 1.5, 20 slots at its own
+    capacity factor 1.25 (no --routing); experts 4·3·64·192 float32 parameters, 589,824 B."""
+    code, out, err = _cli("capture", "--model", "tiny-moe", "--batch", "2", "--seq", "16", "--routing", "imbalance=1.5")
+    assert code == 0, err
+    assert "routing assumption: imbalance=1.5" in out and "64 → 24" in out and "576.00 KiB" in out, out
+    code, out, err = _cli("capture", "--model", "tiny-moe", "--batch", "2", "--seq", "16", "--json")
+    s = json.loads(out)
+    assert s["routing"]["assumption"] == "capacity=1.25" and [m["busiest"] for m in s["moe"]] == [20, 20]
+    assert [m["expert_bytes"] for m in s["moe"]] == [4 * 3 * 64 * 192 * 4] * 2
+    code, out, err = _cli("capture", "--model", "tiny", "--batch", "2", "--seq", "16", "--routing", "capacity=1")
+    assert code != 0 and "has no mixture-of-experts layer" in err and len(err.strip().splitlines()) == 1, err
