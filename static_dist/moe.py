@@ -224,20 +224,20 @@ def unresolved_routing(layers: tuple[MoELayer, ...], module: str, op: str, routi
             "bfloat16, or a fixed capacity), or capture on real tensors with mode='real' (one routing of real data)")
 
 # %% ../nbs/01b_moe.ipynb
-def _row(m: dict, fmt_bytes) -> tuple:
-    return (m["n_experts"], m["top_k"], f"{m['expert_params']:,} ({fmt_bytes(m['expert_bytes'])})",
-            f"{m['shared_params']:,}", f"{m['active_params']:,}", f"{m['routed']:,} → {m['busiest']:,}")
+def _line(m: dict, fmt_bytes) -> str:
+    "One layer in words: experts, top-k, expert parameters and bytes, shared and active parameters, routed rows."
+    shared = f", shared {m['shared_params']:,}" if m["shared_params"] else ""
+    return (f"{m['n_experts']} experts, top-{m['top_k']}: experts {m['expert_params']:,} parameters "
+            f"({fmt_bytes(m['expert_bytes'])}){shared}, active {m['active_params']:,} per token; "
+            f"{m['routed']:,} routed rows, busiest expert {m['busiest']:,}")
 
 def moe_markdown(meta: dict) -> str:
     "The MoE layers of a captured step's `meta` and its routing assumption, as markdown ('' for a dense model)."
     from static_dist.graph.records import fmt_bytes
     if not meta.get("moe"): return ""
-    groups: list[list] = []
+    groups: list[list] = []                         # [first path, line, count] of runs of equal consecutive layers
     for m in meta["moe"]:
-        if groups and _row(m, fmt_bytes) == groups[-1][1]: groups[-1][2] += 1
-        else: groups.append([m["path"], _row(m, fmt_bytes), 1])
-    head = ("| MoE layer | experts | top-k | expert params | shared params | active params / token | routed rows → "
-            "busiest expert |\n|---|---|---|---|---|---|---|\n")
-    body = "\n".join(f"| `{p}`{f' (+{n - 1} alike)' if n > 1 else ''} | " + " | ".join(map(str, r)) + " |"
-                     for p, r, n in groups)
-    return f"routing assumption: **{meta['routing']['assumption']}**\n\n" + head + body
+        if groups and _line(m, fmt_bytes) == groups[-1][1]: groups[-1][2] += 1
+        else: groups.append([m["path"], _line(m, fmt_bytes), 1])
+    rows = [f"- `{p}`{f' (+{n - 1} alike)' if n > 1 else ''}: {line}" for p, line, n in groups]
+    return f"routing assumption: **{meta['routing']['assumption']}**\n\n" + "\n".join(rows)
