@@ -118,12 +118,20 @@ def _layer_dict(self: MoELayer) -> dict:
 MoELayer.to_dict = _layer_dict
 
 # %% ../nbs/01b_moe.ipynb
-def _expert_params_of(m: nn.Module) -> dict[str, nn.Parameter]:
-    "The own parameters of `m` that store experts: 2+ dims with the first dim of its 3-D ones (all alike, 2 or more)."
+def _stacked(m: nn.Module) -> tuple[int, dict, list] | None:
+    "(E, {name: one expert's shape}, parameters) of the own 2+-D parameters of `m` led by the E of its 3-D ones."
     own = {n: p for n, p in m._parameters.items() if p is not None}
     firsts = {p.shape[0] for p in own.values() if p.dim() == 3}
-    if len(firsts) != 1 or (e := firsts.pop()) < 2: return {}
-    return {n: p for n, p in own.items() if p.dim() >= 2 and p.shape[0] == e}
+    if len(firsts) != 1 or (e := firsts.pop()) < 2: return None
+    own = {n: p for n, p in own.items() if p.dim() >= 2 and p.shape[0] == e}
+    return e, {n: tuple(p.shape[1:]) for n, p in own.items()}, list(own.values())
+
+def _listed(m: nn.Module) -> tuple[int, dict, list] | None:
+    "(E, {name: one expert's shape}, parameters) when `m` is a ModuleList/ModuleDict of 2+ alike modules with weights."
+    kids = [c for c in m._modules.values() if c is not None] if isinstance(m, (nn.ModuleList, nn.ModuleDict)) else []
+    shapes = [tuple((n, tuple(p.shape)) for n, p in c.named_parameters()) for c in kids]
+    if len(kids) < 2 or not shapes[0] or len(set(shapes)) > 1 or len({type(c) for c in kids}) > 1: return None
+    return len(kids), dict(shapes[0]), [p for c in kids for p in c.parameters()]
 
 def _router_in(layer: nn.Module, n_experts: int, widths: set[int]) -> str | None:
     "Name (within `layer`) of the first module whose 2-D `weight` maps a width of the experts to `n_experts` scores."
@@ -156,29 +164,31 @@ def _join(*names: str) -> str: return ".".join(n for n in names if n)
 def _under(fqn: str, top: str) -> bool: return not top or fqn == top or fqn.startswith(top + ".")
 def _count(params) -> int: return sum(p.numel() for p in {id(p): p for p in params}.values())
 
-def _layer_at(model: nn.Module, experts: str, own: dict[str, nn.Parameter]) -> MoELayer | None:
-    "The MoE layer around the experts module `experts`, or None when no router is found within three levels above."
-    mods, e = dict(model.named_modules()), next(iter(own.values())).shape[0]
-    widths = {d for p in own.values() for d in p.shape[1:]}
+def _layer_at(mods: dict, experts: str, found: tuple[int, dict, list], listed: bool) -> MoELayer | None:
+    """The MoE layer around the experts module `experts` (`found`: `_stacked`'s or `_listed`'s answer), or None when no
+    router is within three levels above it (or, for `listed` experts, the layer names no top-k)."""
+    e, shapes, params = found
+    widths = {d for s in shapes.values() for d in s}
     parts = experts.split(".") if experts else []
     for up in range(min(3, len(parts)) + 1):
         path = ".".join(parts[:len(parts) - up])
         if (r := _router_in(mods[path], e, widths)) is not None: break
     else: return None
-    router, layer = _join(path, r), mods[path]
+    router, layer, top_k = _join(path, r), mods[path], _top_k(mods[path], e)
+    if listed and not top_k: return None
     kids = [_join(path, n) for n, c in layer.named_children() if any(p.numel() for p in c.parameters())]
     shared = tuple(k for k in kids if not _under(experts, k) and not _under(router, k))
-    return MoELayer(path, router, experts, e, _top_k(layer, e), tuple((n, tuple(p.shape[1:])) for n, p in own.items()),
-                    sum(p.numel() * p.element_size() for p in own.values()), _count(mods[router].parameters()), shared,
-                    _count(layer.parameters()) - _count(own.values()) - _count(mods[router].parameters()),
-                    _capacity(layer))
+    return MoELayer(path, router, experts, e, top_k, tuple(shapes.items()),
+                    sum(p.numel() * p.element_size() for p in params), _count(mods[router].parameters()), shared,
+                    _count(layer.parameters()) - _count(params) - _count(mods[router].parameters()), _capacity(layer))
 
 # %% ../nbs/01b_moe.ipynb
 def find_moe(model: nn.Module) -> tuple[MoELayer, ...]:
     "Every mixture-of-experts layer of `model` (any depth), in module order; works on meta."
-    out = []
-    for name, m in model.named_modules():
-        if (own := _expert_params_of(m)) and (layer := _layer_at(model, name, own)) is not None: out.append(layer)
+    out, mods = [], dict(model.named_modules())
+    for name, m in mods.items():
+        for found, listed in ((_stacked(m), False), (_listed(m), True)):
+            if found and (layer := _layer_at(mods, name, found, listed)) is not None: out.append(layer)
     return tuple(out)
 
 # %% ../nbs/01b_moe.ipynb
@@ -219,7 +229,7 @@ def unresolved_routing(layers: tuple[MoELayer, ...], module: str, op: str, routi
     layer = next((l for l in layers if _under(module, l.path)), None)
     if layer is None: return None
     return (f"the routing of MoE layer '{layer.path}' has a shape that depends on the data: {op} in module "
-            f"'{module}' (routing assumption {routing or Routing()} not applied, nothing guessed). Fix: dispatch with "
+            f"'{module}' (routing assumption {routing or _declared(layers)} not applied, nothing guessed). Fix: dispatch with "
             "static shapes (sort + grouped_mm, as transformers' default experts_implementation='grouped_mm' in "
             "bfloat16, or a fixed capacity), or capture on real tensors with mode='real' (one routing of real data)")
 

@@ -184,3 +184,56 @@ def test_cli_capture_prints_the_moe_summary():
     assert [m["expert_bytes"] for m in s["moe"]] == [4 * 3 * 64 * 192 * 4] * 2
     code, out, err = _cli("capture", "--model", "tiny", "--batch", "2", "--seq", "16", "--routing", "capacity=1")
     assert code != 0 and "has no mixture-of-experts layer" in err and len(err.strip().splitlines()) == 1, err
+
+
+USER_MOE = '''
+import torch, torch.nn as nn, torch.nn.functional as F
+
+class Expert(nn.Module):
+    def __init__(self): super().__init__(); self.up, self.down = nn.Linear(32, 48), nn.Linear(48, 32)
+    def forward(self, x): return self.down(F.gelu(self.up(x)))
+
+class SparseMoE(nn.Module):
+    "Experts in a ModuleList; {DISPATCH}"
+    def __init__(self, n=4, k=2):
+        super().__init__(); self.n_experts, self.top_k = n, k
+        self.gate = nn.Linear(32, n, bias=False)
+        self.experts = nn.ModuleList(Expert() for _ in range(n))
+    def forward(self, x):
+        w, idx = self.gate(x).softmax(-1).topk(self.top_k, dim=-1)
+        y = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            {BODY}
+        return y
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__(); self.emb, self.moe, self.head = nn.Embedding(64, 32), SparseMoE(), nn.Linear(32, 64)
+    def forward(self, tokens): return self.head(self.moe(self.emb(tokens)))
+'''
+DENSE = ("every expert on every token, weighted by its gate where chosen (static shapes)",
+         "y = y + expert(x) * (w * (idx == e)).sum(-1, keepdim=True)")
+INDEXED = ("each expert on the tokens that chose it (torch.where: data-dependent shapes)",
+           "t, j = torch.where(idx == e); y = y.index_add(0, t, expert(x[t]) * w[t, j, None])")
+
+
+def _user_file(tmp_path, dispatch, body):
+    f = tmp_path / f"user_moe_{len(body)}.py"                          # one file (and module) per dispatch
+    f.write_text(USER_MOE.replace("{DISPATCH}", dispatch).replace("{BODY}", body))
+    return f"{f}:Net"
+
+
+def test_user_file_moe(tmp_path):
+    """A user's own file with its experts in a ModuleList. By hand: an expert is 32·48 + 48 + 48·32 + 32 = 3,152
+    parameters, 4 of them 12,608 (50,432 bytes), the router 4·32; top-2 runs 128 + 2·3,152 = 6,432. A dense dispatch
+    captures with the layer found; a torch.where dispatch is named, not guessed."""
+    w = load_workload(_user_file(tmp_path, *DENSE), batch=B, seq=S)
+    g = w.graph(routing="imbalance=1.25")
+    m, = g.meta["moe"]
+    assert (m["path"], m["router"], m["experts"]) == ("moe", "moe.gate", "moe.experts")
+    assert (m["n_experts"], m["top_k"]) == (4, 2)
+    assert (m["expert_params"], m["expert_bytes"], m["router_params"]) == (4 * 3152, 4 * 3152 * 4, 128)
+    assert m["active_params"] == 128 + 2 * 3152
+    assert (m["tokens"], m["routed"], m["busiest"]) == (T, 2 * T, 20)          # ⌈1.25 · 32 · 2 / 4⌉
+    w = load_workload(_user_file(tmp_path, *INDEXED), batch=B, seq=S)
+    with pytest.raises(RoutingError, match=r"MoE layer 'moe' .* in module 'moe'"): w.graph()
