@@ -13,8 +13,8 @@ import torch.nn as nn
 from .errors import StaticDistError
 
 # %% auto 0
-__all__ = ['ROUTING_KINDS', 'RoutingError', 'Routing', 'routing_from', 'MoELayer', 'find_moe', 'routing_meta',
-           'unresolved_routing', 'moe_markdown']
+__all__ = ['ROUTING_KINDS', 'RoutingError', 'Routing', 'routing_from', 'MoELayer', 'find_moe', 'active_params',
+           'routing_meta', 'unresolved_routing', 'moe_markdown']
 
 # %% ../nbs/01b_moe.ipynb
 class RoutingError(StaticDistError, ValueError):
@@ -192,6 +192,13 @@ def find_moe(model: nn.Module) -> tuple[MoELayer, ...]:
     return tuple(out)
 
 # %% ../nbs/01b_moe.ipynb
+def active_params(model: nn.Module, layers: tuple[MoELayer, ...] | None = None) -> tuple[int, int]:
+    "(parameters one token runs through, all parameters) of `model`, whose MoE layers are `layers` (default: found)."
+    layers = find_moe(model) if layers is None else layers
+    total = _count(model.parameters())
+    return total - sum(l.expert_params for l in layers) + sum(l.top_k * l.params_per_expert for l in layers), total
+
+# %% ../nbs/01b_moe.ipynb
 def _tokens_into(layer: MoELayer, ops, tensors: dict) -> int:
     "Tokens the layer's router scored in the forward: elements of its first computing op's output over n_experts."
     for o in ops:
@@ -207,29 +214,33 @@ def _declared(layers: tuple[MoELayer, ...]) -> Routing:
     factors = {l.capacity_factor for l in layers}
     return Routing("capacity", factors.pop()) if len(factors) == 1 and None not in factors else Routing()
 
-def routing_meta(layers: tuple[MoELayer, ...], routing: Routing | None, ops, tensors, model: str = "the model") -> dict:
-    """`{'routing': ..., 'moe': [...]}` for a graph's meta from its layers, its assumption (None: the layers' declared
-    capacity, else balanced) and its op and tensor records; RoutingError for an assumption given to a dense model."""
+def routing_meta(layers: tuple[MoELayer, ...], routing: Routing | None, ops, tensors, model: str = "the model",
+                 params: tuple[int, int] | None = None) -> dict:
+    """`{'routing': ..., 'moe': [...], 'moe_params': ...}` for a graph's meta from its layers, its assumption (None: the
+    layers' declared capacity, else balanced), its op and tensor records and the model's `active_params`; RoutingError
+    for an assumption given to a dense model."""
     if not layers:
         if routing is not None: raise RoutingError(f"routing {str(routing)!r} was given but {model} has no "
                                                    "mixture-of-experts layer (no 3-D expert parameters next to a "
                                                    "router): leave routing out")
-        return dict(routing=None, moe=[])
+        return dict(routing=None, moe=[], moe_params=None)
     routing, by_id = routing or _declared(layers), {t.id: t for t in tensors}
     rows = []
     for l in layers:
         t = _tokens_into(l, ops, by_id)
         rows.append(dict(l.to_dict(), tokens=t, routed=t * l.top_k,
                          busiest=routing.busiest(t, l.n_experts, l.top_k) if t and l.top_k else 0))
-    return dict(routing=routing.to_dict(), moe=rows)
+    return dict(routing=routing.to_dict(), moe=rows,
+                moe_params=None if params is None else dict(active=params[0], total=params[1]))
 
 # %% ../nbs/01b_moe.ipynb
 def unresolved_routing(layers: tuple[MoELayer, ...], module: str, op: str, routing: Routing | None) -> str | None:
     "The message for a data-dependent `op` in `module` when it lies inside a MoE layer, else None."
     layer = next((l for l in layers if _under(module, l.path)), None)
     if layer is None: return None
+    assumed = routing or _declared(layers)
     return (f"the routing of MoE layer '{layer.path}' has a shape that depends on the data: {op} in module "
-            f"'{module}' (routing assumption {routing or _declared(layers)} not applied, nothing guessed). Fix: dispatch with "
+            f"'{module}' (routing assumption {assumed} not applied, nothing guessed). Fix: dispatch with "
             "static shapes (sort + grouped_mm, as transformers' default experts_implementation='grouped_mm' in "
             "bfloat16, or a fixed capacity), or capture on real tensors with mode='real' (one routing of real data)")
 
@@ -250,4 +261,6 @@ def moe_markdown(meta: dict) -> str:
         if groups and _line(m, fmt_bytes) == groups[-1][1]: groups[-1][2] += 1
         else: groups.append([m["path"], _line(m, fmt_bytes), 1])
     rows = [f"- `{p}`{f' (+{n - 1} alike)' if n > 1 else ''}: {line}" for p, line, n in groups]
+    if (ps := meta.get("moe_params")): rows.append(f"- the model: {ps['active']:,} of its {ps['total']:,} parameters "
+                                                   f"active per token ({ps['active'] / ps['total']:.0%})")
     return f"routing assumption: **{meta['routing']['assumption']}**\n\n" + "\n".join(rows)

@@ -11,7 +11,7 @@ import torch
 from hf_configs import hf_source
 from static_dist.app.cli import main
 from static_dist.graph import capture
-from static_dist.moe import Routing, RoutingError, find_moe, routing_from
+from static_dist.moe import Routing, RoutingError, active_params, find_moe, routing_from
 from static_dist.workload import load_workload
 
 B, S = 2, 16                     # every capture here: batch 2 x seq 16 = 32 tokens
@@ -108,6 +108,9 @@ def test_hf_moe(tmp_path_factory, name):
     for m in g.meta["moe"]:
         rows = _routed_rows(g, m)
         assert rows and {r[0] for r in rows} == {T * k}, rows
+    total = sum(p.numel() for p in w.build_model("meta").parameters())
+    per_expert = (expected[5] - expected[3] - expected[4]) // k        # active = router + shared + k · one expert
+    assert g.meta["moe_params"] == dict(total=total, active=total - n_moe * (e - k) * per_expert)
 
 
 def test_eager_experts_are_reported_not_guessed(tmp_path_factory):
@@ -237,3 +240,16 @@ def test_user_file_moe(tmp_path):
     assert (m["tokens"], m["routed"], m["busiest"]) == (T, 2 * T, 20)          # ⌈1.25 · 32 · 2 / 4⌉
     w = load_workload(_user_file(tmp_path, *INDEXED), batch=B, seq=S)
     with pytest.raises(RoutingError, match=r"MoE layer 'moe' .* in module 'moe'"): w.graph()
+
+
+@pytest.mark.parametrize("config, total, active", [
+    # Mistral AI, "Mixtral of experts" (2023-12-11): 46.7B total, 12.9B used per token (one decimal: ±0.05B)
+    ("MixtralConfig", (46.65, 46.75), (12.85, 12.95)),
+    # DeepSeek-V3 Technical Report (arXiv 2412.19437): 671B total, 37B activated (whole billions; 37.x reads as 37)
+    ("DeepseekV3Config", (670.5, 671.5), (37, 38)),
+])
+def test_published_active_parameters(tmp_path_factory, config, total, active):
+    "transformers' default configs are these models' shapes; built on meta, their total and active counts as published."
+    m = load_workload(hf_source(tmp_path_factory, config), batch=1, seq=8, dtype="bfloat16").build_model("meta")
+    a, t = (n / 1e9 for n in active_params(m))
+    assert total[0] <= t < total[1] and active[0] <= a < active[1], (t, a)

@@ -26,7 +26,8 @@ from static_dist.graph.recorder import (
     quiet_torch_logs,
     _Recorder,
 )
-from ..moe import Routing, RoutingError, find_moe, routing_from, routing_meta, unresolved_routing
+from ..moe import Routing, RoutingError, active_params, find_moe, routing_from, routing_meta
+from ..moe import unresolved_routing
 from ..structure import find_structure
 from ..step import ChunkedLoss, StepError, chunked_loss, make_optimizer, skipping, step_loss
 
@@ -385,5 +386,5 @@ def _capture(model, real_inputs, real_kwargs, loss_fn, targets, optimizer, mode,
         _settle_roles(rec, work, names, opt)
     storages = rec.close()
     meta = {**_meta(model, mode, device, opt, inputs, kwargs, t0, targets), **rec.notes(),
-            **routing_meta(layers, routing, rec.ops, rec.tensors, type(model).__name__)}
+            **routing_meta(layers, routing, rec.ops, rec.tensors, type(model).__name__, active_params(model, layers))}
     return StaticGraph(tuple(rec.ops), tuple(rec.tensors), tuple(storages), meta, tuple(rec.saves), tuple(rec.unpacks))
