@@ -133,11 +133,13 @@ def _listed(m: nn.Module) -> tuple[int, dict, list] | None:
     if len(kids) < 2 or not shapes[0] or len(set(shapes)) > 1 or len({type(c) for c in kids}) > 1: return None
     return len(kids), dict(shapes[0]), [p for c in kids for p in c.parameters()]
 
-def _router_in(layer: nn.Module, n_experts: int, widths: set[int]) -> str | None:
-    "Name (within `layer`) of the first module whose 2-D `weight` maps a width of the experts to `n_experts` scores."
+def _router_in(layer: nn.Module, n_experts: int, widths: set[int], skip=lambda name: False) -> str | None:
+    """Name (within `layer`) of the first module, `skip(name)` aside, whose 2-D `weight` maps a width of the experts to
+    `n_experts` scores."""
     for name, m in layer.named_modules():
         w = m._parameters.get("weight")
-        if w is not None and w.dim() == 2 and w.shape[0] == n_experts and w.shape[1] in widths: return name
+        if w is None or skip(name) or w.dim() != 2: continue
+        if w.shape[0] == n_experts and w.shape[1] in widths: return name
     return None
 
 # %% ../nbs/01b_moe.ipynb
@@ -166,13 +168,15 @@ def _count(params) -> int: return sum(p.numel() for p in {id(p): p for p in para
 
 def _layer_at(mods: dict, experts: str, found: tuple[int, dict, list], listed: bool) -> MoELayer | None:
     """The MoE layer around the experts module `experts` (`found`: `_stacked`'s or `_listed`'s answer), or None when no
-    router is within three levels above it (or, for `listed` experts, the layer names no top-k)."""
+    router is within three levels above it (or, for `listed` experts, the layer names no top-k). A list's router is
+    outside it: inside, a stack of MoE blocks as many as their experts would find its own blocks' routers."""
     e, shapes, params = found
     widths = {d for s in shapes.values() for d in s}
     parts = experts.split(".") if experts else []
     for up in range(min(3, len(parts)) + 1):
         path = ".".join(parts[:len(parts) - up])
-        if (r := _router_in(mods[path], e, widths)) is not None: break
+        inside = lambda name: listed and _under(_join(path, name), experts)
+        if (r := _router_in(mods[path], e, widths, inside)) is not None: break
     else: return None
     router, layer, top_k = _join(path, r), mods[path], _top_k(mods[path], e)
     if listed and not top_k: return None

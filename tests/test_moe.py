@@ -253,3 +253,12 @@ def test_published_active_parameters(tmp_path_factory, config, total, active):
     m = load_workload(hf_source(tmp_path_factory, config), batch=1, seq=8, dtype="bfloat16").build_model("meta")
     a, t = (n / 1e9 for n in active_params(m))
     assert total[0] <= t < total[1] and active[0] <= a < active[1], (t, a)
+
+
+def test_as_many_layers_as_experts(tmp_path_factory):
+    "A Mixtral of 4 layers with 4 experts each: 4 MoE layers (its stack of 4 alike blocks is not a list of experts)."
+    config, fields = HF["mixtral"][:2]
+    src = hf_source(tmp_path_factory, config, num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                    **{**fields, "num_hidden_layers": 4})
+    layers = find_moe(load_workload(src, batch=1, seq=8, dtype="bfloat16").build_model("meta"))
+    assert [l.path for l in layers] == [f"model.layers.{i}.mlp" for i in range(4)]
