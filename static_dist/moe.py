@@ -120,6 +120,7 @@ MoELayer.to_dict = _layer_dict
 # %% ../nbs/01b_moe.ipynb
 def _stacked(m: nn.Module) -> tuple[int, dict, list] | None:
     "(E, {name: one expert's shape}, parameters) of the own 2+-D parameters of `m` led by the E of its 3-D ones."
+    if isinstance(m, nn.modules.conv._ConvNd): return None      # a convolution's 3-D weight is (out, in, kernel)
     own = {n: p for n, p in m._parameters.items() if p is not None}
     firsts = {p.shape[0] for p in own.values() if p.dim() == 3}
     if len(firsts) != 1 or (e := firsts.pop()) < 2: return None
