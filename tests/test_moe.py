@@ -128,15 +128,18 @@ def test_eager_experts_are_reported_not_guessed(tmp_path_factory):
         in said and "imbalance=2 not applied" in said and len(said.splitlines()) == 1
 
 
-def _titan_model(registry: str, job: str):
-    "torchtitan's job model cut to 2 layers, attention as SDPA (no block mask without its data loader), in bf16."
+def _titan_model(registry: str, job: str, device="meta", force_balance=False):
+    """torchtitan's job model cut to 2 layers, attention as SDPA (no block mask without its data loader), in bf16;
+    `force_balance`: its routers' `_debug_force_load_balance` (round-robin, exactly balanced)."""
     import importlib
     pytest.importorskip("torchtitan")
     from torchtitan.models.common.attention import ScaledDotProductAttention
     mc = getattr(importlib.import_module(f"torchtitan.models.{registry}.config_registry"), job)().model_spec.model
     mc.layers = mc.layers[:2]
-    for blk in mc.layers: blk.attention.inner_attention = ScaledDotProductAttention.Config()
-    with torch.device("meta"): return mc.build().to(torch.bfloat16)
+    for blk in mc.layers:
+        blk.attention.inner_attention = ScaledDotProductAttention.Config()
+        if getattr(blk, "moe", None) is not None: blk.moe.router._debug_force_load_balance = force_balance
+    with torch.device(device): return mc.build().to(torch.bfloat16)
 
 
 # torchtitan 0.3.0's registries: qwen3 debugmodel_moe (qwen3/__init__.py: dim 256, moe_hidden_dim 768, 64 experts,
@@ -262,3 +265,23 @@ def test_as_many_layers_as_experts(tmp_path_factory):
                     **{**fields, "num_hidden_layers": 4})
     layers = find_moe(load_workload(src, batch=1, seq=8, dtype="bfloat16").build_model("meta"))
     assert [l.path for l in layers] == [f"model.layers.{i}.mlp" for i in range(4)]
+
+
+
+@pytest.mark.parametrize("force_balance", [True, False])
+def test_titan_routing_counts(force_balance):
+    """torchtitan's own per-expert token counter (`tokens_per_expert_E`, what its load balancing reads) after one real
+    forward of deepseek_v3_debugmodel at 2 x 16 tokens, top-3 of 8 experts: with its forced balance every expert gets
+    the 12 rows the balanced assumption's busiest expert has; with its router on random weights, the imbalance its
+    counts show (max / mean) gives back their max as the busiest expert's rows."""
+    m = _titan_model("deepseek_v3", "deepseek_v3_debugmodel", device="cpu", force_balance=force_balance)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in m.parameters(): p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+        m(torch.randint(0, 100, (B, S), generator=gen))
+    counts = dict(m.named_buffers())["layers.1.moe.tokens_per_expert_E"]
+    assert counts.sum() == T * 3
+    if force_balance: assert counts.tolist() == [Routing().busiest(T, 8, 3)] * 8 == [12] * 8
+    else:
+        imbalance = (counts.max() / counts.mean()).item()
+        assert Routing("imbalance", imbalance).busiest(T, 8, 3) == counts.max()
