@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from fastcore.basics import patch
 
 from .graph import StaticGraph, capture
+from .moe import Routing, routing_from
 from .step import OPTIMIZERS as _STEP_OPTIMIZERS, MicroBatch
 from .usercode import ModelCodeError, model_code
 from .util import DTYPES as _DTYPE_NAMES, check_memory, check_real_size, import_ref, is_file_ref, torch_dtype
@@ -213,16 +214,19 @@ def _about(model: nn.Module) -> str:
 # %% ../nbs/03_workload.ipynb
 @patch
 def graph(
-    self: Workload, dtype: str | None = None, mode: str = "fake", progress: Callable[[str], None] | None = None
+    self: Workload, dtype: str | None = None, mode: str = "fake", progress: Callable[[str], None] | None = None,
+    routing: str | Routing | None = None
 ) -> StaticGraph:
-    "The `StaticGraph` of this workload's step in `dtype` (default: the workload's) and `mode`; captured once."
+    """The `StaticGraph` of this workload's step in `dtype` (default: the workload's) and `mode`, for an MoE model under
+    the `routing` assumption (`capture`'s; None: balanced); captured once."""
     _validate(self)
+    routing = None if routing is None else routing_from(routing)
     dtype = dtype or self.dtype
     if dtype not in DTYPES: raise WorkloadError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
     if mode not in ("fake", "real"): raise WorkloadError(f"mode must be 'fake' or 'real', not {mode!r}")
     key = (self.batch, self.seq, self.optimizer)
     if key != self._key: self._graphs.clear(); self._key = key
-    if (dtype, mode) in self._graphs: return self._graphs[(dtype, mode)]
+    if (dtype, mode, routing) in self._graphs: return self._graphs[(dtype, mode, routing)]
     if mode == "real": _check_real_step(self, dtype, progress)
     if progress: progress(f"building {self.source} ({dtype}, {'meta' if mode == 'fake' else 'cpu'})")
     with model_code(f"the model code of {self.source}"):
@@ -233,8 +237,8 @@ def graph(
             progress(f"capturing: copying the parameters{about}")  # the estimate before the copy, not after
         g = capture(model, args, example_kwargs=kwargs or None, loss_fn=self.loss, targets=targets,
                     optimizer=None if self.optimizer == "none" else self.optimizer, mode=mode,
-                    progress=_progress_adapter(progress, about))
-    self._graphs[(dtype, mode)] = g
+                    progress=_progress_adapter(progress, about), routing=routing)
+    self._graphs[(dtype, mode, routing)] = g
     return g
 
 # %% ../nbs/03_workload.ipynb

@@ -24,6 +24,7 @@ BAD = {
     "outfile": [""],
     "outdir": ["/etc/hostname", "", "x" * 300],
     "prefix": ["", "/", "/tmp/", "x" * 300 + "/", "x" * 300, "d/" + "x" * 300],
+    "routing": ["", "imbalance", "imbalance=0.5", "imbalance=inf", "capacity=0", "capacity=nan", "balanced=2", "top2"],
 }
 
 

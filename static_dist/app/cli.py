@@ -20,7 +20,7 @@ from ..util import parse_bytes, resolve
 
 # %% auto 0
 __all__ = ['MAX_COUNT', 'MAX_RANKS', 'PIPELINE_SCHEDULES', 'FLOAT_DTYPES', 'VERBS', 'count', 'real', 'size', 'mesh',
-           'infile', 'outfile', 'prefix', 'outdir', 'Parser', 'build_parser', 'UsageError', 'main']
+           'infile', 'outfile', 'prefix', 'outdir', 'routing_arg', 'Parser', 'build_parser', 'UsageError', 'main']
 
 # %% ../../nbs/90_cli.ipynb
 MAX_COUNT = 2**31 - 1   # ranks, steps, batch: beyond this no array or process group is sensible
@@ -127,6 +127,14 @@ def outdir(v: str) -> Path:
     return p
 
 # %% ../../nbs/90_cli.ipynb
+@_kind("routing")
+def routing_arg(v: str) -> str:
+    "argparse type: a mixture-of-experts routing assumption, 'balanced', 'imbalance=F' or 'capacity=F' (as text)."
+    from static_dist.moe import RoutingError, routing_from   # torch is imported once an option is parsed, not before
+    try: return str(routing_from(v))
+    except RoutingError as e: raise argparse.ArgumentTypeError(str(e)) from None
+
+# %% ../../nbs/90_cli.ipynb
 class Parser(argparse.ArgumentParser):
     "argparse with one-line errors: `static-dist VERB: error: ...`, exit status 2."
     def error(self, message):
@@ -173,6 +181,9 @@ def _capture_parser(sub):
     _workload_args(c)
     c.add_argument("--mode", default="fake", choices=["fake", "real"], help="fake tensors (default) or real ones")
     c.add_argument("--json", action="store_true", help="print the summary as JSON")
+    c.add_argument("--routing", type=routing_arg, help="mixture-of-experts models: the token routing the step stands "
+                   "for, 'balanced' (default), 'imbalance=F' (busiest expert F x the mean load) or 'capacity=F' (each "
+                   "expert F x the mean load, the rest dropped)")
     c.add_argument("--save", type=outfile, help="also write the whole graph as JSON to this file")
     _force(c)
     c.set_defaults(run="static_dist.app.verbs:cmd_capture")

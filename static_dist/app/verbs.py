@@ -18,6 +18,7 @@ import torch.nn as nn
 
 from .cli import UsageError
 from ..graph import fmt_bytes
+from ..moe import moe_markdown
 from ..outputs import OutputFolder
 from ..files import atomic_write, check_writable
 from ..util import check_memory, check_real_size
@@ -93,11 +94,14 @@ def cmd_capture(args) -> int:
     "`static-dist capture`: the captured step's summary (markdown or JSON), optionally the whole graph as JSON."
     if args.save: check_writable(args.save, force=args.force, inputs=input_files(args))
     w = workload_of(args)
-    with status(f"capturing {w.source}") as update: g = w.graph(mode=args.mode, progress=update)
+    routing = getattr(args, "routing", None)     # mixture-of-experts models: the assumption the step stands for
+    with status(f"capturing {w.source}") as update: g = w.graph(mode=args.mode, progress=update, routing=routing)
     if args.save: atomic_write(args.save, json.dumps(g.to_dict()), force=args.force, inputs=input_files(args))
-    if args.json: print(json.dumps(dict(workload=w.describe(), **g.summary()), indent=2))
+    moe = dict(routing=g.meta.get("routing"), moe=g.meta.get("moe", []))
+    if args.json: print(json.dumps(dict(workload=w.describe(), **g.summary(), **moe), indent=2))
     else:
         print_markdown(g.summary_markdown())
+        if moe["moe"]: print_markdown(moe_markdown(g.meta))
         print(f"captured in {g.meta['seconds']} s")
     if (why := fits_no_device(g.summary()["peak_bytes"])):
         print(f"static-dist capture: {why}", file=sys.stderr); return 3

@@ -104,7 +104,9 @@ def explain_failure(e: BaseException, stage: str, module: str = "") -> CaptureEr
     elif isinstance(e, UnsupportedOperatorException) or "fake impl" in msg: text = _NO_FAKE_KERNEL
     elif _dtype_fix(msg) is not None: text = _WRONG_DTYPE
     else: text = _OTHER
-    return CaptureError(text.format(stage=stage, at=at, msg=msg, dt=_dtype_fix(msg), kind=type(e).__name__))
+    err = CaptureError(text.format(stage=stage, at=at, msg=msg, dt=_dtype_fix(msg), kind=type(e).__name__))
+    err.module, err.op = module, str(getattr(e, "func", "")) if text is _DATA_DEPENDENT else ""   # for MoE routing
+    return err
 
 # %% ../../nbs/00c_graph_recorder.ipynb
 _NOISY_LOGGERS = ("torch._subclasses.fake_tensor", "torch._subclasses.fake_tensor.not_implemented")

@@ -26,6 +26,8 @@ from static_dist.graph.recorder import (
     quiet_torch_logs,
     _Recorder,
 )
+from ..moe import Routing, RoutingError, active_params, find_moe, routing_from, routing_meta
+from ..moe import unresolved_routing
 from ..structure import find_structure
 from ..step import ChunkedLoss, StepError, chunked_loss, make_optimizer, skipping, step_loss
 
@@ -295,13 +297,16 @@ def capture(
     mode: Literal["fake", "real"] = "fake",  # fake: nothing allocated; real: runs the step on real tensors
     device: str | torch.device | None = None,  # fake tensors' device (mode='fake'); default: the model's, cpu for meta
     progress: Callable[[str, int], None] | None = None,  # called with (phase, ops so far) as the capture goes
+    routing: str | Routing | None = None,  # MoE: 'balanced' (None), 'imbalance=F' or 'capacity=F', in meta['routing']
 ) -> StaticGraph:
     "Run one training step of `model` under a recorder and return its `StaticGraph`."
     real_inputs, real_kwargs = _check_args(model, mode, example_inputs, example_kwargs, targets, loss_fn)
     t0 = time.perf_counter()
     device = _check_device(device) if device is not None else _model_device(model)
+    routing = None if routing is None else routing_from(routing)
     with quiet_torch_logs(), _young_collections_only():   # see below
-        return _capture(model, real_inputs, real_kwargs, loss_fn, targets, optimizer, mode, device, progress, t0)
+        return _capture(model, real_inputs, real_kwargs, loss_fn, targets, optimizer, mode, device, progress, t0,
+                        routing)
 
 # %% ../../nbs/00d_graph_step.ipynb
 _aten = torch.ops.aten
@@ -357,7 +362,10 @@ def _young_collections_only():
         if gc.get_threshold() == paused: gc.set_threshold(*before)
 
 # %% ../../nbs/00d_graph_step.ipynb
-def _capture(model, real_inputs, real_kwargs, loss_fn, targets, optimizer, mode, device, progress, t0) -> StaticGraph:
+def _capture(model, real_inputs, real_kwargs, loss_fn, targets, optimizer, mode, device, progress, t0,
+             routing=None) -> StaticGraph:
+    layers = find_moe(model)
+    if not layers: routing_meta(layers, routing, (), (), type(model).__name__)   # refuses an assumption up front
     fake_mode = _RecordingFakeMode() if mode == "fake" else nullcontext()
     work, mapping = _copy_model(model, mode, fake_mode, device)
     opt = _build_optimizer(optimizer, model, mapping, work, _foreach_default(mode, device))
@@ -370,8 +378,13 @@ def _capture(model, real_inputs, real_kwargs, loss_fn, targets, optimizer, mode,
     rec, names = _start_recorder(work, named, targets, progress)
     recording = fake_mode.recording(rec) if mode == "fake" else rec     # one Python dispatch per op: see above
     with fake_mode, rec.tracker, recording, torch.autograd.graph.saved_tensors_hooks(rec.pack, rec.unpack):
-        _run_step(rec, work, inputs, kwargs, loss_fn, targets, opt, progress)
+        try: _run_step(rec, work, inputs, kwargs, loss_fn, targets, opt, progress)
+        except CaptureError as e:   # a data-dependent shape inside a MoE layer: its routing, named rather than guessed
+            why = unresolved_routing(layers, e.module, e.op, routing) if getattr(e, "op", "") else None
+            if why: raise RoutingError(why) from None
+            raise
         _settle_roles(rec, work, names, opt)
     storages = rec.close()
-    meta = {**_meta(model, mode, device, opt, inputs, kwargs, t0, targets), **rec.notes()}
+    meta = {**_meta(model, mode, device, opt, inputs, kwargs, t0, targets), **rec.notes(),
+            **routing_meta(layers, routing, rec.ops, rec.tensors, type(model).__name__, active_params(model, layers))}
     return StaticGraph(tuple(rec.ops), tuple(rec.tensors), tuple(storages), meta, tuple(rec.saves), tuple(rec.unpacks))
