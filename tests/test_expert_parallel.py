@@ -9,6 +9,7 @@ from argparse import Namespace
 from pathlib import Path
 
 import pytest
+import torch
 
 from static_dist.fsdp import FSDPPlan, FSDPUnit
 from static_dist.launch import launch
@@ -99,3 +100,19 @@ def test_gloo_ep2_equals_one_process():
         for r in rep["ranks"]:
             assert r["error"] is None and r["close"], (r["error"], r.get("max_abs"))
             for c in r["counts"]: assert c == counts, (c, counts)
+
+
+class _StackedExperts(torch.nn.Module):
+    "A mixture not from the zoo: a router and experts stored as 3-D parameters, read from the module tree."
+    def __init__(self, dim=16, hidden=32, n_experts=4):
+        super().__init__()
+        self.top_k, self.gate = 2, torch.nn.Linear(dim, n_experts, bias=False)
+        self.w_in = torch.nn.Parameter(torch.zeros(n_experts, dim, hidden))
+        self.w_out = torch.nn.Parameter(torch.zeros(n_experts, hidden, dim))
+
+
+def test_a_mixture_apply_ep_cannot_split_is_named():
+    "ep on a mixture of experts other than the zoo's names the mixture (moe.find_moe) and what apply_ep splits."
+    m = torch.nn.Sequential(torch.nn.Linear(16, 16), _StackedExperts())
+    with pytest.raises(ParallelPlanError, match=r"^ep=2: 1 is a mixture of experts that apply_ep cannot lay out yet"):
+        check_experts(ParallelPlan(ParallelDims(dp_shard=2, ep=2)), m)

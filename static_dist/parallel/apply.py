@@ -15,6 +15,7 @@ import torch.nn as nn
 from ..axes import EXPERT_FSDP, device_mesh, expert_mesh, fsdp_mesh
 from ..fsdp import FSDPPlan, FSDPUnit, apply_plan
 from ..graph.policies import apply_checkpointing
+from ..moe import find_moe
 from .plan import ParallelPlan, ParallelPlanError, check_layout, stage_ranges
 from ..placement import parallel_style
 from ..structure import find_structure
@@ -212,6 +213,9 @@ def check_experts(plan: ParallelPlan, model: nn.Module) -> None:
     ep = plan.dims.ep
     if ep == 1: return
     moes = expert_modules(model)
+    if not moes and (other := find_moe(model)):   # a mixture read from the module tree, without the zoo's experts step
+        raise ParallelPlanError(f"ep={ep}: {other[0].path} is a mixture of experts that apply_ep cannot lay out yet "
+                                "(it splits the zoo MoE's static-shape experts step only); use ep=1")
     if not moes:
         raise ParallelPlanError(f"ep={ep}: the model has no mixture of experts (the zoo's MoE, experts as 3-D "
                                 "w1/w2/w3) whose experts ep could split; use ep=1")
