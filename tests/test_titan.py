@@ -281,3 +281,54 @@ def test_chunked_loss_holds_each_chunks_logits_as_torchtitan_does(tp):
             "yet traced"
         )
     assert abs(ratio - 1) <= 0.005, ratio     # tp 1: 0.9972, 48.5 MiB (1.5 B x dim per token) not yet traced
+
+
+def _module_backward_peaks(job, world):
+    "{module: its backward peak} of rank 0 under torch's MemTracker (every module, not only FSDP's), steady step."
+    import warnings
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from static_dist.cost.measure import to_empty_tied
+    from static_dist.launch import process_group
+    from static_dist.titan import apply_titan, titan_loss
+    with process_group(fake_world=world):
+        m = apply_titan(job, world)
+        with FakeTensorMode(allow_non_fake_inputs=True), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            to_empty_tied(m, "cpu")
+            opt = torch.optim.AdamW(m.parameters())
+            x, y = (torch.randint(0, job.vocab, (job.local_batch, job.seq_len)) for _ in range(2))
+            step = lambda: (titan_loss(m(x), y).backward(), opt.step(), opt.zero_grad())
+            step()
+            mt = MemTracker(); mt.track_external(m, opt)
+            with mt: step()
+    out = {}
+    for st in mt.memory_tracking.values():
+        name = st.mod_fqn.split(".", 1)[-1].replace("_checkpoint_wrapped_module.", "")
+        for state, snaps in st.snapshots.items():
+            if "PEAK_BW" in str(state):
+                out[name] = max([out.get(name, 0)] + [d["Total"] for s in snaps for d in s.values()])
+    return out
+
+
+@pytest.mark.parametrize("ac", ["none", "full"])
+def test_sequence_parallel_buffers_module_by_module(ac):
+    """tp 4 with sequence parallelism at the 70B width (2,048 tokens): each block module's backward peak is torch's
+    MemTracker's within 1 MiB. A row-parallel linear's gathered output gradient (`sequence_parallel_buffers`) was
+    missing: the attention output projection and the FFN down projection were exactly one whole [tokens, dim] (32 MiB)
+    short, every other module already within 1 MiB."""
+    from static_dist.parallel import predict_parallel_memory
+    from static_dist.titan import titan_job, titan_plan, titan_workload
+    job = titan_job("llama3_70b", layers=2, seq_len=2048, local_batch=1, dp_shard=2, tp=4, loss_chunks=0, ac=ac)
+    g = titan_workload(job).graph(dtype=job.param_dtype)
+    r = predict_parallel_memory(g, titan_plan(job, g, 8), job.master_dtype).ranks[0]
+    total, pred = sum(r.curves.values()), {}
+    for i, o in enumerate(g.ops):
+        if o.phase == "backward" and o.module.startswith("layers.0."):
+            pred[o.module] = max(pred.get(o.module, 0), total[i])
+    meas = _module_backward_peaks(job, 8)
+    mods = ["attention.wo", "feed_forward.w2", "feed_forward.w3", "ffn_norm", "attention.qkv_linear.wqkv",
+            "attention_norm"]
+    for k in (f"layers.0.{m}" for m in mods):
+        assert abs(pred[k] - meas[k]) < 2**20, (k, pred[k] - meas[k])

@@ -182,12 +182,13 @@ def checkpoint_lifetimes(g: StaticGraph, checkpointed: dict[str, frozenset]) -> 
 
 # %% ../../nbs/00ea_graph_checkpoint.ipynb
 def recompute_bytes(
-    g: StaticGraph, life: CheckpointLifetimes, r: Recompute, weight=lambda s: s.nbytes
+    g: StaticGraph, life: CheckpointLifetimes, r: Recompute, weight=lambda s: s.nbytes, op_extra: dict | None = None
 ) -> tuple[float, float, float]:
     """(bytes recompute `r` remakes, what it holds beyond them at its high point, bytes op `r.at` makes). Beyond: what
     it
     makes and does not keep, as long as the forward kept it, less the remade storages it has not made yet. `weight`: a
-    storage's bytes as the caller holds them (a shard of it, say)."""
+    storage's bytes as the caller holds them (a shard of it, say); `op_extra`: {op: bytes} an op of the recompute holds
+    while it runs beyond what it makes (a collective's buffers)."""
     k = r.last - r.first + 1
     tr, sv = np.zeros(k + 1), np.zeros(k + 1)
     for sid in r.made:
@@ -196,6 +197,8 @@ def recompute_bytes(
         elif sid not in life.held:
             tr[s.created - r.first] += weight(s)
             tr[min(r.last if s.freed is None else s.freed, r.last) - r.first + 1] -= weight(s)
+    for i, b in (op_extra or {}).items():
+        if r.first <= i <= r.last: tr[i - r.first] += b; tr[i - r.first + 1] -= b
     pending = sv.sum() - np.cumsum(sv)[:k]
     beyond = max(float((np.cumsum(tr)[:k] - pending).max()), 0.0)
     return float(sv.sum()), beyond, float(sum(weight(g.storages[sid]) for sid in r.made_by_op))

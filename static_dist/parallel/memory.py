@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from functools import partial
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,9 +40,10 @@ from ..graph.records import BACKWARD, FORWARD, OPTIMIZER
 
 
 # %% auto 0
-__all__ = ['module_blocks', 'op_blocks', 'op_stages', 'tp_op_factor', 'tp_views', 'tp_local_graph', 'tp_param_shape',
-           'ac_effects', 'compile_scale', 'boundary_bytes', 'model_output_bytes', 'rank_profile', 'rank_fsdp_plan',
-           'ParallelMemory', 'predict_rank_memory', 'predict_parallel_memory', 'placement_other_bytes']
+__all__ = ['module_blocks', 'op_blocks', 'op_stages', 'tp_op_factor', 'tp_views', 'tp_local_graph',
+           'sequence_parallel_buffers', 'buffer_bytes', 'run_to_block_end', 'tp_param_shape', 'ac_effects',
+           'compile_scale', 'boundary_bytes', 'model_output_bytes', 'rank_profile', 'rank_fsdp_plan', 'ParallelMemory',
+           'predict_rank_memory', 'predict_parallel_memory', 'placement_other_bytes']
 
 # %% ../../nbs/45b_parallel_memory.ipynb
 def _block_index(blocks: tuple[str, ...]):
@@ -232,6 +234,49 @@ def _tp_local(g: StaticGraph, plan: ParallelPlan, blocks) -> StaticGraph:
         st[s] = dataclasses.replace(sp, freed=freed, role=role, saved_in=sp.saved_in or cp.saved_in)
         st[c] = dataclasses.replace(cp, nbytes=0)
     return dataclasses.replace(g, storages=tuple(st))
+
+# %% ../../nbs/45b_parallel_memory.ipynb
+def sequence_parallel_buffers(g: StaticGraph, plan: ParallelPlan, blocks) -> tuple[dict, tuple]:
+    """({op: bytes} a row-parallel linear's forward matmul holds beyond its output: the whole partial sum and its copy
+    for the reduce-scatter; (first backward op, last backward op, bytes) per such linear: its output's gradient
+    gathered whole, twice at its first op) under sequence parallelism; whole: the forward output's bytes over cp."""
+    if not plan.sequence_parallel or plan.dims.tp == 1: return {}, ()
+    _, styles = _regions(plan, blocks)
+    rows = {m for m, s in styles.items() if s in _ROW}
+    ops: dict = {}
+    for i, o in enumerate(g.ops):
+        if o.module in rows: ops.setdefault((o.module, o.phase), []).append(i)
+    at, spans = {}, []
+    for m in sorted(rows):
+        fw = [i for i in ops.get((m, "forward"), []) if g.ops[i].op.startswith(_MATMUL)]
+        if not fw: continue
+        whole = g.tensors[g.ops[fw[0]].outputs[0]].nbytes / plan.dims.cp
+        at.update((i, 2 * whole) for i in fw)
+        if bw := ops.get((m, "backward")): spans.append((bw[0], bw[-1], whole))
+    return at, tuple(spans)
+
+def buffer_bytes(at: dict, spans: tuple, K: np.ndarray) -> np.ndarray:
+    "Bytes `sequence_parallel_buffers` adds at each of the rank's ops `K` (sorted captured op numbers)."
+    out = np.zeros(len(K))
+    for i, b in at.items():
+        j = np.searchsorted(K, i)
+        if j < len(K) and K[j] == i: out[j] += b
+    for a, e, b in spans:
+        lo, hi = np.searchsorted(K, a), np.searchsorted(K, e, side="right")
+        if lo < hi: out[lo:hi] += b; out[lo] += b
+    return out
+
+def run_to_block_end(g: StaticGraph, r, ob: np.ndarray, block_last: np.ndarray):
+    """Recompute `r` as checkpointing without early stop runs it (torchtitan's): on to its block's last forward op,
+    making what those ops make too."""
+    last = int(block_last[ob[r.first]])
+    if last <= r.last: return r
+    made = dict.fromkeys(r.made)
+    for i in range(r.last + 1, last + 1):
+        for t in g.ops[i].outputs:
+            s = g.tensors[t].storage
+            if g.storages[s].role in ("activation", "temporary"): made.setdefault(s)
+    return dataclasses.replace(r, last=last, made=tuple(made))
 
 # %% ../../nbs/45b_parallel_memory.ipynb
 def tp_param_shape(name: str, shape: tuple, plan: ParallelPlan, styles: dict) -> tuple:
@@ -560,6 +605,10 @@ def rank_profile(g: StaticGraph, plan: ParallelPlan, pp_rank: int = 0, master_dt
     newix = lambda i: np.searchsorted(K, i)                         # a captured op -> the rank's next op
     phase = g.op_phases()[K]
     extra = _pipeline_extra(g, plan, pp_rank, v, K, ob, mine, prior_grads)
+    at, spans = sequence_parallel_buffers(g, plan, blocks)
+    extra = extra + buffer_bytes(at, spans, K)
+    late = (lambda r: r) if plan.ac_early_stop else partial(run_to_block_end, g, ob=ob,
+                                                            block_last=_block_spans(ob, g.op_phases(), len(blocks))[1])
     native = (sum(live[r] for r in live)[K] + extra).astype(np.int64)
     temp = live["temporary"][K].astype(np.int64)
     m = to_master(_local_params(mine, v, plan, newix), native, temp, phase, master_dtype)
@@ -579,7 +628,7 @@ def rank_profile(g: StaticGraph, plan: ParallelPlan, pp_rank: int = 0, master_dt
                         tokens=tokens_of(g) // plan.dims.cp, blocks=_stage_blocks(plan, blocks, v), stack=stack,
                         op_names=tuple(g.ops[i].op for i in K), master_dtype=master_dtype or captured_param_dtype(g),
                         **_root_marks(g, K),
-                        recomputes=tuple((int(newix(r.at)), *recompute_bytes(g, v.checkpoint, r, weight))
+                        recomputes=tuple((int(newix(r.at)), *recompute_bytes(g, v.checkpoint, late(r), weight, at))
                                          for r in v.checkpoint.recomputes if v.keep[r.at]),
                         op_bytes=(nbytes * _op_share(g, plan, v))[K], op_dtypes=tuple(_dts[i] for i in K),
                         optimizer_numel=sum(p.numel for p in ps))
