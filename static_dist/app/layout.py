@@ -15,7 +15,7 @@ import torch
 
 from .cli import UsageError
 from .verbs import input_files, print_markdown, status, topology_arg, workload_of
-from ..axes import AXES, MESH_DIMS, device_mesh
+from ..axes import AXES, BORROWED, MESH_DIMS, device_mesh
 from ..files import atomic_write, check_writable
 from ..util import check_real_size
 
@@ -158,8 +158,9 @@ def layout_lines(best, columns: list, n_blocks: int, master_dtype: str = "float3
     from static_dist.graph import fmt_bytes
     from static_dist.parallel import TIME_TERMS
     p, d, t = best.plan, best.plan.dims, best.time
-    degrees = " × ".join(f"{k} {getattr(d, k)}" for k in PIN_DIMS)
-    out = [f"**layout**: {degrees} (world {d.world})"]
+    degrees = " × ".join(f"{k} {getattr(d, k)}" for k in PIN_DIMS if k not in BORROWED)
+    lent = "".join(f", {k} {getattr(d, k)} of {' × '.join(BORROWED[k])}" for k in BORROWED if getattr(d, k) > 1)
+    out = [f"**layout**: {degrees} (world {d.world}){lent}"]   # an axis that borrows ranks is not a factor of the world
     if d.pp > 1:
         out.append(
             f"- pipeline: {d.pp} stages of {'/'.join(map(str, p.stages))} blocks, {p.schedule}, {p.microbatches} "
