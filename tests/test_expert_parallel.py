@@ -3,6 +3,7 @@ from dp_shard x cp (torchtitan's ParallelDims), so it is a ParallelDims field, a
 no ranks. Applied to the zoo's tiny-moe, each mixture's expert weights are DTensors split on dim 0 over ep, the
 routed slots go to the ranks that keep their experts by all-to-all, and FSDP shards the experts over the ranks left
 (efsdp). On 4 gloo ranks it trains as one process trains the same global batch, with every all-to-all counted."""
+import dataclasses
 import subprocess
 import sys
 from argparse import Namespace
@@ -116,3 +117,43 @@ def test_a_mixture_apply_ep_cannot_split_is_named():
     m = torch.nn.Sequential(torch.nn.Linear(16, 16), _StackedExperts())
     with pytest.raises(ParallelPlanError, match=r"^ep=2: 1 is a mixture of experts that apply_ep cannot lay out yet"):
         check_experts(ParallelPlan(ParallelDims(dp_shard=2, ep=2)), m)
+
+
+# Memory and collectives of ep predicted from one capture without it (issue 32, the fake-process-group part of item
+# 5): the experts' weights split over ep and FSDP-sharded over the other data-parallel ranks (units of their own, as
+# apply_expert_fsdp shards them), the experts step's input slots held beside the all-to-all's copy, and 4 all-to-alls
+# per mixture per micro-batch (2 more where a checkpointed block recomputes it). Measured by FSDPMemTracker and
+# CommDebugMode on the model apply_parallel_plan lays out under a fake process group of 4 ranks.
+@pytest.fixture(scope="module")
+def tiny_moe():
+    from static_dist.workload import load_workload
+    w = load_workload("tiny-moe", batch=2, seq=64)
+    return w, {dt: w.graph(dtype=dt) for dt in ("float32", "bfloat16")}
+
+
+@pytest.mark.parametrize("ep, ac, replicate, dtype", [(2, "none", 1, "float32"), (4, "none", 1, "float32"),
+                                                      (2, "none", 1, "bfloat16"), (2, "full", 1, "bfloat16"),
+                                                      (2, "selective", 1, "bfloat16"), (2, "none", 2, "bfloat16")])
+def test_ep_peak_and_collectives_under_a_fake_group(tiny_moe, ep, ac, replicate, dtype):
+    from static_dist.fsdp import block_units
+    from static_dist.parallel import verify_parallel
+    w, graphs = tiny_moe
+    g, shard = graphs[dtype], 4 // replicate
+    blocks = g.structure.main.blocks
+    fsdp = FSDPPlan(4, (replicate, shard) if replicate > 1 else (4,), block_units(blocks),
+                    param_dtype=None if dtype == "float32" else dtype)
+    plan = ParallelPlan(ParallelDims(dp_replicate=replicate, dp_shard=shard, ep=ep), ac=(ac,) * len(blocks), fsdp=fsdp)
+    v = verify_parallel(w, plan, g, master_dtype="float32")
+    assert abs(v.predicted_bytes / v.measured_bytes - 1) < 0.01, v
+    assert v.predicted_counts == v.measured_counts, v
+    assert v.measured_counts["ep.all_to_all"] == 2 * (4 + 2 * (ac != "none"))     # 2 mixtures
+    one = verify_parallel(w, dataclasses.replace(plan, dims=dataclasses.replace(plan.dims, ep=1)), g, "float32")
+    assert v.measured_bytes < one.measured_bytes                                  # the experts gathered 1/ep
+
+
+def test_a_unit_over_fewer_ranks_is_only_eps():
+    from static_dist.fsdp import PlanError, apply_plan
+    f = FSDPPlan(4, (4,), (FSDPUnit(""), FSDPUnit("layers.0.moe", shard_size=2)))
+    assert FSDPPlan.from_json(f.to_json()) == f                                   # the plan file keeps it
+    with pytest.raises(PlanError, match="unit 'layers.0.moe' shards over 2 of the plan's 4 ranks"):
+        apply_plan(get_model("tiny-moe").build("meta"), f)

@@ -125,6 +125,10 @@ class GraphProfile:
     "Whether the captured run let float32 matmuls use TF32 tensor cores (`meta['tf32']`): they run at that rate."
     optimizer_numel: int = 0
     "Parameter elements the captured optimizer step updated: what its ops' time covers (`expand_blocks` keeps it)."
+    experts: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    """(mixture of experts, its children holding parameters) of each layer whose experts expert parallelism splits
+    (`parallel.memory.rank_profile` with ep > 1): FSDP shards the children over the data-parallel ranks and the
+    experts over those that do not split them."""
 
 # %% ../../nbs/06a_cost_profile.ipynb
 def within(name: str, unit: str) -> bool:
@@ -598,7 +602,11 @@ def expand_profile(P: GraphProfile, n_blocks: int) -> GraphProfile:
     flows = P.block_flows[:2] + P.block_flows[1:2] * extra + P.block_flows[2:] if P.block_flows else ()
     ren = _renamer(P.stack, extra)
     ckpt, runs = _expand_checkpoint(P, E.where, ren, extra)
+    experts = [(ren(m), tuple(map(ren, kids))) for m, kids in P.experts]     # block 1's layers copied with it
+    experts += [(_rename_block(m, P.stack, j + 2), tuple(_rename_block(k, P.stack, j + 2) for k in kids))
+                for j in range(extra) for m, kids in P.experts if _block_of(m, P.stack) == 1]
     return dataclasses.replace(P, **E.ops, native=native, temporary=temp, params=E.params, modules=E.modules,
+                               experts=tuple(sorted(experts, key=lambda e: _natural_key(e[0]))),
                                saved=tuple(_expand_saved(P, E.where, ren, extra)), checkpoint=ckpt, recomputes=runs,
                                blocks=E.blocks, path=f"expanded from {len(P.blocks)} of {n_blocks} blocks",
                                block_flows=flows, model_forward_end=moved(P.model_forward_end),

@@ -66,8 +66,8 @@ def _cached(kind: str, profile: GraphProfile, plan: FSDPPlan, fn):
     """Memoise per (the profile's ops and parameters, unit set, sharding, dtypes): the search varies other settings far
     more often, and profiles that differ only in the bytes they hold share these fields (the very objects)."""
     src = (profile.op_module, profile.op_phase, profile.op_flops, profile.params)
-    key = (kind, *map(id, src), tuple(u.modules for u in plan.units), plan.ignored, plan.shard_size, plan.param_dtype,
-           plan.reduce_dtype, plan.float8_params)
+    key = (kind, *map(id, src), tuple((u.modules, u.shard_size) for u in plan.units), plan.ignored, plan.shard_size,
+           plan.param_dtype, plan.reduce_dtype, plan.float8_params)
     hit = _CACHE.get(key)
     if hit is not None and all(a is b for a, b in zip(hit[0], src)): return hit[1]
     if len(_CACHE) > 256: _CACHE.clear()
@@ -102,9 +102,10 @@ def _span(first: np.ndarray, last: np.ndarray, ix: list, ph: int) -> tuple[int, 
     return int(first[ix, ph].min()), int(last[ix, ph].max())
 
 # %% ../../nbs/40c_fsdp_memory.ipynb
-def _unit_sizes(ps: list, plan: FSDPPlan) -> tuple[int, int, int, int, int]:
-    "(sharded, unsharded, grad, reduce-scatter, optimizer state) bytes on rank 0 of a unit holding parameters `ps`."
-    s, sh, un, st, un8 = plan.shard_size, 0, 0, 0, 0
+def _unit_sizes(ps: list, plan: FSDPPlan, s: int) -> tuple[int, int, int, int, int]:
+    """(sharded, unsharded, grad, reduce-scatter, optimizer state) bytes on rank 0 of a unit holding parameters `ps`,
+    sharded over `s` ranks."""
+    sh, un, st, un8 = 0, 0, 0, 0
     f8 = set(plan.float8_params)
     for p in ps:
         a, b = shard_numel(p.shape, s)
@@ -139,7 +140,7 @@ def _layout(profile: GraphProfile, plan: FSDPPlan) -> tuple[UnitLayout, ...]:
         bwd = _span(first, last, inside[u.module], 1) or (fwd[1], fwd[1])
         if u.module == "": fwd, bwd = (0, fwd[1]), (int(nb[0]), int(nb[-1])) if len(nb) else (fwd[1], fwd[1])
         ps, own = params[u.module], owned[u.module]
-        out.append(UnitLayout(u.module, tuple(p.name for p in ps), fwd, bwd, *_unit_sizes(ps, plan),
+        out.append(UnitLayout(u.module, tuple(p.name for p in ps), fwd, bwd, *_unit_sizes(ps, plan, plan.unit_shard(u.module)),
                               float(flops[own, 0].sum()), float(flops[own, 1].sum())))
     return tuple(sorted(out, key=lambda l: (l.fwd[0], l.module != "", l.module.count("."))))
 
@@ -180,7 +181,7 @@ def _add_ignored(C: _Curves, profile: GraphProfile, plan: FSDPPlan) -> int:
 def _add_unsharded(C: _Curves, l: UnitLayout, u, plan: FSDPPlan) -> None:
     "Unit `l`'s gathered parameters over its forward and backward (and between them unless it reshards fully)."
     r = u.reshard_after_forward
-    if r is not True and r is not False and r >= plan.shard_size: r = True   # a group of all: same as True
+    if r is not True and r is not False and r >= plan.unit_shard(l.module): r = True   # a group of all: same as True
     if l.module == "":
         # the root's post-backward (autograd's final callback) reshards before it fills its reduce-scatter input;
         # its last op is charged with the reduce-scatter input and the gradients instead (the same bytes or more)
@@ -262,7 +263,9 @@ def _add_all_gathers(C: _Curves, profile: GraphProfile, plan: FSDPPlan, lays,
     it comes before, the op the output is charged from, the unit, whether the unit gathers for itself). `pipelined`:
     a pipeline stage's units stay gathered between micro-batches, so only a stage's first forward gathers, while the
     rank's curve stands for every micro-batch: a prefetched unit's output is charged at its copy-out alone."""
-    if plan.shard_size == 1: return []                # FSDP2 copies the shard into the parameters: no all-gather
+    # FSDP2 copies a shard of one rank into the parameters: no all-gather (expert units when ep is every dp rank)
+    lays = [l for l in lays if plan.unit_shard(l.module) > 1]
+    if not lays: return []
     units, pinfo = {u.module: u for u in plan.units}, {p.name: p for p in profile.params}
     fwd_end = lays[0].fwd[1] if lays else C.n - 1
     model_end = profile.model_forward_end                # the root's post-forward
@@ -357,7 +360,7 @@ def _copy_in_bytes(profile: GraphProfile, plan: FSDPPlan, l: UnitLayout, pinfo: 
     "Bytes of unit `l`'s shard cast to `param_dtype` for its all-gather (0 when the parameters are in it already)."
     if plan.param_dtype is None or plan.param_dtype == profile.master_dtype: return 0
     f8 = set(plan.float8_params)                      # gathered by torchao's own pre-all-gather, not this copy
-    return sum(shard_numel(pinfo[p].shape, plan.shard_size)[0] for p in l.params if p not in f8) * \
+    return sum(shard_numel(pinfo[p].shape, plan.unit_shard(l.module))[0] for p in l.params if p not in f8) * \
         DTYPE_BYTES[plan.param_dtype]
 
 def _issue_moments(profile: GraphProfile, plan: FSDPPlan, lays, curves: dict, issues) -> list[tuple[int, dict]]:

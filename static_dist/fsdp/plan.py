@@ -55,6 +55,9 @@ class FSDPUnit:
     "Why the planner chose this (or 'pinned by user')."
     group: tuple[str, ...] = ()
     "Other modules sharded in the same call (`fully_shard([module, *group])`): one all-gather, one reduce-scatter."
+    shard_size: int | None = None
+    """Ranks the unit shards over when not the plan's `shard_size` (None): expert parallelism's experts, sharded over
+    the data-parallel ranks that do not split them (`parallel.memory.rank_fsdp_plan`)."""
 
     def __post_init__(self):
         try: object.__setattr__(self, "checkpoint", _unit_policy(self.checkpoint))
@@ -100,6 +103,11 @@ class FSDPPlan:
 
     @property
     def shard_size(self) -> int: return self.mesh_shape[-1]
+
+    def unit_shard(self, module: str) -> int:
+        "Ranks unit `module` shards over: its own `shard_size`, else the plan's."
+        u = next((u for u in self.units if u.module == module), None)
+        return self.shard_size if u is None or u.shard_size is None else u.shard_size
 
     @property
     def replicate_size(self) -> int: return self.mesh_shape[0] if len(self.mesh_shape) == 2 else 1
@@ -170,7 +178,8 @@ def _checkpoint_from(f: Fields) -> CheckpointPolicy:
 def _unit_from(f: Fields) -> FSDPUnit:
     "One `units[i]` entry of a plan file, checked."
     return FSDPUnit(f("module", _MODULE), f("reshard_after_forward", _RESHARD, True), _checkpoint_from(f),
-                    f("reason", string(), ""), tuple(f("group", list_of(_MEMBER), ())))
+                    f("reason", string(), ""), tuple(f("group", list_of(_MEMBER), ())),
+                    f("shard_size", optional(integer(1, MAX_WORLD, "ranks the unit shards over")), None))
 
 def _mesh_from(f: Fields) -> tuple[int, tuple[int, ...]]:
     "(world_size, mesh_shape), the mesh multiplying to the world."
@@ -339,5 +348,9 @@ def validate(plan: FSDPPlan, profile: GraphProfile | None = None, model: nn.Modu
     _check_names(plan, set(dict(model.named_modules())) if model is not None else set(profile.modules))
     _check_reshard(plan)
     _check_tied(plan, model, profile)
+    if (u := next((u for u in plan.units if u.shard_size not in (None, plan.shard_size)), None)) and model is not None:
+        raise PlanError(f"unit {u.module!r} shards over {u.shard_size} of the plan's {plan.shard_size} ranks: only "
+                        "expert parallelism's layout shards so (parallel.apply_parallel_plan with ep > 1); drop its "
+                        "shard_size")
     if require_divisible: _check_divisible(plan, profile, model)
     return plan

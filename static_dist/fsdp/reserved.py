@@ -30,7 +30,7 @@ def _intervals(n: int, add) -> dict:
 # %% ../../nbs/40h_fsdp_reserved.ipynb
 def _unit_holds(l, u, plan: FSDPPlan, pinfo: dict, n: int, reduce_at: int | None = None) -> list[Hold]:
     "Unit `l`'s shards, unsharded parameters and sharded gradient (made after `reduce_at` when the schedule reduces)."
-    S, out = plan.shard_size, []
+    S, out = plan.unit_shard(l.module), []
     for p in l.params:
         out.append(Hold(f"{p}.shard", shard_numel(pinfo[p].shape, S)[0] * pinfo[p].itemsize, -1))
     per_param = [(p, shard_numel(pinfo[p].shape, S)[1] * _dtype_size(plan.param_dtype, pinfo[p].itemsize))
@@ -59,7 +59,7 @@ def _graph_hold(s, owner, pinfo: dict, plan: FSDPPlan, grad_end: dict, opt_ratio
         p, _, state = s.name.rpartition(".")
         if state == "step": return None              # a CPU scalar unless the optimizer is fused or capturable
         if owner(p) is None or p not in pinfo: return Hold(s.name, s.nbytes, s.created, kept=True)
-        local = shard_numel(pinfo[p].shape, plan.shard_size)[0]
+        local = shard_numel(pinfo[p].shape, plan.unit_shard(owner(p)))[0]
         return Hold(s.name, -(-s.nbytes * local // max(pinfo[p].numel, 1)), s.created, kept=True)
     return Hold(s.name, int(s.nbytes * opt_ratio) if opt else s.nbytes, s.created, s.freed)
 

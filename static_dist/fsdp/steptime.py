@@ -20,7 +20,7 @@ from ..graph.records import BACKWARD, FORWARD, OPTIMIZER
 
 
 # %% auto 0
-__all__ = ['Span', 'StepPrediction', 'CostModel', 'default_cost_model', 'predict_comms', 'profile_seconds',
+__all__ = ['Span', 'StepPrediction', 'CostModel', 'default_cost_model', 'predict_comms', 'profile_seconds', 'unit_mesh',
            'predict_step', 'plot_fsdp_timeline']
 
 # %% ../../nbs/40d_fsdp_steptime.ipynb
@@ -89,12 +89,12 @@ def predict_comms(profile: GraphProfile, plan: FSDPPlan) -> dict:
     lays = [l for l in layout(profile, plan) if l.params]
     units = {u.module: u for u in plan.units}
     k = plan.accumulation_steps
-    regather = sum(1 for l in lays if l.module and units[l.module].reshard_after_forward is not False)
-    rs = len(lays) * (k if plan.sync_every_microbatch else 1)
     # FSDP2 skips its all-gather (and reduce-scatter) on a shard group of one rank: it copies the local shard instead
-    return {"all_gather": k * (len(lays) + regather) if plan.shard_size > 1 else 0,
-            "reduce_scatter": rs if plan.shard_size > 1 else 0,
-            "all_reduce": rs if plan.replicate_size > 1 else 0}
+    sharded = [l for l in lays if plan.unit_shard(l.module) > 1]
+    regather = sum(1 for l in sharded if l.module and units[l.module].reshard_after_forward is not False)
+    per_sync = k if plan.sync_every_microbatch else 1
+    return {"all_gather": k * (len(sharded) + regather), "reduce_scatter": len(sharded) * per_sync,
+            "all_reduce": len(lays) * per_sync if plan.replicate_size > 1 else 0}
 
 # %% ../../nbs/40d_fsdp_steptime.ipynb
 def _segments(profile: GraphProfile, plan: FSDPPlan):
@@ -139,10 +139,19 @@ def _ctime(cost: CostModel, mesh_shape: tuple, dim: int, kind: str, nbytes: int)
 _CTIME: dict = {}
 
 # %% ../../nbs/40d_fsdp_steptime.ipynb
+def unit_mesh(plan: FSDPPlan, module: str) -> tuple[tuple[int, ...], int]:
+    """(mesh shape, shard dim) of unit `module`'s collectives: the plan's mesh, or for a unit sharded over fewer ranks
+    (expert parallelism's experts) its shard dim split in two, its ranks strided by the rest (ep, innermost in
+    torchtitan's expert mesh)."""
+    ms, s = plan.mesh_shape, plan.unit_shard(module)
+    return (ms, len(ms) - 1) if s == plan.shard_size else (ms[:-1] + (s, plan.shard_size // s), len(ms) - 1)
+
 def _gather_time(cost: CostModel, plan: FSDPPlan, l: UnitLayout, group: int | None = None) -> float:
     "All-gather of unit `l` over the shard group, or over a sub-group of `group` ranks (reshard to a node)."
+    ms, dim = unit_mesh(plan, l.module)
+    if ms[dim] == 1: return 0.0                       # one rank: FSDP2 copies its shard, no collective
+    if group is None or group >= ms[dim]: return _ctime(cost, ms, dim, "all_gather", l.unsharded_bytes)
     ms = plan.mesh_shape
-    if group is None or group == plan.shard_size: return _ctime(cost, ms, len(ms) - 1, "all_gather", l.unsharded_bytes)
     sub = ms[:-1] + (plan.shard_size // group, group)
     return _ctime(cost, sub, len(sub) - 1, "all_gather", l.unsharded_bytes)
 
@@ -170,11 +179,11 @@ def _gather_ahead(S: TwoStreams, ph: int, o: str, seq: list, p: int, plan: FSDPP
 # %% ../../nbs/40d_fsdp_steptime.ipynb
 def _sync_grads(S: TwoStreams, o: str, plan: FSDPPlan, lays: dict, cost: CostModel):
     "Unit `o`'s reduce-scatter over the shard group, then its all-reduce across replicas (HSDP)."
-    ms = plan.mesh_shape
-    if plan.shard_size > 1:
-        S.issue((2, o), _ctime(cost, ms, len(ms) - 1, "reduce_scatter", lays[o].rs_bytes), S.tc, "reduce_scatter", o)
+    ms, dim = unit_mesh(plan, o)
+    if ms[dim] > 1:
+        S.issue((2, o), _ctime(cost, ms, dim, "reduce_scatter", lays[o].rs_bytes), S.tc, "reduce_scatter", o)
     if plan.replicate_size > 1:
-        S.issue((3, o), _ctime(cost, ms, 0, "all_reduce", lays[o].rs_bytes // plan.shard_size), S.tm, "all_reduce", o)
+        S.issue((3, o), _ctime(cost, ms, 0, "all_reduce", lays[o].rs_bytes // ms[dim]), S.tm, "all_reduce", o)
 
 # %% ../../nbs/40d_fsdp_steptime.ipynb
 def _micro_batch(segs, lays: dict, plan: FSDPPlan, cost: CostModel, sync: bool, sec: np.ndarray) -> tuple[float, list]:
@@ -216,7 +225,11 @@ def predict_step(profile: GraphProfile, plan: FSDPPlan, cost: CostModel, *, _seg
     t_no, spans_no = _micro_batch(segs, lays, plan, cost, plan.sync_every_microbatch, sec) if k > 1 else (0.0, [])
     covered = profile.optimizer_numel or 1          # an expanded profile's captured optimizer ran on fewer blocks
     opt_sec = float((sec[profile.op_phase == OPTIMIZER] - cost.spec.op_overhead).sum())   # no per-op launch: see above
-    opt = opt_sec * sum(p.numel for p in profile.params) / covered / plan.shard_size
+    pinfo = {p.name: p for p in profile.params}
+    own = [(pinfo[p].numel, plan.unit_shard(l.module)) for l in lays.values() if plan.unit_shard(l.module) !=
+           plan.shard_size for p in l.params]             # a unit over fewer ranks (experts) updates more per rank
+    local = sum(p.numel for p in profile.params) / plan.shard_size + sum(n / s - n / plan.shard_size for n, s in own)
+    opt = opt_sec * local / covered
     spans.append(Span("compute", "optimizer", "", t_sync, t_sync + opt))
     step = (k - 1) * t_no + t_sync + opt
     busy = lambda st, sp: sum(s.end - s.start for s in sp if st == s.stream and s.kind != "optimizer")

@@ -42,8 +42,9 @@ from ..graph.records import BACKWARD, FORWARD, OPTIMIZER
 # %% auto 0
 __all__ = ['module_blocks', 'op_blocks', 'op_stages', 'tp_op_factor', 'tp_views', 'tp_local_graph',
            'sequence_parallel_buffers', 'buffer_bytes', 'run_to_block_end', 'tp_param_shape', 'ac_effects',
-           'compile_scale', 'boundary_bytes', 'model_output_bytes', 'rank_profile', 'rank_fsdp_plan', 'ParallelMemory',
-           'predict_rank_memory', 'predict_parallel_memory', 'placement_other_bytes']
+           'compile_scale', 'boundary_bytes', 'model_output_bytes', 'expert_layers', 'expert_dispatch_bytes',
+           'rank_profile', 'rank_fsdp_plan', 'ParallelMemory', 'predict_rank_memory', 'predict_parallel_memory',
+           'placement_other_bytes']
 
 # %% ../../nbs/45b_parallel_memory.ipynb
 def _block_index(blocks: tuple[str, ...]):
@@ -545,11 +546,53 @@ def model_output_bytes(g: StaticGraph) -> float:
 
 
 # %% ../../nbs/45b_parallel_memory.ipynb
-def _local_params(mine, v: _View, plan: ParallelPlan, newix) -> list[ParamInfo]:
-    "The rank's parameters with their tensor-parallel shapes, state scaled to them, gradient times on the rank's ops."
+def expert_layers(g: StaticGraph, plan: ParallelPlan) -> tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...]:
+    """(mixture, its children holding parameters, its expert parameters) of each layer of the captured step
+    (`meta['moe']`) whose experts the plan's ep splits; () with ep 1. ParallelPlanError for a step without a mixture
+    `apply_ep` lays out, or experts ep does not divide."""
+    ep = plan.dims.ep
+    if ep == 1: return ()
+    rows, names = g.meta.get("moe") or [], {s.name for s in g.storages if s.role == "parameter"}
+    if not rows:
+        raise ParallelPlanError(f"ep={ep}: the captured step has no mixture of experts whose experts ep could split "
+                                "(meta['moe'] is empty); use ep=1")
+    out = []
+    for r in rows:
+        m = r["path"]
+        if r["experts"] != m:
+            raise ParallelPlanError(f"ep={ep}: {m} keeps its experts in {r['experts']}, a layout apply_ep cannot split "
+                                    "yet (it splits a mixture holding its 3-D expert weights itself, as the zoo's MoE)")
+        if r["n_experts"] % ep:
+            raise ParallelPlanError(f"ep={ep} does not divide the {r['n_experts']} experts of {m}: give an ep that "
+                                    f"divides {r['n_experts']}")
+        kids = sorted({f"{m}.{n[len(m) + 1:].split('.')[0]}" for n in names
+                       if n.startswith(m + ".") and "." in n[len(m) + 1:]})
+        out.append((m, tuple(kids), tuple(f"{m}.{w}" for w in r["expert_shapes"])))
+    return tuple(out)
+
+def expert_dispatch_bytes(g: StaticGraph, moe, cp: int = 1) -> dict[int, float]:
+    """{captured op: bytes} expert parallelism holds there beyond the captured step (`moe`: `expert_layers`): each
+    mixture's forward (and its recompute) keeps its experts step's input slots `(E, C, dim)` in a local while the
+    all-to-all's copy feeds the experts (without ep the experts' first matmul saves that very tensor, so the capture
+    counts it once), from that matmul to the mixture's last forward op."""
+    out, fwd = {}, [i for i, o in enumerate(g.ops) if o.phase == "forward"]
+    rows = {r["path"]: r for r in g.meta.get("moe") or ()}
+    for m, *_ in moe:
+        weights = {(rows[m]["n_experts"], *s) for s in rows[m]["expert_shapes"].values()}
+        ops = [i for i in fwd if g.ops[i].module == m or g.ops[i].module.startswith(m + ".")]
+        first = next((i for i in ops if g.ops[i].op.startswith("aten.bmm") and     # slots times an expert weight
+                      tuple(g.tensors[g.ops[i].inputs[1]].shape) in weights), None)
+        if first is None: continue
+        for i in range(first, ops[-1] + 1): out[i] = out.get(i, 0) + g.tensors[g.ops[first].inputs[0]].nbytes / cp
+    return out
+
+def _local_params(mine, v: _View, plan: ParallelPlan, newix, experts: frozenset = frozenset()) -> list[ParamInfo]:
+    """The rank's parameters with their tensor-parallel shapes (and `experts`, the expert weights, their ep share of
+    dim 0), state scaled to them, gradient times on the rank's ops."""
     out = []
     for p in mine:
         shape = tp_param_shape(p.name, p.shape, plan, v.styles)
+        if p.name in experts: shape = (shape[0] // plan.dims.ep, *shape[1:])
         r = math.prod(shape) / max(p.numel, 1)
         out.append(ParamInfo(name=p.name, shape=shape, itemsize=p.itemsize, state_bytes=int(p.state_bytes * r),
                              grad_created=int(newix(p.grad_created)) if p.grad_created >= 0 else -1))
@@ -606,12 +649,16 @@ def rank_profile(g: StaticGraph, plan: ParallelPlan, pp_rank: int = 0, master_dt
     phase = g.op_phases()[K]
     extra = _pipeline_extra(g, plan, pp_rank, v, K, ob, mine, prior_grads)
     at, spans = sequence_parallel_buffers(g, plan, blocks)
-    extra = extra + buffer_bytes(at, spans, K)
+    moe = expert_layers(g, plan)
+    dispatch = expert_dispatch_bytes(g, moe, plan.dims.cp)
+    extra = extra + buffer_bytes(at, spans, K) + buffer_bytes(dispatch, (), K)
+    at = {i: at.get(i, 0) + dispatch.get(i, 0) for i in at.keys() | dispatch.keys()}   # a recompute holds them too
     late = (lambda r: r) if plan.ac_early_stop else partial(run_to_block_end, g, ob=ob,
                                                             block_last=_block_spans(ob, g.op_phases(), len(blocks))[1])
     native = (sum(live[r] for r in live)[K] + extra).astype(np.int64)
     temp = live["temporary"][K].astype(np.int64)
-    m = to_master(_local_params(mine, v, plan, newix), native, temp, phase, master_dtype)
+    experts = frozenset(w for *_, ws in moe for w in ws)
+    m = to_master(_local_params(mine, v, plan, newix, experts), native, temp, phase, master_dtype)
     ps, native, temp, cap = m.params, m.native, m.temporary, m.compute_itemsize
     seen, weight = (
         {},
@@ -631,7 +678,7 @@ def rank_profile(g: StaticGraph, plan: ParallelPlan, pp_rank: int = 0, master_dt
                         recomputes=tuple((int(newix(r.at)), *recompute_bytes(g, v.checkpoint, late(r), weight, at))
                                          for r in v.checkpoint.recomputes if v.keep[r.at]),
                         op_bytes=(nbytes * _op_share(g, plan, v))[K], op_dtypes=tuple(_dts[i] for i in K),
-                        optimizer_numel=sum(p.numel for p in ps))
+                        optimizer_numel=sum(p.numel for p in ps), experts=tuple((e, kids) for e, kids, _ in moe))
 
 # %% ../../nbs/45b_parallel_memory.ipynb
 def _saved(g: StaticGraph, v: _View, cp: int, newix) -> tuple:
@@ -684,6 +731,9 @@ def rank_fsdp_plan(plan: ParallelPlan, profile: GraphProfile, pp_rank: int = 0) 
     f = plan.fsdp or FSDPPlan(math.prod(mesh), mesh, (FSDPUnit(""),))
     if plan.float8_all_gather: f = dataclasses.replace(f, float8_params=_float8_params(profile))
     units = tuple(s for u in f.units if (s := _stage_unit(u, mods)) is not None)
+    if profile.experts:   # `apply_expert_fsdp`: each mixture's children over the dp ranks, its experts over efsdp
+        units += tuple(u for e, kids in profile.experts
+                       for u in (*map(FSDPUnit, kids), FSDPUnit(e, shard_size=d.fsdp_size // d.ep)))
     if d.pp > 1:   # the schedule runs every micro-batch but the last without gradient sync or resharding after backward
         if not _forward_between_backwards(plan, pp_rank):
             units = tuple(dataclasses.replace(u, reshard_after_forward=False) for u in units)

@@ -73,8 +73,9 @@ def layout_dims(world: int, *, n_blocks: int, node: int, heads: int = 0, kv_head
     bad = set(pins) - set(AXIS)
     if bad: raise ParallelPlanError(f"unknown pinned dims {sorted(bad)}: pin {', '.join(AXIS)}")
     if pins.get("ep", 1) > 1:
-        raise ParallelPlanError(f"ep={pins['ep']}: the search does not price expert parallelism yet (no memory or time "
-                                "terms for it); pin ep 1, or write a plan with ep by hand and apply or run it")
+        raise ParallelPlanError(f"ep={pins['ep']}: the search does not price expert parallelism yet (its memory is "
+                                "predicted, the all-to-all's time not yet); pin ep 1, or write a plan with ep by hand "
+                                "and predict_parallel_memory, verify, apply or run it")
     out, partial = [], []    # partial: pinned layouts the whole-node replication rule leaves out
     for tp in _divisors(world):
         if tp > node or node % tp or (heads and heads % tp) or (kv_heads and kv_heads % tp): continue

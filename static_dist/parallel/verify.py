@@ -29,6 +29,7 @@ from ..step import OPTIMIZERS, MicroBatch, batch_loss, make_optimizer
 from ..structure import find_structure
 from ..util import check_real_size, torch_dtype
 from ..graph.records import FORWARD
+from ..cost.profile import within
 
 
 # %% auto 0
@@ -43,7 +44,8 @@ def axis_counts(cdm, functional: str = "tp") -> dict[str, int]:
     return counts_by_axis(cdm.get_comm_counts(), functional)
 
 def counts_by_axis(op_counts: dict, functional: str = "tp") -> dict[str, int]:
-    """{collective op (or its name): count} as {'axis.kind': n}: FSDP's c10d collectives are the data-parallel axis,
+    """{collective op (or its name): count} as {'axis.kind': n}: all-to-alls are expert parallelism's ('ep'), FSDP's
+    other c10d collectives the data-parallel axis,
     DTensor's functional ones tensor parallelism (`functional`: the axis they run on; 'dp' for a layout without tp or
     cp, where only torchao's float8 amax all-reduces issue them)."""
     out: dict[str, int] = {}
@@ -63,7 +65,7 @@ def counts_by_axis(op_counts: dict, functional: str = "tp") -> dict[str, int]:
             None,
         )
         if kind is None: continue
-        axis = functional if "functional" in s else "dp"
+        axis = "ep" if kind == "all_to_all" else functional if "functional" in s else "dp"   # only ep's are all-to-all
         out[f"{axis}.{kind}"] = out.get(f"{axis}.{kind}", 0) + n
     return out
 
@@ -88,6 +90,11 @@ def predict_axis_counts(profile, plan: ParallelPlan) -> dict[str, int]:
     sequence-parallel norm's weight gradient, summed over the sequence shards; per micro-batch)."""
     f = rank_fsdp_plan(plan, profile)
     out = {f"dp.{k}": v for k, v in predict_comms(profile, f).items() if v}
+    if profile.experts:   # each mixture's experts step: dispatch and combine, forward and backward, per micro-batch;
+        n = len(profile.blocks)   # a checkpointed block's recompute dispatches and combines again (its combine's
+        pols = dict(zip(profile.blocks, block_policies(plan, n))) if n and len(plan.ac) == n else {}   # input saved)
+        again = sum(1 for e, _ in profile.experts for b, p in pols.items() if p.checkpoints and within(e, b))
+        out["ep.all_to_all"] = (4 * len(profile.experts) + 2 * again) * f.accumulation_steps
     if n8 := _float8_amax_reduces(profile, f): out["dp.all_reduce"] = out.get("dp.all_reduce", 0) + n8
     if plan.dims.tp > 1:
         a, n = f.accumulation_steps, len(profile.blocks)
