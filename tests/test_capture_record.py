@@ -24,7 +24,8 @@ def _same_graph(new, old, targets=None) -> None:
     # the capture's own wall time; whether TF32 was on (recorded since the reference was frozen: off, torch's default);
     # the targets' shape (recorded since: None where the model's output is the loss), checked against the targets given;
     # the MoE layers and routing assumption (recorded since issue 32; checked by hand in test_moe.py)
-    drop = lambda m: {k: v for k, v in m.items() if k not in ("seconds", "tf32", "targets", "moe", "routing", "moe_params")}
+    later = ("seconds", "tf32", "targets", "moe", "routing", "moe_params")
+    drop = lambda m: {k: v for k, v in m.items() if k not in later}
     assert drop(new.meta) == drop(old.meta) and new.meta["tf32"] is torch.backends.cuda.matmul.allow_tf32 is False
     want = None if targets is None else list(targets.shape)
     assert new.meta["targets"] == want, (new.meta["targets"], want)

@@ -140,7 +140,8 @@ def _layout(profile: GraphProfile, plan: FSDPPlan) -> tuple[UnitLayout, ...]:
         bwd = _span(first, last, inside[u.module], 1) or (fwd[1], fwd[1])
         if u.module == "": fwd, bwd = (0, fwd[1]), (int(nb[0]), int(nb[-1])) if len(nb) else (fwd[1], fwd[1])
         ps, own = params[u.module], owned[u.module]
-        out.append(UnitLayout(u.module, tuple(p.name for p in ps), fwd, bwd, *_unit_sizes(ps, plan, plan.unit_shard(u.module)),
+        sizes = _unit_sizes(ps, plan, plan.unit_shard(u.module))
+        out.append(UnitLayout(u.module, tuple(p.name for p in ps), fwd, bwd, *sizes,
                               float(flops[own, 0].sum()), float(flops[own, 1].sum())))
     return tuple(sorted(out, key=lambda l: (l.fwd[0], l.module != "", l.module.count("."))))
 
