@@ -257,9 +257,9 @@ def _line(m: dict, fmt_bytes) -> str:
             f"({fmt_bytes(m['expert_bytes'])}){shared}, active {m['active_params']:,} per token; "
             f"{m['routed']:,} routed rows, busiest expert {m['busiest']:,}")
 
-def moe_markdown(meta: dict) -> str:
-    "The MoE layers of a captured step's `meta` and its routing assumption, as markdown ('' for a dense model)."
-    from static_dist.graph.records import fmt_bytes
+def moe_markdown(meta: dict, fmt_bytes) -> str:
+    """The MoE layers of a captured step's `meta` and its routing assumption, as markdown ('' for a dense model);
+    `fmt_bytes` writes a byte count (`graph.fmt_bytes`: the graph package reads this module, not the other way)."""
     if not meta.get("moe"): return ""
     groups: list[list] = []                         # [first path, line, count] of runs of equal consecutive layers
     for m in meta["moe"]:

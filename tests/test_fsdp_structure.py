@@ -3,6 +3,7 @@ captures (GPT-style at `transformer.h`, Hugging Face Llama at `model.layers`), f
 predictions verified with FSDPMemTracker under a fake process group."""
 import math
 import dataclasses
+import copy
 import json
 import subprocess
 import sys
@@ -234,7 +235,7 @@ def test_mutated_plan_files(data):
             if not isinstance(target, dict): continue
         key = data.draw(st.sampled_from(sorted(target) + ["extra"]))
         if data.draw(st.integers(0, 4)) == 0: target.pop(key, None)
-        else: target[key] = data.draw(VALUES)
+        else: target[key] = copy.deepcopy(data.draw(VALUES))   # st.just's objects are shared between draws
     _check(json.dumps(d), p3)
 
 

@@ -101,7 +101,7 @@ def cmd_capture(args) -> int:
     if args.json: print(json.dumps(dict(workload=w.describe(), **g.summary(), **moe), indent=2))
     else:
         print_markdown(g.summary_markdown())
-        if moe["moe"]: print_markdown(moe_markdown(g.meta))
+        if moe["moe"]: print_markdown(moe_markdown(g.meta, fmt_bytes))
         print(f"captured in {g.meta['seconds']} s")
     if (why := fits_no_device(g.summary()["peak_bytes"])):
         print(f"static-dist capture: {why}", file=sys.stderr); return 3
