@@ -105,13 +105,31 @@ def _worker(src: str, dst: str, timeout: int) -> int:
         resources={"metadata": {"path": str(Path(src).parent)}},
     )
     status = 0
-    try: client.execute(env=kernel_env())
+    try:
+        _start_kernel(client)
+        client.execute()
     except KeyboardInterrupt: status = 3
     except Exception as e:  # CellTimeoutError, DeadKernelError: keep what ran, say what happened
         nb.metadata["run_notebooks_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         status = 2
     nbformat.write(nb, dst)
     return status
+
+
+def _start_kernel(client) -> None:
+    """Start the notebook's kernel while no other worker starts one: jupyter_client picks free ports before the kernel
+    binds them, so kernels started side by side can get the same ports; the loser dies, or worse, its client gets no
+    reply and waits out a whole cell timeout (seen: a 6 s notebook taking 405 s in CI). A file lock around the start,
+    held until the kernel answers, serialises only the starts."""
+    import fcntl
+    import tempfile
+    with open(Path(tempfile.gettempdir()) / "static_dist_kernel_start.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            client.km = client.create_kernel_manager()
+            client.start_new_kernel(env=kernel_env())
+            client.start_new_kernel_client()          # waits until the kernel is ready: its ports are bound
+        finally: fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 CELL_TIMEOUT = 400   # seconds one cell may run: the slowest cell takes about 150 s on 2 busy cores
