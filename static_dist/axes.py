@@ -171,15 +171,18 @@ def expert_mesh(mesh, dims):
     return sparse[tuple(n for n in ("dp_replicate", EXPERT_FSDP, "ep") if n in sizes)]
 
 # %% ../nbs/04_axes.ipynb
-def layout_mesh(dims):
-    "The `topology.MeshSpec` of `dims` (see `degrees`) for the cost model: dims > 1, FSDP's axes as one `dp_shard_cp`."
+def layout_mesh(dims, experts: bool = False):
+    """The `topology.MeshSpec` of `dims` (see `degrees`) for the cost model: dims > 1, FSDP's axes as one `dp_shard_cp`;
+    `experts`: that dim split as `expert_mesh` regroups it, `efsdp` × `ep` (ep innermost), the same ranks."""
     from static_dist.topology import MeshSpec
     d, fs = degrees(dims), FLAT["dp_shard_cp"]
     shape, names = [], []
     for a in MESH_DIMS:
         if a in fs.axes[1:] or d[a] == 1 and a not in fs.axes: continue
         n, name = (math.prod(d[x] for x in fs.axes), fs.name) if a == fs.axes[0] else (d[a], AXIS[a].mesh_dim)
-        if n > 1: shape.append(n); names.append(name)
+        split = ((n // d["ep"], EXPERT_FSDP), (d["ep"], "ep")) if experts and name == fs.name else ((n, name),)
+        for k, nm in split:
+            if k > 1: shape.append(k); names.append(nm)
     return MeshSpec(tuple(shape) or (1,), tuple(names) or (fs.name,))
 
 def fsdp_dim(dims) -> str | None:

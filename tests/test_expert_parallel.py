@@ -34,8 +34,8 @@ def test_ep_borrows_ranks_and_is_checked():
         ParallelPlan(ParallelDims(dp_shard=2, tp=2, ep=2))
     pins = dict(dp_replicate=None, dp_shard=4, cp=None, tp=None, pp=None, ep=2)
     assert layout_pins(Namespace(world=4, **pins)) == {"dp_shard": 4, "ep": 2}   # --ep 2 is not 2 more ranks
-    with pytest.raises(ParallelPlanError, match="does not price expert parallelism"):
-        layout_dims(4, n_blocks=2, node=4, pins={"ep": 2})
+    with pytest.raises(ParallelPlanError, match="ep=2: the model has no mixture of experts"):
+        layout_dims(4, n_blocks=2, node=4, pins={"ep": 2})                   # a dense model (experts=0)
     units = FSDPPlan(4, (4,), (FSDPUnit(""), FSDPUnit("layers.0"), FSDPUnit("layers.1.moe.router")))
     with pytest.raises(ParallelPlanError, match="unit 'layers.1.moe.router' is the mixture of experts layers.1.moe"):
         check_experts(ParallelPlan(d, fsdp=units), get_model("tiny-moe").build("meta"))
@@ -157,3 +157,90 @@ def test_a_unit_over_fewer_ranks_is_only_eps():
     assert FSDPPlan.from_json(f.to_json()) == f                                   # the plan file keeps it
     with pytest.raises(PlanError, match="unit 'layers.0.moe' shards over 2 of the plan's 4 ranks"):
         apply_plan(get_model("tiny-moe").build("meta"), f)
+
+
+# The ep term of the step time (issue 32, item 4's time), against a hand computation: each mixture dispatches its
+# experts step's slots (E x capacity x dim) and combines them back, forward and backward, and once more in a
+# checkpointed block's recompute; one all-to-all over p ranks on a link of latency a and bandwidth b takes
+# (p - 1)·a + (p - 1)/p · bytes / b (every rank sends a 1/p share to each other rank), on the slowest link the group
+# spans (ep 4 over nodes of 2 GPUs: the network).
+@pytest.mark.parametrize("ep, ac", [(2, "none"), (2, "full"), (4, "none"), (4, "selective")])
+def test_ep_all_to_all_seconds_by_hand(tiny_moe, ep, ac):
+    import math
+    from static_dist.fsdp import block_units
+    from static_dist.parallel import predict_step_time, rank_work
+    from static_dist.topology import preset
+    _, graphs = tiny_moe
+    g = graphs["bfloat16"]
+    topo = preset("cluster", n_nodes=4, gpus_per_node=2)
+    blocks = g.structure.main.blocks
+    plan = lambda e: ParallelPlan(ParallelDims(dp_shard=8, ep=e), ac=(ac,) * len(blocks),
+                                  fsdp=FSDPPlan(8, (8,), block_units(blocks)))
+    t = predict_step_time(rank_work(g, plan(ep), topo), plan(ep), topo)
+    moe = g.meta["moe"]
+    link = topo.levels[0 if ep <= 2 else 1].link
+    total = 0.0
+    for r in moe:
+        capacity = math.ceil(r["capacity_factor"] * r["tokens"] * r["top_k"] / r["n_experts"])
+        slots = r["n_experts"] * capacity * r["expert_shapes"]["w1"][0] * 2              # bfloat16
+        one = (ep - 1) * link.latency + (ep - 1) / ep * slots / link.bandwidth
+        total += (4 + 2 * (ac != "none")) * one
+    assert t.terms["ep"] == pytest.approx(total, rel=1e-6)
+    assert t.comm["ep"] == t.terms["ep"]
+    base = predict_step_time(rank_work(g, plan(1), topo), plan(1), topo)
+    assert base.terms["ep"] == 0.0
+    # E/ep experts over 8/ep ranks: each rank's optimizer updates as many expert bytes as without ep
+    assert t.terms["optimizer"] == pytest.approx(base.terms["optimizer"], rel=1e-12)
+    assert t.terms["forward"] == base.terms["forward"]                      # balanced routing: the same expert work
+
+
+def test_the_search_draws_ep_from_dp_shard_and_cp():
+    import itertools
+    from static_dist.parallel import layout_dims
+    got = {(d.dp_replicate, d.dp_shard, d.cp, d.tp, d.pp, d.ep)
+           for d in layout_dims(8, n_blocks=4, node=8, heads=4, seq=64, experts=4)}
+    want = set()
+    for rep, shard, cp, tp, pp in itertools.product(*(range(1, 9),) * 5):
+        if rep * shard * cp * tp * pp != 8 or 8 % tp or 4 % tp or pp > 4 or (cp > 1 and (64 % (2 * cp) or pp > 1)):
+            continue
+        if rep > 1 and shard * cp * tp < 8: continue
+        for ep in (1, 2, 4):
+            if ep == 1 or (tp == pp == 1 and (shard * cp) % ep == 0): want.add((rep, shard, cp, tp, pp, ep))
+    assert got == want
+    with pytest.raises(Exception, match="ep=3 does not divide the 4 experts"):
+        layout_dims(8, n_blocks=4, node=8, experts=4, pins={"ep": 3})
+    with pytest.raises(Exception, match="no mixture of experts"):
+        layout_dims(8, n_blocks=4, node=8, pins={"ep": 2})
+    assert all(d.ep == 2 and d.tp == d.pp == 1 for d in layout_dims(8, n_blocks=4, node=8, experts=4, pins={"ep": 2}))
+
+
+# DeepSeek's shape: dense layers before the mixture-of-experts stack (`first_k_dense_replace`), so the stack's blocks
+# start at model.layers.1. Capturing 3 of its blocks keeps the dense layer before them and expands the rest; the
+# reference is the whole model captured, for ep 1, 2 and 4 under each checkpointing policy.
+def test_a_stack_after_dense_layers_expands_as_the_whole_capture(tmp_path):
+    import transformers
+    from static_dist.fsdp import block_units
+    from static_dist.parallel import predict_layout
+    from static_dist.parallel.search import search_graph
+    from static_dist.topology import preset
+    from static_dist.workload import load_workload
+    transformers.DeepseekV3Config(
+        vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=8,
+        num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8, kv_lora_rank=16,
+        q_lora_rank=None, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16, n_group=1, topk_group=1,
+        num_experts_per_tok=2, first_k_dense_replace=1, max_position_embeddings=128).save_pretrained(tmp_path)
+    w = load_workload(f"hf:{tmp_path}", batch=2, seq=32, dtype="bfloat16")
+    few, n, how = search_graph(w)
+    whole = w.graph()
+    assert (how, n) == ("3 of 7 blocks captured, the others identical", 7)
+    assert few.structure.main.blocks == ("model.layers.1", "model.layers.2", "model.layers.3")
+    assert whole.structure.main.blocks == tuple(f"model.layers.{i}" for i in range(1, 8))
+    topo = preset("cluster", n_nodes=1, gpus_per_node=4)
+    for ep, ac in ((1, "none"), (2, "none"), (4, "full"), (2, "selective")):
+        plan = ParallelPlan(ParallelDims(dp_shard=4, ep=ep), ac=(ac,) * n,
+                            fsdp=FSDPPlan(4, (4,), block_units(whole.structure.main.blocks)))
+        a, b = predict_layout(whole, plan, topo), predict_layout(few, plan, topo, n_blocks=n)
+        assert abs(b.memory_bytes / a.memory_bytes - 1) < 1e-4, (ep, ac, a.memory_bytes, b.memory_bytes)
+        assert b.time.step_seconds == pytest.approx(a.time.step_seconds, rel=1e-9)
+        assert b.time.terms["ep"] == pytest.approx(a.time.terms["ep"], rel=1e-9)
+        assert (ep == 1) == (a.time.terms["ep"] == 0)

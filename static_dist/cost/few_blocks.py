@@ -19,10 +19,14 @@ from ..util import torch_dtype
 __all__ = ['first_blocks', 'block_attr_mismatch', 'profile_workload']
 
 # %% ../../nbs/06b_cost_few_blocks.ipynb
-def first_blocks(model: nn.Module, stack: str, k: int) -> nn.Module:
-    "`model`, changed in place, with only the first `k` blocks of its container `stack` (a ModuleList or Sequential)."
+def first_blocks(model: nn.Module, stack: str, k: int, first: str | None = None) -> nn.Module:
+    """`model`, changed in place, with only the first `k` blocks of its container `stack` (a ModuleList or Sequential);
+    `first`: the stack's first block where others come before it in the container (DeepSeek's dense layers before its
+    mixture-of-experts ones), kept too."""
     box = model.get_submodule(stack)
-    for name in list(box._modules)[k:]: del box._modules[name]
+    names = list(box._modules)
+    lead = names.index(first.rpartition(".")[2]) if first else 0
+    for name in names[lead + k:]: del box._modules[name]
     return model
 
 # %% ../../nbs/06b_cost_few_blocks.ipynb
@@ -57,12 +61,12 @@ def block_attr_mismatch(model: nn.Module, stack: BlockStack) -> list[str]:
     return out
 
 # %% ../../nbs/06b_cost_few_blocks.ipynb
-def _first_blocks_build(build, stack: str, k: int, built: dict):
+def _first_blocks_build(build, stack: str, k: int, built: dict, first: str | None = None):
     """A workload `build` whose model keeps only the first `k` blocks of `stack`. A model already built for the same
     (device, dtype) in `built` is taken once instead of building it again (70B takes seconds even on meta)."""
     def build_few(device="meta", dtype=torch.float32):
         m = built.pop((str(device), dtype), None)
-        return first_blocks(build(device=device, dtype=dtype) if m is None else m, stack, k)
+        return first_blocks(build(device=device, dtype=dtype) if m is None else m, stack, k, first)
     return build_few
 
 def _few_blocks_profile(
@@ -70,7 +74,7 @@ def _few_blocks_profile(
 ) -> tuple[GraphProfile | None, str]:
     "(the profile of `w` captured with `k` blocks and expanded, '') or (None, why it cannot stand for the model)."
     built = {("meta", torch_dtype(dtype or w.dtype)): model}
-    few = dataclasses.replace(w, build=_first_blocks_build(w.build, main.path, k, built))
+    few = dataclasses.replace(w, build=_first_blocks_build(w.build, main.path, k, built, main.blocks[0]))
     try: p = profile_graph(few.graph(dtype=dtype, progress=progress), master_dtype)
     except CaptureError as e:
         return None, f"capturing {k} of {len(main.blocks)} blocks failed: {str(e).splitlines()[0]}"

@@ -27,7 +27,7 @@ from ..graph.records import FORWARD, OPTIMIZER
 
 # %% auto 0
 __all__ = ['PlanError', 'BlockMismatchError', 'ParamInfo', 'GraphProfile', 'within', 'module_order', 'main_stack',
-           'shared_params', 'tokens_of', 'param_infos', 'MasterParams', 'to_master', 'block_flows',
+           'stack_lead', 'shared_params', 'tokens_of', 'param_infos', 'MasterParams', 'to_master', 'block_flows',
            'captured_param_dtype', 'profile_graph', 'block_mismatch', 'expand_blocks', 'expand_profile',
            'profile_expanded']
 
@@ -176,14 +176,22 @@ def _block_patterns(container: str) -> tuple[re.Pattern, re.Pattern]:
     pre = re.escape(container) + r"\." if container else ""
     return re.compile(rf"^{pre}(\d+)(\.|$)"), re.compile(rf"^({pre})\d+")
 
-def _block_of(module: str, container: str) -> int | None:
-    "Number of the block of `container` that holds `module`, else None."
+def stack_lead(container: str, blocks) -> int:
+    """Where the stack's first block sits in its container: 0, or the layers before it that are no blocks of it
+    (DeepSeek's first dense layers before its mixture-of-experts ones). Block numbers count from there."""
+    if not blocks: return 0
+    return int(blocks[0][len(container) + 1:].split(".")[0] if container else blocks[0].split(".")[0])
+
+def _block_of(module: str, container: str, lead: int = 0) -> int | None:
+    "Number of the block of `container` (its first `lead` entries not counted) that holds `module`, else None."
     m = _block_patterns(container)[0].match(module)
-    return int(m.group(1)) if m else None
+    return int(m.group(1)) - lead if m and int(m.group(1)) >= lead else None
 
 @functools.lru_cache(maxsize=1 << 17)               # the search expands to many depths: the same names recur
-def _rename_block(name: str, container: str, k: int) -> str:
-    return _block_patterns(container)[1].sub(lambda m: f"{m.group(1)}{k}", name)
+def _rename_block(name: str, container: str, k: int, lead: int = 0) -> str:
+    return _block_patterns(container)[1].sub(lambda m: f"{m.group(1)}{k + lead}", name)
+
+def _lead(P) -> int: return stack_lead(P.stack, P.blocks)
 
 @functools.lru_cache(maxsize=1 << 17)
 def _natural_key(s: str) -> tuple: return tuple(int(t) if t.isdigit() else t for t in re.split(r"(\d+)", s))
@@ -265,10 +273,10 @@ def to_master(params: list, native: np.ndarray, temporary: np.ndarray, phase: np
 # %% ../../nbs/06a_cost_profile.ipynb
 _NATIVE = ("activation", "temporary", "input", "buffer", "other")
 
-def block_flows(g: StaticGraph, stack: str, k: int) -> tuple[tuple[int, int, int], ...]:
+def block_flows(g: StaticGraph, stack: str, k: int, lead: int = 0) -> tuple[tuple[int, int, int], ...]:
     """(bytes made and left alive, bytes made before it and freed, shared saved bytes) per block of `stack`'s `k` (():
-    none)."""
-    ob = [_block_of(o.module, stack) if o.phase == "forward" else None for o in g.ops]
+    none); `lead`: `stack_lead`."""
+    ob = [_block_of(o.module, stack, lead) if o.phase == "forward" else None for o in g.ops]
     first, last = {}, {}
     for i, b in enumerate(ob):
         if b is not None: first.setdefault(b, i); last[b] = i
@@ -285,7 +293,7 @@ def block_flows(g: StaticGraph, stack: str, k: int) -> tuple[tuple[int, int, int
             for t in o.inputs: readers.setdefault(g.tensors[t].storage, set()).add(ob[o.index])
     shared = [0] * k
     for s in g.storages:
-        b = _block_of(s.saved_in or "", stack) if s.role == "activation" else None
+        b = _block_of(s.saved_in or "", stack, lead) if s.role == "activation" else None
         if b is not None and s.created < edges[0] and len(readers.get(s.id, ())) > 1: shared[b] += s.nbytes
     out = []
     for b in range(k):
@@ -332,7 +340,7 @@ def profile_graph(g: StaticGraph, master_dtype: str | None = None) -> GraphProfi
                         tokens=tokens_of(g), blocks=blocks, stack=stack, op_names=tuple(o.op for o in g.ops),
                         master_dtype=master_dtype or captured_param_dtype(g),
                         model_forward_end=fwd[1] if fwd else -1, model_backward_start=-1 if bwd is None else bwd,
-                        block_flows=block_flows(g, stack, len(blocks)),
+                        block_flows=block_flows(g, stack, len(blocks), stack_lead(stack, blocks)),
                         checkpoint=checkpoint_deltas(g, checkpointable(g, stack)),
                         op_bytes=op_bytes(g), op_dtypes=op_dtypes(g), optimizer_numel=sum(p.numel for p in params),
                         tf32=bool(g.meta.get("tf32", False)))
@@ -342,9 +350,10 @@ _LAST_OB: list = [None, None, None]  # (op modules, stack, block of each op) of 
 
 def _op_blocks(P: GraphProfile) -> np.ndarray:
     "Block number of each op (-1 outside the main stack)."
-    if _LAST_OB[0] is P.op_module and _LAST_OB[1] == P.stack: return _LAST_OB[2].copy()
-    of = {m: -1 if (b := _block_of(m, P.stack)) is None else b for m in set(P.op_module)}   # a few dozen modules
-    _LAST_OB[:] = P.op_module, P.stack, np.array([of[m] for m in P.op_module], dtype=np.int64)
+    key, lead = (P.stack, _lead(P)), _lead(P)
+    if _LAST_OB[0] is P.op_module and _LAST_OB[1] == key: return _LAST_OB[2].copy()
+    of = {m: -1 if (b := _block_of(m, P.stack, lead)) is None else b for m in set(P.op_module)}   # a few dozen modules
+    _LAST_OB[:] = P.op_module, key, np.array([of[m] for m in P.op_module], dtype=np.int64)
     return _LAST_OB[2].copy()
 
 # %% ../../nbs/06a_cost_profile.ipynb
@@ -398,7 +407,8 @@ def block_mismatch(profile: GraphProfile) -> list[str]:
     out = _op_mismatch(P, ix, k)
     flows = P.block_flows if len(P.block_flows) == k else ()
     shared = [f[2] for f in flows] or [0] * k              # block 0's shared tensors are the model's, kept as captured
-    saved = [sum(nb for nb, w, _, _ in P.saved if _block_of(w, P.stack) == b) - shared[b] for b in range(k)]
+    of = [_block_of(w, P.stack, _lead(P)) for _, w, _, _ in P.saved]
+    saved = [sum(s[0] for s, x in zip(P.saved, of) if x == b) - shared[b] for b in range(k)]
     out += [f"block {b} saves {fmt_bytes(s)} for backward, block 1 {fmt_bytes(saved[1])} ({s - saved[1]:+,} B)"
             for b, s in enumerate(saved) if s != saved[min(1, k - 1)]]
     out += _interleave_mismatch(ix, k)
@@ -447,11 +457,11 @@ def _block_delta(P: GraphProfile) -> int:
     return int(P.native[first(2)] - P.native[first(1)])
 
 # %% ../../nbs/06a_cost_profile.ipynb
-def _renamer(container: str, extra: int):
+def _renamer(container: str, extra: int, lead: int = 0):
     "Names of the kept ops' modules and parameters: captured blocks >= 2 become block + `extra`."
     def ren(m: str) -> str:
-        b = _block_of(m, container)
-        return _rename_block(m, container, b + extra) if b is not None and b >= 2 else m
+        b = _block_of(m, container, lead)
+        return _rename_block(m, container, b + extra, lead) if b is not None and b >= 2 else m
     return ren
 
 def _newpos(where: _Where, i: int, pieces) -> int | None:
@@ -475,13 +485,13 @@ class _Where:
 def _lay_out_ops(P: GraphProfile, pieces: list, ren) -> tuple[dict, np.ndarray, np.ndarray, _Where]:
     """The expanded per-op fields of the profile but the bytes alive; the captured op of each new op and how many
     blocks' activations its bytes alive are offset by; and where each captured op went (`_Where`)."""
-    mods, names, dts, memo = [], [], [], {}
+    mods, names, dts, memo, L = [], [], [], {}, _lead(P)
     for ix, _, blk in pieces:
         if id(ix) not in memo:     # the copies share block 1's ops: read their fields once
             memo[id(ix)] = [tuple(f[i] for i in ix.tolist()) for f in (P.op_module, P.op_names, P.op_dtypes) if f]
         src, *rest = memo[id(ix)]
         copy = None if blk in (None, "shift") else blk
-        new = {m: ren(m) if copy is None else _rename_block(m, P.stack, copy) for m in set(src)}   # a few dozen
+        new = {m: ren(m) if copy is None else _rename_block(m, P.stack, copy, L) for m in set(src)}   # a few dozen
         mods += [new[m] for m in src]
         if P.op_names: names += rest.pop(0)
         if P.op_dtypes: dts += rest.pop(0)
@@ -494,7 +504,7 @@ def _lay_out_ops(P: GraphProfile, pieces: list, ren) -> tuple[dict, np.ndarray, 
 # %% ../../nbs/06a_cost_profile.ipynb
 def _expand_params(P: GraphProfile, where: _Where, ren, extra: int) -> list[ParamInfo]:
     "Every parameter renamed, block 1's copied `extra` times, each with the new op of its gradient."
-    keep, c = [0, extra + 1, 2 * extra + 2], P.stack
+    keep, c, L = [0, extra + 1, 2 * extra + 2], P.stack, _lead(P)
     def grad(p, pieces) -> int:
         g = _newpos(where, p.grad_created, pieces) if p.grad_created >= 0 else None
         return -1 if g is None else g
@@ -502,8 +512,8 @@ def _expand_params(P: GraphProfile, where: _Where, ren, extra: int) -> list[Para
                                                      state_bytes=p.state_bytes, grad_created=g)   # replace(), faster
     for p in P.params:
         params.append(moved(p, ren(p.name), grad(p, keep)))
-        if _block_of(p.module, c) == 1:
-            params += [moved(p, _rename_block(p.name, c, j + 2), grad(p, [2 * extra + 1 - j])) for j in range(extra)]
+        if _block_of(p.module, c, L) == 1:
+            params += [moved(p, _rename_block(p.name, c, j + 2, L), grad(p, [2 * extra + 1 - j])) for j in range(extra)]
     return sorted(params, key=lambda p: _natural_key(p.name))
 
 # %% ../../nbs/06a_cost_profile.ipynb
@@ -516,36 +526,36 @@ def _copy_created(where: _Where, cr: int, j: int, ob: np.ndarray, stride: int, k
 
 def _expand_saved(P: GraphProfile, where: _Where, ren, extra: int) -> list[tuple[int, str, int, int]]:
     "Saved activations at their new ops; block 1's copied with each copy of the block."
-    keep, c, n, ob = [0, extra + 1, 2 * extra + 2], P.stack, len(P.op_module), _op_blocks(P)
+    keep, c, n, ob, L = [0, extra + 1, 2 * extra + 2], P.stack, len(P.op_module), _op_blocks(P), _lead(P)
     first = lambda b: int(np.flatnonzero((ob == b) & (P.op_phase == FORWARD))[0])
     stride = first(1) - first(0)                      # ops from one block's start to the next one's
     saved = []
     for nb, w, cr, f in P.saved:
-        last_copy = extra and _block_of(w, c) == 2 and ob[cr] == 1   # block 2's input now comes from the last copy
+        last_copy = extra and _block_of(w, c, L) == 2 and ob[cr] == 1   # block 2's input now comes from the last copy
         c2, f2 = _newpos(where, cr, [extra] if last_copy else keep), _newpos(where, min(f, n - 1), keep)
         if c2 is not None and f2 is not None: saved.append((nb, ren(w), c2, f2))
-        if _block_of(w, c) != 1: continue
+        if _block_of(w, c, L) != 1: continue
         for j in range(extra):
             c3, f3 = _copy_created(where, cr, j, ob, stride, keep), _newpos(where, min(f, n - 1), [2 * extra + 1 - j])
-            if c3 is not None and f3 is not None: saved.append((nb, _rename_block(w, c, j + 2), c3, f3))
+            if c3 is not None and f3 is not None: saved.append((nb, _rename_block(w, c, j + 2, L), c3, f3))
     return saved
 
 def _expand_checkpoint(P: GraphProfile, where: _Where, ren, extra: int) -> tuple[dict, tuple]:
     "Checkpoint deltas and recomputes at their new ops; block 1's copied with each copy of the block (`_copy_created`)."
-    keep, c, ob = [0, extra + 1, 2 * extra + 2], P.stack, _op_blocks(P)
+    keep, c, ob, L = [0, extra + 1, 2 * extra + 2], P.stack, _op_blocks(P), _lead(P)
     stride = int(np.flatnonzero(ob == 1)[0] - np.flatnonzero(ob == 0)[0])
     def at(i: int, j) -> int | None:                       # captured op i in copy j (None: the captured ops)
         if j is None or ob[i] not in (0, 1) or P.op_phase[i] == OPTIMIZER: return _newpos(where, i, keep)
         if P.op_phase[i] == FORWARD: return _copy_created(where, i, j, ob, stride, keep)
         return _newpos(where, i, [2 * extra + 1 - j]) if ob[i] == 1 else _newpos(where, i, keep)
     ok = lambda xs: tuple(x for x in xs if None not in x)
-    out, copies = {}, lambda m: [None, *(range(extra) if _block_of(m, c) == 1 else ())]
+    out, copies = {}, lambda m: [None, *(range(extra) if _block_of(m, c, L) == 1 else ())]
     for m, d in P.checkpoint.items():
         for j in copies(m):
             holds = [InputHold((h.key, j) if j is not None and ob[h.created] in (0, 1) else h.key,  # the copy's own
                                at(h.created, j), at(h.end, j), at(h.to, j), h.nbytes)     # (made by the block before)
                      for h in d.holds]
-            out[ren(m) if j is None else _rename_block(m, c, j + 2)] = CheckpointDeltas(
+            out[ren(m) if j is None else _rename_block(m, c, j + 2, L)] = CheckpointDeltas(
                 ok(DeltaSpan(at(s.first, j), at(s.last, j), s.nbytes) for s in d.spans),
                 ok(holds),
                 ok((at(a, j), *r) for a, *r in d.recomputes),
@@ -576,8 +586,8 @@ class _Expansion:
 
 def _expansion(P: GraphProfile, n_blocks: int) -> _Expansion:
     "What expanding `P` to `n_blocks` reads from its ops and parameters: the new ops, parameters, modules and blocks."
-    extra = n_blocks - len(P.blocks)
-    ren = _renamer(P.stack, extra)
+    extra, L = n_blocks - len(P.blocks), _lead(P)
+    ren = _renamer(P.stack, extra, L)
     ops, ix, copies, where = _lay_out_ops(P, _pieces(P, extra), ren)
     params = _expand_params(P, where, ren, extra)
     scale = (
@@ -587,7 +597,7 @@ def _expansion(P: GraphProfile, n_blocks: int) -> _Expansion:
     for i in np.flatnonzero(ops["op_phase"] == FORWARD).tolist(): seen.setdefault(mods[i], i)
     e = _Expansion(ops=ops, ix=ix, copies=copies, where=where, params=tuple(params), scale=scale,
                    modules=module_order(seen, [p.module for p in params], len(ix)),
-                   blocks=tuple(f"{P.stack}.{i}" if P.stack else str(i) for i in range(n_blocks)))
+                   blocks=tuple(f"{P.stack}.{L + i}" if P.stack else str(L + i) for i in range(n_blocks)))
     return e
 
 def expand_profile(P: GraphProfile, n_blocks: int) -> GraphProfile:
@@ -600,11 +610,12 @@ def expand_profile(P: GraphProfile, n_blocks: int) -> GraphProfile:
         j = _newpos(E.where, i, [0, extra + 1, 2 * extra + 2]) if i >= 0 else None
         return -1 if j is None else j
     flows = P.block_flows[:2] + P.block_flows[1:2] * extra + P.block_flows[2:] if P.block_flows else ()
-    ren = _renamer(P.stack, extra)
+    L = _lead(P)
+    ren = _renamer(P.stack, extra, L)
     ckpt, runs = _expand_checkpoint(P, E.where, ren, extra)
     experts = [(ren(m), tuple(map(ren, kids))) for m, kids in P.experts]     # block 1's layers copied with it
-    experts += [(_rename_block(m, P.stack, j + 2), tuple(_rename_block(k, P.stack, j + 2) for k in kids))
-                for j in range(extra) for m, kids in P.experts if _block_of(m, P.stack) == 1]
+    experts += [(_rename_block(m, P.stack, j + 2, L), tuple(_rename_block(k, P.stack, j + 2, L) for k in kids))
+                for j in range(extra) for m, kids in P.experts if _block_of(m, P.stack, L) == 1]
     return dataclasses.replace(P, **E.ops, native=native, temporary=temp, params=E.params, modules=E.modules,
                                experts=tuple(sorted(experts, key=lambda e: _natural_key(e[0]))),
                                saved=tuple(_expand_saved(P, E.where, ren, extra)), checkpoint=ckpt, recomputes=runs,

@@ -70,12 +70,13 @@ PRECISIONS = ("fp32", "bf16 on fp32 masters")   # the widget's precision: fp32 t
 # %% ../../nbs/45_parallel.ipynb
 def _layout_view(g: StaticGraph, topo, world: int, budget_mib: float, tp: int, pp: int, cp: int, ac: str,
                  sequence: bool = True, loss: bool = True, precision: str = "fp32", compile: bool = False,
-                 float8_all_gather: bool = False, bf16: StaticGraph | None = None) -> View:
+                 float8_all_gather: bool = False, bf16: StaticGraph | None = None, ep: int = 1) -> View:
     """The layout for these degrees: its memory and time, or why the model cannot take it. `sequence`, `loss`: sequence
     and loss parallelism where the model maps (`tp_layout`); `precision`: one of `PRECISIONS` (bf16 compute is FSDP's
     `param_dtype` on `bf16`, the step captured in bfloat16); `compile`: every block compiled (the step's meta holds
     the compiled saved set, `compile.with_compile_effects`). The plan carries the Float8 recipe the step was captured
-    with (`float8_of`); `float8_all_gather`: FSDP gathers its weights in float8 (tensorwise, dp_shard > 1)."""
+    with (`float8_of`); `float8_all_gather`: FSDP gathers its weights in float8 (tensorwise, dp_shard > 1); `ep`: the
+    experts split over that many of the dp_shard × cp ranks (a mixture-of-experts step)."""
     from static_dist.fsdp import FSDPPlan, block_units
     from static_dist.placement import block_spec, megatron_styles, sequence_blocker
     from static_dist.parallel.search import balanced_stages
@@ -90,8 +91,8 @@ def _layout_view(g: StaticGraph, topo, world: int, budget_mib: float, tp: int, p
             f"**Not a layout**: tp × pp × cp = {tp * pp * cp} "
             f"does not divide the world of {world} ranks; pick smaller degrees.",
         )
-    d = ParallelDims(dp_shard=world // (tp * pp * cp), cp=cp, tp=tp, pp=pp)
     try:
+        d = ParallelDims(dp_shard=world // (tp * pp * cp), cp=cp, tp=tp, pp=pp, ep=ep)
         styles, outer, sp = (tp_layout(g, tuple(megatron_styles(block_spec(g)).items()), None if sequence else False)
                              if tp > 1 else ((), (), False))
         lp = loss and bool(outer)
@@ -116,8 +117,9 @@ def _layout_view(g: StaticGraph, topo, world: int, budget_mib: float, tp: int, p
         if tp > 1
         else ""
     )
+    ep_how = f", ep {ep} of dp_shard × cp" if ep > 1 else ""
     text = (
-        f"dp_shard {d.dp_shard} × cp {cp} × tp {tp}{tp_how} × pp {pp}, checkpointing {ac}"
+        f"dp_shard {d.dp_shard} × cp {cp} × tp {tp}{tp_how} × pp {pp}{ep_how}, checkpointing {ac}"
         f"{', compiled' if comp else ''}, {precision if mixed else PRECISIONS[0]}: "
         f"peak {fmt_bytes(mem.peak_bytes)} "
         f"(pp rank {mem.peak_rank}), {verdict} in {fmt_bytes(budget)}; {step.line()}"
@@ -132,6 +134,8 @@ def _layout_view(g: StaticGraph, topo, world: int, budget_mib: float, tp: int, p
         off["sequence"] = sequence_blocker(g) or "no embedding and output around the blocks to shard the sequence at"
     if tp > 1 and not plan.tp_outer: off["loss"] = "no output projection of the vocabulary outside the blocks"
     if bf16 is None: off["precision"] = "no bfloat16 capture of the step given (parallel_widget's bf16)"
+    if not splittable_experts(g): off["ep"] = "the step has no mixture of experts whose experts ep could split"
+    elif tp > 1 or pp > 1: off["ep"] = "ep is applied without tensor or pipeline parallelism: tp 1 and pp 1 first"
     if "compiled_saved" not in step_g.meta:
         off["compile"] = "the capture has no compiled saved set (search_graph's compile)"
     if plan.float8 != "tensorwise": off["float8_all_gather"] = "torchao gathers float8 weights under tensorwise only"
@@ -142,7 +146,8 @@ def _layout_view(g: StaticGraph, topo, world: int, budget_mib: float, tp: int, p
 # %% ../../nbs/45_parallel.ipynb
 def parallel_widget(g: StaticGraph, topo=None, world: int = 8, budget_mib: float | None = None,
                     bf16: StaticGraph | None = None, float8_graphs: dict | None = None):
-    """Harness: tp (with sequence and loss parallelism), pp, cp, checkpointing, precision, compile, Float8 and budget ->
+    """Harness: tp (with sequence and loss parallelism), pp, cp, ep, checkpointing, precision, compile, Float8 and
+    budget ->
     each pipeline rank's memory stack and the step's time by term. `bf16`: the step captured in bfloat16 (the precision
     control's bf16 compute); compile needs the compiled saved set in the steps' meta (`search_graph(...,
     compile=True)`);
@@ -175,6 +180,7 @@ def parallel_widget(g: StaticGraph, topo=None, world: int = 8, budget_mib: float
         tp=W.Dropdown(options=degrees, value=1),
         pp=W.Dropdown(options=degrees, value=1),
         cp=W.Dropdown(options=degrees, value=1),
+        ep=W.Dropdown(options=degrees, value=1, description="ep"),
         ac=W.ToggleButtons(options=list(POLICIES)),
         sequence=W.Checkbox(value=True, description="sequence parallel", style=wide["style"]),
         loss=W.Checkbox(value=True, description="loss parallel", style=wide["style"]),

@@ -42,9 +42,9 @@ from ..graph.records import BACKWARD, FORWARD, OPTIMIZER
 # %% auto 0
 __all__ = ['module_blocks', 'op_blocks', 'op_stages', 'tp_op_factor', 'tp_views', 'tp_local_graph',
            'sequence_parallel_buffers', 'buffer_bytes', 'run_to_block_end', 'tp_param_shape', 'ac_effects',
-           'compile_scale', 'boundary_bytes', 'model_output_bytes', 'expert_layers', 'expert_dispatch_bytes',
-           'rank_profile', 'rank_fsdp_plan', 'ParallelMemory', 'predict_rank_memory', 'predict_parallel_memory',
-           'placement_other_bytes']
+           'compile_scale', 'boundary_bytes', 'model_output_bytes', 'expert_layers', 'expert_slots',
+           'splittable_experts', 'expert_dispatch_bytes', 'rank_profile', 'rank_fsdp_plan', 'ParallelMemory',
+           'predict_rank_memory', 'predict_parallel_memory', 'placement_other_bytes']
 
 # %% ../../nbs/45b_parallel_memory.ipynb
 def _block_index(blocks: tuple[str, ...]):
@@ -547,9 +547,12 @@ def model_output_bytes(g: StaticGraph) -> float:
 
 # %% ../../nbs/45b_parallel_memory.ipynb
 def expert_layers(g: StaticGraph, plan: ParallelPlan) -> tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...]:
-    """(mixture, its children holding parameters, its expert parameters) of each layer of the captured step
-    (`meta['moe']`) whose experts the plan's ep splits; () with ep 1. ParallelPlanError for a step without a mixture
-    `apply_ep` lays out, or experts ep does not divide."""
+    """(experts unit, other units, expert parameters) of each mixture of the captured step (`meta['moe']`) whose experts
+    the plan's ep splits; () with ep 1. The experts are an FSDP unit of their own over `dp_shard × cp / ep` ranks: the
+    zoo's mixture, which holds its 3-D expert weights itself, with its children (the router) as units over the
+    data-parallel ranks (`apply_expert_fsdp`); a mixture whose experts are a module of their own (transformers',
+    torchtitan's), that module, the rest staying in the block's unit (torchtitan's `apply_fsdp`). ParallelPlanError for
+    a step without a mixture, or experts ep does not divide."""
     ep = plan.dims.ep
     if ep == 1: return ()
     rows, names = g.meta.get("moe") or [], {s.name for s in g.storages if s.role == "parameter"}
@@ -558,32 +561,51 @@ def expert_layers(g: StaticGraph, plan: ParallelPlan) -> tuple[tuple[str, tuple[
                                 "(meta['moe'] is empty); use ep=1")
     out = []
     for r in rows:
-        m = r["path"]
-        if r["experts"] != m:
-            raise ParallelPlanError(f"ep={ep}: {m} keeps its experts in {r['experts']}, a layout apply_ep cannot split "
-                                    "yet (it splits a mixture holding its 3-D expert weights itself, as the zoo's MoE)")
+        m, e = r["path"], r["experts"]
         if r["n_experts"] % ep:
             raise ParallelPlanError(f"ep={ep} does not divide the {r['n_experts']} experts of {m}: give an ep that "
                                     f"divides {r['n_experts']}")
         kids = sorted({f"{m}.{n[len(m) + 1:].split('.')[0]}" for n in names
-                       if n.startswith(m + ".") and "." in n[len(m) + 1:]})
-        out.append((m, tuple(kids), tuple(f"{m}.{w}" for w in r["expert_shapes"])))
+                       if n.startswith(m + ".") and "." in n[len(m) + 1:]}) if e == m else ()
+        out.append((e, tuple(kids), tuple(f"{e}.{w}" for w in r["expert_shapes"])))
     return tuple(out)
+
+_EXPERT_MATMULS = ("aten.bmm", "aten._grouped_mm")
+
+def expert_slots(g: StaticGraph) -> dict[str, tuple[int, int, int]]:
+    """{experts (`meta['moe']`'s module): (their first matmul, the mixture's last forward op, bytes of the matmul's
+    input)}: the rows the experts run on, what each of expert parallelism's all-to-alls moves per rank (dispatch sends
+    them, combine returns the experts' output of the same shape): the zoo's capacity slots `(E, C, dim)` of a batched
+    matmul, or transformers' routed rows `(T·k, dim)` of a grouped one (torchtitan's layout). A mixture whose experts
+    run neither on a 3-D expert weight (stored as is or transposed) is left out."""
+    out, fwd = {}, [i for i, o in enumerate(g.ops) if o.phase == "forward"]
+    for r in g.meta.get("moe") or ():
+        m, shapes = r["path"], r["expert_shapes"].values()
+        weights = {(r["n_experts"], *s) for s in shapes} | {(r["n_experts"], *s[::-1]) for s in shapes}
+        ops = [i for i in fwd if g.ops[i].module == m or g.ops[i].module.startswith(m + ".")]
+        first = next((i for i in ops if g.ops[i].op.startswith(_EXPERT_MATMULS) and     # rows times an expert weight
+                      tuple(g.tensors[g.ops[i].inputs[1]].shape) in weights), None)
+        if first is not None: out[r["experts"]] = (first, ops[-1], g.tensors[g.ops[first].inputs[0]].nbytes)
+    return out
+
+def splittable_experts(g: StaticGraph) -> int:
+    """How many experts each mixture of the captured step has where ep may split every one (the gcd of their counts):
+    each runs its 3-D expert weights as batched or grouped matmuls (`expert_slots`); 0 for a dense step or one with a
+    mixture the time model cannot price under ep."""
+    rows = g.meta.get("moe") or ()
+    if not rows or len(expert_slots(g)) != len(rows): return 0
+    return math.gcd(*(r["n_experts"] for r in rows))
 
 def expert_dispatch_bytes(g: StaticGraph, moe, cp: int = 1) -> dict[int, float]:
     """{captured op: bytes} expert parallelism holds there beyond the captured step (`moe`: `expert_layers`): each
-    mixture's forward (and its recompute) keeps its experts step's input slots `(E, C, dim)` in a local while the
+    mixture's forward (and its recompute) keeps its experts step's input slots (`expert_slots`) in a local while the
     all-to-all's copy feeds the experts (without ep the experts' first matmul saves that very tensor, so the capture
     counts it once), from that matmul to the mixture's last forward op."""
-    out, fwd = {}, [i for i, o in enumerate(g.ops) if o.phase == "forward"]
-    rows = {r["path"]: r for r in g.meta.get("moe") or ()}
+    out, slots = {}, expert_slots(g)
     for m, *_ in moe:
-        weights = {(rows[m]["n_experts"], *s) for s in rows[m]["expert_shapes"].values()}
-        ops = [i for i in fwd if g.ops[i].module == m or g.ops[i].module.startswith(m + ".")]
-        first = next((i for i in ops if g.ops[i].op.startswith("aten.bmm") and     # slots times an expert weight
-                      tuple(g.tensors[g.ops[i].inputs[1]].shape) in weights), None)
-        if first is None: continue
-        for i in range(first, ops[-1] + 1): out[i] = out.get(i, 0) + g.tensors[g.ops[first].inputs[0]].nbytes / cp
+        if m not in slots: continue
+        first, last, nbytes = slots[m]
+        for i in range(first, last + 1): out[i] = out.get(i, 0) + nbytes / cp
     return out
 
 def _local_params(mine, v: _View, plan: ParallelPlan, newix, experts: frozenset = frozenset()) -> list[ParamInfo]:

@@ -92,9 +92,9 @@ def plot_rank_memory(mem: ParallelMemory, measured: dict | None = None, ax=None)
     return fig
 
 # %% ../../nbs/45i_parallel_plots.ipynb
-TERM_COLORS = dict(zip(TIME_TERMS, ("#4c72b0", "#dd8452", "#937860", "#c44e52", "#8172b2", "#ccb974", "#8c8c8c",
-                                    "#64b5cd", "#55a868")))
-_AXIS_COLORS = {"tp": TERM_COLORS["tp"], "cp": TERM_COLORS["cp"], "dp": TERM_COLORS["dp"], "pp": TERM_COLORS["pp_p2p"]}
+TERM_COLORS = dict(zip(TIME_TERMS, ("#4c72b0", "#dd8452", "#937860", "#c44e52", "#8172b2", "#da8bc3", "#ccb974",
+                                    "#8c8c8c", "#64b5cd", "#55a868")))
+_AXIS_COLORS = {a: TERM_COLORS["pp_p2p" if a == "pp" else a] for a in ("tp", "cp", "ep", "dp", "pp")}
 
 def plot_step_terms(step: StepTime, measured_seconds: float | None = None, ax=None, title: str | None = None):
     """A horizontal stacked bar of the predicted step by term (ms), a bar per axis of its busy communication, and with

@@ -23,6 +23,8 @@ from ..fsdp import FSDPPlan, FSDPUnit, block_units
 from ..graph import StaticGraph, fmt_bytes
 from static_dist.parallel.memory import (
     boundary_bytes,
+    expert_layers,
+    splittable_experts,
     module_blocks,
     op_blocks,
     predict_parallel_memory,
@@ -51,7 +53,7 @@ from .pipeline import pipeline_blocker
 from .time import StepTime, predict_step_time, rank_work
 from ..placement import (block_spec, megatron_styles, outer_roles, sequence_blocker, context_blocker,
                                   blocking_params)
-from ..cost.profile import param_infos
+from ..cost.profile import param_infos, stack_lead
 from ..topology import Topology
 from ..graph.records import BACKWARD, FORWARD
 
@@ -67,15 +69,20 @@ def _divisors(n: int) -> list[int]: return [d for d in range(1, n + 1) if n % d 
 
 # %% ../../nbs/45d_parallel_search.ipynb
 def layout_dims(world: int, *, n_blocks: int, node: int, heads: int = 0, kv_heads: int = 0, seq: int | None = None,
-                pins: dict | None = None) -> list[ParallelDims]:
-    "The degrees worth trying for `world` ranks (see above); `pins` fixes any of dp_replicate, dp_shard, cp, tp, pp."
+                pins: dict | None = None, experts: int = 0) -> list[ParallelDims]:
+    """The degrees worth trying for `world` ranks (see above); `pins` fixes any of dp_replicate, dp_shard, cp, tp, pp
+    and ep. `experts`: how many experts each mixture of experts has (0: a dense model); ep is drawn from dp_shard × cp
+    and divides them, on layouts without tp or pp (as `apply_ep` lays it out)."""
     pins = dict(pins or {})
     bad = set(pins) - set(AXIS)
     if bad: raise ParallelPlanError(f"unknown pinned dims {sorted(bad)}: pin {', '.join(AXIS)}")
-    if pins.get("ep", 1) > 1:
-        raise ParallelPlanError(f"ep={pins['ep']}: the search does not price expert parallelism yet (its memory is "
-                                "predicted, the all-to-all's time not yet); pin ep 1, or write a plan with ep by hand "
-                                "and predict_parallel_memory, verify, apply or run it")
+    ep_pin = pins.get("ep", 1)
+    if ep_pin > 1 and not experts:
+        raise ParallelPlanError(f"ep={ep_pin}: the model has no mixture of experts whose experts ep could split; "
+                                "pin ep 1")
+    if ep_pin > 1 and experts % ep_pin:
+        raise ParallelPlanError(f"ep={ep_pin} does not divide the {experts} experts of each mixture: pin a divisor "
+                                f"of {experts}")
     out, partial = [], []    # partial: pinned layouts the whole-node replication rule leaves out
     for tp in _divisors(world):
         if tp > node or node % tp or (heads and heads % tp) or (kv_heads and kv_heads % tp): continue
@@ -86,10 +93,12 @@ def layout_dims(world: int, *, n_blocks: int, node: int, heads: int = 0, kv_head
                 dp = world // tp // pp // cp
                 for rep in _divisors(dp):
                     shard = dp // rep
-                    d = ParallelDims(rep, shard, cp, tp, pp)
-                    if not all(getattr(d, k) == v for k, v in pins.items()): continue
-                    if rep > 1 and shard * cp * tp < node: partial.append(d); continue
-                    out.append(d)
+                    eps = _divisors(math.gcd(experts, shard * cp)) if experts and tp == pp == 1 else [1]
+                    for ep in eps:
+                        d = ParallelDims(rep, shard, cp, tp, pp, ep)
+                        if not all(getattr(d, k) == v for k, v in pins.items()): continue
+                        if rep > 1 and shard * cp * tp < node: partial.append(d); continue
+                        out.append(d)
     if not out and partial:
         raise ParallelPlanError(
             f"no layout of {world} ranks satisfies the pins {pins}: the search replicates only whole "
@@ -97,8 +106,9 @@ def layout_dims(world: int, *, n_blocks: int, node: int, heads: int = 0, kv_head
             f"{partial[0].dp_replicate} leaves {world // partial[0].dp_replicate} per replica; pin "
             f"dp_replicate {max(world // node, 1)} or less, or give a topology with smaller nodes"
         )
+    ep = f"; ep > 1 takes tp 1, pp 1 and a divisor of dp_shard × cp" if ep_pin > 1 else ""
     if not out: raise ParallelPlanError(f"no layout of {world} ranks satisfies the pins {pins} and the model "
-                                        f"({n_blocks} blocks, {heads} heads, seq {seq}); relax a pin")
+                                        f"({n_blocks} blocks, {heads} heads, seq {seq}){ep}; relax a pin")
     return out
 
 # %% ../../nbs/45d_parallel_search.ipynb
@@ -122,7 +132,8 @@ class _Context:
         self.stack = g.structure.main
         self.captured = len(self.stack.blocks)
         self.full = n_blocks == self.captured
-        names = tuple(f"{self.stack.path}.{i}" if self.stack.path else str(i) for i in range(n_blocks))
+        lead = stack_lead(self.stack.path, self.stack.blocks)   # layers before the stack's first (DeepSeek's dense)
+        names = tuple(f"{self.stack.path}.{lead + i}" if self.stack.path else str(lead + i) for i in range(n_blocks))
         self.blocks = self.stack.blocks if self.full else names
         self.full_stack = self.stack if self.full else dataclasses.replace(self.stack, blocks=names)
         inputs = g.meta.get("inputs") or []
@@ -189,10 +200,10 @@ def first_in_flight(self: _Context, plan: ParallelPlan) -> int:
 # %% ../../nbs/45d_parallel_search.ipynb
 def _uniform_profile(ctx: _Context, d: ParallelDims, mode: CheckpointPolicy, k: int):
     "The rank profile of a stage of `k` blocks, all checkpointed as `mode` (extended from the captured blocks)."
-    key = (d.tp, d.cp, mode, d.pp > 1)
-    if key not in ctx._prof:
-        p = ParallelPlan(ParallelDims(cp=d.cp, tp=d.tp), ac=(mode,) * ctx.captured, compile=ctx.compiled(ctx.captured),
-                         **ctx.tp_fields(d))
+    key = (d.tp, d.cp, d.ep, mode, d.pp > 1)
+    if key not in ctx._prof:          # what sets a rank's ops and their bytes: tp, cp and ep (its experts' share)
+        p = ParallelPlan(ParallelDims(dp_shard=d.ep, cp=d.cp, tp=d.tp, ep=d.ep), ac=(mode,) * ctx.captured,
+                         compile=ctx.compiled(ctx.captured), **ctx.tp_fields(d))
         ctx._prof[key] = rank_profile(ctx.g, p, 0, ctx.master)
     if k == ctx.captured: return ctx._prof[key]
     if (key, k) not in ctx._ext: ctx._ext[(key, k)] = expand_profile(ctx._prof[key], k)
@@ -289,8 +300,8 @@ def _memory(ctx: _Context, plan: ParallelPlan, mode: CheckpointPolicy | None = N
     if k < ctx.captured:
         raise ParallelPlanError(f"a stage of {k} blocks is shorter than the {ctx.captured} captured ones")
     modes = _stage_modes(ctx, plan, mode)
-    key = (d.tp, d.cp, modes if len(set(modes)) > 1 else (k, modes[0]), d.fsdp_size, d.dp_replicate > 1, d.pp > 1,
-           ctx.first_in_flight(plan), plan.microbatches)
+    key = (d.tp, d.cp, d.ep, modes if len(set(modes)) > 1 else (k, modes[0]), d.fsdp_size, d.dp_replicate > 1,
+           d.pp > 1, ctx.first_in_flight(plan), plan.microbatches)
     if key not in ctx._mem:                    # the replicate degree aside, these set a rank's memory
         P = _pipelined(ctx, plan, _mixed_profile(ctx, d, modes))
         ctx._mem[key] = predict_rank_memory(P, plan).peak_bytes
@@ -496,9 +507,10 @@ def table(self: LayoutSearch, lost: int = 5) -> str:
 # %% ../../nbs/45d_parallel_search.ipynb
 def _most_sharded_memory(ctx: _Context, plan: ParallelPlan, mode: CheckpointPolicy) -> tuple[ParallelDims, int | None]:
     """The layout with `plan`'s tp, cp, pp and micro-batches that shards the most (every data-parallel rank in dp_shard,
-    none replicated), checkpointed as `mode` on every block, and its memory (None where that layout is not valid)."""
+    none replicated; the same ep), checkpointed as `mode` on every block, and its memory (None where that layout is not
+    valid)."""
     d = plan.dims
-    top = ParallelDims(1, d.world // (d.cp * d.tp * d.pp), d.cp, d.tp, d.pp)
+    top = ParallelDims(1, d.world // (d.cp * d.tp * d.pp), d.cp, d.tp, d.pp, d.ep)
     try:
         p = ctx.plan(top, ac=(mode,) * ctx.n, stages=plan.stages, schedule=plan.schedule, m=plan.microbatches)
         check_layout(p, ctx.full_stack, ctx.seq)
@@ -512,7 +524,7 @@ def _hopeless(ctx: _Context, plan: ParallelPlan, ac, budget: int, bounds: dict) 
     parameters and activations stay), and replicating adds to it: if the most sharded layout of that group does not fit
     even with every block checkpointed, no layout of the group does. One evaluation per group, not one per layout."""
     d = plan.dims
-    key = (d.tp, d.cp, d.pp, plan.microbatches)
+    key = (d.tp, d.cp, d.pp, d.ep, plan.microbatches)
     if key not in bounds: bounds[key] = _most_sharded_memory(ctx, plan, FullCheckpoint() if ac == "auto" else ac)
     top, mem = bounds[key]
     if mem is None or mem <= budget: return ""
@@ -614,9 +626,9 @@ def search_layouts(g: StaticGraph, world: int, topo: Topology, budget_bytes: int
         raise ParallelPlanError(f"float8_all_gather on a step captured with float8 {ctx.float8}: torchao gathers "
                                 "float8 weights only under the tensorwise recipe; capture it so or drop the all-gather")
     node = topo.levels[0].size if topo.levels else topo.n_devices
-    dims = layout_dims(
-        world, n_blocks=n, node=node, heads=stack.n_heads, kv_heads=stack.n_kv_heads, seq=ctx.seq, pins=pins
-    )
+    if (ep := (pins or {}).get("ep", 1)) > 1: expert_layers(g, ParallelPlan(ParallelDims(dp_shard=ep, ep=ep)))
+    dims = layout_dims(world, n_blocks=n, node=node, heads=stack.n_heads, kv_heads=stack.n_kv_heads, seq=ctx.seq,
+                       pins=pins, experts=splittable_experts(g))
     heap, tick = [], 0
     for d in dims:
         k = d.pp * virtual_stages if d.pp > 1 else 1                     # stages in all
@@ -708,7 +720,7 @@ def search_graph(w, capture_blocks: int = 3, progress=None, dtype: str | None = 
     model's block count, how it was captured); `compile`: with what compile saves per block in its meta
     (`compile.with_compile_effects`, one partition per stack on the captured model)."""
     from static_dist.cost.few_blocks import block_attr_mismatch, first_blocks
-    from static_dist.cost.profile import BlockMismatchError, expand_blocks, profile_graph
+    from static_dist.cost.profile import PlanError, expand_blocks, profile_graph
     from static_dist.structure import find_structure
     from static_dist.util import torch_dtype
     name = dtype or w.dtype
@@ -729,14 +741,15 @@ def search_graph(w, capture_blocks: int = 3, progress=None, dtype: str | None = 
                 if spare and str(device) == "meta" and dtype == torch_dtype(name)
                 else w.build(device=device, dtype=dtype, seed=seed)
             )
-            return first_blocks(m, main.path, capture_blocks)
+            return first_blocks(m, main.path, capture_blocks, main.blocks[0])
         few = dataclasses.replace(w, build=build)
         g = few.graph(name, progress=progress)
         try:
             expand_blocks(profile_graph(g), n)
             how = f"{capture_blocks} of {n} blocks captured, the others identical"
             return _compiled_step(few, g, name, compile), n, how
-        except BlockMismatchError as e: why = "captured blocks differ: " + "; ".join(e.reasons[:2])
+        except PlanError as e:             # blocks that differ, or a stack after other layers (DeepSeek's dense ones)
+            why = "captured blocks differ: " + "; ".join(e.reasons[:2]) if hasattr(e, "reasons") else str(e)
     return _compiled_step(w, w.graph(name, progress=progress), name, compile), n, f"full capture ({why})"
 
 # %% ../../nbs/45d_parallel_search.ipynb

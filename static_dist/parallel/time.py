@@ -14,14 +14,14 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..axes import fsdp_dim, layout_mesh
+from ..axes import EXPERT_FSDP, fsdp_dim, layout_mesh
 from ..graph import StaticGraph
 from ..cost.profile import main_stack, param_infos, tokens_of
 from ..placement import STYLES
 from ..topology import MeshSpec, Topology, TwoStreams, collective_time, device_spec, op_seconds
 from ..graph.policies import FullCheckpoint, NoCheckpoint, SelectiveOps, recomputed_ops
-from .memory import (_MATMUL, _block_forward, _block_spans, _regions, boundary_bytes, op_blocks,
-                                         tp_op_factor, tp_param_shape)
+from .memory import (_MATMUL, _block_forward, _block_spans, _regions, boundary_bytes,
+                                         expert_slots, op_blocks, tp_op_factor, tp_param_shape)
 from .float8 import float8_weights
 from .plan import (ParallelPlan, ParallelPlanError, block_collectives, block_policies,
                                     outer_collectives, stage_ranges)
@@ -88,6 +88,11 @@ class RankWork:
     weights (`parallel.float8_weights`), which FSDP gathers at one byte per element under `float8_all_gather`."""
     float8_count: tuple = (None, 0, 0)
     "How many such weights, per block, before and after the stack: one amax all-reduce each per float8 gather."
+    ep_bytes: np.ndarray | None = None
+    """Per block: bytes of its mixture's expert slots (`expert_slots`, the rank's tokens) that each of expert
+    parallelism's all-to-alls moves; 0 for a block without a mixture. Set whatever the plan's ep (ep prices them)."""
+    expert_params: np.ndarray | None = None
+    "Of `block_params`, the bytes of each block's expert weights, all experts (a plan's ep splits them)."
 
 # %% ../../nbs/45c_parallel_time.ipynb
 def _op_factor(g: StaticGraph, plan: ParallelPlan, blocks) -> np.ndarray:
@@ -188,9 +193,14 @@ def rank_work(g: StaticGraph, plan: ParallelPlan, topo: Topology, device=None, p
     first = {}
     for i, o in enumerate(g.ops):
         if o.phase == "forward": first.setdefault(o.module, i)
+    enames = {f"{r['experts']}.{w}" for r in g.meta.get("moe") or () for w in r["expert_shapes"]}
+    eb, ep_bytes = np.zeros(k), np.zeros(k)
+    for first_op, _, nbytes in expert_slots(g).values():
+        if ob[first_op] >= 0: ep_bytes[ob[first_op]] += nbytes / plan.dims.cp
     for p in params:
         b = next((of[x] for x in _prefixes(p.name) if x in of), None)
         is8 = p.name in f8_names
+        if b is not None and p.name in enames: eb[b] += local(p)
         if b is not None: bp[b] += local(p); f8b[b] += local(p) * is8; n8b[b] += is8
         elif first.get(p.name.rpartition(".")[0], 0) < f0: pre += local(p); f8r[0] += local(p) * is8; n8r[0] += is8
         else: post += local(p); f8r[1] += local(p) * is8; n8r[1] += is8
@@ -227,6 +237,8 @@ def rank_work(g: StaticGraph, plan: ParallelPlan, topo: Topology, device=None, p
         outer_bytes=_outer_bytes(plan, tokens, itemsize, {p.name: p.shape for p in params}),
         float8_params=(f8b, *f8r),
         float8_count=(n8b, *n8r),
+        ep_bytes=ep_bytes,
+        expert_params=eb,
     )
 
 # %% ../../nbs/45c_parallel_time.ipynb
@@ -321,7 +333,7 @@ def _two_streams(segs) -> tuple[float, float]:
     return S.end, S.busy
 
 # %% ../../nbs/45c_parallel_time.ipynb
-TIME_TERMS = ("forward", "backward", "recompute", "tp", "cp", "dp", "pp_bubble", "pp_p2p", "optimizer")
+TIME_TERMS = ("forward", "backward", "recompute", "tp", "cp", "ep", "dp", "pp_bubble", "pp_p2p", "optimizer")
 
 @dataclass(frozen=True)
 class StepTime:
@@ -330,7 +342,7 @@ class StepTime:
     terms: dict
     "Seconds on the critical path by term (`TIME_TERMS`); they add up to `step_seconds`."
     comm: dict
-    "Busy seconds per axis ('tp', 'cp', 'dp', 'pp'), hidden or not."
+    "Busy seconds per axis ('tp', 'cp', 'ep', 'dp', 'pp'), hidden or not."
     tokens_per_device: float
     "Tokens per second per device."
     mfu: float
@@ -389,6 +401,13 @@ class _Layout:
     "Of `params`, the Float8 linears' weights' bytes per block (`RankWork.float8_params`)."
     float8_count: np.ndarray | None = None
     "How many Float8 weights per block (`RankWork.float8_count`)."
+    ep_f: np.ndarray | None = None
+    "Per block: expert parallelism's forward all-to-all seconds (dispatch and combine), on the critical path."
+    ep_b: np.ndarray | None = None
+    "Per block: its backward's all-to-alls, and its recompute's dispatch and combine where the block is checkpointed."
+    experts: np.ndarray | None = None
+    """Per block: its expert weights' bytes, all experts (`RankWork.expert_params`), under ep > 1; `params` holds the
+    rest."""
 
 # %% ../../nbs/45c_parallel_time.ipynb
 def _async_tp(tp_f: float, tp_b: np.ndarray, fwd: np.ndarray, bwd: np.ndarray) -> tuple[float, np.ndarray]:
@@ -396,6 +415,7 @@ def _async_tp(tp_f: float, tp_b: np.ndarray, fwd: np.ndarray, bwd: np.ndarray) -
     matmul it feeds or is fed by, so a block hides up to its compute's seconds (forward: the least block's)."""
     return max(tp_f - float(fwd.min()), 0.0) if len(fwd) else tp_f, np.maximum(tp_b - bwd, 0.0)
 
+# %% ../../nbs/45c_parallel_time.ipynb
 def _per_block(w: RankWork, plan: ParallelPlan, topo: Topology, mesh: MeshSpec, n: int,
                cp_rotate: str = "allgather") -> _Layout:
     fwd, bwd, bp = (extend_blocks(a, n) for a in (w.fwd_blocks, w.bwd_blocks, w.block_params))
@@ -421,22 +441,41 @@ def _per_block(w: RankWork, plan: ParallelPlan, topo: Topology, mesh: MeshSpec, 
              for f in (True, False) for pre in (True, False)}
     f8 = extend_blocks(w.float8_params[0], n) if w.float8_params[0] is not None else np.zeros(n)
     n8 = extend_blocks(w.float8_count[0], n) if w.float8_count[0] is not None else np.zeros(n, dtype=np.int64)
-    return _Layout(fwd, bwd, rc, tp_f, tp_b, cp_f, cp_b, busy, bp, outer, f8, n8)
+    ep_f, ep_b, ex = _expert_seconds(w, plan, topo, n, checkpointed)
+    return _Layout(fwd, bwd, rc, tp_f, tp_b, cp_f, cp_b, busy, bp - ex, outer, f8, n8, ep_f, ep_b, ex)
 
 # %% ../../nbs/45c_parallel_time.ipynb
-def _fsdp_costs(plan: ParallelPlan, topo: Topology, mesh: MeshSpec, itemsize: int):
+def _expert_seconds(w: RankWork, plan: ParallelPlan, topo: Topology, n: int, checkpointed: np.ndarray) -> tuple:
+    """Per block of `n`: (forward, backward all-to-all seconds, expert weight bytes) of the plan's expert parallelism;
+    zeros with ep 1. Each mixture dispatches its slots to the experts' ranks and combines their output back, forward
+    and backward (the gradients' way), and once more in a checkpointed block's recompute; none overlaps the experts it
+    feeds or is fed by (torchtitan issues them in line)."""
+    z, ep = np.zeros(n), plan.dims.ep
+    if ep == 1: return z, z, z
+    if w.ep_bytes is None or not w.ep_bytes.any():
+        raise ParallelPlanError(f"ep={ep}: the rank's work has no mixture of experts' slots to dispatch (the captured "
+                                "step has none in its blocks); use ep=1")
+    mesh = layout_mesh(plan, experts=True)
+    a2a = np.array([_coll(topo, mesh, "ep", "all_to_all", int(x)) for x in extend_blocks(w.ep_bytes, n)])
+    return 2 * a2a, 2 * a2a + np.where(checkpointed, 2 * a2a, 0.0), extend_blocks(w.expert_params, n)
+
+# %% ../../nbs/45c_parallel_time.ipynb
+def _fsdp_costs(plan: ParallelPlan, topo: Topology, mesh: MeshSpec, itemsize: int, experts: bool = False):
     """(all-gather seconds, reduce-scatter + all-reduce seconds) of a unit of `nbytes` captured-dtype parameters, of
     which `f8` bytes are `n8` Float8 linears' weights (under `float8_all_gather`: gathered at one byte per element,
-    each after an all-reduce of its 4-byte amax, `WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather`)."""
+    each after an all-reduce of its 4-byte amax, `WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather`).
+    `experts`: of an experts unit under ep, sharded over the `efsdp` ranks of `mesh` (`layout_mesh(..., experts=True)`),
+    its Float8 weights not cast for the gather."""
     from static_dist.util import DTYPE_BYTES
     f, d = plan.fsdp, plan.dims
     pdt = f.param_dtype if f is not None else None
     rdt = (f.reduce_dtype or f.param_dtype) if f is not None else None
     ps = DTYPE_BYTES[pdt] / itemsize if pdt else 1.0
     rs = DTYPE_BYTES[rdt] / itemsize if rdt else 1.0
-    fd = fsdp_dim(plan)
+    fd, shard = fsdp_dim(plan), d.fsdp_size
+    if experts: shard = d.fsdp_size // d.ep; fd = EXPERT_FSDP if shard > 1 else None
     memo: dict = {}
-    one = 1 / itemsize if plan.float8_all_gather else None      # float8: a byte per element, scales not gathered
+    one = 1 / itemsize if plan.float8_all_gather and not experts else None   # float8: a byte per element, no scales
     def ag(nb, f8=0.0, n8=0):
         if ("ag", nb, f8, n8) not in memo:
             wire = (nb - f8) * ps + f8 * one if one else nb * ps
@@ -446,7 +485,7 @@ def _fsdp_costs(plan: ParallelPlan, topo: Topology, mesh: MeshSpec, itemsize: in
     def sync(nb):
         if ("s", nb) not in memo:
             t = _coll(topo, mesh, fd, "reduce_scatter", int(nb * rs)) if fd else 0.0
-            if d.dp_replicate > 1: t += _coll(topo, mesh, "dp_replicate", "all_reduce", int(nb * rs / d.fsdp_size))
+            if d.dp_replicate > 1: t += _coll(topo, mesh, "dp_replicate", "all_reduce", int(nb * rs / shard))
             memo[("s", nb)] = t
         return memo[("s", nb)]
     return ag, sync
@@ -476,9 +515,10 @@ class _MicroBatch(NamedTuple):
 
 # %% ../../nbs/45c_parallel_time.ipynb
 def _rank_micro_batch(w: RankWork, L: _Layout, plan: ParallelPlan, stages: list, ranges, ag, sync_cost, do_sync: bool,
-                      gather: bool = True) -> _MicroBatch:
+                      gather: bool = True, experts=None) -> _MicroBatch:
     """One micro-batch on the pipeline rank running `stages`; `gather`: its forward all-gathers the units (not when they
-    stay gathered from the micro-batch before)."""
+    stay gathered from the micro-batch before); `experts`: the (all-gather, sync) costs of an experts unit under ep,
+    gathered and synced with its block's."""
     has_pre, has_post = 0 in stages, len(ranges) - 1 in stages
     blocks = [b for s in stages for b in range(*ranges[s])]
     units, reshard = _block_units(plan)
@@ -494,15 +534,22 @@ def _rank_micro_batch(w: RankWork, L: _Layout, plan: ParallelPlan, stages: list,
     fwd, bwd, rc, tp_b, cp_f, cp_b, prm = (a.tolist() for a in (L.fwd, L.bwd, L.rc, L.tp_b, L.cp_f, L.cp_b, L.params))
     f8 = L.float8.tolist() if L.float8 is not None else [0.0] * len(prm)
     n8 = L.float8_count.tolist() if L.float8_count is not None else [0] * len(prm)
-    fag = lambda b: (("f", b), ag(prm[b], f8[b], n8[b])) if gather else None
-    bag = lambda b: (("b", b), ag(prm[b], f8[b], n8[b])) if units and reshard is not False else None
+    ex = (L.experts / plan.dims.ep).tolist() if experts is not None else [0.0] * len(prm)     # the rank's experts
+    e_ag, e_sync = experts or (None, None)
+    per_block = units or any(ex[b] for b in blocks)       # gathered block by block: their units or their experts'
+    blk_ag = lambda b: (ag(prm[b], f8[b], n8[b]) if units else 0.0) + (e_ag(ex[b]) if ex[b] else 0.0)
+    blk_sync = lambda b: (sync_cost(prm[b]) if units else 0.0) + (e_sync(ex[b]) if ex[b] else 0.0)
+    fag = lambda b: (("f", b), blk_ag(b)) if gather else None
+    bag = lambda b: (("b", b), blk_ag(b)) if per_block and reshard is not False else None
     o = {k: v if (has_pre if k[1] else has_post) else 0.0 for k, v in L.outer.items()}
     root_ag = (("f", "root"), ag(root, root8, rootn8)) if root and gather else None
+    ep_f = L.ep_f.tolist() if L.ep_f is not None else [0.0] * len(prm)
+    ep_b = L.ep_b.tolist() if L.ep_b is not None else [0.0] * len(prm)
     segs = [((w.fwd_pre if has_pre else 0.0) + o[True, True], root_ag,
-             [fag(j) for j in blocks[:pf]] if units and gather else [], [])]
+             [fag(j) for j in blocks[:pf]] if per_block and gather else [], [])]
     for i, b in enumerate(blocks):
-        segs.append((fwd[b] + L.tp_f + cp_f[b], fag(b) if units else None,
-                     [fag(j) for j in blocks[i + 1:i + 1 + pf]] if units and gather else [], []))
+        segs.append((fwd[b] + L.tp_f + cp_f[b] + ep_f[b], fag(b) if per_block else None,
+                     [fag(j) for j in blocks[i + 1:i + 1 + pf]] if per_block and gather else [], []))
     rev = blocks[::-1]
     segs.append(((w.fwd_post if has_post else 0.0) + o[True, False], None, [], []))
     segs.append(
@@ -515,8 +562,8 @@ def _rank_micro_batch(w: RankWork, L: _Layout, plan: ParallelPlan, stages: list,
     )
     for i, b in enumerate(rev):
         nxt = [x for x in (bag(j) for j in rev[i + 1:i + 1 + pb]) if x]
-        end = [(("s", b), sync_cost(prm[b]))] if do_sync and units else []
-        segs.append((bwd[b] + rc[b] + tp_b[b] + cp_b[b], bag(b), nxt, end))
+        end = [(("s", b), blk_sync(b))] if do_sync and per_block else []
+        segs.append((bwd[b] + rc[b] + tp_b[b] + cp_b[b] + ep_b[b], bag(b), nxt, end))
     segs.append(
         (
             (w.bwd_pre if has_pre else 0.0) + o[False, True],
@@ -530,10 +577,12 @@ def _rank_micro_batch(w: RankWork, L: _Layout, plan: ParallelPlan, stages: list,
     terms = dict(forward=(w.fwd_pre if has_pre else 0) + (w.fwd_post if has_post else 0) + float(L.fwd[B].sum()),
                  backward=(w.bwd_pre if has_pre else 0) + (w.bwd_post if has_post else 0) + float(L.bwd[B].sum()),
                  recompute=float(L.rc[B].sum()), tp=L.tp_f * len(B) + float(L.tp_b[B].sum()) + sum(o.values()),
-                 cp=float(L.cp_f[B].sum() + L.cp_b[B].sum()))
+                 cp=float(L.cp_f[B].sum() + L.cp_b[B].sum()), ep=float(sum(ep_f[b] + ep_b[b] for b in blocks)))
     terms["cp_busy"] = float(L.cp_busy[B].sum())            # forward: key/value chunks; backward: them and their grads
+    # the optimizer's share: the experts at their captured bytes (E/ep experts over dp_shard·cp/ep ranks: 1/fsdp_size)
+    experts_bytes = plan.dims.ep * sum(ex[b] for b in blocks)
     return _MicroBatch(end=end, compute=sum(s[0] for s in segs), busy=busy, terms=terms,
-                       params=root + (float(L.params[B].sum()) if units else 0.0))
+                       params=root + (float(L.params[B].sum()) if units else 0.0) + experts_bytes)
 
 # %% ../../nbs/45c_parallel_time.ipynb
 class _SlowestRank(NamedTuple):
@@ -560,6 +609,7 @@ def predict_step_time(work: RankWork, plan: ParallelPlan, topo: Topology, *, n_b
     mesh = layout_mesh(plan)
     L = _per_block(work, plan, topo, mesh, n, cp_rotate)
     ag, sync_cost = _fsdp_costs(plan, topo, mesh, work.act_itemsize)
+    experts = _fsdp_costs(plan, topo, layout_mesh(plan, experts=True), work.act_itemsize, True) if d.ep > 1 else None
     ranges = stage_ranges(plan, n) if d.pp > 1 else ((0, n),)
     k = plan.fsdp.accumulation_steps if plan.fsdp is not None else 1
     every = plan.fsdp.sync_every_microbatch if plan.fsdp is not None else False
@@ -572,19 +622,20 @@ def predict_step_time(work: RankWork, plan: ParallelPlan, topo: Topology, *, n_b
         shape = (0 in stages, len(ranges) - 1 in stages, tuple(ranges[s][1] - ranges[s][0] for s in stages))
         if shape in seen and n > len(work.fwd_blocks): continue
         seen.add(shape)
-        first = _rank_micro_batch(work, L, plan, stages, ranges, ag, sync_cost, True)
+        first = _rank_micro_batch(work, L, plan, stages, ranges, ag, sync_cost, True, experts=experts)
         # a pipeline's units that do not reshard after forward stay gathered from the first micro-batch to the step's
         # end
         again = not (d.pp > 1 and _block_units(plan)[1] is False)
-        later = _rank_micro_batch(work, L, plan, stages, ranges, ag, sync_cost, every, again) if mbs > 1 else first
+        later = (_rank_micro_batch(work, L, plan, stages, ranges, ag, sync_cost, every, again, experts)
+                 if mbs > 1 else first)
         total = first.end + (mbs - 1) * later.end
         if best is None or total > best.seconds: best = _SlowestRank(seconds=total, rank=r, first=first, later=later)
     r, first, later, terms = best.rank, best.first, best.later, best.first.terms
     t1, c1, b1, t0, c0, b0 = first.end, first.compute, first.busy, later.end, later.compute, later.busy
     out = {t: 0.0 for t in TIME_TERMS}
-    for key in ("forward", "backward", "recompute", "tp", "cp"): out[key] = float(terms[key] * mbs)
+    for key in ("forward", "backward", "recompute", "tp", "cp", "ep"): out[key] = float(terms[key] * mbs)
     out["dp"] = float((t1 - c1) + (mbs - 1) * (t0 - c0))
-    comm = dict(tp=out["tp"], cp=terms["cp_busy"] * mbs, dp=b1 + (mbs - 1) * b0, pp=0.0)
+    comm = dict(tp=out["tp"], cp=terms["cp_busy"] * mbs, ep=out["ep"], dp=b1 + (mbs - 1) * b0, pp=0.0)
     if d.pp > 1:
         v = max(len(plan.stages), 1) // d.pp
         out["pp_bubble"] = float((d.pp - 1) / v * t0)
