@@ -14,7 +14,7 @@ from .errors import StaticDistError
 
 # %% auto 0
 __all__ = ['ROUTING_KINDS', 'RoutingError', 'Routing', 'routing_from', 'MoELayer', 'find_moe', 'active_params',
-           'routing_meta', 'unresolved_routing', 'moe_markdown']
+           'routing_meta', 'rerouted', 'busiest_rank_load', 'unresolved_routing', 'moe_markdown']
 
 # %% ../nbs/01b_moe.ipynb
 class RoutingError(StaticDistError, ValueError):
@@ -237,6 +237,27 @@ def routing_meta(layers: tuple[MoELayer, ...], routing: Routing | None, ops, ten
                          busiest=routing.busiest(t, l.n_experts, l.top_k) if t and l.top_k else 0))
     return dict(routing=routing.to_dict(), moe=rows,
                 moe_params=None if params is None else dict(active=params[0], total=params[1]))
+
+# %% ../nbs/01b_moe.ipynb
+def rerouted(meta: dict, routing) -> dict:
+    """A captured mixture-of-experts step's `meta` under another routing assumption (`routing_from`'s text or a
+    `Routing`): the busiest expert's rows recomputed per layer. RoutingError for a dense step, or one whose layers
+    declare a capacity (its slots set its shapes, whatever the routing)."""
+    r, rows = routing_from(routing), meta.get("moe") or []
+    if not rows: raise RoutingError(f"routing {str(r)!r}: the step has no mixture-of-experts layer to route")
+    if held := [x["path"] for x in rows if x.get("capacity_factor")]:
+        raise RoutingError(f"routing {str(r)!r}: {held[0]} declares a capacity, which sets its shapes whatever the "
+                           "routing; capture it again with routing= to restate it")
+    new = [dict(x, busiest=r.busiest(x["tokens"], x["n_experts"], x["top_k"]) if x["tokens"] and x["top_k"] else 0)
+           for x in rows]
+    return dict(meta, routing=r.to_dict(), moe=new)
+
+def busiest_rank_load(row: dict, ep: int) -> float:
+    """Rows the busiest of `ep` expert-parallel ranks runs over the balanced share, for a layer's meta `row` (see
+    above): `(F + E/ep - 1) / (E/ep)` with `F` its busiest expert's rows over the mean; 1 with ep 1 or a capacity."""
+    if ep == 1 or row.get("capacity_factor") or not row.get("routed"): return 1.0
+    f, local = row["busiest"] / (row["routed"] / row["n_experts"]), row["n_experts"] // ep
+    return (max(f, 1.0) + local - 1) / local
 
 # %% ../nbs/01b_moe.ipynb
 def unresolved_routing(layers: tuple[MoELayer, ...], module: str, op: str, routing: Routing | None) -> str | None:

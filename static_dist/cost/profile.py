@@ -129,6 +129,9 @@ class GraphProfile:
     """(mixture of experts, its children holding parameters) of each layer whose experts expert parallelism splits
     (`parallel.memory.rank_profile` with ep > 1): FSDP shards the children over the data-parallel ranks and the
     experts over those that do not split them."""
+    dropless: tuple[str, ...] = ()
+    """Of `experts`' units, those whose mixture routes without a capacity (dropless, torchtitan's token dispatch): its
+    ranks first exchange their rows per expert, one more all-to-all per forward."""
 
 # %% ../../nbs/06a_cost_profile.ipynb
 def within(name: str, unit: str) -> bool:
@@ -616,8 +619,11 @@ def expand_profile(P: GraphProfile, n_blocks: int) -> GraphProfile:
     experts = [(ren(m), tuple(map(ren, kids))) for m, kids in P.experts]     # block 1's layers copied with it
     experts += [(_rename_block(m, P.stack, j + 2, L), tuple(_rename_block(k, P.stack, j + 2, L) for k in kids))
                 for j in range(extra) for m, kids in P.experts if _block_of(m, P.stack, L) == 1]
+    dropless = [ren(m) for m in P.dropless] + [_rename_block(m, P.stack, j + 2, L) for j in range(extra)
+                                               for m in P.dropless if _block_of(m, P.stack, L) == 1]
     return dataclasses.replace(P, **E.ops, native=native, temporary=temp, params=E.params, modules=E.modules,
                                experts=tuple(sorted(experts, key=lambda e: _natural_key(e[0]))),
+                               dropless=tuple(sorted(dropless, key=_natural_key)),
                                saved=tuple(_expand_saved(P, E.where, ren, extra)), checkpoint=ckpt, recomputes=runs,
                                blocks=E.blocks, path=f"expanded from {len(P.blocks)} of {n_blocks} blocks",
                                block_flows=flows, model_forward_end=moved(P.model_forward_end),

@@ -136,8 +136,12 @@ def _layout(profile: GraphProfile, plan: FSDPPlan) -> tuple[UnitLayout, ...]:
     nb = np.flatnonzero(profile.op_phase == BACKWARD)
     out = []
     for u in plan.units:
-        fwd = _span(first, last, inside[u.module], 0) or (0, 0)
-        bwd = _span(first, last, inside[u.module], 1) or (fwd[1], fwd[1])
+        mods = inside[u.gathered_with] if u.gathered_with else inside[u.module]      # another call's parameter group
+        fwd = _span(first, last, mods, 0) or (0, 0)
+        # no backward op of its own: the capture filed them under another module (transformers' experts, whose
+        # grouped matmuls' backward runs under the shared experts'): its gradients' making is its backward
+        made = [p.grad_created for p in params[u.module] if p.grad_created >= 0]
+        bwd = _span(first, last, mods, 1) or ((min(made), max(made)) if made else (fwd[1], fwd[1]))
         if u.module == "": fwd, bwd = (0, fwd[1]), (int(nb[0]), int(nb[-1])) if len(nb) else (fwd[1], fwd[1])
         ps, own = params[u.module], owned[u.module]
         sizes = _unit_sizes(ps, plan, plan.unit_shard(u.module))

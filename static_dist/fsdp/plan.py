@@ -58,6 +58,9 @@ class FSDPUnit:
     shard_size: int | None = None
     """Ranks the unit shards over when not the plan's `shard_size` (None): expert parallelism's experts, sharded over
     the data-parallel ranks that do not split them (`parallel.memory.rank_fsdp_plan`)."""
+    gathered_with: str = ""
+    """The unit whose `fully_shard` call holds this one's parameters as a second parameter group (torchtitan shards a
+    block's experts so, over their own mesh): gathered and reduced at that unit's times, in calls of their own."""
 
     def __post_init__(self):
         try: object.__setattr__(self, "checkpoint", _unit_policy(self.checkpoint))
@@ -179,7 +182,8 @@ def _unit_from(f: Fields) -> FSDPUnit:
     "One `units[i]` entry of a plan file, checked."
     return FSDPUnit(f("module", _MODULE), f("reshard_after_forward", _RESHARD, True), _checkpoint_from(f),
                     f("reason", string(), ""), tuple(f("group", list_of(_MEMBER), ())),
-                    f("shard_size", optional(integer(1, MAX_WORLD, "ranks the unit shards over")), None))
+                    f("shard_size", optional(integer(1, MAX_WORLD, "ranks the unit shards over")), None),
+                    f("gathered_with", string(), ""))
 
 def _mesh_from(f: Fields) -> tuple[int, tuple[int, ...]]:
     "(world_size, mesh_shape), the mesh multiplying to the world."
@@ -352,5 +356,8 @@ def validate(plan: FSDPPlan, profile: GraphProfile | None = None, model: nn.Modu
         raise PlanError(f"unit {u.module!r} shards over {u.shard_size} of the plan's {plan.shard_size} ranks: only "
                         "expert parallelism's layout shards so (parallel.apply_parallel_plan with ep > 1); drop its "
                         "shard_size")
+    if (u := next((u for u in plan.units if u.gathered_with), None)) and model is not None:
+        raise PlanError(f"unit {u.module!r} is a parameter group of unit {u.gathered_with!r}: torchtitan's expert "
+                        "layout, which apply_plan does not make (it shards a unit per call); drop its gathered_with")
     if require_divisible: _check_divisible(plan, profile, model)
     return plan

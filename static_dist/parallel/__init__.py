@@ -29,6 +29,7 @@ from . import verify as _verify
 from . import float8 as _float8
 
 # %% ../../nbs/45_parallel.ipynb
+import dataclasses
 import math
 
 from ..graph import StaticGraph, fmt_bytes
@@ -70,17 +71,25 @@ PRECISIONS = ("fp32", "bf16 on fp32 masters")   # the widget's precision: fp32 t
 # %% ../../nbs/45_parallel.ipynb
 def _layout_view(g: StaticGraph, topo, world: int, budget_mib: float, tp: int, pp: int, cp: int, ac: str,
                  sequence: bool = True, loss: bool = True, precision: str = "fp32", compile: bool = False,
-                 float8_all_gather: bool = False, bf16: StaticGraph | None = None, ep: int = 1) -> View:
+                 float8_all_gather: bool = False, bf16: StaticGraph | None = None, ep: int = 1,
+                 imbalance: float = 1.0) -> View:
     """The layout for these degrees: its memory and time, or why the model cannot take it. `sequence`, `loss`: sequence
     and loss parallelism where the model maps (`tp_layout`); `precision`: one of `PRECISIONS` (bf16 compute is FSDP's
     `param_dtype` on `bf16`, the step captured in bfloat16); `compile`: every block compiled (the step's meta holds
     the compiled saved set, `compile.with_compile_effects`). The plan carries the Float8 recipe the step was captured
     with (`float8_of`); `float8_all_gather`: FSDP gathers its weights in float8 (tensorwise, dp_shard > 1); `ep`: the
-    experts split over that many of the dp_shard × cp ranks (a mixture-of-experts step)."""
+    experts split over that many of the dp_shard × cp ranks (a mixture-of-experts step); `imbalance`: its routing
+    restated as the busiest expert's load over the mean (`moe.rerouted`; 1: as captured)."""
     from static_dist.fsdp import FSDPPlan, block_units
     from static_dist.placement import block_spec, megatron_styles, sequence_blocker
     from static_dist.parallel.search import balanced_stages
+    from static_dist.moe import RoutingError, rerouted
     stack = g.structure.main
+    if imbalance != 1.0:
+        try:
+            g = dataclasses.replace(g, meta=rerouted(g.meta, f"imbalance={imbalance}"))
+            bf16 = bf16 and dataclasses.replace(bf16, meta=rerouted(bf16.meta, f"imbalance={imbalance}"))
+        except RoutingError as e: return View(str(e), f"**Not a routing for this model**: {e}")
     n, budget = len(stack.blocks), int(budget_mib * 2**20)
     mixed = precision != PRECISIONS[0] and bf16 is not None
     step_g = bf16 if mixed else g                     # the step as it computes: in bfloat16 on fp32 masters, or fp32
@@ -136,6 +145,12 @@ def _layout_view(g: StaticGraph, topo, world: int, budget_mib: float, tp: int, p
     if bf16 is None: off["precision"] = "no bfloat16 capture of the step given (parallel_widget's bf16)"
     if not splittable_experts(g): off["ep"] = "the step has no mixture of experts whose experts ep could split"
     elif tp > 1 or pp > 1: off["ep"] = "ep is applied without tensor or pipeline parallelism: tp 1 and pp 1 first"
+    rows = g.meta.get("moe") or []
+    if not rows: off["imbalance"] = "the step has no mixture of experts to route"
+    elif any(r.get("capacity_factor") for r in rows):
+        off["imbalance"] = "its mixtures declare a capacity: fixed slots, whatever the routing (tokens beyond dropped)"
+    elif ep == 1: off["imbalance"] = "without ep each rank runs its own rows however they are routed: ep > 1 first"
+    if imbalance != 1.0: text += f"; routing imbalance={imbalance:g} (busiest expert over the mean)"
     if "compiled_saved" not in step_g.meta:
         off["compile"] = "the capture has no compiled saved set (search_graph's compile)"
     if plan.float8 != "tensorwise": off["float8_all_gather"] = "torchao gathers float8 weights under tensorwise only"
@@ -181,6 +196,7 @@ def parallel_widget(g: StaticGraph, topo=None, world: int = 8, budget_mib: float
         pp=W.Dropdown(options=degrees, value=1),
         cp=W.Dropdown(options=degrees, value=1),
         ep=W.Dropdown(options=degrees, value=1, description="ep"),
+        imbalance=W.FloatSlider(value=1.0, min=1.0, max=4.0, step=0.25, description="imbalance", **wide),
         ac=W.ToggleButtons(options=list(POLICIES)),
         sequence=W.Checkbox(value=True, description="sequence parallel", style=wide["style"]),
         loss=W.Checkbox(value=True, description="loss parallel", style=wide["style"]),

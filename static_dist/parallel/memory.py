@@ -32,6 +32,7 @@ from ..graph import StaticGraph, fmt_bytes, op_bytes
 from ..topology import op_dtypes
 from ..graph.checkpoint import CheckpointLifetimes, checkpoint_lifetimes, recompute_bytes
 from ..graph.policies import kept_ops
+from ..moe import busiest_rank_load
 from .float8 import float8_weight_casts
 from .plan import ParallelDims, ParallelPlan, ParallelPlanError, block_policies, stage_ranges
 from .schedule import held_by_action, pipeline_held, rank_stages
@@ -596,16 +597,26 @@ def splittable_experts(g: StaticGraph) -> int:
     if not rows or len(expert_slots(g)) != len(rows): return 0
     return math.gcd(*(r["n_experts"] for r in rows))
 
-def expert_dispatch_bytes(g: StaticGraph, moe, cp: int = 1) -> dict[int, float]:
+def expert_dispatch_bytes(g: StaticGraph, moe, cp: int = 1, ep: int = 1) -> dict[int, float]:
     """{captured op: bytes} expert parallelism holds there beyond the captured step (`moe`: `expert_layers`): each
     mixture's forward (and its recompute) keeps its experts step's input slots (`expert_slots`) in a local while the
     all-to-all's copy feeds the experts (without ep the experts' first matmul saves that very tensor, so the capture
-    counts it once), from that matmul to the mixture's last forward op."""
+    counts it once), from that matmul to the mixture's last forward op. On the busiest of `ep` ranks
+    (`moe.busiest_rank_load` of the capture's routing assumption) what it receives, and what its experts make while
+    they run, is that load times the captured (what they save for backward beyond the mixture is not scaled)."""
     out, slots = {}, expert_slots(g)
+    rows = {r["experts"]: r for r in g.meta.get("moe") or ()}
     for m, *_ in moe:
         if m not in slots: continue
         first, last, nbytes = slots[m]
-        for i in range(first, last + 1): out[i] = out.get(i, 0) + nbytes / cp
+        load = busiest_rank_load(rows[m], ep)
+        for i in range(first, last + 1): out[i] = out.get(i, 0) + load * nbytes / cp
+        if load == 1: continue
+        made = [s for s in g.storages if first <= s.created <= last and s.role in ("activation", "temporary")
+                and within(g.ops[s.created].module, m)]              # the experts' own, from their first matmul
+        for s in made:
+            for i in range(s.created, min(last, s.freed if s.freed is not None else last) + 1):
+                out[i] += (load - 1) * s.nbytes / cp
     return out
 
 def _local_params(mine, v: _View, plan: ParallelPlan, newix, experts: frozenset = frozenset()) -> list[ParamInfo]:
@@ -671,8 +682,8 @@ def rank_profile(g: StaticGraph, plan: ParallelPlan, pp_rank: int = 0, master_dt
     phase = g.op_phases()[K]
     extra = _pipeline_extra(g, plan, pp_rank, v, K, ob, mine, prior_grads)
     at, spans = sequence_parallel_buffers(g, plan, blocks)
-    moe = expert_layers(g, plan)
-    dispatch = expert_dispatch_bytes(g, moe, plan.dims.cp)
+    moe, routes = expert_layers(g, plan), {r["experts"]: r for r in g.meta.get("moe") or ()}
+    dispatch = expert_dispatch_bytes(g, moe, plan.dims.cp, plan.dims.ep)
     extra = extra + buffer_bytes(at, spans, K) + buffer_bytes(dispatch, (), K)
     at = {i: at.get(i, 0) + dispatch.get(i, 0) for i in at.keys() | dispatch.keys()}   # a recompute holds them too
     late = (lambda r: r) if plan.ac_early_stop else partial(run_to_block_end, g, ob=ob,
@@ -700,7 +711,8 @@ def rank_profile(g: StaticGraph, plan: ParallelPlan, pp_rank: int = 0, master_dt
                         recomputes=tuple((int(newix(r.at)), *recompute_bytes(g, v.checkpoint, late(r), weight, at))
                                          for r in v.checkpoint.recomputes if v.keep[r.at]),
                         op_bytes=(nbytes * _op_share(g, plan, v))[K], op_dtypes=tuple(_dts[i] for i in K),
-                        optimizer_numel=sum(p.numel for p in ps), experts=tuple((e, kids) for e, kids, _ in moe))
+                        optimizer_numel=sum(p.numel for p in ps), experts=tuple((e, kids) for e, kids, _ in moe),
+                        dropless=tuple(e for e, _, _ in moe if not routes.get(e, {}).get("capacity_factor")))
 
 # %% ../../nbs/45b_parallel_memory.ipynb
 def _saved(g: StaticGraph, v: _View, cp: int, newix) -> tuple:
@@ -753,9 +765,12 @@ def rank_fsdp_plan(plan: ParallelPlan, profile: GraphProfile, pp_rank: int = 0) 
     f = plan.fsdp or FSDPPlan(math.prod(mesh), mesh, (FSDPUnit(""),))
     if plan.float8_all_gather: f = dataclasses.replace(f, float8_params=_float8_params(profile))
     units = tuple(s for u in f.units if (s := _stage_unit(u, mods)) is not None)
-    if profile.experts:   # `apply_expert_fsdp`: each mixture's children over the dp ranks, its experts over efsdp
+    if profile.experts:   # `apply_expert_fsdp`: each mixture's children over the dp ranks, its experts over efsdp;
+        # an experts module of its own (transformers', torchtitan's): a second parameter group of its block's call
+        owner = lambda e: next((u.module for u in units[::-1] if u.module and within(e, u.module)), "")
         units += tuple(u for e, kids in profile.experts
-                       for u in (*map(FSDPUnit, kids), FSDPUnit(e, shard_size=d.fsdp_size // d.ep)))
+                       for u in (*map(FSDPUnit, kids), FSDPUnit(e, shard_size=d.fsdp_size // d.ep,
+                                                                 gathered_with="" if kids else owner(e))))
     if d.pp > 1:   # the schedule runs every micro-batch but the last without gradient sync or resharding after backward
         if not _forward_between_backwards(plan, pp_rank):
             units = tuple(dataclasses.replace(u, reshard_after_forward=False) for u in units)

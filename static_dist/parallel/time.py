@@ -20,8 +20,9 @@ from ..cost.profile import main_stack, param_infos, tokens_of
 from ..placement import STYLES
 from ..topology import MeshSpec, Topology, TwoStreams, collective_time, device_spec, op_seconds
 from ..graph.policies import FullCheckpoint, NoCheckpoint, SelectiveOps, recomputed_ops
-from .memory import (_MATMUL, _block_forward, _block_spans, _regions, boundary_bytes,
-                                         expert_slots, op_blocks, tp_op_factor, tp_param_shape)
+from .memory import (_EXPERT_MATMULS, _MATMUL, _block_forward, _block_spans, _regions,
+                                         boundary_bytes, expert_slots, op_blocks, tp_op_factor, tp_param_shape)
+from ..moe import busiest_rank_load
 from .float8 import float8_weights
 from .plan import (ParallelPlan, ParallelPlanError, block_collectives, block_policies,
                                     outer_collectives, stage_ranges)
@@ -93,6 +94,11 @@ class RankWork:
     parallelism's all-to-alls moves; 0 for a block without a mixture. Set whatever the plan's ep (ep prices them)."""
     expert_params: np.ndarray | None = None
     "Of `block_params`, the bytes of each block's expert weights, all experts (a plan's ep splits them)."
+    expert_seconds: tuple = (None, None)
+    """Per block, forward and backward: seconds of its experts' matmuls (those that read or make a 3-D expert weight),
+    which the busiest expert-parallel rank runs on more rows than the others under an imbalanced routing."""
+    ep_rows: tuple = ()
+    "Per block: the `meta['moe']` row of its mixture (None without one): its experts and routing assumption."
 
 # %% ../../nbs/45c_parallel_time.ipynb
 def _op_factor(g: StaticGraph, plan: ParallelPlan, blocks) -> np.ndarray:
@@ -122,6 +128,7 @@ def _tp_collectives(g: StaticGraph, plan: ParallelPlan, blocks, tokens: int, ite
         out.append((kind, tokens // plan.dims.cp * {"out": w[0], "in": w[1]}[which] * itemsize, fwd))
     return tuple(out)
 
+# %% ../../nbs/45c_parallel_time.ipynb
 def _outer_bytes(plan: ParallelPlan, tokens: int, itemsize: int, shapes: dict) -> tuple:
     """`outer_collectives` with their bytes: the hidden state's for the embedding, norm and output projection (the
     embedding table's width), 4 per token for each of the loss's all-reduces, the logits' without loss parallelism."""
@@ -193,10 +200,12 @@ def rank_work(g: StaticGraph, plan: ParallelPlan, topo: Topology, device=None, p
     first = {}
     for i, o in enumerate(g.ops):
         if o.phase == "forward": first.setdefault(o.module, i)
-    enames = {f"{r['experts']}.{w}" for r in g.meta.get("moe") or () for w in r["expert_shapes"]}
-    eb, ep_bytes = np.zeros(k), np.zeros(k)
-    for first_op, _, nbytes in expert_slots(g).values():
-        if ob[first_op] >= 0: ep_bytes[ob[first_op]] += nbytes / plan.dims.cp
+    rows = {r["experts"]: r for r in g.meta.get("moe") or ()}
+    enames = {f"{e}.{w}" for e, r in rows.items() for w in r["expert_shapes"]}
+    eb, ep_bytes, ep_rows = np.zeros(k), np.zeros(k), [None] * k
+    for e, (first_op, _, nbytes) in expert_slots(g).items():
+        if ob[first_op] >= 0: ep_bytes[ob[first_op]] += nbytes / plan.dims.cp; ep_rows[ob[first_op]] = rows[e]
+    ef, ebw = _expert_matmul_seconds(g, ob, phase, sec, rows.values(), k)
     for p in params:
         b = next((of[x] for x in _prefixes(p.name) if x in of), None)
         is8 = p.name in f8_names
@@ -239,7 +248,24 @@ def rank_work(g: StaticGraph, plan: ParallelPlan, topo: Topology, device=None, p
         float8_count=(n8b, *n8r),
         ep_bytes=ep_bytes,
         expert_params=eb,
+        expert_seconds=(ef, ebw),
+        ep_rows=tuple(ep_rows),
     )
+
+# %% ../../nbs/45c_parallel_time.ipynb
+def _expert_matmul_seconds(g: StaticGraph, ob: np.ndarray, phase: np.ndarray, sec: np.ndarray, rows, k: int) -> tuple:
+    """(forward, backward) seconds per block of the experts' matmuls: batched or grouped ones that read or make a 3-D
+    expert weight (as stored or transposed); found by shape, since the capture may file an expert's backward under
+    another module (transformers' experts)."""
+    shapes = {(r["n_experts"], *s) for r in rows for s in r["expert_shapes"].values()}
+    shapes |= {(e, b, a) for e, a, b in shapes}
+    out = np.zeros((2, k))
+    if not shapes: return out[0], out[1]
+    for i, o in enumerate(g.ops):
+        if ob[i] < 0 or phase[i] not in (FORWARD, BACKWARD) or not o.op.startswith(_EXPERT_MATMULS): continue
+        if any(tuple(g.tensors[t].shape) in shapes for t in (*o.inputs, *o.outputs)):
+            out[int(phase[i] == BACKWARD), ob[i]] += sec[i]
+    return out[0], out[1]
 
 # %% ../../nbs/45c_parallel_time.ipynb
 def _prefixes(name: str):
@@ -335,6 +361,7 @@ def _two_streams(segs) -> tuple[float, float]:
 # %% ../../nbs/45c_parallel_time.ipynb
 TIME_TERMS = ("forward", "backward", "recompute", "tp", "cp", "ep", "dp", "pp_bubble", "pp_p2p", "optimizer")
 
+# %% ../../nbs/45c_parallel_time.ipynb
 @dataclass(frozen=True)
 class StepTime:
     "Predicted seconds of one optimizer step on the slowest rank, by term, with throughput and MFU."
@@ -448,16 +475,29 @@ def _per_block(w: RankWork, plan: ParallelPlan, topo: Topology, mesh: MeshSpec, 
 def _expert_seconds(w: RankWork, plan: ParallelPlan, topo: Topology, n: int, checkpointed: np.ndarray) -> tuple:
     """Per block of `n`: (forward, backward all-to-all seconds, expert weight bytes) of the plan's expert parallelism;
     zeros with ep 1. Each mixture dispatches its slots to the experts' ranks and combines their output back, forward
-    and backward (the gradients' way), and once more in a checkpointed block's recompute; none overlaps the experts it
-    feeds or is fed by (torchtitan issues them in line)."""
+    and backward (the gradients' way), and once more in a checkpointed block's recompute, a dropless mixture's after
+    an exchange of its rows per expert; none overlaps the experts it
+    feeds or is fed by (torchtitan issues them in line). Under an imbalanced routing the busiest rank
+    (`moe.busiest_rank_load`) receives and returns `load` times the rows, and its experts run them while the others
+    wait: `(load - 1)` times the experts' matmuls, charged here."""
     z, ep = np.zeros(n), plan.dims.ep
     if ep == 1: return z, z, z
     if w.ep_bytes is None or not w.ep_bytes.any():
         raise ParallelPlanError(f"ep={ep}: the rank's work has no mixture of experts' slots to dispatch (the captured "
                                 "step has none in its blocks); use ep=1")
     mesh = layout_mesh(plan, experts=True)
-    a2a = np.array([_coll(topo, mesh, "ep", "all_to_all", int(x)) for x in extend_blocks(w.ep_bytes, n)])
-    return 2 * a2a, 2 * a2a + np.where(checkpointed, 2 * a2a, 0.0), extend_blocks(w.expert_params, n)
+    load = np.array([busiest_rank_load(r, ep) if r else 1.0 for r in w.ep_rows] or np.ones(len(w.ep_bytes)))
+    load, nb = extend_blocks(load, n), extend_blocks(w.ep_bytes, n)
+    a2a = np.array([_coll(topo, mesh, "ep", "all_to_all", int(x * l)) for x, l in zip(nb, load)])
+    # the busiest rank's experts run `load` times the balanced rows: the others wait for it at the combine
+    ef, eb = (extend_blocks(a, n) if a is not None else np.zeros(n) for a in w.expert_seconds)
+    wait_f, wait_b = (load - 1) * ef, (load - 1) * (eb + np.where(checkpointed, ef, 0.0))
+    # a dropless mixture's ranks first exchange their rows per expert (int64 each): one more, latency-bound
+    counts = extend_blocks(np.array([_coll(topo, mesh, "ep", "all_to_all", 8 * r["n_experts"])
+                                     if r and not r.get("capacity_factor") else 0.0 for r in w.ep_rows]
+                                    or np.zeros(len(w.ep_bytes))), n)
+    fwd = 2 * a2a + counts + wait_f
+    return fwd, 2 * a2a + np.where(checkpointed, 2 * a2a + counts, 0.0) + wait_b, extend_blocks(w.expert_params, n)
 
 # %% ../../nbs/45c_parallel_time.ipynb
 def _fsdp_costs(plan: ParallelPlan, topo: Topology, mesh: MeshSpec, itemsize: int, experts: bool = False):

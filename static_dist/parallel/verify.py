@@ -93,8 +93,10 @@ def predict_axis_counts(profile, plan: ParallelPlan) -> dict[str, int]:
     if profile.experts:   # each mixture's experts step: dispatch and combine, forward and backward, per micro-batch;
         n = len(profile.blocks)   # a checkpointed block's recompute dispatches and combines again (its combine's
         pols = dict(zip(profile.blocks, block_policies(plan, n))) if n and len(plan.ac) == n else {}   # input saved)
-        again = sum(1 for e, _ in profile.experts for b, p in pols.items() if p.checkpoints and within(e, b))
-        out["ep.all_to_all"] = (4 * len(profile.experts) + 2 * again) * f.accumulation_steps
+        again = lambda units: sum(1 for e in units for b, p in pols.items() if p.checkpoints and within(e, b))
+        per = 4 * len(profile.experts) + 2 * again(e for e, _ in profile.experts)
+        per += len(profile.dropless) + again(profile.dropless)       # dropless: the rows per expert exchanged first
+        out["ep.all_to_all"] = per * f.accumulation_steps
     if n8 := _float8_amax_reduces(profile, f): out["dp.all_reduce"] = out.get("dp.all_reduce", 0) + n8
     if plan.dims.tp > 1:
         a, n = f.accumulation_steps, len(profile.blocks)

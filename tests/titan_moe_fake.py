@@ -1,0 +1,425 @@
+"""One-process, fake-process-group measurement of torchtitan 0.3.0 DeepSeek-V3
+(EP=2, dp_shard=4, world=4) with FSDPMemTracker + CommDebugMode.
+
+Run (from the repo root, in its .venv):
+  python tests/titan_moe_fake.py [--layers 3] [--batch 2] [--seq 64]
+         [--param-dtype bfloat16|float32] [--reshard default|always|never]
+         [--no-mem] [--no-count-patch] [--debug-comm]
+  (--backend defaults to partial_dtensor, the only spmd_backend that runs
+  with torch 2.13 here; see --help.)
+
+One untracked warm-up step first: the tracked step holds the optimizer state, as every step after the first does.
+
+Everything here is built from torchtitan's own code:
+  * config:      torchtitan.models.deepseek_v3.config_registry.deepseek_v3_debugmodel()
+  * model cfg:   DeepSeekV3Model.Config.update_from_config(config=trainer_cfg)
+                 (sets sharding configs + router._debug_force_load_balance)
+  * mesh:        torchtitan.distributed.ParallelDims(...).build_mesh()
+  * parallelize: torchtitan.models.deepseek_v3.parallelize.parallelize_deepseekv3
+                 (model.parallelize(parallel_dims) -> EP sharding of experts +
+                 AllToAllTokenDispatcher.wire_meshes(ep_mesh); then
+                 apply_fsdp_to_mtp_decoder -> apply_fsdp_to_decoder / fully_shard)
+  * optimizer:   torch.optim.AdamW over the (DTensor) params
+
+Monkeypatches (script-local, documented where applied):
+  1. torchtitan "device_type" globals -> "cpu" (torchtitan falls back to "cuda"
+     when no accelerator is present; meshes must be CPU meshes here).
+  2. AllToAllTokenDispatcher._token_count_exchange: the original collective is
+     still issued (so CommDebugMode counts it), but its output is overwritten
+     with the input (identity copy).  If the fake PG does not fill collective
+     outputs, the received per-expert counts are garbage and would be used as
+     all-to-all split sizes.  With forced balanced routing
+     (debug.moe_force_load_balance -> router._debug_force_load_balance) every
+     rank sends the same counts, so identity is exactly what a real
+     all-to-all would return.  NOTE: measured on torch 2.13, the fake PG
+     already fills outputs (c10d all_to_all_single = identity copy; funcol
+     all_to_all_single puts this rank's self-chunk in every output chunk,
+     i.e. "all ranks identical"; all_gather replicates the local shard), so
+     with balanced routing this patch is a no-op safeguard (same counts, same
+     results with --no-count-patch); it matters on fake-PG versions that leave
+     outputs uninitialised.
+  3. FSDPMemTracker multi-param-group support.  torchtitan's EP path calls
+     fully_shard(block, shard_placement_fn=...) returning ShardPlacementResult
+     with a per-param mesh (experts -> efsdp mesh, the rest -> fsdp/dp_shard
+     mesh), so each MoE block's FSDPState has 2 FSDPParamGroups.  Torch's
+     FSDPMemTracker only reads the legacy singular FSDPState._fsdp_param_group
+     property, which raises for >1 groups.  We (a) make that property return a
+     read-only view exposing the union of all groups' fsdp_params (that is all
+     the tracker reads from it in the forward/post-backward hooks), and
+     (b) subclass FSDPMemTracker so it instruments / wraps pre_backward and
+     post_backward of *every* param group, instruments each FSDPState once
+     (fully_shard([norm, lm_head]) is one state on two modules: the stock
+     tracker's per-module hook re-registration caused an extra all-gather +
+     reduce-scatter for that group), and restores everything on exit.
+     Checked: comm counts with the tracker == with --no-mem.
+"""
+
+import argparse
+import tempfile
+import json
+import sys
+import time
+from collections import Counter, defaultdict
+
+import torch
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+WORLD = 4
+EP = 2
+DP_SHARD = 4
+
+
+def parse():
+    p = argparse.ArgumentParser()
+    p.add_argument("--backend", default="partial_dtensor",
+                   choices=["partial_dtensor", "spmd_types", "full_dtensor"],
+                   help="parallelism.spmd_backend. Only partial_dtensor works with "
+                        "torch 2.13 here: spmd_types fails in fully_shard (FSDP2 of "
+                        "torch 2.13 needs DTensor params when dp_mesh_dims is given), "
+                        "full_dtensor fails in router._debug_force_load_balance_routing "
+                        "(gather of DTensor scores with a plain arange index).")
+    p.add_argument("--layers", type=int, default=3)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--param-dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--reshard", default="default", choices=["default", "always", "never"])
+    p.add_argument("--debug-comm", action="store_true")
+    p.add_argument("--no-count-patch", action="store_true",
+                   help="do not apply monkeypatch 2 (token-count identity copy)")
+    p.add_argument("--no-mem", action="store_true",
+                   help="skip FSDPMemTracker (to check it does not change comm counts)")
+    return p.parse_args()
+
+
+def patch_device_type():
+    # Monkeypatch 1: torchtitan computes device_type = _get_available_device_type() or "cuda"
+    # at import time; on a CPU-only box that is "cuda". Force "cpu" in every
+    # module that imported it by value.
+    import torchtitan.tools.utils as tu
+    import torchtitan.distributed.parallel_dims as pd
+    import torchtitan.distributed.utils as du
+    import torchtitan.models.common.token_dispatcher as td
+
+    for m in (tu, pd, du, td):
+        if hasattr(m, "device_type"):
+            m.device_type = "cpu"
+        if hasattr(m, "device_module"):
+            m.device_module = torch.cpu
+
+
+def patch_token_count_exchange():
+    # Monkeypatch 2 (see module docstring).
+    from torch.distributed._functional_collectives import wait_tensor
+    from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher
+
+    orig = AllToAllTokenDispatcher._token_count_exchange
+
+    def _token_count_exchange_identity(self, num_local_tokens_per_expert_E, pg, ep_size):
+        out = orig(self, num_local_tokens_per_expert_E, pg, ep_size)  # real collective call
+        src = num_local_tokens_per_expert_E.view(ep_size, -1)
+        if isinstance(out, torch.Tensor) and type(out).__name__ == "AsyncCollectiveTensor":
+            out = wait_tensor(out)
+        with torch.no_grad():
+            out.copy_(src)  # fake PG leaves `out` unfilled; identity == real result when balanced
+        return out
+
+    AllToAllTokenDispatcher._token_count_exchange = _token_count_exchange_identity
+
+
+class _GroupsView:
+    """Read-only union of several FSDPParamGroups (what FSDPMemTracker reads)."""
+
+    def __init__(self, groups):
+        self.groups = list(groups)
+        self.fsdp_params = [p for g in self.groups for p in g.fsdp_params]
+
+
+def patch_fsdp_param_group_property():
+    # Monkeypatch 3a (see module docstring).
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+    def _fsdp_param_group(self):
+        groups = self._fsdp_param_groups
+        if not groups:
+            return None
+        if len(groups) == 1:
+            return groups[0]
+        return _GroupsView(groups)
+
+    FSDPState._fsdp_param_group = property(_fsdp_param_group)
+
+
+def make_mem_tracker_cls():
+    # Monkeypatch 3b (see module docstring): subclass, not a global patch.
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed.fsdp import FSDPModule
+
+    class MultiGroupFSDPMemTracker(FSDPMemTracker):
+        # Differences from torch's FSDPMemTracker._instrument_fsdp_module:
+        #  * loops over every FSDPParamGroup of a state (per-param-mesh EP blocks
+        #    have 2: dp_shard/fsdp mesh + efsdp mesh);
+        #  * instruments each FSDPState once.  torchtitan uses
+        #    fully_shard([norm, lm_head]) (one state, two modules); the stock
+        #    tracker re-registers the pre/post-forward hooks on *each* module,
+        #    which makes FSDP run post_backward twice for that group (an extra
+        #    all-gather + reduce-scatter that does not happen without the
+        #    tracker).  For multi-module states we re-register through FSDP's own
+        #    _register_group_forward_hooks, exactly as FSDPState.init does.
+        @staticmethod
+        def _unique_states(root):
+            seen, out = set(), []
+            for module in root.modules():
+                if isinstance(module, FSDPModule):
+                    st = module._get_fsdp_state()
+                    if id(st) not in seen and st._fsdp_param_groups:
+                        seen.add(id(st))
+                        out.append(st)
+            return out
+
+        @staticmethod
+        def _install_forward_hooks(st, pre, post):
+            if len(st._modules) == 1:
+                m = st._modules[0]
+                st._pre_forward_hook_handle = m.register_forward_pre_hook(
+                    pre, prepend=True, with_kwargs=True)
+                st._post_forward_hook_handle = m.register_forward_hook(
+                    post, prepend=False, always_call=True)
+            else:
+                from torch.distributed.fsdp._fully_shard._fsdp_state import (
+                    _register_group_forward_hooks,
+                )
+                h = _register_group_forward_hooks(
+                    st._modules, pre, post, st._modules_to_run_forward, st._cast_output_dtype)
+                st._pre_forward_hook_handle = h
+                st._post_forward_hook_handle = h
+
+        def _instrument_fsdp_module(self) -> None:
+            from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType
+
+            self._saved_group_methods = []
+            self._instrumented_states = self._unique_states(self._root_mod)
+            for st in self._instrumented_states:
+                st._pre_forward_hook_handle.remove()
+                if st._post_forward_hook_handle is not st._pre_forward_hook_handle:
+                    st._post_forward_hook_handle.remove()
+            for st in self._instrumented_states:
+                key_mod = st._modules[0]
+                self._install_forward_hooks(
+                    st,
+                    self._fsdp_state_pre_forward(key_mod, st._pre_forward),
+                    self._fsdp_state_post_forward(key_mod, st._post_forward),
+                )
+                for g in st._fsdp_param_groups:
+                    self._instrument_fsdp_sharded_params_grads(g)
+                    self._saved_group_methods.append((g, g.pre_backward, g.post_backward))
+                    g.pre_backward = self._fsdp_param_group_pre_backward(key_mod, g.pre_backward)
+                    g.post_backward = self._fsdp_param_group_post_backward(key_mod, g.post_backward)
+            for buffer in self._root_mod.buffers():
+                self._update_and_maybe_create_winfos(buffer, _FSDPRefType.BUFFER)
+
+        def _deregister_module_and_optimizer_hooks(self) -> None:
+            for st in self._instrumented_states:
+                st._pre_forward_hook_handle.remove()
+                if st._post_forward_hook_handle is not st._pre_forward_hook_handle:
+                    st._post_forward_hook_handle.remove()
+                if len(st._modules) == 1:  # same as FSDPState.init
+                    m = st._modules[0]
+                    st._pre_forward_hook_handle = m.register_forward_pre_hook(
+                        st._pre_forward, prepend=True, with_kwargs=True)
+                    st._post_forward_hook_handle = m.register_forward_hook(
+                        st._post_forward, prepend=False)
+                else:
+                    self._install_forward_hooks(st, st._pre_forward, st._post_forward)
+            for g, pre, post in self._saved_group_methods:
+                g.pre_backward, g.post_backward = pre, post
+            self._saved_group_methods = []
+            self._instrumented_states = []
+            if self._optimizer_hook_handles is not None:
+                for handle in self._optimizer_hook_handles:
+                    handle.remove()
+                self._optimizer_hook_handles = None
+
+    return MultiGroupFSDPMemTracker
+
+
+def describe_fsdp_units(model):
+    """List every fully_shard unit, its param groups, mesh and reshard setting."""
+    from torch.distributed.fsdp import FSDPModule
+
+    pname = {id(p): n for n, p in model.named_parameters()}
+    units, seen_groups = [], {}
+    for fqn, mod in model.named_modules():
+        if not isinstance(mod, FSDPModule):
+            continue
+        st = mod._get_fsdp_state()
+        groups = []
+        for g in st._fsdp_param_groups:
+            if id(g) in seen_groups:  # fully_shard([norm, lm_head]) -> one shared group
+                groups.append({"same_group_as": seen_groups[id(g)]})
+                continue
+            seen_groups[id(g)] = fqn or "<root>"
+            mi = g.mesh_info
+            pmi = g.post_forward_mesh_info
+            fqns = [pname.get(id(fp.sharded_param), "?") for fp in g.fsdp_params]
+            groups.append({
+                "mesh_dim_names": list(mi.mesh.mesh_dim_names or ()),
+                "shard_mesh_size": getattr(mi, "shard_mesh_size", None),
+                "reshard_after_forward": pmi is not None,
+                "num_params": len(fqns),
+                "numel_before_fsdp": sum(fp._orig_size.numel() for fp in g.fsdp_params),
+                "shard_dims": sorted({str(fp.fsdp_placement) for fp in g.fsdp_params}),
+                "param_dtype": str(g.mp_policy.param_dtype),
+                "params": fqns,
+            })
+        units.append({"module": fqn or "<root>", "type": type(mod).__name__,
+                      "param_groups": groups})
+    return units
+
+
+def main():
+    args = parse()
+    torch.manual_seed(0)
+    dist.init_process_group("fake", rank=0, world_size=WORLD, store=FakeStore())
+    patch_device_type()
+    if not args.no_count_patch:
+        patch_token_count_exchange()
+    patch_fsdp_param_group_property()
+
+    from torchtitan.config import ParallelismConfig, TORCH_DTYPE_MAP
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed import utils as dist_utils
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.deepseek_v3.config_registry import deepseek_v3_debugmodel
+
+    cfg = deepseek_v3_debugmodel()
+    cfg.parallelism = ParallelismConfig(
+        data_parallel_shard_degree=DP_SHARD,
+        expert_parallel_degree=EP,
+        spmd_backend=args.backend,
+        fsdp_reshard_after_forward=args.reshard,
+    )
+    cfg.training.local_batch_size = args.batch
+    cfg.training.seq_len = args.seq
+    cfg.training.mixed_precision_param = args.param_dtype
+    cfg.debug.moe_force_load_balance = True  # -> router._debug_force_load_balance
+    cfg.activation_checkpoint = None  # keep AC out of the measurement
+    model_spec = cfg.model_spec
+    mcfg = model_spec.model
+    del mcfg.layers[args.layers:]
+    for layer in mcfg.layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+
+    mcfg.update_from_config(config=cfg)
+    dist_utils.set_spmd_backend(args.backend)
+
+    parallel_dims = ParallelDims.from_config(cfg.parallelism, WORLD)
+    parallel_dims.build_mesh()
+
+    with torch.device("meta"):
+        model = mcfg.build()
+
+    model = model_spec.parallelize_fn(
+        model,
+        parallel_dims=parallel_dims,
+        training=cfg.training,
+        parallelism=cfg.parallelism,
+        compile_config=cfg.compile,
+        ac_config=cfg.activation_checkpoint,
+        dump_folder=tempfile.mkdtemp(),
+    )
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    model.train()
+
+    fsdp_units = describe_fsdp_units(model)
+
+    optim = torch.optim.AdamW(model.parameters(), lr=8e-4, foreach=True)
+    train_context = dist_utils.get_spmd_context(parallel_dims=parallel_dims)
+
+    B, L = args.batch, args.seq
+    vocab = mcfg.vocab_size
+    tokens = torch.randint(0, vocab, (B, L))
+    labels = torch.randint(0, vocab, (B, L))
+
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    import contextlib
+    # warm-up step (untracked): the optimizer state exists in the tracked step, as in every step after the first
+    with train_context():
+        _p = model(tokens)
+        torch.nn.functional.cross_entropy(_p.flatten(0, 1).float(), labels.flatten(0, 1)).backward()
+    optim.step(); optim.zero_grad(); del _p
+    mem = None if args.no_mem else make_mem_tracker_cls()(model, optim)
+    comm = CommDebugMode()
+    t0 = time.time()
+    if mem is not None:
+        mem.track_inputs((tokens, labels))
+    model_in, model_labels = tokens, labels
+    if args.backend == "full_dtensor":
+        # as Trainer.post_dataloading_process does for full_dtensor
+        from torchtitan.distributed import full_dtensor
+        model_in, model_labels, _ = full_dtensor.parallelize_inputs(
+            parallel_dims, tokens, labels, {})
+    with (mem if mem is not None else contextlib.nullcontext()), comm:
+        with train_context():
+            pred = model(model_in)
+            if hasattr(pred, "to_local"):  # DTensor logits (full_dtensor): local CE
+                pred = pred.to_local()
+            loss = torch.nn.functional.cross_entropy(
+                pred.flatten(0, 1).float(), labels.flatten(0, 1)
+            )
+            loss.backward()
+        optim.step()
+        optim.zero_grad()
+    dt = time.time() - t0
+
+    # ---- collect
+    def _k(k):
+        return getattr(k, "name", str(k))
+
+    counts = comm.get_comm_counts()
+    comm_counts = {str(getattr(k, "__name__", k)): v for k, v in counts.items()}
+    if args.debug_comm:
+        import pprint
+        name = lambda k: str(getattr(k, "__name__", k))
+        pprint.pprint({m: {name(k): v for k, v in d.get("forward", {}).items()}
+                       | {"bw:" + name(k): v for k, v in d.get("backward", {}).items()}
+                       for m, d in comm.comm_module_counts.items()}, stream=sys.stderr, width=120)
+    dev = torch.device("cpu")
+    peak_cats = {} if mem is None else {
+        _k(k): int(v) for k, v in mem.get_tracker_snapshot("peak").get(dev, {}).items()}
+
+    # Per-phase peaks: max over every tracked FSDP unit's PEAK_FW / PEAK_BW snapshot.
+    # (The root DeepSeekV3Model owns no direct params -> no param group -> the
+    # tracker does not instrument it, so we take the max over the units.)
+    from torch.distributed._tools.fsdp2_mem_tracker import _FSDPModState
+    phase_peaks = {}
+    for state in (_FSDPModState.PEAK_FW, _FSDPModState.PEAK_BW):
+        snaps = [] if mem is None else [sn for st in mem.memory_tracking.values()
+                 for sn in st.snapshots.get(state, [])]
+        if snaps:
+            best = max(snaps, key=lambda sn: sn.get(dev, {}).get("Total", 0))
+            phase_peaks[state.name] = {_k(k): int(v) for k, v in best.get(dev, {}).items() if v}
+
+    out = {
+        "backend": args.backend,
+        "world": WORLD, "ep": EP, "dp_shard": DP_SHARD,
+        "efsdp": parallel_dims.get_mesh("efsdp").size(),
+        "layers": args.layers, "batch": B, "seq": L, "param_dtype": args.param_dtype,
+        "reshard_after_forward_policy": args.reshard,
+        "loss": float(loss.detach().full_tensor() if hasattr(loss, "full_tensor") else loss.detach()),
+        "step_seconds": round(dt, 2),
+        "peak_bytes_total": peak_cats.get("Total"),
+        "peak_bytes_by_category": peak_cats,
+        "phase_peaks": phase_peaks,
+        "comm_counts": comm_counts,
+        "fsdp_units": fsdp_units,
+    }
+    print(json.dumps(out, indent=2))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
