@@ -246,8 +246,8 @@ def rerouted(meta: dict, routing) -> dict:
     r, rows = routing_from(routing), meta.get("moe") or []
     if not rows: raise RoutingError(f"routing {str(r)!r}: the step has no mixture-of-experts layer to route")
     if held := [x["path"] for x in rows if x.get("capacity_factor")]:
-        raise RoutingError(f"routing {str(r)!r}: {held[0]} declares a capacity, which sets its shapes whatever the "
-                           "routing; capture it again with routing= to restate it")
+        raise RoutingError(f"routing {str(r)!r}: {held[0]} declares a capacity, which fixes its rows whatever the "
+                           "routing (tokens beyond it are dropped); leave the routing as captured")
     new = [dict(x, busiest=r.busiest(x["tokens"], x["n_experts"], x["top_k"]) if x["tokens"] and x["top_k"] else 0)
            for x in rows]
     return dict(meta, routing=r.to_dict(), moe=new)

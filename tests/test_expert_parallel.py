@@ -322,3 +322,27 @@ def test_torchtitan_deepseek_ep_under_a_fake_group():
     # 0.978 when written: sharded, gathered, gradient and reduce-scatter bytes at the peak exact; 2.2% short in the
     # backward's activations and temporaries (torchtitan's grouped matmuls' padded rows: not yet traced)
     assert abs(predicted / measured["peak_bytes_total"] - 1) < 0.03, (predicted, measured["peak_bytes_by_category"])
+
+
+# `static-dist plan --routing imbalance=F` prices the layouts under that routing (issue 32, item 4's "effect shown"):
+# with one expert per ep rank the busiest rank runs F times the rows, so the ep term grows; a mixture with a declared
+# capacity (tiny-moe) is refused in one line.
+def test_plan_routing_flag(tmp_path):
+    import re
+    import transformers
+    transformers.MixtralConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, vocab_size=256,
+                               max_position_embeddings=128).save_pretrained(tmp_path)
+    def ep_ms(*extra):
+        p = subprocess.run([sys.executable, "-m", "static_dist.app", "plan", "--model", f"hf:{tmp_path}", "--world",
+                            "8", "--ep", "4", "--batch", "2", "--seq", "64", "--dtype", "bfloat16", *extra],
+                           capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, p.stderr[-2000:]
+        return float(re.search(r"^\s*ep\s+([\d.]+)\s", p.stdout, re.M).group(1)), p.stdout
+    even, _ = ep_ms()
+    busy, out = ep_ms("--routing", "imbalance=2")
+    assert busy > 1.5 * even and "routing imbalance=2" in out, (even, busy)
+    p = subprocess.run([sys.executable, "-m", "static_dist.app", "plan", "--model", "tiny-moe", "--world", "8", "--ep",
+                        "2", "--routing", "imbalance=2"], capture_output=True, text=True, timeout=300)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1 and "declares a capacity" in lines[0], p.stderr[-2000:]

@@ -278,6 +278,10 @@ def _layout_parser(sub):
                    help="torchtitan's async tensor parallelism (torch's micro-pipeline TP): sequence parallelism's "
                         "all-gathers and reduce-scatters overlapped with their matmuls in the step time; it needs CUDA "
                         "symmetric memory and compile, so a run on CPU refuses to apply it")
+    p.add_argument("--routing", type=routing_arg,
+                   help="mixture-of-experts models: the routing the layouts are priced under, e.g. 'imbalance=F' (the "
+                        "busiest expert F x the mean: the busiest ep rank's load); default the capture's (balanced, "
+                        "or the layers' own capacity)")
     _precision_args(p)
     pipe = p.add_argument_group("pipeline (layouts with pp > 1)")
     pipe.add_argument("--schedule", default="1F1B", choices=PIPELINE_SCHEDULES,

@@ -248,6 +248,11 @@ def cmd_plan(args) -> int:
     w8 = float8_workload(w, args.float8, args.float8_all_gather)   # the model converted as the plan will convert it
     with status(f"capturing {w8.source}") as update:
         g, n, how = search_graph(w8, progress=update, dtype=pdt, compile=args.compile or args.async_tp)
+    if getattr(args, "routing", None):               # a dropless step's shapes stand for any routing: restate it
+        from static_dist.moe import RoutingError, rerouted
+        try: g = dataclasses.replace(g, meta=rerouted(g.meta, args.routing))
+        except RoutingError as e: raise UsageError(f"--routing {args.routing}: {e}") from None
+        how += f"; routing {args.routing}"
     with status(f"searching layouts of {args.world} ranks") as update:
         r = search_layouts(g, args.world, topo, args.budget, n_blocks=n, pins=pins, ac=args.ac, progress=update,
                            schedule=args.schedule, microbatches=(1, 2), microbatch_count=micro,
