@@ -43,9 +43,9 @@ from ..graph.records import BACKWARD, FORWARD, OPTIMIZER
 # %% auto 0
 __all__ = ['module_blocks', 'op_blocks', 'op_stages', 'tp_op_factor', 'tp_views', 'tp_local_graph',
            'sequence_parallel_buffers', 'buffer_bytes', 'run_to_block_end', 'tp_param_shape', 'ac_effects',
-           'compile_scale', 'boundary_bytes', 'model_output_bytes', 'expert_layers', 'expert_slots',
-           'splittable_experts', 'expert_dispatch_bytes', 'rank_profile', 'rank_fsdp_plan', 'ParallelMemory',
-           'predict_rank_memory', 'predict_parallel_memory', 'placement_other_bytes']
+           'compile_scale', 'boundary_bytes', 'model_output_bytes', 'expert_layers', 'expert_weight_shapes',
+           'expert_slots', 'splittable_experts', 'expert_dispatch_bytes', 'rank_profile', 'rank_fsdp_plan',
+           'ParallelMemory', 'predict_rank_memory', 'predict_parallel_memory', 'placement_other_bytes']
 
 # %% ../../nbs/45b_parallel_memory.ipynb
 def _block_index(blocks: tuple[str, ...]):
@@ -573,6 +573,11 @@ def expert_layers(g: StaticGraph, plan: ParallelPlan) -> tuple[tuple[str, tuple[
 
 _EXPERT_MATMULS = ("aten.bmm", "aten._grouped_mm")
 
+def expert_weight_shapes(rows) -> set[tuple[int, ...]]:
+    "The 3-D expert weights' shapes of `meta['moe']` rows, as stored and with their last two dims swapped."
+    shapes = {(r["n_experts"], *s) for r in rows for s in r["expert_shapes"].values()}
+    return shapes | {(e, b, a) for e, a, b in shapes}
+
 def expert_slots(g: StaticGraph) -> dict[str, tuple[int, int, int]]:
     """{experts (`meta['moe']`'s module): (their first matmul, the mixture's last forward op, bytes of the matmul's
     input)}: the rows the experts run on, what each of expert parallelism's all-to-alls moves per rank (dispatch sends
@@ -581,8 +586,7 @@ def expert_slots(g: StaticGraph) -> dict[str, tuple[int, int, int]]:
     run neither on a 3-D expert weight (stored as is or transposed) is left out."""
     out, fwd = {}, [i for i, o in enumerate(g.ops) if o.phase == "forward"]
     for r in g.meta.get("moe") or ():
-        m, shapes = r["path"], r["expert_shapes"].values()
-        weights = {(r["n_experts"], *s) for s in shapes} | {(r["n_experts"], *s[::-1]) for s in shapes}
+        m, weights = r["path"], expert_weight_shapes([r])
         ops = [i for i in fwd if g.ops[i].module == m or g.ops[i].module.startswith(m + ".")]
         first = next((i for i in ops if g.ops[i].op.startswith(_EXPERT_MATMULS) and     # rows times an expert weight
                       tuple(g.tensors[g.ops[i].inputs[1]].shape) in weights), None)

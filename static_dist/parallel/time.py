@@ -21,7 +21,8 @@ from ..placement import STYLES
 from ..topology import MeshSpec, Topology, TwoStreams, collective_time, device_spec, op_seconds
 from ..graph.policies import FullCheckpoint, NoCheckpoint, SelectiveOps, recomputed_ops
 from .memory import (_EXPERT_MATMULS, _MATMUL, _block_forward, _block_spans, _regions,
-                                         boundary_bytes, expert_slots, op_blocks, tp_op_factor, tp_param_shape)
+                                         boundary_bytes, expert_slots, expert_weight_shapes, op_blocks, tp_op_factor,
+                                         tp_param_shape)
 from ..moe import busiest_rank_load
 from .float8 import float8_weights
 from .plan import (ParallelPlan, ParallelPlanError, block_collectives, block_policies,
@@ -257,9 +258,7 @@ def _expert_matmul_seconds(g: StaticGraph, ob: np.ndarray, phase: np.ndarray, se
     """(forward, backward) seconds per block of the experts' matmuls: batched or grouped ones that read or make a 3-D
     expert weight (as stored or transposed); found by shape, since the capture may file an expert's backward under
     another module (transformers' experts)."""
-    shapes = {(r["n_experts"], *s) for r in rows for s in r["expert_shapes"].values()}
-    shapes |= {(e, b, a) for e, a, b in shapes}
-    out = np.zeros((2, k))
+    shapes, out = expert_weight_shapes(rows), np.zeros((2, k))
     if not shapes: return out[0], out[1]
     for i, o in enumerate(g.ops):
         if ob[i] < 0 or phase[i] not in (FORWARD, BACKWARD) or not o.op.startswith(_EXPERT_MATMULS): continue
