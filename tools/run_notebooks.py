@@ -426,6 +426,9 @@ def _main(a) -> int:
             raise RunError(f"--harness {h}: no such notebook; name the notebooks that display a widget harness")
     runs = 2 if a.diff else 1
     jobs = [(nb, k) for nb in nbs for k in range(runs)]
+    # kernels side by side share the cores: torch's default of one thread per core each makes small ops spin for
+    # cores the other kernel holds (the zoo's 300-step training: 74 s at -j 2 on 2 cores, ~20 s with one thread each)
+    if a.jobs > 1: os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // a.jobs)))
     print(f"running {len(nbs)} notebook(s){' twice' if a.diff else ''}, {a.jobs} at a time, timeout {a.timeout} s each",
           flush=True)
     results: dict[tuple[Path, int], dict] = {}
