@@ -80,8 +80,8 @@ def bench_titan_jobs(progress=None, jobs=TITAN_BENCH_JOBS, budget_gb: float = 80
     return dict(bench="plan-torchtitan", budget_bytes=budget, results=rows, check=check)
 
 def bench_layouts(progress=None) -> dict:
-    """`static-dist bench plan`: `parallel.bench_plan` on static_dist's Llama 3 70B and 405B shapes, and
-    `bench_titan_jobs` on torchtitan's own jobs when torchtitan is installed."""
+    """`static-dist bench plan`: `parallel.bench_plan` on static_dist's Llama 3 70B and 405B shapes and
+    DeepSeek-V3's, and `bench_titan_jobs` on torchtitan's own jobs when torchtitan is installed."""
     import importlib.util
     from static_dist.parallel import bench_plan
     out = bench_plan(progress)

@@ -40,7 +40,9 @@ def _unit_holds(l, u, plan: FSDPPlan, pinfo: dict, n: int, reduce_at: int | None
         else: out.append(Hold(f"{l.module}.unsharded/r", v, a, b))           # reshard to a smaller group
     # post-backward: reshard (free order 0), reduce-scatter input (after 1), gradients dropped (1), output (after 2)
     first = l.bwd[1] if reduce_at is None else min(reduce_at + 1, n - 1)
-    out.append(Hold(f"{l.module}.grad_shard", l.rs_bytes // S, first, None, RS_STREAM, after=2))
+    # the sharded gradient in the parameters' dtype: a reduce-scatter in a lower dtype is cast up to it (FSDP2's
+    # foreach_reduce), so that copy, not the reduce-scatter's output, is what lives on as `.grad`
+    out.append(Hold(f"{l.module}.grad_shard", l.sharded_bytes, first, None, RS_STREAM, after=2))
     return out
 
 # %% ../../nbs/40h_fsdp_reserved.ipynb

@@ -45,13 +45,15 @@ class CaptureTypeError(CaptureError, TypeError):
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _GRAPH_DIR = os.path.dirname(__file__) + os.sep if "__file__" in globals() else None   # unset in the notebook
 
+_OUR_HOOKS = ("__torch_dispatch__", "__torch_function__", "_fake_dispatch", "pack", "unpack", "_note_write")
+
 def _user_line(frames) -> str:
     "'file:line in fn: `code`' of the innermost frame outside torch and this package, or ''."
     where = ""
     for fs in frames:
         if fs.filename.startswith(_TORCH_DIR) or "/torch/" in fs.filename: continue
         if _GRAPH_DIR and fs.filename.startswith(_GRAPH_DIR): continue
-        if fs.name in ("__torch_dispatch__", "_fake_dispatch", "pack", "unpack", "_note_write"): continue
+        if fs.name in _OUR_HOOKS: continue
         if "/contextlib.py" in fs.filename: continue
         where = f"{fs.filename}:{fs.lineno} in {fs.name}" + (f": `{fs.line.strip()}`" if fs.line else "")
     return where

@@ -13,7 +13,9 @@ from typing import Callable, Literal
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from .records import StaticGraph
@@ -298,15 +300,17 @@ def capture(
     device: str | torch.device | None = None,  # fake tensors' device (mode='fake'); default: the model's, cpu for meta
     progress: Callable[[str, int], None] | None = None,  # called with (phase, ops so far) as the capture goes
     routing: str | Routing | None = None,  # MoE: 'balanced' (None), 'imbalance=F' or 'capacity=F', in meta['routing']
+    attention: Literal["gpu", "cpu"] = "gpu",  # fake mode on a CPU: the GPU's attention kernel, or this CPU's choice
 ) -> StaticGraph:
     "Run one training step of `model` under a recorder and return its `StaticGraph`."
     real_inputs, real_kwargs = _check_args(model, mode, example_inputs, example_kwargs, targets, loss_fn)
+    if attention not in ("gpu", "cpu"): raise CaptureError(f"attention must be 'gpu' or 'cpu', not {attention!r}")
     t0 = time.perf_counter()
     device = _check_device(device) if device is not None else _model_device(model)
     routing = None if routing is None else routing_from(routing)
     with quiet_torch_logs(), _young_collections_only():   # see below
         return _capture(model, real_inputs, real_kwargs, loss_fn, targets, optimizer, mode, device, progress, t0,
-                        routing)
+                        routing, attention)
 
 # %% ../../nbs/00d_graph_step.ipynb
 _aten = torch.ops.aten
@@ -362,8 +366,30 @@ def _young_collections_only():
         if gc.get_threshold() == paused: gc.set_threshold(*before)
 
 # %% ../../nbs/00d_graph_step.ipynb
+_SDPA = F.scaled_dot_product_attention
+
+def _efficient_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                         enable_gqa=False):
+    "The memory-efficient attention CUDA runs for this SDPA call where a CPU would take its math path, else None."
+    if query.device.type != "cpu" or query.dim() != 4 or query.size(-1) == value.size(-1): return None
+    if query.size(-1) != key.size(-1) or query.size(-3) != key.size(-3): return None   # not the CUDA kernel's case
+    bias = attn_mask
+    if bias is not None and bias.dtype == torch.bool:
+        bias = torch.zeros(bias.shape, dtype=query.dtype).masked_fill(bias.logical_not(), float("-inf"))
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    return _aten._scaled_dot_product_efficient_attention(query, key, value, bias, grad, dropout_p, is_causal,
+                                                         scale=scale)[0]
+
+class _GpuAttention(TorchFunctionMode):
+    "Run `scaled_dot_product_attention` by the kernel a GPU would run where the CPU's choice is its math path."
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is _SDPA and (out := _efficient_attention(*args, **kwargs)) is not None: return out
+        return func(*args, **kwargs)
+
+# %% ../../nbs/00d_graph_step.ipynb
 def _capture(model, real_inputs, real_kwargs, loss_fn, targets, optimizer, mode, device, progress, t0,
-             routing=None) -> StaticGraph:
+             routing=None, attention="gpu") -> StaticGraph:
     layers = find_moe(model)
     if not layers: routing_meta(layers, routing, (), (), type(model).__name__)   # refuses an assumption up front
     fake_mode = _RecordingFakeMode() if mode == "fake" else nullcontext()
@@ -377,7 +403,8 @@ def _capture(model, real_inputs, real_kwargs, loss_fn, targets, optimizer, mode,
                                           [x for _, x in named])))
     rec, names = _start_recorder(work, named, targets, progress)
     recording = fake_mode.recording(rec) if mode == "fake" else rec     # one Python dispatch per op: see above
-    with fake_mode, rec.tracker, recording, torch.autograd.graph.saved_tensors_hooks(rec.pack, rec.unpack):
+    attention = _GpuAttention() if mode == "fake" and attention == "gpu" else nullcontext()   # see above
+    with fake_mode, rec.tracker, recording, attention, torch.autograd.graph.saved_tensors_hooks(rec.pack, rec.unpack):
         try: _run_step(rec, work, inputs, kwargs, loss_fn, targets, opt, progress)
         except CaptureError as e:   # a data-dependent shape inside a MoE layer: its routing, named rather than guessed
             why = unresolved_routing(layers, e.module, e.op, routing) if getattr(e, "op", "") else None

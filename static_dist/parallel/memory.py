@@ -42,10 +42,11 @@ from ..graph.records import BACKWARD, FORWARD, OPTIMIZER
 
 # %% auto 0
 __all__ = ['module_blocks', 'op_blocks', 'op_stages', 'tp_op_factor', 'tp_views', 'tp_local_graph',
-           'sequence_parallel_buffers', 'buffer_bytes', 'run_to_block_end', 'tp_param_shape', 'ac_effects',
-           'compile_scale', 'boundary_bytes', 'model_output_bytes', 'expert_layers', 'expert_weight_shapes',
-           'expert_slots', 'splittable_experts', 'expert_dispatch_bytes', 'rank_profile', 'rank_fsdp_plan',
-           'ParallelMemory', 'predict_rank_memory', 'predict_parallel_memory', 'placement_other_bytes']
+           'sequence_parallel_buffers', 'buffer_bytes', 'run_to_block_end', 'tp_param_shape', 'rank_param_shape',
+           'ac_effects', 'compile_scale', 'boundary_bytes', 'model_output_bytes', 'expert_layers',
+           'expert_weight_shapes', 'expert_slots', 'splittable_experts', 'expert_dispatch_bytes', 'collective_buffers',
+           'rank_profile', 'rank_fsdp_plan', 'ParallelMemory', 'predict_rank_memory', 'predict_parallel_memory',
+           'placement_other_bytes']
 
 # %% ../../nbs/45b_parallel_memory.ipynb
 def _block_index(blocks: tuple[str, ...]):
@@ -291,6 +292,11 @@ def tp_param_shape(name: str, shape: tuple, plan: ParallelPlan, styles: dict) ->
     if s in (*_ROW, "rowwise_scatter") and len(shape) == 2: return (shape[0], shape[1] // tp)
     return tuple(shape)                            # a rowwise bias is whole on every rank
 
+def rank_param_shape(name: str, shape: tuple, plan: ParallelPlan, styles: dict, experts: frozenset) -> tuple:
+    "The local shape of parameter `name` before FSDP: `tp_param_shape`, and of an expert weight (`experts`) ep's share."
+    s = tp_param_shape(name, shape, plan, styles)
+    return (s[0] // plan.dims.ep, *s[1:]) if name in experts else s
+
 # %% ../../nbs/45b_parallel_memory.ipynb
 def _block_spans(ob: np.ndarray, phase: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     "(first forward op, last forward op, first backward op) of each of `k` blocks (-1: none)."
@@ -377,6 +383,7 @@ class _View:
     styles: dict                # linear FQN -> tp style
     read: frozenset             # storage ids this stage's ops read (what the previous stage sends, the inputs it takes)
     compiled: dict              # storage id -> factor on its bytes: the saved activations of compiled blocks
+    experts: frozenset = frozenset()   # the expert weights the plan's ep splits (`expert_layers`): 1/ep of dim 0 each
 
 # %% ../../nbs/45b_parallel_memory.ipynb
 def _first_stages(g: StaticGraph, so: np.ndarray) -> dict[str, int]:
@@ -463,13 +470,14 @@ def _view(g: StaticGraph, plan: ParallelPlan, pp_rank: int, blocks, params) -> t
     read = frozenset(g.tensors[t].storage for i in np.flatnonzero(own) for t in g.ops[i].inputs)
     regions, styles = _regions(plan, blocks)
     mine = [p for s, p in _stage_params(params, g, so) if s in mine_st]
-    local = sum(math.prod(tp_param_shape(p.name, p.shape, plan, styles)) * p.itemsize for p in mine)
+    experts = frozenset(w for *_, ws in expert_layers(g, plan) for w in ws)
+    local = sum(math.prod(rank_param_shape(p.name, p.shape, plan, styles, experts)) * p.itemsize for p in mine)
     frac = local / max(sum(p.numel * p.itemsize for p in params), 1)
     factor = tp_op_factor(g, plan, blocks) / plan.dims.cp
     if plan.float8_all_gather:      # the unsharded weights' casts run on the shards, before FSDP's gather (float8)
         factor = factor * ~_remember("float8_casts", g, (), lambda: float8_weight_casts(g))
     return (_View(keep, factor, so, mine_st, ac_effects(g, plan, ob, blocks), frac, styles, read,
-                  compile_scale(g, plan, blocks)), mine, ob)
+                  compile_scale(g, plan, blocks), experts), mine, ob)
 
 # %% ../../nbs/45b_parallel_memory.ipynb
 def _saved_at(g: StaticGraph, v: _View, cp: int, at: int, stage: int | None = None) -> float:
@@ -510,7 +518,7 @@ def _others_held(g: StaticGraph, plan: ParallelPlan, pp_rank: int, v: _View, K: 
     if len(v.stages) > 1:                                 # bytes of each stage's parameters, gathered (not the root's)
         pst, unit = _param_stage(mine, g, v.stage_of_op), unit_finder(plan.fsdp) if plan.fsdp else (lambda n: "")
         for p in mine:
-            b = math.prod(tp_param_shape(p.name, p.shape, plan, v.styles)) * p.itemsize
+            b = math.prod(rank_param_shape(p.name, p.shape, plan, v.styles, v.experts)) * p.itemsize
             if p.grad_created >= 0: grads[pst[p.name]] += b
             if d.dp_replicate * d.fsdp_size > 1 and unit(p.name): gath[pst[p.name]] += b
     most = {}
@@ -623,13 +631,21 @@ def expert_dispatch_bytes(g: StaticGraph, moe, cp: int = 1, ep: int = 1) -> dict
                 out[i] += (load - 1) * s.nbytes / cp
     return out
 
-def _local_params(mine, v: _View, plan: ParallelPlan, newix, experts: frozenset = frozenset()) -> list[ParamInfo]:
-    """The rank's parameters with their tensor-parallel shapes (and `experts`, the expert weights, their ep share of
-    dim 0), state scaled to them, gradient times on the rank's ops."""
+def collective_buffers(g: StaticGraph, plan: ParallelPlan, blocks, K: np.ndarray) -> tuple[np.ndarray, dict]:
+    """(bytes the plan's collectives hold beyond the captured step at each of the rank's ops `K`: sequence
+    parallelism's gathered inputs (`sequence_parallel_buffers`) and expert parallelism's dispatch
+    (`expert_dispatch_bytes`); {captured op: bytes} of both, which a recompute of that op holds again)."""
+    at, spans = sequence_parallel_buffers(g, plan, blocks)
+    dispatch = expert_dispatch_bytes(g, expert_layers(g, plan), plan.dims.cp, plan.dims.ep)
+    curve = buffer_bytes(at, spans, K) + buffer_bytes(dispatch, (), K)
+    return curve, {i: at.get(i, 0) + dispatch.get(i, 0) for i in at.keys() | dispatch.keys()}
+
+def _local_params(mine, v: _View, plan: ParallelPlan, newix) -> list[ParamInfo]:
+    """The rank's parameters with their local shapes (`rank_param_shape`), state scaled to them, gradient times on the
+    rank's ops."""
     out = []
     for p in mine:
-        shape = tp_param_shape(p.name, p.shape, plan, v.styles)
-        if p.name in experts: shape = (shape[0] // plan.dims.ep, *shape[1:])
+        shape = rank_param_shape(p.name, p.shape, plan, v.styles, v.experts)
         r = math.prod(shape) / max(p.numel, 1)
         out.append(ParamInfo(name=p.name, shape=shape, itemsize=p.itemsize, state_bytes=int(p.state_bytes * r),
                              grad_created=int(newix(p.grad_created)) if p.grad_created >= 0 else -1))
@@ -684,18 +700,14 @@ def rank_profile(g: StaticGraph, plan: ParallelPlan, pp_rank: int = 0, master_dt
     live, K = _curves(g, v, plan.dims.cp), np.flatnonzero(v.keep)
     newix = lambda i: np.searchsorted(K, i)                         # a captured op -> the rank's next op
     phase = g.op_phases()[K]
-    extra = _pipeline_extra(g, plan, pp_rank, v, K, ob, mine, prior_grads)
-    at, spans = sequence_parallel_buffers(g, plan, blocks)
     moe, routes = expert_layers(g, plan), {r["experts"]: r for r in g.meta.get("moe") or ()}
-    dispatch = expert_dispatch_bytes(g, moe, plan.dims.cp, plan.dims.ep)
-    extra = extra + buffer_bytes(at, spans, K) + buffer_bytes(dispatch, (), K)
-    at = {i: at.get(i, 0) + dispatch.get(i, 0) for i in at.keys() | dispatch.keys()}   # a recompute holds them too
+    buffers, at = collective_buffers(g, plan, blocks, K)
+    extra = _pipeline_extra(g, plan, pp_rank, v, K, ob, mine, prior_grads) + buffers
     late = (lambda r: r) if plan.ac_early_stop else partial(run_to_block_end, g, ob=ob,
                                                             block_last=_block_spans(ob, g.op_phases(), len(blocks))[1])
     native = (sum(live[r] for r in live)[K] + extra).astype(np.int64)
     temp = live["temporary"][K].astype(np.int64)
-    experts = frozenset(w for *_, ws in moe for w in ws)
-    m = to_master(_local_params(mine, v, plan, newix, experts), native, temp, phase, master_dtype)
+    m = to_master(_local_params(mine, v, plan, newix), native, temp, phase, master_dtype)
     ps, native, temp, cap = m.params, m.native, m.temporary, m.compute_itemsize
     seen, weight = (
         {},

@@ -17,7 +17,8 @@ from ..fsdp.reserved import fsdp_holds
 from ..graph.checkpoint import CheckpointLifetimes
 from ..graph.records import BACKWARD, OPTIMIZER, StaticGraph
 from .memory import _block_index, _pipeline_extra, _storage_fraction, _view, op_blocks
-from .memory import rank_fsdp_plan, rank_profile, tp_local_graph, tp_param_shape
+from .memory import collective_buffers, rank_fsdp_plan, rank_param_shape, rank_profile
+from .memory import tp_local_graph
 from .plan import ParallelDims, ParallelPlan, block_policies
 from ..util import DTYPE_BYTES
 
@@ -35,7 +36,8 @@ def _scales(g: StaticGraph, v, mine, plan: ParallelPlan, master_dtype: str | Non
     cap = next((p.itemsize for p in mine), 4)
     r = DTYPE_BYTES[master_dtype] / cap if master_dtype else 1.0             # `to_master`: fp32 masters of a bf16 step
     act = DTYPE_BYTES[param_dtype] / cap if param_dtype else 1.0             # `_activations`: computed in param_dtype
-    local = {p.name: math.prod(tp_param_shape(p.name, p.shape, plan, v.styles)) / max(p.numel, 1) for p in mine}
+    local = {p.name: math.prod(rank_param_shape(p.name, p.shape, plan, v.styles, v.experts)) / max(p.numel, 1)
+             for p in mine}
     ph, cp = g.op_phases(), plan.dims.cp
     def frac(s) -> float:
         if s.role in ("parameter", "gradient", "optimizer_state"): return local.get(_owner_param(s), 0.0) * r
@@ -62,8 +64,9 @@ def _local_life(life: CheckpointLifetimes, keep: np.ndarray, K: np.ndarray) -> C
 def rank_graph(g: StaticGraph, plan: ParallelPlan, pp_rank: int = 0, master_dtype: str | None = None,
                prior_grads: bool = True) -> tuple[StaticGraph, CheckpointLifetimes, np.ndarray]:
     """(the captured step as one rank of pipeline rank `pp_rank` holds it: its own ops, renumbered, and each storage's
-    bytes on the rank; what checkpointing changes, on those ops; the bytes the pipeline adds at each of them). The view
-    is `rank_profile`'s (`memory._view`), so that both predictions read one model."""
+    bytes on the rank; what checkpointing changes, on those ops; the bytes the pipeline and the plan's collectives
+    (`collective_buffers`) add at each of them). The view is `rank_profile`'s (`memory._view`), so that both
+    predictions read one model."""
     stack, blocks = main_stack(g)
     params, _ = param_infos(g)
     g = tp_local_graph(g, plan, blocks)
@@ -78,7 +81,11 @@ def rank_graph(g: StaticGraph, plan: ParallelPlan, pp_rank: int = 0, master_dtyp
         a, e = min(a, len(K) - 1), e if e is None else max(e, 0)
         st.append(dataclasses.replace(s, nbytes=0 if gone else int(s.nbytes * frac(s)), created=a, freed=e))
     ops = tuple(dataclasses.replace(g.ops[i], index=j) for j, i in enumerate(K.tolist()))
-    extra = _pipeline_extra(g, plan, pp_rank, v, K, ob, mine, prior_grads)
+    buffers, at = collective_buffers(g, plan, blocks, K)
+    extra = _pipeline_extra(g, plan, pp_rank, v, K, ob, mine, prior_grads) + buffers
+    for r in v.checkpoint.recomputes:   # a recompute holds its ops' buffers again, before the backward op it precedes
+        b = max((at.get(i, 0) for i in range(r.first, r.last + 1)), default=0)
+        if b and v.keep[r.at]: extra[first(r.at)] += b
     return dataclasses.replace(g, ops=ops, storages=tuple(st)), _local_life(v.checkpoint, v.keep, K), extra
 
 # %% ../../nbs/45ba_parallel_reserved.ipynb
@@ -123,7 +130,7 @@ def extended_rank_holds(g: StaticGraph, plan: ParallelPlan, modes: tuple, master
     uniq = tuple(dict.fromkeys(modes))
     tp = dict(tp_styles=plan.tp_styles, sequence_parallel=plan.sequence_parallel, loss_parallel=plan.loss_parallel,
               tp_outer=plan.tp_outer)
-    view = lambda m: ParallelPlan(ParallelDims(d.dp_replicate, d.dp_shard, d.cp, d.tp), ac=(m,) * len(blocks),
+    view = lambda m: ParallelPlan(dataclasses.replace(d, pp=1), ac=(m,) * len(blocks),   # every axis but pp
                                   fsdp=plan.fsdp, **tp)
     sets = []
     for m in uniq:

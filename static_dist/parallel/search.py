@@ -11,6 +11,7 @@ import dataclasses
 import heapq
 import math
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -61,8 +62,8 @@ from ..graph.records import BACKWARD, FORWARD
 # %% auto 0
 __all__ = ['CHECKPOINT_POLICIES', 'BENCH_PLAN_CASES', 'SPEED_CASES', 'layout_dims', 'compiles_all',
            'memory_by_category', 'layout_reserved_peak', 'balanced_stages', 'checkpoint_mix', 'Candidate',
-           'LayoutSearch', 'tp_layout', 'search_layouts', 'search_graph', 'predict_layout', 'bare_step_seconds',
-           'bench_speed', 'bench_plan']
+           'LayoutSearch', 'tp_layout', 'search_layouts', 'search_graph', 'predict_layout', 'bench_workload',
+           'bare_step_seconds', 'bench_speed', 'bench_plan']
 
 # %% ../../nbs/45d_parallel_search.ipynb
 def _divisors(n: int) -> list[int]: return [d for d in range(1, n + 1) if n % d == 0]
@@ -767,7 +768,21 @@ def predict_layout(g: StaticGraph, plan: ParallelPlan, topo: Topology, n_blocks:
 
 
 # %% ../../nbs/45d_parallel_search.ipynb
-BENCH_PLAN_CASES = (("llama3-70b", 256), ("llama3-405b", 512))
+BENCH_PLAN_CASES = (("llama3-70b", 256, None), ("llama3-405b", 512, None), ("hf:DeepseekV3Config", 512, 4096))
+
+@contextmanager
+def bench_workload(name: str, seq: int):
+    """The workload of a bench case, batch 1 × `seq`: a zoo name, or `hf:` and a transformers config class, whose
+    defaults are the published model's shape (`DeepseekV3Config`: DeepSeek-V3 671B), saved to a folder removed after,
+    in bf16 (transformers' grouped-matmul experts run in nothing else)."""
+    from static_dist.workload import load_workload
+    if not name.startswith("hf:"):
+        yield load_workload(name, batch=1, seq=seq)
+        return
+    import tempfile, transformers
+    with tempfile.TemporaryDirectory() as d:
+        getattr(transformers, name[3:])().save_pretrained(d)
+        yield load_workload(f"hf:{d}", batch=1, seq=seq, dtype="bfloat16")
 
 # %% ../../nbs/45d_parallel_search.ipynb
 def _measure_seconds(w, plan: ParallelPlan) -> tuple[int, float]:
@@ -853,19 +868,19 @@ def bench_speed(progress=None, cases: dict = SPEED_CASES, repeat: int = 3, budge
 # %% ../../nbs/45d_parallel_search.ipynb
 def bench_plan(progress=None, cases=BENCH_PLAN_CASES, seq: int = 8192, budget_gb: float = 80, measure: bool = True,
                speed: bool = True, repeat: int = 3) -> dict:
-    """Search times for `cases` ((zoo model, world), ...), one FSDPMemTracker measurement of the first case's plan, and
-    (`speed`) `bench_speed`'s side-by-side seconds and ratios to a bare fake step."""
+    """Search times for `cases` ((model, world, tokens per rank or None for `seq`), ...: `bench_workload`), one
+    FSDPMemTracker measurement of the first case's plan, and (`speed`) `bench_speed`'s side-by-side seconds and ratios
+    to a bare fake step."""
     from static_dist.topology import preset
     from static_dist.util import environment
-    from static_dist.workload import load_workload
     say = progress or (lambda s: None)
     rows, first = [], None
-    for name, world in cases:
+    for name, world, tokens in cases:
         say(f"{name} on {world} ranks: capture")
-        w = load_workload(name, batch=1, seq=seq)
-        t0 = time.perf_counter()
-        g, n, how = search_graph(w)
-        t1 = time.perf_counter()
+        with bench_workload(name, tokens or seq) as w:
+            t0 = time.perf_counter()
+            g, n, how = search_graph(w)
+            t1 = time.perf_counter()
         topo = preset("cluster", n_nodes=world // 8, gpus_per_node=8)
         say(f"{name} on {world} ranks: search")
         r = search_layouts(g, world, topo, int(budget_gb * 1e9), n_blocks=n, reserved=True)
@@ -873,6 +888,7 @@ def bench_plan(progress=None, cases=BENCH_PLAN_CASES, seq: int = 8192, budget_gb
             dict(
                 model=name,
                 world=world,
+                seq=tokens or seq,
                 capture=how,
                 capture_seconds=t1 - t0,
                 search_seconds=r.seconds,
