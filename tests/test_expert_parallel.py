@@ -295,12 +295,13 @@ def test_imbalance_by_hand(tmp_path):
         rerouted(load_workload("tiny-moe", batch=2, seq=16).graph().meta, "imbalance=2")
 
 
-# torchtitan's own DeepSeek-V3 (its debug model cut to 3 layers: one dense, then 2 mixtures of 8 experts, top-3, with
-# shared experts) laid out by its own parallelize_deepseekv3 at ep 2 × dp_shard 4 under a fake process group
+# torchtitan's own DeepSeek-V3 16B job (deepseek_v3_16b cut to 3 layers: one dense, then 2 mixtures of 64 experts of
+# hidden 1408, top-6, 2 shared; dim 2048, MLA) laid out by its own parallelize_deepseekv3 at ep 2 × dp_shard 4 under a
+# fake process group
 # (tests/titan_moe_fake.py: its token dispatcher's all-to-alls, its FSDP with each block's experts as a second
 # parameter group over efsdp; routing forced balanced by its own debug switch), one step after a warm-up, against
 # static_dist's prediction from a capture of the same model without ep.
-def test_torchtitan_deepseek_ep_under_a_fake_group():
+def test_torchtitan_deepseek_16b_ep_under_a_fake_group():
     import json
     import logging
     import warnings
@@ -310,12 +311,12 @@ def test_torchtitan_deepseek_ep_under_a_fake_group():
     from static_dist.parallel import predict_parallel_memory, rank_profile
     from static_dist.parallel.verify import predict_axis_counts
     from static_dist.titan import titan_loss
-    run = subprocess.run([sys.executable, str(Path(__file__).with_name("titan_moe_fake.py"))], capture_output=True,
-                         text=True, timeout=600)
+    run = subprocess.run([sys.executable, str(Path(__file__).with_name("titan_moe_fake.py")), "--flavor", "16b"],
+                         capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     measured = json.loads(run.stdout)
     logging.disable(logging.WARNING)
-    mc = config_registry.deepseek_v3_debugmodel().model_spec.model
+    mc = config_registry.deepseek_v3_16b().model_spec.model
     logging.disable(logging.NOTSET)
     mc.layers = mc.layers[:3]
     for blk in mc.layers: blk.attention.inner_attention = ScaledDotProductAttention.Config()
@@ -335,9 +336,9 @@ def test_torchtitan_deepseek_ep_under_a_fake_group():
     got = measured["comm_counts"]
     assert counts == {"dp.all_gather": got["_allgather_base_"], "dp.reduce_scatter": got["_reduce_scatter_base_"],
                       "ep.all_to_all": got["all_to_all_single"]}, (counts, got)
-    # 0.978 when written: sharded, gathered, gradient and reduce-scatter bytes at the peak exact; 2.2% short in the
-    # backward's activations and temporaries (torchtitan's grouped matmuls' padded rows: not yet traced)
-    assert abs(predicted / measured["peak_bytes_total"] - 1) < 0.03, (predicted, measured["peak_bytes_by_category"])
+    # 0.993 when written (its debug model, 8 experts of width 256: 0.978, 2.2% short in the backward's activations
+    # and temporaries, not yet traced)
+    assert abs(predicted / measured["peak_bytes_total"] - 1) < 0.01, (predicted, measured["peak_bytes_by_category"])
 
 
 # `static-dist plan --routing imbalance=F` prices the layouts under that routing (issue 32, item 4's "effect shown"):

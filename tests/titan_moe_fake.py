@@ -2,7 +2,7 @@
 (EP=2, dp_shard=4, world=4) with FSDPMemTracker + CommDebugMode.
 
 Run (from the repo root, in its .venv):
-  python tests/titan_moe_fake.py [--layers 3] [--batch 2] [--seq 64]
+  python tests/titan_moe_fake.py [--flavor debugmodel|16b] [--layers 3] [--batch 2] [--seq 64]
          [--param-dtype bfloat16|float32] [--reshard default|always|never]
          [--no-mem] [--no-count-patch] [--debug-comm]
   (--backend defaults to partial_dtensor, the only spmd_backend that runs
@@ -11,7 +11,7 @@ Run (from the repo root, in its .venv):
 One untracked warm-up step first: the tracked step holds the optimizer state, as every step after the first does.
 
 Everything here is built from torchtitan's own code:
-  * config:      torchtitan.models.deepseek_v3.config_registry.deepseek_v3_debugmodel()
+  * config:      torchtitan.models.deepseek_v3.config_registry.deepseek_v3_debugmodel() (or _16b())
   * model cfg:   DeepSeekV3Model.Config.update_from_config(config=trainer_cfg)
                  (sets sharding configs + router._debug_force_load_balance)
   * mesh:        torchtitan.distributed.ParallelDims(...).build_mesh()
@@ -79,6 +79,8 @@ def parse():
                         "torch 2.13 needs DTensor params when dp_mesh_dims is given), "
                         "full_dtensor fails in router._debug_force_load_balance_routing "
                         "(gather of DTensor scores with a plain arange index).")
+    p.add_argument("--flavor", default="debugmodel", choices=["debugmodel", "16b"],
+                   help="torchtitan's deepseek_v3 job: deepseek_v3_debugmodel or deepseek_v3_16b (its first --layers)")
     p.add_argument("--layers", type=int, default=3)
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=64)
@@ -290,9 +292,9 @@ def main():
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed import utils as dist_utils
     from torchtitan.models.common.attention import ScaledDotProductAttention
-    from torchtitan.models.deepseek_v3.config_registry import deepseek_v3_debugmodel
+    from torchtitan.models.deepseek_v3 import config_registry
 
-    cfg = deepseek_v3_debugmodel()
+    cfg = getattr(config_registry, f"deepseek_v3_{args.flavor}")()
     cfg.parallelism = ParallelismConfig(
         data_parallel_shard_degree=DP_SHARD,
         expert_parallel_degree=EP,
