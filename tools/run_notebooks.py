@@ -109,8 +109,11 @@ def _worker(src: str, dst: str, timeout: int) -> int:
         _start_kernel(client)
         client.execute()
     except KeyboardInterrupt: status = 3
-    except Exception as e:  # CellTimeoutError, DeadKernelError: keep what ran, say what happened
-        nb.metadata["run_notebooks_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    except Exception as e:  # CellTimeoutError, DeadKernelError: keep what ran, say what happened (and in which cell)
+        at = next((i for i, c in enumerate(nb.cells) if c.cell_type == "code"
+                   and "shell.execute_reply" not in c.get("metadata", {}).get("execution", {})), None)
+        where = "" if at is None else f" (at cell {at})"
+        nb.metadata["run_notebooks_error"] = f"{type(e).__name__}{where}: {str(e).splitlines()[0] if str(e) else ''}"
         status = 2
     nbformat.write(nb, dst)
     return status
@@ -132,7 +135,7 @@ def _start_kernel(client) -> None:
         finally: fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-CELL_TIMEOUT = 400   # seconds one cell may run: the slowest cell takes about 150 s on 2 busy cores
+CELL_TIMEOUT = 120   # seconds one cell may run: the slowest takes ~22 s at -j 2 on 2 cores; a lost reply costs this
 
 
 def run_one(nb_path: Path, timeout: int, python: str = sys.executable) -> dict:
