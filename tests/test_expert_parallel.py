@@ -295,30 +295,34 @@ def test_imbalance_by_hand(tmp_path):
         rerouted(load_workload("tiny-moe", batch=2, seq=16).graph().meta, "imbalance=2")
 
 
-# torchtitan's own DeepSeek-V3 16B job (deepseek_v3_16b cut to 3 layers: one dense, then 2 mixtures of 64 experts of
-# hidden 1408, top-6, 2 shared; dim 2048, MLA) laid out by its own parallelize_deepseekv3 at ep 2 × dp_shard 4 under a
-# fake process group
-# (tests/titan_moe_fake.py: its token dispatcher's all-to-alls, its FSDP with each block's experts as a second
-# parameter group over efsdp; routing forced balanced by its own debug switch), one step after a warm-up, against
-# static_dist's prediction from a capture of the same model without ep.
-def test_torchtitan_deepseek_16b_ep_under_a_fake_group():
+# torchtitan's own mixture-of-experts jobs, cut to their first layers, laid out by their own parallelize at
+# ep 2 × dp_shard 4 under a fake process group (tests/titan_moe_fake.py: the token dispatcher's all-to-alls, FSDP with
+# each block's experts as a second parameter group over efsdp; routing forced balanced by torchtitan's own debug
+# switch), one step after a warm-up, against static_dist's prediction from a capture of the same model without ep:
+# - deepseek_v3_16b, 3 layers: one dense, then 2 mixtures of 64 experts of hidden 1408, top-6, 2 shared; dim 2048, MLA
+#   (0.993 when written; its debug model, 8 experts of width 256: 0.978, 2.2% short in the backward's activations and
+#   temporaries, not yet traced);
+# - qwen3_30b_a3b, 2 layers: 2 mixtures of 128 experts of hidden 768, top-8, no shared expert; dim 2048, GQA (0.998).
+@pytest.mark.parametrize("job, layers", [("deepseek_v3_16b", 3), ("qwen3_30b_a3b", 2)])
+def test_torchtitan_moe_job_ep_under_a_fake_group(job, layers):
+    import importlib
     import json
     import logging
     import warnings
     from torchtitan.models.common.attention import ScaledDotProductAttention
-    from torchtitan.models.deepseek_v3 import config_registry
     from static_dist.graph import capture
     from static_dist.parallel import predict_parallel_memory, rank_profile
     from static_dist.parallel.verify import predict_axis_counts
     from static_dist.titan import titan_loss
-    run = subprocess.run([sys.executable, str(Path(__file__).with_name("titan_moe_fake.py")), "--flavor", "16b"],
-                         capture_output=True, text=True, timeout=600)
+    run = subprocess.run([sys.executable, str(Path(__file__).with_name("titan_moe_fake.py")), "--job", job,
+                          "--layers", str(layers)], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     measured = json.loads(run.stdout)
+    family = "deepseek_v3" if job.startswith("deepseek_v3") else "qwen3"
     logging.disable(logging.WARNING)
-    mc = config_registry.deepseek_v3_16b().model_spec.model
+    mc = getattr(importlib.import_module(f"torchtitan.models.{family}.config_registry"), job)().model_spec.model
     logging.disable(logging.NOTSET)
-    mc.layers = mc.layers[:3]
+    mc.layers = mc.layers[:layers]
     for blk in mc.layers: blk.attention.inner_attention = ScaledDotProductAttention.Config()
     with torch.device("meta"): model = mc.build().to(torch.bfloat16)
     tokens = torch.randint(0, model.tok_embeddings.weight.shape[0], (2, 64), device="meta")
@@ -327,7 +331,7 @@ def test_torchtitan_deepseek_16b_ep_under_a_fake_group():
         # attention="cpu": the measurement runs on this CPU, whose SDPA takes its math path for MLA (query head dim
         # 192, value 128); on a GPU (the default capture) the memory-efficient kernel keeps no (seq, seq) scores
         g = capture(model, tokens, targets=tokens, loss_fn=titan_loss, optimizer="adamw", attention="cpu")
-    units = (FSDPUnit("tok_embeddings"), *(FSDPUnit(f"layers.{i}") for i in range(3)),
+    units = (FSDPUnit("tok_embeddings"), *(FSDPUnit(f"layers.{i}") for i in range(layers)),
              FSDPUnit("norm", False, group=("lm_head",)), FSDPUnit("", False))
     plan = ParallelPlan(ParallelDims(dp_shard=4, ep=2), fsdp=FSDPPlan(4, (4,), units, param_dtype="bfloat16",
                                                                       reduce_dtype="float32", forward_prefetch=0))
@@ -336,8 +340,6 @@ def test_torchtitan_deepseek_16b_ep_under_a_fake_group():
     got = measured["comm_counts"]
     assert counts == {"dp.all_gather": got["_allgather_base_"], "dp.reduce_scatter": got["_reduce_scatter_base_"],
                       "ep.all_to_all": got["all_to_all_single"]}, (counts, got)
-    # 0.993 when written (its debug model, 8 experts of width 256: 0.978, 2.2% short in the backward's activations
-    # and temporaries, not yet traced)
     assert abs(predicted / measured["peak_bytes_total"] - 1) < 0.01, (predicted, measured["peak_bytes_by_category"])
 
 

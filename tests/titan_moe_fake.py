@@ -1,8 +1,9 @@
-"""One-process, fake-process-group measurement of torchtitan 0.3.0 DeepSeek-V3
-(EP=2, dp_shard=4, world=4) with FSDPMemTracker + CommDebugMode.
+"""One-process, fake-process-group measurement of a torchtitan 0.3.0 mixture-of-experts job (DeepSeek-V3 or
+Qwen3-MoE; EP=2, dp_shard=4, world=4) with FSDPMemTracker + CommDebugMode.
 
 Run (from the repo root, in its .venv):
-  python tests/titan_moe_fake.py [--flavor debugmodel|16b] [--layers 3] [--batch 2] [--seq 64]
+  python tests/titan_moe_fake.py [--job deepseek_v3_debugmodel|deepseek_v3_16b|qwen3_30b_a3b] [--layers 3]
+         [--batch 2] [--seq 64]
          [--param-dtype bfloat16|float32] [--reshard default|always|never]
          [--no-mem] [--no-count-patch] [--debug-comm]
   (--backend defaults to partial_dtensor, the only spmd_backend that runs
@@ -11,11 +12,11 @@ Run (from the repo root, in its .venv):
 One untracked warm-up step first: the tracked step holds the optimizer state, as every step after the first does.
 
 Everything here is built from torchtitan's own code:
-  * config:      torchtitan.models.deepseek_v3.config_registry.deepseek_v3_debugmodel() (or _16b())
-  * model cfg:   DeepSeekV3Model.Config.update_from_config(config=trainer_cfg)
+  * config:      torchtitan.models.{deepseek_v3,qwen3}.config_registry.<--job>()
+  * model cfg:   <its model>.Config.update_from_config(config=trainer_cfg)
                  (sets sharding configs + router._debug_force_load_balance)
   * mesh:        torchtitan.distributed.ParallelDims(...).build_mesh()
-  * parallelize: torchtitan.models.deepseek_v3.parallelize.parallelize_deepseekv3
+  * parallelize: the job's model_spec.parallelize_fn (parallelize_deepseekv3, parallelize_qwen3)
                  (model.parallelize(parallel_dims) -> EP sharding of experts +
                  AllToAllTokenDispatcher.wire_meshes(ep_mesh); then
                  apply_fsdp_to_mtp_decoder -> apply_fsdp_to_decoder / fully_shard)
@@ -79,8 +80,9 @@ def parse():
                         "torch 2.13 needs DTensor params when dp_mesh_dims is given), "
                         "full_dtensor fails in router._debug_force_load_balance_routing "
                         "(gather of DTensor scores with a plain arange index).")
-    p.add_argument("--flavor", default="debugmodel", choices=["debugmodel", "16b"],
-                   help="torchtitan's deepseek_v3 job: deepseek_v3_debugmodel or deepseek_v3_16b (its first --layers)")
+    p.add_argument("--job", default="deepseek_v3_debugmodel",
+                   help="a torchtitan config-registry job of deepseek_v3 or qwen3 (deepseek_v3_16b, qwen3_30b_a3b, "
+                        "...), cut to its first --layers")
     p.add_argument("--layers", type=int, default=3)
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=64)
@@ -292,9 +294,9 @@ def main():
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed import utils as dist_utils
     from torchtitan.models.common.attention import ScaledDotProductAttention
-    from torchtitan.models.deepseek_v3 import config_registry
-
-    cfg = getattr(config_registry, f"deepseek_v3_{args.flavor}")()
+    import importlib
+    family = "deepseek_v3" if args.job.startswith("deepseek_v3") else "qwen3"
+    cfg = getattr(importlib.import_module(f"torchtitan.models.{family}.config_registry"), args.job)()
     cfg.parallelism = ParallelismConfig(
         data_parallel_shard_degree=DP_SHARD,
         expert_parallel_degree=EP,
