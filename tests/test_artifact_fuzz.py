@@ -10,7 +10,7 @@ from dataclasses import asdict, replace
 import pytest
 import torch
 import cbor2
-from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+from hypothesis import HealthCheck, assume, given, settings, strategies as st  # noqa: E402
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey  # noqa: E402
 
 from static_dist.artifact import (  # noqa: E402
@@ -207,6 +207,7 @@ def test_random_cbor_documents(obj):
 @given(st.lists(CBOR_VALUES, min_size=6, max_size=6), st.sets(st.integers(0, 5), min_size=1))
 def test_six_items_with_random_fields(rand, which):
     items = [rand[i] if i in which else TOP[i] for i in range(6)]
+    assume(cbor2.dumps(items) != cbor2.dumps(TOP))      # a "random" field equal to the real one is no corruption
     rejected(cbor2.dumps(items))
 
 

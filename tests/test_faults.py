@@ -32,7 +32,10 @@ def _start(tmp_path: Path, *extra: str) -> subprocess.Popen:
         main(["plan", "--model", "tiny", "--world", "2", "--dp-shard", "2", "--out", str(tmp_path / "plan.json")]) == 0
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+    # torchrun looks at its ranks every 5 s, not 0.1: the surviving rank says its line before the agent stops it (on
+    # a loaded 2-core machine torchrun has SIGTERMed rank 0 before it printed, as in test_cli_plan's cp refusal)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "--monitor-interval", "5", "-m",
            "static_dist.app", "--", "train", "--plan", "plan.json", "--model", "tiny", "--steps", "1000000",
            "--no-compile", "--log", "run.json", *extra]
     return subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
