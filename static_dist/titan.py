@@ -8,6 +8,7 @@ from __future__ import annotations
 # code; the reader, the plan and the measurement share the job's fields, which a split would scatter.
 
 import dataclasses
+import logging
 import tempfile
 import time
 import warnings
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .cost.measure import comm_counter, comm_counts, to_empty_tied
+from .cost.measure import GroupsMemTracker, comm_counter, comm_counts, to_empty_tied
 from .errors import StaticDistError
 from .graph import quiet_torch_logs
 from .launch import process_group
@@ -24,26 +25,38 @@ from .step import ChunkedLoss
 from .workload import Workload
 
 # %% auto 0
-__all__ = ['JOBS', 'TitanError', 'TitanJob', 'titan_ac_policy', 'titan_job', 'titan_toml', 'titan_model', 'titan_loss',
-           'titan_workload', 'titan_dims', 'titan_stages', 'titan_head_units', 'titan_plan', 'TitanMeasurement',
-           'apply_titan', 'measure_titan', 'titan_overrides', 'TitanCheck', 'titan_layout_job', 'check_titan']
+__all__ = ['JOBS', 'FAMILIES', 'TitanError', 'TitanJob', 'titan_ac_policy', 'titan_job', 'titan_toml', 'titan_model',
+           'titan_loss', 'titan_workload', 'titan_dims', 'titan_stages', 'titan_head_units', 'titan_plan',
+           'TitanMeasurement', 'apply_titan', 'measure_titan', 'titan_overrides', 'TitanCheck', 'titan_layout_job',
+           'check_titan']
 
 # %% ../nbs/07_titan.ipynb
 class TitanError(StaticDistError, ValueError):
     "torchtitan missing, or a torchtitan job this module cannot read or apply."
 
-JOBS = ("llama3_debugmodel", "llama3_8b", "llama3_70b", "llama3_405b")
+JOBS = ("llama3_debugmodel", "llama3_8b", "llama3_70b", "llama3_405b",                   # dense
+        "deepseek_v3_debugmodel", "deepseek_v3_16b", "deepseek_v3_671b", "qwen3_30b_a3b")  # mixtures of experts
+FAMILIES = ("llama3", "deepseek_v3", "qwen3")   # torchtitan.models.<family>.config_registry
 
-def _titan():
-    "torchtitan's Llama 3 config registry, its device type set to CPU; TitanError with the install hint if missing."
+def _family(name: str) -> str: return next((f for f in FAMILIES if name.startswith(f + "_")), "llama3")
+
+def _titan(family: str = "llama3"):
+    """torchtitan's config registry of model `family`, its device type set to CPU; TitanError with the install hint if
+    torchtitan is missing."""
+    import importlib
     try:
         import torchtitan.distributed.parallel_dims as pdims
+        import torchtitan.distributed.utils as dutils
+        import torchtitan.models.common.token_dispatcher as tdisp
         import torchtitan.tools.utils as tutils
-        from torchtitan.models.llama3 import config_registry
+        importlib.import_module(f"torchtitan.models.{family}")            # the package first, as `from ... import`
+        registry = importlib.import_module(f"torchtitan.models.{family}.config_registry")
     except ImportError as e:
         raise TitanError(f'torchtitan is not installed ({e.name} missing): pip install "static_dist[titan]"') from None
-    tutils.device_type = pdims.device_type = "cpu"
-    return config_registry
+    for m in (tutils, pdims, dutils, tdisp):
+        if hasattr(m, "device_type"): m.device_type = "cpu"
+        if hasattr(m, "device_module"): m.device_module = torch.cpu
+    return registry
 
 # %% ../nbs/07_titan.ipynb
 @contextmanager
@@ -64,6 +77,7 @@ class TitanJob:
     n_heads: int
     n_kv_heads: int
     ffn_dim: int
+    "The dense feed-forward's hidden width (0 when every block is a mixture of experts)."
     vocab: int
     local_batch: int
     seq_len: int
@@ -100,6 +114,12 @@ class TitanJob:
     "torchao's Float8 recipe of the job's linears ('tensorwise' or 'rowwise'; None: no Float8)."
     float8_all_gather: bool = False
     "An older job's `[float8] enable_fsdp_float8_all_gather` (torchtitan 0.3.0 has no such setting)."
+    ep: int = 1
+    "`parallelism.expert_parallel_degree`: ranks of dp_shard × cp splitting each mixture's experts."
+    n_experts: int = 0
+    "Routed experts of the first mixture-of-experts block (0: a dense model)."
+    family: str = "llama3"
+    "The model family: `torchtitan.models.<family>` (`FAMILIES`), torchtitan's `--module`."
 
 # %% ../nbs/07_titan.ipynb
 _AC = {"FullAC": "full", "SelectiveAC": "selective", "MemoryBudgetAC": "memory_budget"}
@@ -114,23 +134,27 @@ def _float8_recipe(cfg) -> str | None:
     return "rowwise" if "AXISWISE" in str(cfg.cast_config_weight.scaling_granularity) else "tensorwise"
 
 # %% ../nbs/07_titan.ipynb
-def _record(name: str, c) -> TitanJob:
-    "The plain record of a torchtitan `Trainer.Config`."
+def _record(name: str, c, family: str = "llama3") -> TitanJob:
+    "The plain record of a torchtitan `Trainer.Config` of model `family`."
     mc, p, t = c.model_spec.model, c.parallelism, c.training
     blk = mc.layers[0]
+    w1 = next((b.feed_forward.w1 for b in mc.layers if getattr(b, "feed_forward", None) is not None), None)
+    moe = next((b.moe for b in mc.layers if getattr(b, "moe", None) is not None), None)
     return TitanJob(
         name=name, dim=mc.dim, n_layers=len(mc.layers), n_heads=blk.attention.n_heads,
-        n_kv_heads=blk.attention.n_kv_heads, ffn_dim=blk.feed_forward.w1.out_features, vocab=mc.vocab_size,
+        n_kv_heads=getattr(blk.attention, "n_kv_heads", None) or blk.attention.n_heads,   # MLA: one per head
+        ffn_dim=w1.out_features if w1 is not None else 0, vocab=mc.vocab_size,
         local_batch=t.local_batch_size, seq_len=t.seq_len, dp_replicate=p.data_parallel_replicate_degree,
         dp_shard=p.data_parallel_shard_degree, cp=p.context_parallel_degree, tp=p.tensor_parallel_degree,
         pp=p.pipeline_parallel_degree, sequence_parallel=p.enable_sequence_parallel, master_dtype=t.dtype,
         param_dtype=t.mixed_precision_param, reduce_dtype=t.mixed_precision_reduce,
         ac=_AC.get(_outer(c.activation_checkpoint), "none") if c.activation_checkpoint is not None else "none",
-        compile=c.compile.enable, float8="Float8" in type(blk.feed_forward.w1).__qualname__,
+        compile=c.compile.enable, float8="Float8" in type(w1).__qualname__,
         async_tp=c.compile.enable_async_tensor_parallel,
         loss_chunks=getattr(c.loss, "num_chunks", 0), attention=_ATTN.get(_outer(blk.attention.inner_attention), "?"),
         pp_schedule=p.pipeline_parallel_schedule, microbatch_size=p.pipeline_parallel_microbatch_size, ac_every=0,
-        config=c, float8_recipe=_float8_recipe(getattr(blk.feed_forward.w1, "_torchao_config", None)))
+        config=c, float8_recipe=_float8_recipe(getattr(w1, "_torchao_config", None)), ep=p.expert_parallel_degree,
+        n_experts=moe.num_experts if moe is not None else 0, family=family)
 
 # %% ../nbs/07_titan.ipynb
 def _ac_config(ac: str):
@@ -180,17 +204,28 @@ def titan_job(name_or_config, *, layers: int | None = None, seq_len: int | None 
               dp_replicate: int | None = None, sequence_parallel: bool | None = None, ac: str | None = None,
               attention: str = "sdpa", param_dtype: str | None = None, cp: int | None = None, pp: int | None = None,
               pp_schedule: str | None = None, microbatch_size: int | None = None, compile: bool | None = None,
-              dtype: str | None = None, loss_chunks: int | None = None, async_tp: bool | None = None) -> TitanJob:
-    """A torchtitan Llama 3 job (a name in `JOBS`, or a `Trainer.Config`) as a `TitanJob`, cut and overridden as asked;
-    `param_dtype`: FSDP's compute dtype (`training.mixed_precision_param`), 'float32' for no mixed precision;
-    `dtype`: the masters' (`training.dtype`); `loss_chunks`: `ChunkedLossWrapper`'s chunks, 0 for its inner loss
-    alone."""
-    registry = _titan()
+              dtype: str | None = None, loss_chunks: int | None = None, async_tp: bool | None = None,
+              ep: int | None = None) -> TitanJob:
+    """A torchtitan job (a name in `JOBS`, or a `Trainer.Config` of a model in `FAMILIES`) as a `TitanJob`, cut and
+    overridden as asked; `param_dtype`: FSDP's compute dtype (`training.mixed_precision_param`), 'float32' for no mixed
+    precision; `dtype`: the masters' (`training.dtype`); `loss_chunks`: `ChunkedLossWrapper`'s chunks, 0 for its inner
+    loss alone; `ep`: `expert_parallel_degree`. A mixture of experts routes as torchtitan's debug switch
+    `moe_force_load_balance` routes: balanced, the routing static_dist assumes."""
     if isinstance(name_or_config, str):
         if name_or_config not in JOBS: raise TitanError(f"job {name_or_config!r}: give one of {', '.join(JOBS)}")
-        with _float8_on_cpu(), quiet_torch_logs(): c, name = getattr(registry, name_or_config)(), name_or_config
-    else: c, name = name_or_config, getattr(name_or_config.model_spec, "flavor", "config")
-    degrees = {"data_parallel_shard_degree": dp_shard, "tensor_parallel_degree": tp,
+        family, quiet = _family(name_or_config), logging.root.manager.disable
+        logging.disable(max(quiet, logging.WARNING))   # torchtitan warns (root logger) of unused checkpoint settings
+        try:
+            with _float8_on_cpu(), quiet_torch_logs(): c = getattr(_titan(family), name_or_config)()
+            name = name_or_config
+        finally: logging.disable(quiet)
+    else:
+        c, name = name_or_config, getattr(name_or_config.model_spec, "flavor", "config")
+        family = type(c.model_spec.model).__module__.split(".")[2] if type(c.model_spec.model).__module__.startswith(
+            "torchtitan.models.") else "llama3"
+        if family not in FAMILIES: raise TitanError(f"a {family} job: static_dist reads {', '.join(FAMILIES)} jobs")
+        _titan(family)
+    degrees = {"data_parallel_shard_degree": dp_shard, "tensor_parallel_degree": tp, "expert_parallel_degree": ep,
                "data_parallel_replicate_degree": dp_replicate, "enable_sequence_parallel": sequence_parallel,
                "context_parallel_degree": cp, "pipeline_parallel_degree": pp, "pipeline_parallel_schedule": pp_schedule,
                "pipeline_parallel_microbatch_size": microbatch_size}
@@ -202,8 +237,10 @@ def titan_job(name_or_config, *, layers: int | None = None, seq_len: int | None 
     if compile is not None: c.compile.enable = compile
     if loss_chunks is not None: c.loss = _loss_config(c.loss, loss_chunks)
     if async_tp is not None: c.compile.enable_async_tensor_parallel = async_tp
+    if any(getattr(b, "moe", None) is not None for b in c.model_spec.model.layers):
+        c.debug.moe_force_load_balance = True         # read into each router's config by update_from_config
     c.model_spec.model.update_from_config(config=c)   # what torchtitan's Trainer does: TP per module config
-    return _record(name, c)
+    return _record(name, c, family)
 
 # %% ../nbs/07_titan.ipynb
 _FLAVORS = {"debugmodel": "llama3_debugmodel", "8B": "llama3_8b", "70B": "llama3_70b", "405B": "llama3_405b"}
@@ -303,7 +340,7 @@ def titan_dims(job: TitanJob, world: int | None = None):
     if shard < 1 or rest * shard != world:
         raise TitanError(f"world {world} != dp_replicate {job.dp_replicate} x dp_shard {shard} x cp {job.cp} x tp "
                          f"{job.tp} x pp {job.pp}")
-    return ParallelDims(job.dp_replicate, shard, job.cp, job.tp, job.pp)
+    return ParallelDims(job.dp_replicate, shard, job.cp, job.tp, job.pp, job.ep)
 
 # %% ../nbs/07_titan.ipynb
 def titan_stages(job: TitanJob, n_blocks: int) -> tuple[int, ...]:
@@ -331,18 +368,20 @@ def titan_head_units(job: TitanJob) -> tuple:
 
 def titan_plan(job: TitanJob, g, world: int | None = None, n_blocks: int | None = None):
     """The `ParallelPlan` torchtitan applies for `job` at `world` ranks, on its captured step `g` (`titan_workload`'s,
-    in the compute dtype) whose model has `n_blocks` blocks (default: the job's layers)."""
+    in the compute dtype) whose model's main stack has `n_blocks` blocks (default: the captured stack's; a few-block
+    capture gives the whole model's). Every layer of the job is an FSDP unit, DeepSeek's dense first layers, outside
+    the stack of alike blocks, too."""
     from static_dist.fsdp import FSDPPlan, FSDPUnit
     from static_dist.parallel import ParallelPlan, float8_of, tp_layout
     from static_dist.placement import block_spec, megatron_styles
-    d, n = titan_dims(job, world), n_blocks or job.n_layers
+    d, n = titan_dims(job, world), n_blocks or len(g.structure.main.blocks)
     tp = {}
     if d.tp > 1:
         styles, outer, sp = tp_layout(g, tuple(megatron_styles(block_spec(g)).items()), job.sequence_parallel)
         tp = dict(tp_styles=styles, sequence_parallel=sp, loss_parallel=True, tp_outer=outer,
                   async_tp=job.async_tp and sp)
         if d.pp > 1: tp = dict(tp_styles=styles)   # static_dist models sequence/loss parallelism without pipelines
-    blocks, r = [f"layers.{i}" for i in range(n)], d.pp == 1        # torchtitan's "default": reshard unless pipelined
+    blocks, r = [f"layers.{i}" for i in range(job.n_layers)], d.pp == 1   # "default": reshard unless pipelined
     units = (FSDPUnit("tok_embeddings", r), *(FSDPUnit(b, r) for b in blocks), *titan_head_units(job),
              FSDPUnit("", False))
     dp, mesh = d.dp_replicate * d.fsdp_size, (d.dp_replicate, d.fsdp_size) if d.dp_replicate > 1 else (d.fsdp_size,)
@@ -378,12 +417,15 @@ def _dims(job: TitanJob, world: int):
     "torchtitan's ParallelDims of `job` at `world` ranks; dp_shard -1 takes the ranks the other degrees leave."
     from torchtitan.distributed import ParallelDims
     if job.pp > 1: raise TitanError(f"pp={job.pp}: measure_titan measures one stage's layout; use pp=1")
+    if job.ep > 1:   # its token dispatcher reads the rows per expert (.tolist()) to size its all-to-alls
+        raise TitanError(f"ep={job.ep}: measure_titan steps on fake tensors, where torchtitan's token dispatcher "
+                         "cannot read its split sizes; tests/titan_moe_fake.py measures its mixtures on real tensors")
     rest = job.dp_replicate * job.cp * job.tp
     shard = job.dp_shard if job.dp_shard > 0 else world // rest
     if rest * shard != world:
         raise TitanError(f"world {world} != dp_replicate {job.dp_replicate} x dp_shard {shard} x cp {job.cp} "
                          f"x tp {job.tp}")
-    return ParallelDims(dp_replicate=job.dp_replicate, dp_shard=shard, cp=job.cp, tp=job.tp, pp=1, ep=1,
+    return ParallelDims(dp_replicate=job.dp_replicate, dp_shard=shard, cp=job.cp, tp=job.tp, pp=1, ep=job.ep,
                         world_size=world, spmd_backend="partial_dtensor")
 
 # %% ../nbs/07_titan.ipynb
@@ -417,60 +459,6 @@ def _step(m, opt, x, y, loss=titan_loss):
     loss(m(x), y).backward(); opt.step(); opt.zero_grad()
 
 # %% ../nbs/07_titan.ipynb
-def _forward_hooks(st, module, pre, post):
-    "Register FSDP state `st`'s forward hooks `pre`/`post` as FSDP does: on its one module, or as one group hook."
-    from torch.distributed.fsdp._fully_shard._fsdp_state import _register_group_forward_hooks
-    if len(st._modules) == 1:
-        st._pre_forward_hook_handle = module.register_forward_pre_hook(pre, prepend=True, with_kwargs=True)
-        st._post_forward_hook_handle = module.register_forward_hook(post, prepend=False, always_call=True)
-    else:
-        h = _register_group_forward_hooks(st._modules, pre, post, st._modules_to_run_forward, st._cast_output_dtype)
-        st._pre_forward_hook_handle = st._post_forward_hook_handle = h
-
-# %% ../nbs/07_titan.ipynb
-def _remove_forward_hooks(st):
-    st._pre_forward_hook_handle.remove()
-    if st._post_forward_hook_handle is not st._pre_forward_hook_handle: st._post_forward_hook_handle.remove()
-
-# %% ../nbs/07_titan.ipynb
-def _group_tracker(model, opt):
-    "An FSDPMemTracker of `model` that instruments each FSDP state once (multi-module groups kept; see above)."
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType, _SavedFSDPMethods
-    from torch.distributed.fsdp import FSDPModule
-
-    class _GroupTracker(FSDPMemTracker):
-        def _states(self):
-            out = {}
-            for m in self._root_mod.modules():
-                if isinstance(m, FSDPModule) and (st := m._get_fsdp_state())._fsdp_param_group is not None:
-                    out.setdefault(id(st), (m, st))
-            return out.values()
-
-        def _instrument_fsdp_module(self) -> None:
-            for m, st in self._states():
-                pg = st._fsdp_param_group
-                _remove_forward_hooks(st)
-                self._instrument_fsdp_sharded_params_grads(pg)
-                _forward_hooks(st, m, self._fsdp_state_pre_forward(m, st._pre_forward),
-                               self._fsdp_state_post_forward(m, st._post_forward))
-                self._fsdp_mod_to_saved_methods[m] = _SavedFSDPMethods(pg.pre_backward, pg.post_backward)
-                pg.pre_backward = self._fsdp_param_group_pre_backward(m, pg.pre_backward)
-                pg.post_backward = self._fsdp_param_group_post_backward(m, pg.post_backward)
-            for b in self._root_mod.buffers(): self._update_and_maybe_create_winfos(b, _FSDPRefType.BUFFER)
-
-        def _deregister_module_and_optimizer_hooks(self) -> None:
-            for m, saved in self._fsdp_mod_to_saved_methods.items():
-                st = m._get_fsdp_state()
-                _remove_forward_hooks(st)
-                _forward_hooks(st, m, st._pre_forward, st._post_forward)
-                st._fsdp_param_group.pre_backward, st._fsdp_param_group.post_backward = saved
-            self._fsdp_mod_to_saved_methods.clear()
-            for h in self._optimizer_hook_handles or (): h.remove()
-            self._optimizer_hook_handles = None
-
-    return _GroupTracker(model, opt)
-
-# %% ../nbs/07_titan.ipynb
 def _peak(fmt) -> tuple[int, dict]:
     "(total, {category: bytes}) of FSDPMemTracker's peak snapshot, summed over devices."
     kinds: dict = {}
@@ -490,7 +478,7 @@ def measure_titan(job: TitanJob, world: int) -> TitanMeasurement:
             to_empty_tied(m, "cpu")
             opt = _adamw(job, m.parameters())
             (x,), _, y = _tokens(job.vocab)(job.local_batch, job.seq_len)
-            fmt, loss = _group_tracker(m, opt), _job_loss(job, m)
+            fmt, loss = GroupsMemTracker(m, opt), _job_loss(job, m)
             fmt.track_inputs((x, y))
             with fmt: _step(m, opt, x, y, loss)
             fmt.reset_mod_stats()
@@ -534,6 +522,8 @@ def titan_overrides(plan, batch: int, seq: int, master_dtype: str = "float32") -
     out = [f"--parallelism.{k}_degree {v}" for k, v in (("data_parallel_replicate", d.dp_replicate),
            ("data_parallel_shard", d.dp_shard), ("context_parallel", d.cp), ("tensor_parallel", d.tp),
            ("pipeline_parallel", d.pp))]
+    if d.ep > 1:   # torchtitan refuses its all-to-all token dispatcher under CUDA graphs (_validate_cuda_graphs)
+        out += [f"--parallelism.expert_parallel_degree {d.ep}", "--training.disable_cuda_graphs"]
     if d.tp > 1: out.append(f"--parallelism.{'' if plan.sequence_parallel else 'no-'}enable_sequence_parallel")
     if plan.async_tp:
         out += ["--compile.enable", "--compile.enable_async_tensor_parallel"]
@@ -588,7 +578,7 @@ def titan_layout_job(job: TitanJob, plan, layers: int = 2) -> TitanJob:
     base = job.name if job.name in JOBS else copy.deepcopy(job.config)
     return titan_job(base, layers=layers, seq_len=job.seq_len, local_batch=job.local_batch, dp_shard=d.dp_shard,
                      tp=d.tp, dp_replicate=d.dp_replicate, cp=1, pp=1, ac=_ac_mode(plan)[0], param_dtype=pdt,
-                     sequence_parallel=plan.sequence_parallel if d.tp > 1 else None, dtype=job.master_dtype)
+                     sequence_parallel=plan.sequence_parallel if d.tp > 1 else None, dtype=job.master_dtype, ep=d.ep)
 
 def check_titan(job: TitanJob, plan, layers: int = 2) -> TitanCheck:
     """`plan` for `job`, laid out by torchtitan's own parallelize function on the job cut to `layers` blocks and

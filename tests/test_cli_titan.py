@@ -141,3 +141,30 @@ def test_torchtitan_job_reads_async_tp(tmp_path):
         from static_dist.app.cli import main
         code = main(["plan", "--torchtitan", "llama3_8b", "--async-tp"])
     assert code != 0 and "--async-tp" in err.getvalue() and "Traceback" not in err.getvalue(), err.getvalue()
+
+
+def test_deepseek_v3_16b_job_planned_with_its_ep():
+    """torchtitan's DeepSeek-V3 16B job (its registry: 27 layers, the first dense, then mixtures of 64 experts; ep 8 of
+    dp_shard 8) as written: its expert parallelism in the layout, the all-to-alls in the step time, its routing
+    torchtitan's balanced debug routing; `--emit torchtitan` names its module."""
+    code, out = _plan("--torchtitan", "deepseek_v3_16b", "--world", "8", "--emit", "torchtitan")
+    assert code == 0, out
+    assert "torchtitan deepseek_v3_16b as written (local batch 4, seq 4096, selective checkpointing)" in out
+    assert "3 of 26 blocks captured" in out                # the 26 mixtures after the dense first layer
+    assert "dp_shard 8 × cp 1 × tp 1 × pp 1 (world 8), ep 8 of dp_shard × cp" in out
+    assert float(out.split(" ep ")[1].split()[0]) > 0, out          # the step time's ep term, in ms
+    assert "for torchtitan/train.py --module deepseek_v3 --config NAME" in out
+
+
+def test_emit_ep_parses_in_torchtitan():
+    "A layout with ep 2 as torchtitan's overrides: its own parser reads the expert-parallel degree."
+    import warnings
+    from torchtitan.config.manager import ConfigManager
+    from static_dist.parallel import ParallelDims, ParallelPlan
+    from static_dist.titan import titan_overrides
+    argv, _ = titan_overrides(ParallelPlan(ParallelDims(dp_shard=4, ep=2)), 2, 256, "float32")
+    assert "--parallelism.expert_parallel_degree" in argv
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cfg = ConfigManager().parse_args(["--module", "deepseek_v3", "--config", "deepseek_v3_debugmodel", *argv])
+    assert (cfg.parallelism.expert_parallel_degree, cfg.parallelism.data_parallel_shard_degree) == (2, 4)

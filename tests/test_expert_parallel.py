@@ -37,7 +37,7 @@ def test_ep_borrows_ranks_and_is_checked():
     with pytest.raises(ParallelPlanError, match="ep=2: the model has no mixture of experts"):
         layout_dims(4, n_blocks=2, node=4, pins={"ep": 2})                   # a dense model (experts=0)
     units = FSDPPlan(4, (4,), (FSDPUnit(""), FSDPUnit("layers.0"), FSDPUnit("layers.1.moe.router")))
-    with pytest.raises(ParallelPlanError, match="unit 'layers.1.moe.router' is the mixture of experts layers.1.moe"):
+    with pytest.raises(ParallelPlanError, match="unit 'layers.1.moe.router' is the experts module layers.1.moe"):
         check_experts(ParallelPlan(d, fsdp=units), get_model("tiny-moe").build("meta"))
 
 
@@ -103,6 +103,46 @@ def test_gloo_ep2_equals_one_process():
             for c in r["counts"]: assert c == counts, (c, counts)
 
 
+def _mixtral(path, **kw):
+    "A transformers MixtralConfig (2 layers, top-2) saved to `path`, for an `hf:` source."
+    import transformers
+    fields = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, vocab_size=256,
+                  max_position_embeddings=128)
+    transformers.MixtralConfig(**{**fields, **kw}).save_pretrained(path)
+    return f"hf:{path}"
+
+
+def test_gloo_transformers_mixtral_ep_equals_one_process(tmp_path):
+    """transformers' Mixtral (dropless: real routing, so uneven all-to-all splits) under ep on 4 gloo ranks, each block
+    one FSDP unit with its experts as a second parameter group over efsdp (torchtitan's layout): ep 2 × efsdp 2, HSDP
+    dp_replicate 2 × dp_shard 2 with ep 2 (efsdp 1), and ep 4 (efsdp 1). 3 plain-SGD steps give the single process's
+    losses within 1e-5 relative and its parameters; per step 5 all-to-alls per mixture (counts, dispatch and combine,
+    and backward's two), and FSDP's collectives group by group, counted by hand."""
+    units = (FSDPUnit("model.layers.0"), FSDPUnit("model.layers.1"), FSDPUnit(""))
+    plans = [ParallelPlan(ParallelDims(dp_shard=4, ep=2), fsdp=FSDPPlan(4, (4,), units)),
+             ParallelPlan(ParallelDims(dp_replicate=2, dp_shard=2, ep=2), fsdp=FSDPPlan(4, (2, 2), units)),
+             ParallelPlan(ParallelDims(dp_shard=4, ep=4), fsdp=FSDPPlan(4, (4,), units))]
+    reps = launch("static_dist.parallel.run:run_plans", 4, [[_mixtral(tmp_path), p.to_json()] for p in plans],
+                  optimizer="sgd", lr=0.5, timeout=600)
+    a2a = 5 * 2                                                                  # 2 mixtures
+    want = [
+        # groups: the root's, and per block its dense one and its experts' (over efsdp 2): each gathered forward,
+        # the blocks' again backward (the root is not resharded), each reduce-scattered
+        {"ep.all_to_all": a2a, "dp.all_gather": 1 + 2 * 2 + 2 * 2, "dp.reduce_scatter": 1 + 2 * 2},
+        # efsdp 1: the experts whole on their rank (nothing gathered or scattered); every group all-reduced over
+        # dp_replicate
+        {"ep.all_to_all": a2a, "dp.all_gather": 1 + 2 + 2, "dp.reduce_scatter": 1 + 2, "dp.all_reduce": 1 + 2 * 2},
+        {"ep.all_to_all": a2a, "dp.all_gather": 1 + 2 + 2, "dp.reduce_scatter": 1 + 2},
+    ]
+    for rep, counts in zip(reps, want):
+        for a, b in zip(rep["losses"], rep["ref_losses"]): assert abs(a - b) <= 1e-5 * abs(b), rep["losses"]
+        assert len(rep["losses"]) == 3 and rep["losses"][-1] < rep["losses"][0] - 0.3      # it trained
+        for r in rep["ranks"]:
+            assert r["error"] is None and r["close"], (r["error"], r.get("max_abs"))
+            for c in r["counts"]: assert c == counts, (c, counts)
+
+
 class _StackedExperts(torch.nn.Module):
     "A mixture not from the zoo: a router and experts stored as 3-D parameters, read from the module tree."
     def __init__(self, dim=16, hidden=32, n_experts=4):
@@ -154,6 +194,60 @@ def test_ep_peak_and_collectives_under_a_fake_group(tiny_moe, ep, ac, replicate,
     assert v.measured_counts["ep.all_to_all"] == 2 * (4 + 2 * (ac != "none"))     # 2 mixtures
     one = verify_parallel(w, dataclasses.replace(plan, dims=dataclasses.replace(plan.dims, ep=1)), g, "float32")
     assert v.measured_bytes < one.measured_bytes                                  # the experts gathered 1/ep
+
+
+# transformers' mixtures laid out by apply_parallel_plan under a fake process group of 4, the routing forced to the
+# balanced split the prediction assumes (RoutedExpertParallel sends each rank its share on fake tensors), each layer an
+# FSDP unit, bf16 on fp32 masters: FSDPMemTracker's peak (GroupsMemTracker: a block's two parameter groups) and
+# CommDebugMode's counts against the prediction from one capture without ep. The shapes:
+# - Mixtral: dim 256, 8 experts of width 512, top-2, 2 layers (written: ep 1 1.0028, ep 2 0.9999, ep 4 0.9941);
+# - DeepSeek-V3 16B (deepseek-moe-16b's: dim 2048, MLA, 64 routed experts of width 1408, top-6, 2 shared), its dense
+#   first layer and 2 mixtures, captured with the CPU's attention, as the measurement runs it (written: ep 1 1.0000,
+#   ep 2 0.9959, ep 4 0.9928).
+HF_EP = {
+    "mixtral": ("MixtralConfig", dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
+                                      num_experts_per_tok=2, vocab_size=512, max_position_embeddings=256)),
+    "deepseek-v3-16b": ("DeepseekV3Config", dict(hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
+                                                 num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=64,
+                                                 n_shared_experts=2, num_experts_per_tok=6, n_group=1, topk_group=1,
+                                                 num_attention_heads=16, num_key_value_heads=16, q_lora_rank=None,
+                                                 kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
+                                                 v_head_dim=128, vocab_size=102400, max_position_embeddings=4096)),
+}
+
+
+@pytest.fixture(scope="module")
+def hf_ep_graphs(tmp_path_factory):
+    "{name: (workload, its bf16 capture with the CPU's attention)} of `HF_EP`, captured on first use."
+    import transformers
+    from static_dist.graph import capture
+    from static_dist.workload import load_workload
+    made = {}
+    def get(name):
+        if name not in made:
+            cls, fields = HF_EP[name]
+            d = tmp_path_factory.mktemp(name)
+            getattr(transformers, cls)(**fields).save_pretrained(d)
+            w = load_workload(f"hf:{d}", batch=2, seq=64)
+            args, kwargs, targets = w.inputs(device="meta", dtype="bfloat16")
+            made[name] = w, capture(w.build(device="meta", dtype=torch.bfloat16), args, example_kwargs=kwargs or None,
+                                    loss_fn=w.loss, targets=targets, optimizer=w.optimizer, attention="cpu")
+        return made[name]
+    return get
+
+
+@pytest.mark.parametrize("name, ep", [("mixtral", 2), ("mixtral", 4), ("deepseek-v3-16b", 2)])
+def test_transformers_mixtures_ep_under_a_fake_group(hf_ep_graphs, name, ep):
+    from static_dist.parallel import verify_parallel
+    w, g = hf_ep_graphs(name)
+    n = HF_EP[name][1]["num_hidden_layers"]
+    units = (*(FSDPUnit(f"model.layers.{i}") for i in range(n)), FSDPUnit(""))
+    plan = ParallelPlan(ParallelDims(dp_shard=4, ep=ep), ac=("none",) * len(g.structure.main.blocks),
+                        fsdp=FSDPPlan(4, (4,), units, param_dtype="bfloat16"))
+    v = verify_parallel(w, plan, g, master_dtype="float32")
+    assert abs(v.ratio - 1) < 0.01, v
+    assert v.predicted_counts == v.measured_counts and v.measured_counts["ep.all_to_all"] == 5 * len(g.meta["moe"]), v
 
 
 def test_a_unit_over_fewer_ranks_is_only_eps():
@@ -307,36 +401,33 @@ def test_imbalance_by_hand(tmp_path):
 @pytest.mark.parametrize("job, layers", [("deepseek_v3_16b", 3),
                                          pytest.param("qwen3_30b_a3b", 2, marks=pytest.mark.slow)])
 def test_torchtitan_moe_job_ep_under_a_fake_group(job, layers):
-    import importlib
+    """The layout `static-dist plan --torchtitan` reads for the job (`titan_job` cut as the measurement cuts it, and
+    `titan_plan`: every layer a unit, the dense first one too) predicts torchtitan's own run of it."""
     import json
-    import logging
     import warnings
-    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from static_dist.fsdp import FSDPUnit
     from static_dist.graph import capture
     from static_dist.parallel import predict_parallel_memory, rank_profile
     from static_dist.parallel.verify import predict_axis_counts
-    from static_dist.titan import titan_loss
+    from static_dist.titan import titan_job, titan_loss, titan_model, titan_plan
     run = subprocess.run([sys.executable, str(Path(__file__).with_name("titan_moe_fake.py")), "--job", job,
                           "--layers", str(layers)], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     measured = json.loads(run.stdout)
-    family = "deepseek_v3" if job.startswith("deepseek_v3") else "qwen3"
-    logging.disable(logging.WARNING)
-    mc = getattr(importlib.import_module(f"torchtitan.models.{family}.config_registry"), job)().model_spec.model
-    logging.disable(logging.NOTSET)
-    mc.layers = mc.layers[:layers]
-    for blk in mc.layers: blk.attention.inner_attention = ScaledDotProductAttention.Config()
-    with torch.device("meta"): model = mc.build().to(torch.bfloat16)
-    tokens = torch.randint(0, model.tok_embeddings.weight.shape[0], (2, 64), device="meta")
+    cut = titan_job(job, layers=layers, seq_len=64, local_batch=2, dp_shard=4, ep=2, ac="none",
+                    param_dtype="bfloat16", loss_chunks=0)                 # the measurement's loss: whole logits
+    model = titan_model(cut, dtype=torch.bfloat16)
+    tokens = torch.randint(0, cut.vocab, (2, 64), device="meta")
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="In CPU autocast")
         # attention="cpu": the measurement runs on this CPU, whose SDPA takes its math path for MLA (query head dim
         # 192, value 128); on a GPU (the default capture) the memory-efficient kernel keeps no (seq, seq) scores
         g = capture(model, tokens, targets=tokens, loss_fn=titan_loss, optimizer="adamw", attention="cpu")
+    plan = titan_plan(cut, g, 4)
     units = (FSDPUnit("tok_embeddings"), *(FSDPUnit(f"layers.{i}") for i in range(layers)),
-             FSDPUnit("norm", False, group=("lm_head",)), FSDPUnit("", False))
-    plan = ParallelPlan(ParallelDims(dp_shard=4, ep=2), fsdp=FSDPPlan(4, (4,), units, param_dtype="bfloat16",
-                                                                      reduce_dtype="float32", forward_prefetch=0))
+             FSDPUnit("norm", False, group=("lm_head",)), FSDPUnit("", False))        # torchtitan's, by hand
+    assert (plan.dims, plan.fsdp.units, plan.fsdp.param_dtype, plan.fsdp.reduce_dtype) == (
+        ParallelDims(dp_shard=4, ep=2), units, "bfloat16", "float32"), plan
     predicted = predict_parallel_memory(g, plan, "float32").peak_bytes
     counts = predict_axis_counts(rank_profile(g, plan, 0, "float32"), plan)
     got = measured["comm_counts"]

@@ -39,20 +39,14 @@ Monkeypatches (script-local, documented where applied):
      with balanced routing this patch is a no-op safeguard (same counts, same
      results with --no-count-patch); it matters on fake-PG versions that leave
      outputs uninitialised.
-  3. FSDPMemTracker multi-param-group support.  torchtitan's EP path calls
-     fully_shard(block, shard_placement_fn=...) returning ShardPlacementResult
-     with a per-param mesh (experts -> efsdp mesh, the rest -> fsdp/dp_shard
-     mesh), so each MoE block's FSDPState has 2 FSDPParamGroups.  Torch's
-     FSDPMemTracker only reads the legacy singular FSDPState._fsdp_param_group
-     property, which raises for >1 groups.  We (a) make that property return a
-     read-only view exposing the union of all groups' fsdp_params (that is all
-     the tracker reads from it in the forward/post-backward hooks), and
-     (b) subclass FSDPMemTracker so it instruments / wraps pre_backward and
-     post_backward of *every* param group, instruments each FSDPState once
-     (fully_shard([norm, lm_head]) is one state on two modules: the stock
-     tracker's per-module hook re-registration caused an extra all-gather +
-     reduce-scatter for that group), and restores everything on exit.
-     Checked: comm counts with the tracker == with --no-mem.
+  3. FSDPMemTracker multi-param-group support: torchtitan's EP path calls
+     fully_shard(block, shard_placement_fn=...) with a per-param mesh (experts
+     -> efsdp mesh, the rest -> dp_shard mesh), so each MoE block's FSDPState
+     has 2 FSDPParamGroups, which torch's FSDPMemTracker refuses.  The step is
+     tracked by static_dist.cost.measure.GroupsMemTracker (every group's
+     backward wrapped, each state instrumented once: fully_shard([norm,
+     lm_head]) is one state on two modules).  Checked: comm counts with the
+     tracker == with --no-mem.
 """
 
 import argparse
@@ -131,122 +125,6 @@ def patch_token_count_exchange():
     AllToAllTokenDispatcher._token_count_exchange = _token_count_exchange_identity
 
 
-class _GroupsView:
-    """Read-only union of several FSDPParamGroups (what FSDPMemTracker reads)."""
-
-    def __init__(self, groups):
-        self.groups = list(groups)
-        self.fsdp_params = [p for g in self.groups for p in g.fsdp_params]
-
-
-def patch_fsdp_param_group_property():
-    # Monkeypatch 3a (see module docstring).
-    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
-
-    def _fsdp_param_group(self):
-        groups = self._fsdp_param_groups
-        if not groups:
-            return None
-        if len(groups) == 1:
-            return groups[0]
-        return _GroupsView(groups)
-
-    FSDPState._fsdp_param_group = property(_fsdp_param_group)
-
-
-def make_mem_tracker_cls():
-    # Monkeypatch 3b (see module docstring): subclass, not a global patch.
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from torch.distributed.fsdp import FSDPModule
-
-    class MultiGroupFSDPMemTracker(FSDPMemTracker):
-        # Differences from torch's FSDPMemTracker._instrument_fsdp_module:
-        #  * loops over every FSDPParamGroup of a state (per-param-mesh EP blocks
-        #    have 2: dp_shard/fsdp mesh + efsdp mesh);
-        #  * instruments each FSDPState once.  torchtitan uses
-        #    fully_shard([norm, lm_head]) (one state, two modules); the stock
-        #    tracker re-registers the pre/post-forward hooks on *each* module,
-        #    which makes FSDP run post_backward twice for that group (an extra
-        #    all-gather + reduce-scatter that does not happen without the
-        #    tracker).  For multi-module states we re-register through FSDP's own
-        #    _register_group_forward_hooks, exactly as FSDPState.init does.
-        @staticmethod
-        def _unique_states(root):
-            seen, out = set(), []
-            for module in root.modules():
-                if isinstance(module, FSDPModule):
-                    st = module._get_fsdp_state()
-                    if id(st) not in seen and st._fsdp_param_groups:
-                        seen.add(id(st))
-                        out.append(st)
-            return out
-
-        @staticmethod
-        def _install_forward_hooks(st, pre, post):
-            if len(st._modules) == 1:
-                m = st._modules[0]
-                st._pre_forward_hook_handle = m.register_forward_pre_hook(
-                    pre, prepend=True, with_kwargs=True)
-                st._post_forward_hook_handle = m.register_forward_hook(
-                    post, prepend=False, always_call=True)
-            else:
-                from torch.distributed.fsdp._fully_shard._fsdp_state import (
-                    _register_group_forward_hooks,
-                )
-                h = _register_group_forward_hooks(
-                    st._modules, pre, post, st._modules_to_run_forward, st._cast_output_dtype)
-                st._pre_forward_hook_handle = h
-                st._post_forward_hook_handle = h
-
-        def _instrument_fsdp_module(self) -> None:
-            from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType
-
-            self._saved_group_methods = []
-            self._instrumented_states = self._unique_states(self._root_mod)
-            for st in self._instrumented_states:
-                st._pre_forward_hook_handle.remove()
-                if st._post_forward_hook_handle is not st._pre_forward_hook_handle:
-                    st._post_forward_hook_handle.remove()
-            for st in self._instrumented_states:
-                key_mod = st._modules[0]
-                self._install_forward_hooks(
-                    st,
-                    self._fsdp_state_pre_forward(key_mod, st._pre_forward),
-                    self._fsdp_state_post_forward(key_mod, st._post_forward),
-                )
-                for g in st._fsdp_param_groups:
-                    self._instrument_fsdp_sharded_params_grads(g)
-                    self._saved_group_methods.append((g, g.pre_backward, g.post_backward))
-                    g.pre_backward = self._fsdp_param_group_pre_backward(key_mod, g.pre_backward)
-                    g.post_backward = self._fsdp_param_group_post_backward(key_mod, g.post_backward)
-            for buffer in self._root_mod.buffers():
-                self._update_and_maybe_create_winfos(buffer, _FSDPRefType.BUFFER)
-
-        def _deregister_module_and_optimizer_hooks(self) -> None:
-            for st in self._instrumented_states:
-                st._pre_forward_hook_handle.remove()
-                if st._post_forward_hook_handle is not st._pre_forward_hook_handle:
-                    st._post_forward_hook_handle.remove()
-                if len(st._modules) == 1:  # same as FSDPState.init
-                    m = st._modules[0]
-                    st._pre_forward_hook_handle = m.register_forward_pre_hook(
-                        st._pre_forward, prepend=True, with_kwargs=True)
-                    st._post_forward_hook_handle = m.register_forward_hook(
-                        st._post_forward, prepend=False)
-                else:
-                    self._install_forward_hooks(st, st._pre_forward, st._post_forward)
-            for g, pre, post in self._saved_group_methods:
-                g.pre_backward, g.post_backward = pre, post
-            self._saved_group_methods = []
-            self._instrumented_states = []
-            if self._optimizer_hook_handles is not None:
-                for handle in self._optimizer_hook_handles:
-                    handle.remove()
-                self._optimizer_hook_handles = None
-
-    return MultiGroupFSDPMemTracker
-
-
 def describe_fsdp_units(model):
     """List every fully_shard unit, its param groups, mesh and reshard setting."""
     from torch.distributed.fsdp import FSDPModule
@@ -288,7 +166,6 @@ def main():
     patch_device_type()
     if not args.no_count_patch:
         patch_token_count_exchange()
-    patch_fsdp_param_group_property()
 
     from torchtitan.config import ParallelismConfig, TORCH_DTYPE_MAP
     from torchtitan.distributed import ParallelDims
@@ -348,6 +225,7 @@ def main():
     labels = torch.randint(0, vocab, (B, L))
 
     from torch.distributed.tensor.debug import CommDebugMode
+    from static_dist.cost.measure import GroupsMemTracker
 
     import contextlib
     # warm-up step (untracked): the optimizer state exists in the tracked step, as in every step after the first
@@ -355,7 +233,7 @@ def main():
         _p = model(tokens)
         torch.nn.functional.cross_entropy(_p.flatten(0, 1).float(), labels.flatten(0, 1)).backward()
     optim.step(); optim.zero_grad(); del _p
-    mem = None if args.no_mem else make_mem_tracker_cls()(model, optim)
+    mem = None if args.no_mem else GroupsMemTracker(model, optim)
     comm = CommDebugMode()
     t0 = time.time()
     if mem is not None:

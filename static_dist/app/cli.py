@@ -243,8 +243,8 @@ def _layout_parser(sub):
         "--torchtitan",
         metavar="NAME_OR_FILE",
         help="a torchtitan job instead of --model: a config-registry name (llama3_debugmodel, llama3_8b, "
-        "llama3_70b, llama3_405b) or an older .toml job file; predicts the job as written, then searches "
-        "around it",
+        "llama3_70b, llama3_405b; mixtures of experts deepseek_v3_debugmodel, deepseek_v3_16b, deepseek_v3_671b, "
+        "qwen3_30b_a3b) or an older .toml job file; predicts the job as written, then searches around it",
     )
     p.add_argument("--emit", choices=("torchtitan",),
                    help="also print the chosen layout as torchtitan command-line overrides")

@@ -329,16 +329,24 @@ def titan_args(args):
     return titan_toml(src) if src.endswith(".toml") else titan_job(src)
 
 # %% ../../nbs/92a_layout.ipynb
-def titan_prediction(job, world: int, topo, progress=None):
+def titan_prediction(job, world: int, topo, progress=None, routing: str | None = None):
     """(captured step, block count, how it was captured, the job as written: `parallel.predict_layout` of
     `titan.titan_plan`, its blocks compiled where the job compiles) of a torchtitan job at `world` ranks of `topo`;
-    captured in the job's compute dtype."""
+    captured in the job's compute dtype; a mixture's `routing` restated (`moe.rerouted`; None: balanced)."""
     import dataclasses
+    import warnings
     from static_dist.parallel import predict_layout, search_graph
     from static_dist.titan import titan_dims, titan_plan, titan_workload
     d = titan_dims(job, world)
     compute = job.param_dtype if d.dp_replicate * d.fsdp_size > 1 else job.master_dtype   # FSDP's policy, if any
-    g, n, how = search_graph(titan_workload(job), progress=progress, dtype=compute, compile=job.compile)
+    with warnings.catch_warnings():   # torchtitan's router asks CPU autocast for float32, which warns and ignores it
+        warnings.filterwarnings("ignore", message="In CPU autocast")
+        g, n, how = search_graph(titan_workload(job), progress=progress, dtype=compute, compile=job.compile)
+    if routing:
+        from static_dist.moe import RoutingError, rerouted
+        try: g = dataclasses.replace(g, meta=rerouted(g.meta, routing))
+        except RoutingError as e: raise UsageError(f"--routing {routing}: {e}") from None
+        how += f"; routing {routing}"
     plan = titan_plan(job, g, d.world, n)
     if job.compile: plan = dataclasses.replace(plan, compile=(True,) * n)      # torchtitan compiles every block
     return g, n, how, predict_layout(g, plan, topo, n, job.master_dtype, "torchtitan's layout")
@@ -363,11 +371,12 @@ def titan_verdict(given, best, budget: int) -> str:
     return f"the search's best ({best.label()}) is no faster than the job as written ({rate:.3f}x): keep its layout"
 
 # %% ../../nbs/92a_layout.ipynb
-def print_titan_overrides(plan, batch: int, seq: int, master_dtype: str):
-    "--emit torchtitan: the layout as torchtitan's command-line overrides, and what they cannot say."
+def print_titan_overrides(plan, batch: int, seq: int, master_dtype: str, family: str = "llama3"):
+    """--emit torchtitan: the layout as torchtitan's command-line overrides for a model of `family` (its `--module`),
+    and what they cannot say."""
     from static_dist.titan import titan_overrides
     argv, notes = titan_overrides(plan, batch, seq, master_dtype)
-    print_markdown("\n**torchtitan overrides** (for `torchtitan/train.py --module llama3 --config NAME`)")
+    print_markdown(f"\n**torchtitan overrides** (for `torchtitan/train.py --module {family} --config NAME`)")
     print(" ".join(argv))
     for n in notes: print(f"note: {n}")
 
@@ -395,8 +404,8 @@ def plan_titan(args) -> int:
     topo = layout_topology(args.topology, world)
     layout_budget(args, topo)
     if args.out: check_writable(args.out, force=args.force, inputs=input_files(args))
-    with status(f"capturing torchtitan's {job.name}") as update: g, n, how, given = titan_prediction(job, world, topo,
-                                                                                                       update)
+    with status(f"capturing torchtitan's {job.name}") as update:
+        g, n, how, given = titan_prediction(job, world, topo, update, getattr(args, "routing", None))
     with status(f"searching layouts of {world} ranks") as update: r = titan_search(job, g, n, world, topo, args.budget,
                                                                                         update)
     m = job.master_dtype
@@ -417,7 +426,8 @@ def plan_titan(args) -> int:
                                                   args.expandable_segments, m)[1])
     print_markdown(f"\n**verdict**: {titan_verdict(given, r.best, args.budget)}")
     chosen = r.best.plan if r.best else given.plan
-    if args.emit: print_titan_overrides(chosen, job.microbatch_size if job.pp > 1 else job.local_batch, job.seq_len, m)
+    if args.emit: print_titan_overrides(chosen, job.microbatch_size if job.pp > 1 else job.local_batch, job.seq_len, m,
+                                        job.family)
     if args.out and r.best:
         atomic_write(args.out, chosen.to_json(), force=args.force, inputs=input_files(args))
         print(f"plan written to {args.out}")

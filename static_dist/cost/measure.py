@@ -15,8 +15,8 @@ from ..graph import explain_failure, quiet_torch_logs
 from ..step import MicroBatch, make_optimizer, train_step
 
 # %% auto 0
-__all__ = ['comm_counter', 'comm_counts', 'to_empty_tied', 'peak_by_category', 'measure_step_by_category',
-           'measure_step']
+__all__ = ['comm_counter', 'comm_counts', 'to_empty_tied', 'fsdp_states', 'hook_forward', 'GroupsMemTracker',
+           'peak_by_category', 'measure_step_by_category', 'measure_step']
 
 # %% ../../nbs/06c_cost_measure.ipynb
 def _one_step(m, opt, inputs, kwargs, targets, loss_fn, plan, around=None):
@@ -90,6 +90,79 @@ def to_empty_tied(m: nn.Module, device) -> nn.Module:
 
 
 # %% ../../nbs/06c_cost_measure.ipynb
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+class _ParamGroups:
+    "The union of an FSDP state's parameter groups, as FSDPMemTracker reads one (`fsdp_params`)."
+    def __init__(self, groups): self.fsdp_params = [p for g in groups for p in g.fsdp_params]
+
+def _one_group(state):
+    "FSDPState._fsdp_param_group for a state of several groups too: their union."
+    gs = state._fsdp_param_groups
+    return None if not gs else gs[0] if len(gs) == 1 else _ParamGroups(gs)
+
+def fsdp_states(root: nn.Module) -> list:
+    "Each FSDP state under `root` with parameters, once (a state over a list of modules is one state)."
+    from torch.distributed.fsdp import FSDPModule
+    out = {}
+    for m in root.modules():
+        if isinstance(m, FSDPModule) and (st := m._get_fsdp_state())._fsdp_param_groups: out.setdefault(id(st), st)
+    return list(out.values())
+
+def hook_forward(st, pre, post) -> None:
+    "Register `pre` and `post` as the state's forward hooks, as FSDPState does (one module, or a list of them)."
+    if len(st._modules) == 1:
+        m = st._modules[0]
+        st._pre_forward_hook_handle = m.register_forward_pre_hook(pre, prepend=True, with_kwargs=True)
+        st._post_forward_hook_handle = m.register_forward_hook(post, prepend=False, always_call=True)
+    else:
+        from torch.distributed.fsdp._fully_shard._fsdp_state import _register_group_forward_hooks
+        h = _register_group_forward_hooks(st._modules, pre, post, st._modules_to_run_forward, st._cast_output_dtype)
+        st._pre_forward_hook_handle = st._post_forward_hook_handle = h
+
+class GroupsMemTracker(FSDPMemTracker):
+    "FSDPMemTracker instrumented per FSDP state: a `fully_shard` over several modules, several parameter groups."
+    def _instrument_fsdp_module(self) -> None:
+        from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType
+        self._saved_groups, self._states = [], fsdp_states(self._root_mod)
+        for st in self._states:
+            st._pre_forward_hook_handle.remove()
+            st._post_forward_hook_handle.remove()
+            key = st._modules[0]
+            hook_forward(st, self._fsdp_state_pre_forward(key, st._pre_forward),
+                          self._fsdp_state_post_forward(key, st._post_forward))
+            for g in st._fsdp_param_groups:
+                self._instrument_fsdp_sharded_params_grads(g)
+                self._saved_groups.append((g, g.pre_backward, g.post_backward))
+                g.pre_backward = self._fsdp_param_group_pre_backward(key, g.pre_backward)
+                g.post_backward = self._fsdp_param_group_post_backward(key, g.post_backward)
+        for b in self._root_mod.buffers(): self._update_and_maybe_create_winfos(b, _FSDPRefType.BUFFER)
+
+    def _deregister_module_and_optimizer_hooks(self) -> None:
+        for st in self._states:
+            st._pre_forward_hook_handle.remove()
+            st._post_forward_hook_handle.remove()
+            hook_forward(st, st._pre_forward, st._post_forward)
+        for g, pre, post in self._saved_groups: g.pre_backward, g.post_backward = pre, post
+        self._saved_groups, self._states = [], []
+        for h in self._optimizer_hook_handles or (): h.remove()
+        self._optimizer_hook_handles = None
+
+    def __enter__(self):
+        from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+        self._one = FSDPState.__dict__["_fsdp_param_group"]
+        FSDPState._fsdp_param_group = property(_one_group)            # restored on exit, and on a failed enter
+        try: return super().__enter__()
+        except BaseException:
+            FSDPState._fsdp_param_group = self._one
+            raise
+
+    def __exit__(self, *args):
+        from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+        try: super().__exit__(*args)
+        finally: FSDPState._fsdp_param_group = self._one
+
+# %% ../../nbs/06c_cost_measure.ipynb
 def peak_by_category(tracker) -> dict[str, int]:
     "A MemTracker's (or FSDPMemTracker's) snapshot at its peak as {category: bytes} over every device, with 'Total'."
     out: dict[str, int] = {}
@@ -102,7 +175,6 @@ def measure_step_by_category(m: nn.Module, plan, inputs, kwargs, targets, loss_f
     """`measure_step` with the peak by the tracker's categories (`peak_by_category`: FSDPMemTracker's 'Sharded Param',
     'All Gather', ..., or MemTracker's 'Parameter', ..., and 'Total'), and the second step's CommDebugMode."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.distributed.fsdp import FSDPModule
     where = _Where(m)
@@ -110,7 +182,7 @@ def measure_step_by_category(m: nn.Module, plan, inputs, kwargs, targets, loss_f
         to_empty_tied(m, "cpu")
         opt = make_optimizer(optimizer, m.parameters(), lr=1e-3)
         ins = tuple(t for t in (*inputs, *kwargs.values(), targets) if isinstance(t, torch.Tensor))
-        if isinstance(m, FSDPModule): fmt = FSDPMemTracker(m, opt); fmt.track_inputs(ins)
+        if isinstance(m, FSDPModule): fmt = GroupsMemTracker(m, opt); fmt.track_inputs(ins)
         else: fmt = MemTracker(); fmt.track_external(m, opt, *ins)
         try:
             with quiet_torch_logs(), warnings.catch_warnings():  # the error below says it in one line

@@ -24,8 +24,9 @@ def plan_mesh(plan: FSDPPlan, device: str | None = None):
     return fsdp_mesh(device_mesh(fsdp_degrees(plan.mesh_shape), device))
 
 # %% ../../nbs/40f_fsdp_apply.ipynb
-def _shard_units(plan: FSDPPlan, mesh, mods: dict) -> None:
-    "Checkpoint (when asked) and `fully_shard` every unit of `plan`, innermost first, the root last."
+def _shard_units(plan: FSDPPlan, mesh, mods: dict, placement=None) -> None:
+    """Checkpoint (when asked) and `fully_shard` every unit of `plan`, innermost first, the root last (`placement`:
+    each call's `shard_placement_fn`)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     ignored = {p for m in plan.ignored for p in mods[m].parameters()}
     dt = lambda s: None if s is None else getattr(torch, s)
@@ -36,7 +37,8 @@ def _shard_units(plan: FSDPPlan, mesh, mods: dict) -> None:
             apply_checkpointing(mods[m], u.checkpoint)
         r = u.reshard_after_forward                  # the root's is never True (FSDPUnit): the plan says what runs
         target = [mods[m] for m in u.modules] if u.group else mods[u.module]   # a group: one call on the list
-        fully_shard(target, mesh=mesh, reshard_after_forward=r, mp_policy=mp, ignored_params=ignored or None)
+        fully_shard(target, mesh=mesh, reshard_after_forward=r, mp_policy=mp, ignored_params=ignored or None,
+                    shard_placement_fn=placement)
 
 # %% ../../nbs/40f_fsdp_apply.ipynb
 def _set_prefetch(model: nn.Module, plan: FSDPPlan, mods: dict) -> None:
@@ -51,9 +53,11 @@ def _set_prefetch(model: nn.Module, plan: FSDPPlan, mods: dict) -> None:
             m.set_modules_to_backward_prefetch(rev[i + 1:i + 1 + plan.backward_prefetch])
 
 # %% ../../nbs/40f_fsdp_apply.ipynb
-def apply_plan(model: nn.Module, plan: FSDPPlan, mesh=None) -> nn.Module:
+def apply_plan(model: nn.Module, plan: FSDPPlan, mesh=None, placement=None) -> nn.Module:
     """Shard `model` in place as `plan` says (mesh: a DeviceMesh of plan.mesh_shape; default: `plan_mesh(plan)`).
-    The plan is validated against the model first; nothing is sharded when it does not fit."""
+    The plan is validated against the model first; nothing is sharded when it does not fit. `placement`: FSDP's
+    `shard_placement_fn` for every unit (a parameter's own placement and mesh: `parallel.apply` gives experts
+    theirs)."""
     validate(plan, None, model)
     mods = dict(model.named_modules())
     import torch.distributed as dist
@@ -66,6 +70,6 @@ def apply_plan(model: nn.Module, plan: FSDPPlan, mesh=None) -> nn.Module:
     if tuple(mesh.shape) != tuple(plan.mesh_shape):
         raise PlanError(f"mesh shape {tuple(mesh.shape)} differs from the plan's {plan.mesh_shape}: build the mesh "
                         f"with fsdp.plan_mesh(plan).")
-    _shard_units(plan, mesh, mods)
+    _shard_units(plan, mesh, mods, placement)
     _set_prefetch(model, plan, mods)
     return model

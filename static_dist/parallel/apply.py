@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import math
 
 import torch
@@ -21,9 +22,10 @@ from ..placement import parallel_style
 from ..structure import find_structure
 
 # %% auto 0
-__all__ = ['EXPERT_WEIGHTS', 'plan_blocks', 'apply_tp', 'step_context', 'apply_ac', 'apply_compile', 'apply_async_tp',
-           'check_fsdp_modules', 'apply_fsdp', 'apply_float8', 'ExpertParallel', 'expert_modules', 'check_experts',
-           'apply_ep', 'apply_expert_fsdp', 'apply_parallel_plan']
+__all__ = ['ROUTED_ARGS', 'plan_blocks', 'apply_tp', 'step_context', 'apply_ac', 'apply_compile', 'apply_async_tp',
+           'check_fsdp_modules', 'apply_fsdp', 'apply_float8', 'ExpertParallel', 'routes_rows', 'local_experts',
+           'RoutedExpertParallel', 'expert_modules', 'n_experts', 'check_experts', 'apply_ep', 'apply_expert_fsdp',
+           'expert_placement', 'expert_param_groups', 'divide_over_all', 'apply_parallel_plan']
 
 # %% ../../nbs/45e_parallel_apply.ipynb
 def plan_blocks(plan: ParallelPlan, stack, stage: int | None = None) -> tuple[tuple[int, str], ...]:
@@ -168,7 +170,9 @@ def check_fsdp_modules(plan: ParallelPlan, model: nn.Module) -> None:
 def apply_fsdp(model: nn.Module, plan: ParallelPlan, mesh, experts=None) -> None:
     """`fully_shard` the plan's FSDP units (those the model has with parameters; the root always) over the data-parallel
     mesh (none for one rank). A pipeline stage keeps only its own modules' parameters, so the others' units drop out.
-    With ep > 1 each mixture of experts is sharded first (`apply_expert_fsdp` on `experts`, the `axes.expert_mesh`)."""
+    With ep > 1 (`experts`: the `axes.expert_mesh`) the zoo's mixtures are units of their own (`apply_expert_fsdp`),
+    transformers' experts a parameter group of their block's unit over the experts' mesh (`expert_placement`), and
+    every experts' gradient is divided by all data-parallel ranks (`divide_over_all`)."""
     d = plan.dims
     if d.dp_replicate * d.fsdp_size == 1: return           # one data-parallel rank: parameters stay whole
     if d.ep > 1: apply_expert_fsdp(model, plan, mesh, experts)
@@ -176,7 +180,9 @@ def apply_fsdp(model: nn.Module, plan: ParallelPlan, mesh, experts=None) -> None
     f = plan.fsdp or FSDPPlan(math.prod(mshape), mshape, (FSDPUnit(""),))
     mods = dict(model.named_modules())
     has = lambda u: u.module == "" or (u.module in mods and any(True for _ in mods[u.module].parameters()))
-    apply_plan(model, dataclasses.replace(f, units=tuple(u for u in f.units if has(u))), fsdp_mesh(mesh))
+    placement = expert_placement(model, experts) if d.ep > 1 else None
+    apply_plan(model, dataclasses.replace(f, units=tuple(u for u in f.units if has(u))), fsdp_mesh(mesh), placement)
+    if d.ep > 1: divide_over_all(model, plan, experts)
 
 # %% ../../nbs/45e_parallel_apply.ipynb
 def apply_float8(model: nn.Module, plan: ParallelPlan) -> None:
@@ -199,66 +205,157 @@ class ExpertParallel:
         return swap(y.view(E // ep, ep, C, -1).transpose(0, 1)).view(E, C, -1)
 
 # %% ../../nbs/45e_parallel_apply.ipynb
-EXPERT_WEIGHTS = ("w1", "w2", "w3")   # the zoo MoE's 3-D expert weights, (E, ·, ·)
+ROUTED_ARGS = ("hidden_states", "top_k_index", "top_k_weights")   # transformers 5's experts modules' forward
+
+def routes_rows(m: nn.Module) -> bool:
+    "Does `m`'s forward take routed rows as transformers 5's experts modules do (`ROUTED_ARGS`, with `num_experts`)?"
+    try: names = tuple(inspect.signature(m.forward).parameters)[:3]
+    except (TypeError, ValueError): return False
+    return names == ROUTED_ARGS and isinstance(getattr(m, "num_experts", None), int)
+
+@contextlib.contextmanager
+def local_experts(m: nn.Module):
+    "For one call: `m`'s DTensor parameters as this rank's local tensors, its `num_experts` this rank's count."
+    from torch.distributed.tensor import DTensor
+    saved, n = dict(m._parameters), m.num_experts
+    try:
+        for k, p in saved.items():
+            if isinstance(p, DTensor): m._parameters[k] = p.to_local()     # a view: gradients reach the DTensor
+        m.num_experts = n // m.ep_mesh.size()
+        yield
+    finally:
+        m._parameters.update(saved)
+        m.num_experts = n
+
+class RoutedExpertParallel:
+    """Mixed into an experts module that takes routed rows (`routes_rows`) by `apply_ep`: torchtitan's dropless token
+    dispatch around the module's own forward (see above). On fake tensors each rank sends and receives the balanced
+    share."""
+    ep_mesh = None
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        from torch._subclasses.fake_tensor import is_fake
+        from torch.distributed._functional_collectives import (all_to_all_single, all_to_all_single_autograd,
+                                                               wait_tensor)
+        ep, E, (T, K) = self.ep_mesh.size(), self.num_experts, top_k_index.shape
+        ids, order = torch.sort(top_k_index.reshape(-1), stable=True)       # rows by expert, so by the rank holding it
+        sent = torch.zeros(E, dtype=torch.int64, device=ids.device).scatter_add_(0, ids, torch.ones_like(ids))
+        got = wait_tensor(all_to_all_single(sent, None, None, self.ep_mesh))   # each rank's rows for my experts
+        if is_fake(got):                                                     # uncountable: the balanced share
+            splits = [T * K // ep + (r < T * K % ep) for r in range(ep)]
+            sends, gets = splits, splits
+            expert = torch.arange(sum(gets), device=ids.device) * (E // ep) // max(sum(gets), 1)
+        else:
+            sends, gets = sent.view(ep, -1).sum(1).tolist(), got.view(ep, -1).sum(1).tolist()
+            expert = torch.repeat_interleave(torch.arange(E // ep, device=ids.device).repeat(ep), got,
+                                             output_size=sum(gets))
+        x = all_to_all_single_autograd(hidden_states[order // K], gets, sends, self.ep_mesh)
+        with local_experts(self):
+            y = super().forward(x, expert[:, None], torch.ones(len(expert), 1, dtype=top_k_weights.dtype,
+                                                                device=x.device))
+        y = all_to_all_single_autograd(y, sends, gets, self.ep_mesh)        # back to the rows as this rank sent them
+        back = torch.empty_like(order)
+        back[order] = torch.arange(len(order), device=order.device)
+        return (y[back] * top_k_weights.reshape(-1, 1)).view(T, K, -1).sum(1).to(hidden_states.dtype)
+
+# %% ../../nbs/45e_parallel_apply.ipynb
 _EP_CLASSES: dict = {}
 
 def expert_modules(model: nn.Module) -> dict[str, nn.Module]:
-    "{FQN: module} of the model's mixtures of experts that `apply_ep` lays out (the zoo's `MoE`)."
+    """{FQN: module} of the model's experts that `apply_ep` lays out: the zoo's `MoE` (its experts step on capacity
+    slots) and the experts modules of `moe.find_moe`'s mixtures that take routed rows (`routes_rows`: transformers')."""
     from static_dist.zoo import MoE
-    return {n: m for n, m in model.named_modules() if isinstance(m, MoE)}
+    mods = dict(model.named_modules())
+    zoo = {n: m for n, m in mods.items() if isinstance(m, MoE)}
+    return {**zoo, **{l.experts: mods[l.experts] for l in find_moe(model)
+                      if l.experts not in zoo and routes_rows(mods[l.experts])}}
+
+def n_experts(m: nn.Module) -> int:
+    "Experts of an `expert_modules` module (the zoo's `n_experts`, transformers' `num_experts`)."
+    return m.n_experts if hasattr(m, "n_experts") else m.num_experts
 
 def check_experts(plan: ParallelPlan, model: nn.Module) -> None:
-    """ParallelPlanError when ep > 1 and the model has no mixture of experts, ep does not divide one's experts, or an
-    FSDP unit of the plan is a mixture or inside one (`apply_expert_fsdp` shards those)."""
+    """ParallelPlanError when ep > 1 and the model has a mixture `apply_ep` cannot lay out, none at all, one whose
+    experts ep does not divide, or an FSDP unit of the plan is an experts module or inside one (`apply_fsdp` shards
+    the experts)."""
     ep = plan.dims.ep
     if ep == 1: return
     moes = expert_modules(model)
-    if not moes and (other := find_moe(model)):   # a mixture read from the module tree, without the zoo's experts step
-        raise ParallelPlanError(f"ep={ep}: {other[0].path} is a mixture of experts that apply_ep cannot lay out yet "
-                                "(it splits the zoo MoE's static-shape experts step only); use ep=1")
+    if other := next((l for l in find_moe(model) if l.experts not in moes and l.path not in moes), None):
+        raise ParallelPlanError(f"ep={ep}: {other.path} is a mixture of experts that apply_ep cannot lay out yet (it "
+                                "splits the zoo MoE's experts step, and experts modules taking routed rows, "
+                                "forward(hidden_states, top_k_index, top_k_weights), as transformers' do); use ep=1")
     if not moes:
-        raise ParallelPlanError(f"ep={ep}: the model has no mixture of experts (the zoo's MoE, experts as 3-D "
-                                "w1/w2/w3) whose experts ep could split; use ep=1")
-    if bad := next(((n, m.n_experts) for n, m in moes.items() if m.n_experts % ep), None):
+        raise ParallelPlanError(f"ep={ep}: the model has no mixture of experts (experts stored as 3-D parameters next "
+                                "to a router) whose experts ep could split; use ep=1")
+    if bad := next(((n, n_experts(m)) for n, m in moes.items() if n_experts(m) % ep), None):
         raise ParallelPlanError(f"ep={ep} does not divide the {bad[1]} experts of {bad[0]}: give an ep that divides "
                                 f"{bad[1]}")
     units = [m for u in (plan.fsdp.units if plan.fsdp else ()) for m in u.modules]
     if bad := next(((u, n) for u in units for n in moes if u == n or u.startswith(n + ".")), None):
-        raise ParallelPlanError(f"fsdp unit {bad[0]!r} is the mixture of experts {bad[1]} or inside it: with ep, each "
-                                "mixture is sharded by the experts' own units; drop it from the FSDP plan")
+        raise ParallelPlanError(f"fsdp unit {bad[0]!r} is the experts module {bad[1]} or inside it: with ep, the "
+                                "experts are sharded over their own mesh by FSDP; drop the unit from the plan")
 
 def apply_ep(model: nn.Module, plan: ParallelPlan, experts) -> None:
-    """Each mixture's expert weights split on dim 0 over the ep dim of `experts` (`axes.expert_mesh`; DTensor
-    `Shard(0)`, this rank keeping its `E / ep`), and `ExpertParallel` mixed into its class. Nothing with ep 1."""
+    """Each experts module's parameters led by its experts split on dim 0 over the ep dim of `experts`
+    (`axes.expert_mesh`; DTensor `Shard(0)`, this rank keeping its `E / ep`), and `ExpertParallel` (the zoo's) or
+    `RoutedExpertParallel` (transformers') mixed into its class. Nothing with ep 1."""
     from torch.distributed.tensor import DTensor, Shard
     check_experts(plan, model)
     if plan.dims.ep == 1: return
     ep_mesh = experts["ep"]
     ep, r = ep_mesh.size(), ep_mesh.get_local_rank()
     for m in expert_modules(model).values():
-        for w in EXPERT_WEIGHTS:
-            mine = getattr(m, w).detach().chunk(ep)[r].clone()
-            setattr(m, w, nn.Parameter(DTensor.from_local(mine, ep_mesh, [Shard(0)], run_check=False)))
-        cls = type(m)
-        m.__class__ = _EP_CLASSES.setdefault(cls, type(f"ExpertParallel{cls.__name__}", (ExpertParallel, cls), {}))
+        for name, p in list(m.named_parameters(recurse=False)):
+            if p.dim() < 2 or p.shape[0] != n_experts(m): continue           # the router, in the zoo's mixture
+            mine = p.detach().chunk(ep)[r].clone()
+            setattr(m, name, nn.Parameter(DTensor.from_local(mine, ep_mesh, [Shard(0)], run_check=False)))
+        mix, cls = ExpertParallel if hasattr(m, "n_experts") else RoutedExpertParallel, type(m)
+        m.__class__ = _EP_CLASSES.setdefault(cls, type(f"{mix.__name__}{cls.__name__}", (mix, cls), {}))
         m.ep_mesh = ep_mesh
 
 # %% ../../nbs/45e_parallel_apply.ipynb
+def _experts_fsdp_mesh(experts):
+    "The experts' FSDP mesh: `experts` (`axes.expert_mesh`) less its ep dim."
+    return experts[tuple(n for n in experts.mesh_dim_names if n != "ep")]
+
 def apply_expert_fsdp(model: nn.Module, plan: ParallelPlan, mesh, experts) -> None:
-    """`fully_shard` each mixture of experts (ep > 1): its children (the router) over the data-parallel mesh, its
-    experts over `experts` (`axes.expert_mesh`) less its ep dim, their gradients divided by every data-parallel rank."""
+    """`fully_shard` each of the zoo's mixtures of experts (ep > 1; `ExpertParallel`): its children (the router) over
+    the data-parallel mesh, its experts over the experts' mesh."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    d, f = plan.dims, plan.fsdp
+    f = plan.fsdp
     dt = lambda s: None if s is None else getattr(torch, s)
     mp = MixedPrecisionPolicy(param_dtype=dt(f and f.param_dtype), reduce_dtype=dt(f and f.reduce_dtype))
-    dense, sparse = fsdp_mesh(mesh), experts[tuple(n for n in experts.mesh_dim_names if n != "ep")]
     for m in expert_modules(model).values():
-        for c in m.children(): fully_shard(c, mesh=dense, mp_policy=mp)
-        fully_shard(m, mesh=sparse, mp_policy=mp)
-        m.set_gradient_divide_factor(float(d.dp_replicate * d.fsdp_size))
-        # over 2+ efsdp ranks: a plain sum, divided after (gloo has no PREMUL_SUM); not over 1, where torch 2.13's
-        # FSDP divides the copied gradient by the factor and then again by the sum's own factor
-        if experts[EXPERT_FSDP].size() > 1: m.set_force_sum_reduction_for_comms(True)
+        if not isinstance(m, ExpertParallel): continue
+        for c in m.children(): fully_shard(c, mesh=fsdp_mesh(mesh), mp_policy=mp)
+        fully_shard(m, mesh=_experts_fsdp_mesh(experts), mp_policy=mp)
+
+def expert_placement(model: nn.Module, experts):
+    """FSDP's `shard_placement_fn` putting the parameters of each `RoutedExpertParallel` experts module on the experts'
+    mesh (dim 0), the others on the unit's (None: FSDP's default); None when the model has no such module."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
+    from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info
+    from torch.distributed.tensor import Shard
+    params = {p for m in expert_modules(model).values() if isinstance(m, RoutedExpertParallel) for p in m.parameters()}
+    if not params: return None
+    info = _get_mesh_info(_experts_fsdp_mesh(experts))
+    return lambda p: ShardPlacementResult(placement=Shard(0), mesh_info=info) if p in params else None
+
+def expert_param_groups(model: nn.Module) -> list:
+    "FSDP's parameter groups over the experts' mesh (its dims name `efsdp`), each once."
+    from torch.distributed.fsdp import FSDPModule
+    groups = {id(g): g for m in model.modules() if isinstance(m, FSDPModule)
+              for g in m._get_fsdp_state()._fsdp_param_groups}
+    return [g for g in groups.values() if EXPERT_FSDP in (g.mesh_info.mesh.mesh_dim_names or ())]
+
+def divide_over_all(model: nn.Module, plan: ParallelPlan, experts) -> None:
+    """Divide the experts' gradients (`expert_param_groups`) by every data-parallel rank, as the dense ones are. Over
+    2+ efsdp ranks: a plain sum, divided after (gloo has no PREMUL_SUM); not over 1, where torch 2.13's FSDP divides
+    the copied gradient by the factor and then again by the sum's own factor."""
+    for g in expert_param_groups(model):
+        g.gradient_divide_factor = float(plan.dims.dp_replicate * plan.dims.fsdp_size)
+        if experts[EXPERT_FSDP].size() > 1: g.force_sum_reduction_for_comms = True
 
 # %% ../../nbs/45e_parallel_apply.ipynb
 def apply_parallel_plan(model: nn.Module, plan: ParallelPlan, mesh=None, *, seq: int | None = None,
