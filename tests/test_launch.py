@@ -34,14 +34,19 @@ def test_a_failing_rank_is_reported(tmp_path):
     assert "ValueError: rank-side failure 1" in msg and "rank 1" in msg, msg
 
 
-def test_a_hung_launch_is_killed(tmp_path):
+def test_a_hung_launch_is_killed(tmp_path, monkeypatch):
     (tmp_path / "ranks.py").write_text(RANKS)
     import psutil
+    monkeypatch.setenv("STATIC_DIST_TEST_TAG", str(tmp_path))   # the processes this launch starts inherit it
+    def ours(p) -> bool:   # not another test's launch running beside this one (CI runs two pytest side by side)
+        try: return p.environ().get("STATIC_DIST_TEST_TAG") == str(tmp_path)
+        except psutil.Error: return False
     t0, started = time.perf_counter(), time.time()
     with pytest.raises(LaunchError, match="did not finish within 8 s"):
         launch(f"{tmp_path}/ranks.py:hang", 2, timeout=8)
     left = [p.pid for p in psutil.process_iter(["cmdline", "create_time"])
-            if "static_dist.launch" in " ".join(p.info["cmdline"] or ()) and p.info["create_time"] >= started - 1]
+            if "static_dist.launch" in " ".join(p.info["cmdline"] or ()) and p.info["create_time"] >= started - 1
+            and ours(p)]
     assert not left, f"ranks left running: {left}"            # torchrun and every rank it started were killed
     assert time.perf_counter() - t0 < 60, time.perf_counter() - t0
 
