@@ -12,6 +12,8 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 import traceback
 from contextlib import contextmanager
 from pathlib import Path
@@ -46,18 +48,22 @@ def default_backend() -> str:
 
 # %% ../nbs/00h_launch.ipynb
 _WATCHING: list[int] = []
+_LEAVING = threading.Lock()
+
+def _orphaned(parent: int) -> None:
+    "Say once that torchrun is gone and end this rank (the watcher and a failed join can both find it out)."
+    if not _LEAVING.acquire(blocking=False): threading.Event().wait()      # the other thread is ending the process
+    print(f"rank {os.environ.get('RANK', '?')}: torchrun (pid {parent}) is gone; this rank exits", file=sys.stderr)
+    exit_now(1)
 
 def watch_parent(interval: float = 1.0) -> None:
     """End this rank (one line, exit 1) within `interval` seconds of its parent going away (torchrun killed), instead of
     living on as an orphan that holds its port and memory; once per process."""
-    import threading
-    import time
     if _WATCHING: return
     _WATCHING.append(parent := os.getppid())
     def watch():
         while os.getppid() == parent: time.sleep(interval)
-        print(f"rank {os.environ.get('RANK', '?')}: torchrun (pid {parent}) is gone; this rank exits", file=sys.stderr)
-        exit_now(1)
+        _orphaned(parent)
     threading.Thread(target=watch, name="static_dist-watch-parent", daemon=True).start()
 
 
@@ -101,7 +107,16 @@ def init_process_group(backend: str | None = None, timeout: float | None = None)
     kw = {} if timeout is None else dict(timeout=datetime.timedelta(seconds=timeout))
     if under_torchrun():
         watch_parent()
-        dist.init_process_group(backend, **kw)
+        try: dist.init_process_group(backend, **kw)
+        except dist.DistError as e:
+            # torchrun killed while this rank joins: the store it serves closes a moment before the kernel re-parents
+            # this rank, so wait for that before telling the two apart
+            for _ in range(30):
+                if os.getppid() != _WATCHING[0]: _orphaned(_WATCHING[0])
+                time.sleep(0.1)
+            first = (str(e).strip().splitlines() or [type(e).__name__])[-1]
+            raise LaunchError(f"rank {os.environ['RANK']}: could not join torchrun's process group ({first}); check "
+                              "that every rank reaches MASTER_ADDR:MASTER_PORT and that torchrun is running") from None
     else:
         store = dist.TCPStore("127.0.0.1", free_port(), 1, is_master=True)
         dist.init_process_group(backend, store=store, rank=0, world_size=1, **kw)

@@ -115,3 +115,39 @@ def test_ranks_exit_with_torchrun(tmp_path):
     gone = [l for l in err.splitlines() if "torchrun (pid" in l and "is gone" in l]
     lost = [l for l in err.splitlines() if "failed because a peer rank is gone" in l]
     assert gone and len(gone) + len(lost) <= 2 and "Traceback" not in err, err[-2000:]
+
+
+_AGENT = """
+import os, subprocess, sys, time
+import torch.distributed as dist
+store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
+env = {**os.environ, "TORCHELASTIC_RUN_ID": "t", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "2",
+       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), "TORCHELASTIC_USE_AGENT_STORE": "True"}
+code = "from static_dist.launch import init_process_group; init_process_group('gloo')"
+child = subprocess.Popen([sys.executable, "-c", code], env=env, stderr=open(sys.argv[1], "w"))
+keys = store.num_keys()
+while store.num_keys() == keys: time.sleep(0.1)      # rank 0 is inside init_process_group, waiting for rank 1
+print(child.pid, flush=True)
+child.wait()
+"""
+
+
+def test_torchrun_killed_while_a_rank_joins_the_group(tmp_path):
+    "The store torchrun serves closes under a joining rank before the rank is re-parented: still one line, no traceback."
+    err = tmp_path / "rank0.err"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    agent = subprocess.Popen([sys.executable, "-c", _AGENT, str(err)], env=env, stdout=subprocess.PIPE, text=True)
+    rank = int(agent.stdout.readline())
+    time.sleep(1)
+    os.kill(agent.pid, signal.SIGKILL)
+    agent.wait()
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 20 and Path(f"/proc/{rank}").exists(): time.sleep(0.2)
+    alive = Path(f"/proc/{rank}").exists()
+    if alive: os.kill(rank, signal.SIGKILL)
+    text = err.read_text()
+    assert not alive, "the rank outlived torchrun"
+    # c10d's own C++ warning of the closed store may come first; from Python, one line and no traceback
+    gone = [l for l in text.splitlines() if "is gone" in l]
+    assert gone == [f"rank 0: torchrun (pid {agent.pid}) is gone; this rank exits"], text[-2000:]
+    assert "Traceback (most recent call last)" not in text, text[-2000:]
