@@ -30,7 +30,7 @@ def test_ep_borrows_ranks_and_is_checked():
     assert ParallelPlan.from_json(ParallelPlan(d).to_json()).dims == d    # the plan file keeps it
     with pytest.raises(ParallelPlanError, match="ep=3 does not divide dp_shard x cp = 4"):
         ParallelDims(dp_shard=2, cp=2, ep=3)
-    with pytest.raises(ParallelPlanError, match="no tensor parallelism inside experts"):
+    with pytest.raises(ParallelPlanError, match="not over tp ranks, not with pipeline stages yet"):
         ParallelPlan(ParallelDims(dp_shard=2, tp=2, ep=2))
     pins = dict(dp_replicate=None, dp_shard=4, cp=None, tp=None, pp=None, ep=2)
     assert layout_pins(Namespace(world=4, **pins)) == {"dp_shard": 4, "ep": 2}   # --ep 2 is not 2 more ranks
@@ -458,3 +458,92 @@ def test_plan_routing_flag(tmp_path):
                         "2", "--routing", "imbalance=2"], capture_output=True, text=True, timeout=300)
     lines = p.stderr.strip().splitlines()
     assert p.returncode == 2 and len(lines) == 1 and "declares a capacity" in lines[0], p.stderr[-2000:]
+
+
+# Tensor parallelism inside the experts (issue 32, item 2), torchtitan 0.3.0's layout with ep off
+# (`moe_sharding.py`'s dense family): each expert's weights split on their intermediate features over tp, the router
+# replicated, the mixture's output reduced once. The styles are the search's own (`tp_layout`).
+def _tp_plan(g, sequence: bool, ac: str, param_dtype=None) -> ParallelPlan:
+    from static_dist.fsdp import block_units
+    from static_dist.parallel import tp_layout
+    from static_dist.placement import block_spec, megatron_styles
+    styles, outer, sp = tp_layout(g, tuple(megatron_styles(block_spec(g)).items()), sequence)
+    blocks = g.structure.main.blocks
+    return ParallelPlan(ParallelDims(dp_shard=2, tp=2), tp_styles=styles, sequence_parallel=sp,
+                        loss_parallel=bool(outer), tp_outer=outer, ac=(ac,) * len(blocks),
+                        fsdp=FSDPPlan(2, (2,), block_units(blocks), param_dtype=param_dtype))
+
+
+@pytest.mark.parametrize("model, sequence, ac", [("tiny-moe", False, "none"), ("tiny-moe", True, "full"),
+                                                 ("mixtral", False, "none")])
+def test_tp_inside_experts_under_a_fake_group(tiny_moe, hf_ep_graphs, model, sequence, ac):
+    """dp_shard 2 x tp 2 under a fake process group of 4: the predicted peak within 1% of FSDPMemTracker's and the
+    collectives CommDebugMode counts exactly (tp's included: the mixture's reductions and its router's gradient
+    all-reduce), the allocator replay's requested peak within 2%; the experts split, so the rank holds less than with
+    the experts whole (tp 1 over the same 4 ranks would shard them 4 ways: compared with the experts' own bytes)."""
+    from static_dist.parallel import verify_parallel
+    from static_dist.parallel.memory import tp_mixtures
+    from static_dist.parallel.reserved import predict_parallel_reserved
+    w, g = (tiny_moe[0], tiny_moe[1]["float32"]) if model == "tiny-moe" else hf_ep_graphs("mixtral")
+    plan = _tp_plan(g, sequence, ac, None if model == "tiny-moe" else "bfloat16")
+    assert plan.sequence_parallel == sequence
+    mixed = tp_mixtures(g, plan, g.structure.main.blocks)
+    assert len(mixed) == len(g.meta["moe"]) and all(dims for _, _, dims in mixed.values())
+    v = verify_parallel(w, plan, g, master_dtype="float32")
+    assert abs(v.ratio - 1) < 0.01, v
+    assert v.predicted_counts == v.measured_counts, v
+    st, = predict_parallel_reserved(g, plan, "float32")
+    assert abs(st.peak_requested / v.measured_bytes - 1) < 0.02, (st, v)
+
+
+def test_gloo_tp_inside_experts_equals_one_process(tmp_path):
+    """dp_shard 2 x tp 2 on 4 gloo ranks: transformers' Mixtral (dropless, its real routing; sequence parallelism is
+    refused for it: it builds positions from the embeddings' shape) and the zoo's mixture (capacity slots) with
+    sequence and loss parallelism. 3 plain-SGD steps give the single process's losses within 1e-5 relative and its
+    parameters; the collectives per step, counted by hand per block: without sequence parallelism q, k and v's input
+    gradients all-reduced, o's output, the mixture's output and its input's gradient, and the router's weight
+    gradient (7 all-reduces); with it each sub-layer (attention, mixture) gathers its input and reduce-scatters its
+    output, and the converse backward (4 all-gathers, 4 reduce-scatters), plus per step the embedding's and final
+    norm's pair, the 3 loss-parallel all-reduces, the norms' and routers' weight gradients (5 + 2)."""
+    from static_dist.fsdp import block_units
+    att = (("self_attn.q_proj", "colwise"), ("self_attn.k_proj", "colwise"), ("self_attn.v_proj", "colwise"),
+           ("self_attn.o_proj", "rowwise"))
+    units = (FSDPUnit("model.layers.0"), FSDPUnit("model.layers.1"), FSDPUnit(""))
+    mixtral = ParallelPlan(ParallelDims(dp_shard=2, tp=2), tp_styles=att, fsdp=FSDPPlan(2, (2,), units))
+    zoo = ParallelPlan(ParallelDims(dp_shard=2, tp=2), sequence_parallel=True, loss_parallel=True,
+                       tp_styles=tuple((f"attention.{n}", "rowwise" if n == "wo" else "colwise")
+                                       for n in ("wq", "wk", "wv", "wo")),
+                       tp_outer=(("tok_embeddings", "embedding"), ("norm", "norm"), ("output", "output")),
+                       fsdp=FSDPPlan(2, (2,), (FSDPUnit("layers.0"), FSDPUnit("layers.1"), FSDPUnit(""))))
+    reps = launch("static_dist.parallel.run:run_plans", 4, [[_mixtral(tmp_path), mixtral.to_json()],
+                                                            [SOURCE, zoo.to_json()]],
+                  optimizer="sgd", lr=0.5, timeout=600)
+    dp = {"dp.all_gather": 1 + 2 * 2, "dp.reduce_scatter": 3}                    # 3 units: the root gathered once
+    want = [{**dp, "tp.all_reduce": 7 * 2},
+            {**dp, "tp.all_gather": 4 * 2 + 2, "tp.reduce_scatter": 4 * 2 + 2, "tp.all_reduce": 3 + 5 + 2}]
+    for rep, counts in zip(reps, want):
+        for a, b in zip(rep["losses"], rep["ref_losses"]): assert abs(a - b) <= 1e-5 * abs(b), rep["losses"]
+        assert len(rep["losses"]) == 3 and rep["losses"][-1] < rep["losses"][0] - 0.3      # it trained
+        for r in rep["ranks"]:
+            assert r["error"] is None and r["close"], (r["error"], r.get("max_abs"))
+            for c in r["counts"]: assert c == counts, (c, counts)
+
+
+def test_tp_inside_experts_refusals(tmp_path):
+    """A mixture tensor parallelism cannot split inside is named with what to do: features tp does not divide, and
+    gpt-oss's experts (interleaved [gate; up] columns, biases after the row-parallel product)."""
+    import transformers
+    from static_dist.parallel.apply import check_expert_tp
+    from static_dist.workload import load_workload
+    att = (("self_attn.q_proj", "colwise"), ("self_attn.o_proj", "rowwise"))
+    odd = load_workload(_mixtral(tmp_path / "odd", intermediate_size=94), batch=2, seq=16).build(device="meta")
+    with pytest.raises(ParallelPlanError, match=r"^tp=4 does not divide the 94 intermediate features of "
+                                                r"model.layers.0.mlp.s down_proj: use a tp dividing 94"):
+        check_expert_tp(ParallelPlan(ParallelDims(dp_shard=1, tp=4), tp_styles=att), odd)
+    transformers.GptOssConfig(hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                              num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                              vocab_size=256, max_position_embeddings=4096).save_pretrained(tmp_path / "oss")
+    oss = load_workload(f"hf:{tmp_path / 'oss'}", batch=2, seq=16).build(device="meta")
+    with pytest.raises(ParallelPlanError, match=r"^tp=2 inside the experts of model.layers.0.mlp: GptOssExperts has "
+                                                r"expert biases \(gate_up_proj_bias, down_proj_bias\)"):
+        check_expert_tp(ParallelPlan(ParallelDims(dp_shard=1, tp=2), tp_styles=att), oss)

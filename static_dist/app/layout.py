@@ -21,10 +21,10 @@ from ..util import check_real_size
 
 # %% auto 0
 __all__ = ['PIN_DIMS', 'COMPILE_PRICED', 'layout_pins', 'layout_precision', 'layout_pipeline', 'layout_topology',
-           'layout_budget', 'tp_outer_line', 'precision_line', 'float8_line', 'ac_summary', 'layout_lines',
-           'layout_memory', 'layout_reserved', 'cmd_plan', 'titan_args', 'titan_prediction', 'titan_verdict',
-           'print_titan_overrides', 'titan_search', 'plan_titan', 'measured_peak', 'collective_timeout',
-           'check_context_parallel', 'planned_for', 'planned_workload', 'train_plan', 'cmd_train']
+           'layout_budget', 'tp_outer_line', 'precision_line', 'float8_line', 'ac_summary', 'split_mixtures',
+           'layout_lines', 'layout_memory', 'layout_reserved', 'cmd_plan', 'titan_args', 'titan_prediction',
+           'titan_verdict', 'print_titan_overrides', 'titan_search', 'plan_titan', 'measured_peak',
+           'collective_timeout', 'check_context_parallel', 'planned_for', 'planned_workload', 'train_plan', 'cmd_train']
 
 # %% ../../nbs/92a_layout.ipynb
 PIN_DIMS = tuple(a.name for a in AXES)   # one --flag per axis
@@ -152,9 +152,16 @@ def ac_summary(ac: tuple) -> str:
 # %% ../../nbs/92a_layout.ipynb
 COMPILE_PRICED = "priced: the partitioner's saved set, fused elementwise kernels"   # what the models charge compile
 
-def layout_lines(best, columns: list, n_blocks: int, master_dtype: str = "float32") -> list[str]:
+def split_mixtures(g, plan) -> tuple[str, ...]:
+    "The mixtures of experts `plan`'s tensor parallelism splits inside (`parallel.memory.tp_mixtures`), within a block."
+    from static_dist.parallel.memory import tp_mixtures
+    blocks = g.structure.main.blocks if g.structure.main is not None else ()
+    if not blocks: return ()
+    return tuple(m[len(blocks[0]) + 1:] for m in tp_mixtures(g, plan, blocks) if m.startswith(blocks[0] + "."))
+
+def layout_lines(best, columns: list, n_blocks: int, master_dtype: str = "float32", mixtures=()) -> list[str]:
     """The chosen layout as Markdown: degrees, stages, micro-batches, precision, checkpointing, memory per pp rank by
-    category, time by term."""
+    category, time by term; `mixtures`: the mixtures of experts tensor parallelism splits inside."""
     from static_dist.graph import fmt_bytes
     from static_dist.parallel import TIME_TERMS
     p, d, t = best.plan, best.plan.dims, best.time
@@ -167,6 +174,9 @@ def layout_lines(best, columns: list, n_blocks: int, master_dtype: str = "float3
             "micro-batches"
         )
     if d.tp > 1: out.append(f"- tensor parallel: " + ", ".join(f"{n} {s}" for n, s in p.tp_styles))
+    if d.tp > 1 and mixtures:
+        out.append(f"- inside the experts ({', '.join(mixtures)}): each expert on 1/{d.tp} of its intermediate "
+                   "features, the router replicated, the mixture's output reduced once")
     if d.tp > 1: out.append(f"- around the blocks: {tp_outer_line(p)}")
     out.append(f"- precision: {precision_line(p, master_dtype)}")
     if p.float8: out.append(f"- float8: {float8_line(p)}")
@@ -280,7 +290,8 @@ def cmd_plan(args) -> int:
     if plan.dims.tp > 1:
         plan = dataclasses.replace(plan, reasons=(*plan.reasons, ("tensor parallel", tp_outer_line(plan))))
     columns = layout_memory(g, dataclasses.replace(r.best, plan=plan), n, w.dtype)
-    print_markdown("\n".join(layout_lines(dataclasses.replace(r.best, plan=plan), columns, n, w.dtype)))
+    print_markdown("\n".join(layout_lines(dataclasses.replace(r.best, plan=plan), columns, n, w.dtype,
+                                          split_mixtures(g, plan))))
     st, line, fits = layout_reserved(g, n, plan, r.best.memory_bytes, args.budget, args.expandable_segments, w.dtype)
     print(line)
     from .verbs import not_fit_message
@@ -417,7 +428,7 @@ def plan_titan(args) -> int:
         + f"; compile {'on, ' + COMPILE_PRICED if job.compile else 'off'}; "
         f"async TP {'on (priced: its overlap)' if given.plan.async_tp else 'off'}"
         + (f"; loss in {job.loss_chunks} chunks" if job.loss_chunks else ""))
-    print_markdown("\n".join(layout_lines(given, layout_memory(g, given, n, m), n, m)))
+    print_markdown("\n".join(layout_lines(given, layout_memory(g, given, n, m), n, m, split_mixtures(g, given.plan))))
     print(layout_reserved(g, n, given.plan, given.memory_bytes, args.budget, args.expandable_segments, m)[1])
     print_markdown(f"\n**the search around it** ({r.considered} layouts considered, {r.evaluated} evaluated in "
                    f"{r.seconds:.2f} s)\n\n" + r.table())

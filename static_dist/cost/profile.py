@@ -132,6 +132,9 @@ class GraphProfile:
     dropless: tuple[str, ...] = ()
     """Of `experts`' units, those whose mixture routes without a capacity (dropless, torchtitan's token dispatch): its
     ranks first exchange their rows per expert, one more all-to-all per forward."""
+    tp_mixtures: tuple[str, ...] = ()
+    """The mixtures of experts tensor parallelism splits inside (`parallel.memory.tp_mixtures`): each reduces its output
+    once, and its replicated weights' gradients are summed over tp."""
 
 # %% ../../nbs/06a_cost_profile.ipynb
 def within(name: str, unit: str) -> bool:
@@ -619,11 +622,13 @@ def expand_profile(P: GraphProfile, n_blocks: int) -> GraphProfile:
     experts = [(ren(m), tuple(map(ren, kids))) for m, kids in P.experts]     # block 1's layers copied with it
     experts += [(_rename_block(m, P.stack, j + 2, L), tuple(_rename_block(k, P.stack, j + 2, L) for k in kids))
                 for j in range(extra) for m, kids in P.experts if _block_of(m, P.stack, L) == 1]
-    dropless = [ren(m) for m in P.dropless] + [_rename_block(m, P.stack, j + 2, L) for j in range(extra)
-                                               for m in P.dropless if _block_of(m, P.stack, L) == 1]
+    copied = lambda names: [ren(m) for m in names] + [_rename_block(m, P.stack, j + 2, L) for j in range(extra)
+                                                      for m in names if _block_of(m, P.stack, L) == 1]
+    dropless, mixtures = copied(P.dropless), copied(P.tp_mixtures)
     return dataclasses.replace(P, **E.ops, native=native, temporary=temp, params=E.params, modules=E.modules,
                                experts=tuple(sorted(experts, key=lambda e: _natural_key(e[0]))),
                                dropless=tuple(sorted(dropless, key=_natural_key)),
+                               tp_mixtures=tuple(sorted(mixtures, key=_natural_key)),
                                saved=tuple(_expand_saved(P, E.where, ren, extra)), checkpoint=ckpt, recomputes=runs,
                                blocks=E.blocks, path=f"expanded from {len(P.blocks)} of {n_blocks} blocks",
                                block_flows=flows, model_forward_end=moved(P.model_forward_end),

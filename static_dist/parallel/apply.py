@@ -17,7 +17,7 @@ from ..axes import EXPERT_FSDP, device_mesh, expert_mesh, fsdp_mesh
 from ..fsdp import FSDPPlan, FSDPUnit, apply_plan
 from ..graph.policies import apply_checkpointing
 from ..moe import find_moe
-from .plan import ParallelPlan, ParallelPlanError, check_layout, stage_ranges
+from .plan import ParallelPlan, ParallelPlanError, check_layout, expert_tp_dims, stage_ranges
 from ..placement import parallel_style
 from ..structure import find_structure
 
@@ -25,7 +25,8 @@ from ..structure import find_structure
 __all__ = ['ROUTED_ARGS', 'plan_blocks', 'apply_tp', 'step_context', 'apply_ac', 'apply_compile', 'apply_async_tp',
            'check_fsdp_modules', 'apply_fsdp', 'apply_float8', 'ExpertParallel', 'routes_rows', 'local_experts',
            'RoutedExpertParallel', 'expert_modules', 'n_experts', 'check_experts', 'apply_ep', 'apply_expert_fsdp',
-           'expert_placement', 'expert_param_groups', 'divide_over_all', 'apply_parallel_plan']
+           'expert_placement', 'expert_param_groups', 'divide_over_all', 'tp_mixtures', 'expert_tp_placements',
+           'check_expert_tp', 'local_tp_params', 'TensorParallelMixture', 'apply_expert_tp', 'apply_parallel_plan']
 
 # %% ../../nbs/45e_parallel_apply.ipynb
 def plan_blocks(plan: ParallelPlan, stack, stage: int | None = None) -> tuple[tuple[int, str], ...]:
@@ -58,12 +59,15 @@ def _gather_sequence(module, args, kwargs):
         return t
     return tuple(gather(a) for a in args), {k: gather(v) for k, v in kwargs.items()}
 
-def _sequence_styles(block: nn.Module, plan: ParallelPlan) -> tuple[dict, set]:
+def _sequence_styles(block: nn.Module, plan: ParallelPlan, mixtures=()) -> tuple[dict, set]:
     """({module: SequenceParallel()} for the block's modules with parameters outside its sharded sub-layers (its norms),
-    the sub-layers that gather their input) of one block under sequence parallelism."""
+    the sub-layers that gather their input) of one block under sequence parallelism; `mixtures` (split inside by
+    `apply_expert_tp`, which gathers their input itself) are neither."""
     from torch.distributed.tensor.parallel import SequenceParallel
+    inside = lambda n, mods: any(n == r or n.startswith(r + ".") for r in mods)
     regions = _outermost({n.rpartition(".")[0] for n, s in plan.tp_styles if s != "replicate"} - {""})
-    under = lambda n: any(n == r or n.startswith(r + ".") for r in regions)
+    regions = {r for r in regions if not inside(r, mixtures)}
+    under = lambda n: inside(n, regions) or inside(n, mixtures)
     norms = {n: SequenceParallel() for n, m in block.named_modules()
              if n and not under(n) and any(True for _ in m.parameters(recurse=False))}
     return norms, regions
@@ -98,7 +102,7 @@ def apply_tp(model: nn.Module, plan: ParallelPlan, tp_mesh, blocks=None) -> None
     """`parallelize_module` of each block (default: every block of the main stack) on the tp mesh, with the plan's style
     per linear, and of the modules outside the blocks (`tp_outer`). With sequence parallelism, as torchtitan lays it
     out: the norms `SequenceParallel`, each sharded sub-layer's input gathered (`_gather_sequence`), its row-parallel
-    linears reduce-scattered onto the sequence."""
+    linears reduce-scattered onto the sequence. A block's mixtures of experts are split inside (`apply_expert_tp`)."""
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
     if plan.dims.tp == 1 or not plan.tp_styles: return
@@ -107,11 +111,14 @@ def apply_tp(model: nn.Module, plan: ParallelPlan, tp_mesh, blocks=None) -> None
         styles.update({n: RowwiseParallel(output_layouts=Shard(1)) for n, s in plan.tp_styles if s == "rowwise"})
     for _, b in _blocks(model, plan, blocks):
         block = model.get_submodule(b)
+        mixed = tuple(l.path for l in tp_mixtures(block))                 # split inside by apply_expert_tp
+        mine = {n: s for n, s in styles.items() if not any(n.startswith(m + ".") for m in mixed)}
         if plan.sequence_parallel:
-            norms, regions = _sequence_styles(block, plan)
-            parallelize_module(block, tp_mesh, {**styles, **norms})
+            norms, regions = _sequence_styles(block, plan, mixed)
+            parallelize_module(block, tp_mesh, {**mine, **norms})
             for r in regions: block.get_submodule(r).register_forward_pre_hook(_gather_sequence, with_kwargs=True)
-        else: parallelize_module(block, tp_mesh, styles)
+        else: parallelize_module(block, tp_mesh, mine)
+    apply_expert_tp(model, plan, tp_mesh, blocks)
     mods = dict(model.named_modules())
     outer = {m: s for m, s in _outer_styles(plan).items() if m in mods}   # a pipeline stage holds some
     if outer: parallelize_module(model, tp_mesh, outer)
@@ -358,6 +365,128 @@ def divide_over_all(model: nn.Module, plan: ParallelPlan, experts) -> None:
         if experts[EXPERT_FSDP].size() > 1: g.force_sum_reduction_for_comms = True
 
 # %% ../../nbs/45e_parallel_apply.ipynb
+_TP_CLASSES: dict = {}
+
+def tp_mixtures(block: nn.Module) -> tuple:
+    "The mixtures of experts (`moe.find_moe`, paths within `block`) that tensor parallelism splits inside, in order."
+    return tuple(l for l in find_moe(block) if l.path)
+
+def _halves_gate(m: nn.Module) -> bool:
+    "Does experts module `m` split a fused `[gate; up]` output into halves (transformers' default `_apply_gate`)?"
+    try: from transformers.integrations.moe import _default_apply_gate
+    except ImportError: return False
+    return getattr(type(m), "_apply_gate", None) is _default_apply_gate
+
+def expert_tp_placements(block: nn.Module, layer, tp: int, name: str) -> dict:
+    """{parameter FQN within `block`: its placement on the tp mesh} for each 3-D weight of `layer`'s experts:
+    `Shard` on its intermediate features, a fused `[gate; up]` one (twice the others' features) by halves; `name`:
+    the mixture's FQN in the model, for the errors."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+    mods = dict(block.named_modules())
+    ex, width = mods[layer.experts], mods[layer.router].weight.shape[1]
+    if biases := [n for n, s in layer.expert_shapes if len(s) < 2]:
+        raise ParallelPlanError(f"tp={tp} inside the experts of {name}: {type(ex).__name__} has expert biases "
+                                f"({', '.join(biases)}), which tensor parallelism inside the experts does not lay out; "
+                                "use tp=1, or ep")
+    dims = expert_tp_dims(dict(layer.expert_shapes), width, name, tp)
+    feats = {n: s[dims[n] - 1] for n, s in layer.expert_shapes}
+    out = {}
+    for n, d in dims.items():
+        fqn = f"{layer.experts}.{n}" if layer.experts else n
+        if feats[n] == min(feats.values()): out[fqn] = Shard(d)
+        elif feats[n] == 2 * min(feats.values()) and _halves_gate(ex): out[fqn] = _StridedShard(d, split_factor=2)
+        else:
+            raise ParallelPlanError(f"tp={tp} inside the experts of {name}: {type(ex).__name__}.{n} fuses "
+                                    "projections in a layout tensor parallelism cannot split (only transformers' "
+                                    "[gate; up] halves are); use tp=1, or ep")
+    return out
+
+def check_expert_tp(plan: ParallelPlan, model: nn.Module, blocks=None) -> None:
+    """ParallelPlanError, naming the mixture, when tp > 1 meets a mixture of experts in the plan's blocks that
+    `apply_expert_tp` cannot split: experts kept as a list of modules, a fused projection other than [gate; up] halves,
+    a bias on a row-parallel side, or features tp does not divide."""
+    if plan.dims.tp == 1 or plan.dims.ep > 1: return
+    styles = dict(plan.tp_styles)
+    for _, b in _blocks(model, plan, blocks):
+        block = model.get_submodule(b)
+        for layer in tp_mixtures(block):
+            ex = block.get_submodule(layer.experts)
+            if not any(p.dim() == 3 for p in ex.parameters(recurse=False)):
+                raise ParallelPlanError(f"tp={plan.dims.tp}: the experts of {b}.{layer.path} are a list of modules, "
+                                        "which tensor parallelism inside the experts does not split; use tp=1")
+            expert_tp_placements(block, layer, plan.dims.tp, f"{b}.{layer.path}")
+            for n, m in block.get_submodule(layer.path).named_modules():
+                own = f"{layer.path}.{n}" if n else layer.path
+                biased = getattr(m, "bias", None) is not None and styles.get(own, "").startswith("rowwise")
+                if biased or (own == layer.experts and getattr(m, "has_bias", False)):
+                    raise ParallelPlanError(f"tp={plan.dims.tp}: {b}.{own} adds a bias after a row-parallel product "
+                                            "inside a mixture (each tp rank would add it once); use tp=1")
+
+@contextlib.contextmanager
+def local_tp_params(mixture: nn.Module):
+    """For one call: the DTensor parameters of `mixture`'s modules as this rank's local tensors (views: gradients reach
+    the DTensors), a replicated one's gradient taken as the partial sum it is."""
+    from torch.distributed.tensor import DTensor, Partial
+    saved = []
+    try:
+        for m in mixture.modules():
+            for k, p in list(m._parameters.items()):
+                if not isinstance(p, DTensor): continue
+                saved.append((m, k, p))
+                whole = all(pl.is_replicate() for pl in p.placements)
+                m._parameters[k] = p.to_local(grad_placements=[Partial()] if whole else None)
+        yield
+    finally:
+        for m, k, p in saved: m._parameters[k] = p
+
+class TensorParallelMixture:
+    """Mixed into a mixture of experts by `apply_expert_tp`: its forward on all the tokens and this rank's slice of the
+    features (see above); the output's partial sums reduced once, onto the sequence under sequence parallelism."""
+    tp_mesh = None
+    tp_sequence = False
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
+        from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+        seq = [Shard(1) if self.tp_sequence else Replicate()]
+        x = hidden_states if isinstance(hidden_states, DTensor) else \
+            DTensor.from_local(hidden_states, self.tp_mesh, seq, run_check=False)
+        x = x.redistribute(placements=[Replicate()]).to_local(grad_placements=[Partial()])
+        with local_tp_params(self): out = super().forward(x, *args, **kwargs)
+        y = out[0] if isinstance(out, tuple) else out
+        y = DTensor.from_local(y, self.tp_mesh, [Partial()], run_check=False).redistribute(placements=seq).to_local()
+        return (y, *out[1:]) if isinstance(out, tuple) else y
+
+def apply_expert_tp(model: nn.Module, plan: ParallelPlan, tp_mesh, blocks=None) -> None:
+    """Tensor parallelism inside each mixture of the blocks (tp > 1, ep 1): the experts' weights sharded on their
+    intermediate features (`expert_tp_placements`), the linears inside by their styles (column-parallel `Shard(0)`,
+    row-parallel `Shard(1)`), every other weight replicated, all as DTensors on the tp mesh, and
+    `TensorParallelMixture` mixed into the mixture's class."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    if plan.dims.tp == 1 or plan.dims.ep > 1: return
+    check_expert_tp(plan, model, blocks)
+    styles = dict(plan.tp_styles)
+    for _, b in _blocks(model, plan, blocks):
+        block = model.get_submodule(b)
+        for layer in tp_mixtures(block):
+            split = expert_tp_placements(block, layer, plan.dims.tp, f"{b}.{layer.path}")
+            mix = block.get_submodule(layer.path)
+            for n, m in mix.named_modules():
+                own = f"{layer.path}.{n}" if n else layer.path
+                style = styles.get(own, "replicate")
+                for k, p in list(m._parameters.items()):
+                    if p is None: continue
+                    at = split.get(f"{own}.{k}") or (Shard(0) if style.startswith("colwise") else
+                                                     Shard(1) if style.startswith("rowwise") and k == "weight" else
+                                                     Replicate())
+                    d = distribute_tensor(p.detach(), tp_mesh, [at], src_data_rank=None)   # every rank holds it all
+                    m._parameters[k] = nn.Parameter(d, p.requires_grad)
+            cls = type(mix)
+            mix.__class__ = _TP_CLASSES.setdefault(cls, type(f"TensorParallel{cls.__name__}",
+                                                          (TensorParallelMixture, cls), {}))
+            mix.tp_mesh, mix.tp_sequence = tp_mesh, plan.sequence_parallel
+
+# %% ../../nbs/45e_parallel_apply.ipynb
 def apply_parallel_plan(model: nn.Module, plan: ParallelPlan, mesh=None, *, seq: int | None = None,
                         compile_backend: str = "inductor", stack=None, stage: int | None = None) -> nn.Module:
     """Apply `plan` to `model` in place, in torchtitan's order: Float8, tensor parallelism, expert parallelism,
@@ -377,6 +506,7 @@ def apply_parallel_plan(model: nn.Module, plan: ParallelPlan, mesh=None, *, seq:
     if stage is None: check_fsdp_modules(plan, model)       # a stage lacks other stages' units: build_pipeline checks
     check_experts(plan, model)
     blocks = plan_blocks(plan, stack, stage)
+    check_expert_tp(plan, model, blocks)
     mesh = device_mesh(plan.dims) if mesh is None else mesh
     experts = expert_mesh(mesh, plan.dims)
     apply_float8(model, plan)

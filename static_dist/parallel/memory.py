@@ -34,16 +34,17 @@ from ..graph.checkpoint import CheckpointLifetimes, checkpoint_lifetimes, recomp
 from ..graph.policies import kept_ops
 from ..moe import busiest_rank_load
 from .float8 import float8_weight_casts
-from .plan import ParallelDims, ParallelPlan, ParallelPlanError, block_policies, stage_ranges
+from .plan import (ParallelDims, ParallelPlan, ParallelPlanError, block_policies, expert_tp_dims,
+                                       stage_ranges)
 from .schedule import held_by_action, pipeline_held, rank_stages
 from ..placement import block_spec, linear_memory, megatron_styles
 from ..graph.records import BACKWARD, FORWARD, OPTIMIZER
 
 
 # %% auto 0
-__all__ = ['module_blocks', 'op_blocks', 'op_stages', 'tp_op_factor', 'tp_views', 'tp_local_graph',
-           'sequence_parallel_buffers', 'buffer_bytes', 'run_to_block_end', 'tp_param_shape', 'rank_param_shape',
-           'ac_effects', 'compile_scale', 'boundary_bytes', 'model_output_bytes', 'expert_layers',
+__all__ = ['module_blocks', 'op_blocks', 'op_stages', 'tp_mixtures', 'tp_op_factor', 'expert_split', 'tp_views',
+           'tp_local_graph', 'sequence_parallel_buffers', 'buffer_bytes', 'run_to_block_end', 'tp_param_shape',
+           'rank_param_shape', 'ac_effects', 'compile_scale', 'boundary_bytes', 'model_output_bytes', 'expert_layers',
            'expert_weight_shapes', 'expert_slots', 'splittable_experts', 'expert_dispatch_bytes', 'collective_buffers',
            'rank_profile', 'rank_fsdp_plan', 'ParallelMemory', 'predict_rank_memory', 'predict_parallel_memory',
            'placement_other_bytes']
@@ -89,15 +90,37 @@ _MATMUL = ("aten.mm", "aten.addmm", "aten.bmm", "aten.matmul", "aten.linear",   
 
 _OUTER_STYLE = {"embedding": "embedding", "norm": "sequence", "output": "colwise"}   # tp_outer role -> style
 
-def _regions(plan: ParallelPlan, blocks) -> tuple[set, dict]:
+def tp_mixtures(g: StaticGraph, plan: ParallelPlan, blocks) -> dict[str, tuple[str, int, dict]]:
+    """{mixture FQN: (its experts module, the model's width, {expert weight FQN: the dim tp splits})} of the captured
+    step's mixtures of experts (`meta['moe']`) in `blocks` that tensor parallelism splits inside (tp > 1, ep 1:
+    `parallel.apply.apply_expert_tp`)."""
+    if plan.dims.tp == 1 or plan.dims.ep > 1 or not g.meta.get("moe"): return {}
+    return _remember("tp_mixtures", g, (plan.dims.tp, tuple(blocks)), lambda: _tp_mixtures(g, plan, blocks))
+
+def _tp_mixtures(g: StaticGraph, plan: ParallelPlan, blocks) -> dict[str, tuple[str, int, dict]]:
+    weights, out = _weight_shapes(g), {}
+    for r in g.meta.get("moe") or ():
+        m = r["path"]
+        if not any(m.startswith(b + ".") for b in blocks): continue
+        width = weights[f"{r['router']}.weight"][1]
+        dims = expert_tp_dims(r["expert_shapes"], width, m, plan.dims.tp)
+        out[m] = (r["experts"], width, {f"{r['experts']}.{n}": d for n, d in dims.items()})
+    return out
+
+def _regions(g: StaticGraph, plan: ParallelPlan, blocks) -> tuple[set, dict]:
     """(sub-layer modules whose insides are sharded, {module FQN: style}) over every block, and the modules outside
     the blocks that tensor parallelism lays out (`tp_outer`: 'embedding', 'sequence' for the final norm, 'colwise'
-    for the output projection, 'colwise_gather' when its logits are gathered whole, without loss parallelism)."""
+    for the output projection, 'colwise_gather' when its logits are gathered whole, without loss parallelism). A
+    mixture split inside (`tp_mixtures`) is a sub-layer too, and its 3-D expert weights are styled by parameter,
+    'experts<dim>': split on that dim."""
     styles = {f"{b}.{n}": s for b in blocks for n, s in plan.tp_styles}
     sharded = {n.rpartition(".")[0] for n, s in styles.items() if s in _COL + _ROW}
+    mixed = tp_mixtures(g, plan, blocks)
+    for _, _, dims in mixed.values(): styles.update((w, f"experts{d}") for w, d in dims.items())
     styles.update((m, _OUTER_STYLE[r]) for m, r in plan.tp_outer)
     if not plan.loss_parallel: styles.update((m, "colwise_gather") for m, r in plan.tp_outer if r == "output")
-    return {m for m in sharded if m not in blocks}, styles     # a linear straight under a block: no sub-layer
+    inner = {m for m in sharded if _under_any(m, set(mixed))}                  # shared experts: inside the mixture
+    return {m for m in sharded if m not in blocks} - inner | set(mixed), styles
 
 def _under_any(m: str, mods: set) -> bool:
     while m:
@@ -136,16 +159,48 @@ def _weight_shapes(g: StaticGraph) -> dict[str, tuple]:
         if s.role == "parameter": out.setdefault(s.name, tuple(t.shape))
     return out
 
+def expert_split(g: StaticGraph, plan: ParallelPlan, blocks) -> tuple[dict[int, float], frozenset]:
+    """({op: fraction of its outputs a tp rank holds}, the experts' products) of the experts tensor parallelism splits
+    (`tp_mixtures`); each of those products does 1/tp of its work on a rank. Remembered per graph object."""
+    if not tp_mixtures(g, plan, blocks): return {}, frozenset()
+    return _remember("expert_split", g, (plan.dims.tp, tuple(blocks)), lambda: _expert_split(g, plan, blocks))
+
+def _expert_split(g: StaticGraph, plan: ParallelPlan, blocks) -> tuple[dict[int, float], frozenset]:
+    """{op: fraction of its outputs a tp rank holds} for the ops of the experts that tensor parallelism splits inside
+    (`tp_mixtures`) that touch an expert weight's features: what is made of a weight (a view, a cast, one expert's
+    slice) is 1/tp, as is a product of the weight's shape (its gradient); a product reading a weight is whole where its
+    output is the model's width (forward: the partial sum after the down projection; backward: the input's gradient),
+    else it holds 1/tp of the intermediate features. The rest of the mixture follows the sub-layer rule (a shard
+    where it reads one)."""
+    out, products, tp, weights = {}, set(), plan.dims.tp, _weight_shapes(g)
+    for experts, width, dims in tp_mixtures(g, plan, blocks).values():
+        shapes = set()
+        for w in dims:
+            e, *s = weights[w]
+            shapes |= {(e, *s), (e, *s[::-1]), tuple(s), tuple(s[::-1])}
+        made = {t for t, x in enumerate(g.tensors) if g.storages[x.storage].name in dims}   # a weight and its copies
+        for i, o in enumerate(g.ops):
+            if o.phase == "optimizer" or not o.outputs: continue
+            shape, reads = tuple(g.tensors[o.outputs[0]].shape), any(t in made for t in o.inputs)
+            product = o.op.startswith(_MATMUL + _EXPERT_MATMULS)
+            if reads and not product and shape in shapes: made.update(o.outputs); out[i] = 1 / tp
+            elif product and reads: out[i] = 1.0 if shape[-1] == width else 1 / tp; products.add(i)
+            elif product and _under_any(o.module, {experts}) and len(shape) == 3 and shape in shapes:
+                out[i] = 1 / tp; products.add(i)
+    return out, frozenset(products)
+
 def _tp_op_factor(g: StaticGraph, plan: ParallelPlan, blocks) -> np.ndarray:
     tp = plan.dims.tp
     f = np.ones(len(g.ops))
-    regions, styles = _regions(plan, blocks)
+    regions, styles = _regions(g, plan, blocks)
     sharded = np.zeros(len(g.tensors), dtype=bool)  # tensors a rank holds 1/tp of
     weights = _weight_shapes(g)
+    split, _ = expert_split(g, plan, blocks)
     for i, o in enumerate(g.ops):
         s, fwd = styles.get(o.module), o.phase == "forward"
         reads = sharded[list(o.inputs)].any()
-        if s in _COL + _ROW:                       # the linear itself: its output (fwd) or its input's gradient (bwd)
+        if i in split: f[i] = split[i]
+        elif s in _COL + _ROW:                       # the linear itself: its output (fwd) or its input's gradient (bwd)
             if (s in _COL) == fwd or (reads and not o.op.startswith(_MATMUL)): f[i] = 1 / tp
             # its weight's gradient is the rank's shard's (a chunked loss's pieces make it as a temporary): the
             # backward matmul of the weight's shape that does not read the weight (the input gradient's reads it, and
@@ -244,7 +299,7 @@ def sequence_parallel_buffers(g: StaticGraph, plan: ParallelPlan, blocks) -> tup
     for the reduce-scatter; (first backward op, last backward op, bytes) per such linear: its output's gradient
     gathered whole, twice at its first op) under sequence parallelism; whole: the forward output's bytes over cp."""
     if not plan.sequence_parallel or plan.dims.tp == 1: return {}, ()
-    _, styles = _regions(plan, blocks)
+    _, styles = _regions(g, plan, blocks)
     rows = {m for m, s in styles.items() if s in _ROW}
     ops: dict = {}
     for i, o in enumerate(g.ops):
@@ -256,6 +311,14 @@ def sequence_parallel_buffers(g: StaticGraph, plan: ParallelPlan, blocks) -> tup
         whole = g.tensors[g.ops[fw[0]].outputs[0]].nbytes / plan.dims.cp
         at.update((i, 2 * whole) for i in fw)
         if bw := ops.get((m, "backward")): spans.append((bw[0], bw[-1], whole))
+    for m in tp_mixtures(g, plan, blocks):        # a mixture's output: its partial sum, reduce-scattered the same way
+        inside = [i for i, o in enumerate(g.ops) if o.outputs and _under_any(o.module, {m})]
+        fw = [i for i in inside if g.ops[i].phase == "forward"]
+        bw = [i for i in inside if g.ops[i].phase == "backward"]
+        if not fw: continue
+        whole = g.tensors[g.ops[fw[-1]].outputs[0]].nbytes / plan.dims.cp
+        at[fw[-1]] = at.get(fw[-1], 0) + 2 * whole
+        if bw: spans.append((bw[0], bw[-1], whole))
     return at, tuple(spans)
 
 def buffer_bytes(at: dict, spans: tuple, K: np.ndarray) -> np.ndarray:
@@ -285,8 +348,11 @@ def run_to_block_end(g: StaticGraph, r, ob: np.ndarray, block_last: np.ndarray):
 def tp_param_shape(name: str, shape: tuple, plan: ParallelPlan, styles: dict) -> tuple:
     """The local shape of parameter `name` under tensor parallelism (colwise: rows / tp, bias too; rowwise: columns /
     tp)."""
-    s, tp = styles.get(name.rpartition(".")[0]), plan.dims.tp
+    s, tp = styles.get(name) or styles.get(name.rpartition(".")[0]), plan.dims.tp
     if s is None or tp == 1 or not shape: return tuple(shape)
+    if s.startswith("experts"):                    # a 3-D expert weight split on its intermediate features
+        d = int(s[len("experts"):])
+        return (*shape[:d], shape[d] // tp, *shape[d + 1:])
     if s in (*_COL, "colwise_gather", "embedding"):
         return (shape[0] // tp, *shape[1:])  # an embedding: its vocabulary rows
     if s in (*_ROW, "rowwise_scatter") and len(shape) == 2: return (shape[0], shape[1] // tp)
@@ -468,7 +534,7 @@ def _view(g: StaticGraph, plan: ParallelPlan, pp_rank: int, blocks, params) -> t
     own = np.isin(so, list(mine_st))
     keep = own | (so == -1)
     read = frozenset(g.tensors[t].storage for i in np.flatnonzero(own) for t in g.ops[i].inputs)
-    regions, styles = _regions(plan, blocks)
+    regions, styles = _regions(g, plan, blocks)
     mine = [p for s, p in _stage_params(params, g, so) if s in mine_st]
     experts = frozenset(w for *_, ws in expert_layers(g, plan) for w in ws)
     local = sum(math.prod(rank_param_shape(p.name, p.shape, plan, styles, experts)) * p.itemsize for p in mine)
@@ -728,7 +794,8 @@ def rank_profile(g: StaticGraph, plan: ParallelPlan, pp_rank: int = 0, master_dt
                                          for r in v.checkpoint.recomputes if v.keep[r.at]),
                         op_bytes=(nbytes * _op_share(g, plan, v))[K], op_dtypes=tuple(_dts[i] for i in K),
                         optimizer_numel=sum(p.numel for p in ps), experts=tuple((e, kids) for e, kids, _ in moe),
-                        dropless=tuple(e for e, _, _ in moe if not routes.get(e, {}).get("capacity_factor")))
+                        dropless=tuple(e for e, _, _ in moe if not routes.get(e, {}).get("capacity_factor")),
+                        tp_mixtures=tuple(tp_mixtures(g, plan, blocks)))
 
 # %% ../../nbs/45b_parallel_memory.ipynb
 def _saved(g: StaticGraph, v: _View, cp: int, newix) -> tuple:

@@ -24,8 +24,8 @@ from ..files import loads_json, read_json
 
 # %% auto 0
 __all__ = ['ParallelDims', 'SCHEDULES', 'OUTER_ROLES', 'MAX_MICROBATCHES', 'PARALLEL_SCHEMA', 'PLANNED_FOR',
-           'ParallelPlanError', 'ParallelPlan', 'block_policies', 'stage_ranges', 'check_layout', 'block_collectives',
-           'outer_collectives']
+           'ParallelPlanError', 'ParallelPlan', 'expert_tp_dims', 'block_policies', 'stage_ranges', 'check_layout',
+           'block_collectives', 'outer_collectives']
 
 # %% ../../nbs/45a_parallel_plan.ipynb
 class ParallelPlanError(PlanError):
@@ -238,12 +238,30 @@ def _check_float8(p: ParallelPlan) -> None:
                                 "shard over 2 or more ranks")
 
 def _check_ep(p: ParallelPlan) -> None:
-    "Expert parallelism is applied next to data parallelism only (tensor parallelism inside experts is not built)."
+    """Expert parallelism is applied next to data parallelism only (with tp > 1 and ep 1 tensor parallelism splits the
+    experts instead: `expert_tp_dims`)."""
     d = p.dims
     if d.ep > 1 and (d.tp > 1 or d.pp > 1):
         raise ParallelPlanError(f"ep={d.ep} with tp={d.tp}, pp={d.pp}: expert parallelism is applied with "
-                                "dp_replicate, dp_shard and cp only (no tensor parallelism inside experts, no "
-                                "pipeline stages yet); use tp=1 and pp=1 with ep")
+                                "dp_replicate, dp_shard and cp only (not over tp ranks, not with pipeline stages yet); "
+                                "use ep=1 (tp then splits each expert) or tp=1 and pp=1")
+
+def expert_tp_dims(expert_shapes: dict, width: int, where: str, tp: int) -> dict[str, int]:
+    """{expert parameter: the dim of its 3-D weight that tensor parallelism inside the experts splits}: of one expert's
+    2-D slice (`moe.MoELayer.expert_shapes`), the dim that is not the model's `width`, the intermediate features
+    (gate and up concatenated in a fused weight). ParallelPlanError when that dim cannot be told or tp does not divide
+    it."""
+    out = {}
+    for n, s in expert_shapes.items():
+        dims = [i for i, d in enumerate(s) if d != width]
+        if len(s) != 2 or len(dims) != 1:
+            raise ParallelPlanError(f"tp={tp} inside the experts of {where}: which dim of {n} {tuple(s)} holds the "
+                                    f"intermediate features cannot be told from the width {width}; use tp=1")
+        if s[dims[0]] % tp:
+            raise ParallelPlanError(f"tp={tp} does not divide the {s[dims[0]]} intermediate features of {where}'s "
+                                    f"{n}: use a tp dividing {s[dims[0]]}")
+        out[n] = dims[0] + 1
+    return out
 
 def _check_self(p: ParallelPlan) -> None:
     if not isinstance(p.dims, ParallelDims):
@@ -319,21 +337,28 @@ def check_layout(plan: ParallelPlan, stack: BlockStack | None, seq: int | None =
         )
 
 # %% ../../nbs/45a_parallel_plan.ipynb
-def block_collectives(plan: ParallelPlan, order) -> tuple[tuple[str, str, str, bool], ...]:
+def block_collectives(plan: ParallelPlan, order, mixtures=()) -> tuple[tuple[str, str, str, bool], ...]:
     """One block's tensor-parallel collectives per micro-batch as (kind, linear, 'in'|'out', forward?), in forward
     order of the styled linears (`order`: their names, sorted so). Without sequence parallelism each style's own
     (`placement.STYLES`); with it, each sharded sub-layer gathers its input and reduce-scatters its row-parallel
-    outputs in forward, and does the converse in backward (the gathered input's gradient reduce-scattered back)."""
+    outputs in forward, and does the converse in backward (the gathered input's gradient reduce-scattered back).
+    `mixtures`: the block's mixtures of experts that tp splits inside (`order` places them too): the linears in one
+    issue nothing, the mixture one reduction of its output forward and of its input's gradient backward (all-reduces;
+    with sequence parallelism its input gathered and its output reduce-scattered, and the converse in backward)."""
     styles = dict(plan.tp_styles)
-    names = [n for n in order if styles.get(n, "replicate") != "replicate"]
+    inside = lambda n: any(n.startswith(m + ".") for m in mixtures)
+    names = [n for n in order if n in mixtures or styles.get(n, "replicate") != "replicate" and not inside(n)]
     if not plan.sequence_parallel:
-        return tuple(
-            (k, n, w, fwd) for n in names for fwd, i in ((True, 2), (False, 3)) for k, w in STYLES[styles[n]][i]
-        )
+        own = lambda n: [(k, w, fwd) for fwd, i in ((True, 2), (False, 3)) for k, w in STYLES[styles[n]][i]]
+        mix = [("all_reduce", "out", True), ("all_reduce", "in", False)]
+        return tuple((k, n, w, fwd) for n in names for k, w, fwd in (mix if n in mixtures else own(n)))
     out, seen = [], set()
     for n in names:
         sub = n.rpartition(".")[0]
-        if styles[n].startswith("colwise") and sub not in seen:
+        if n in mixtures:
+            out += [("all_gather", n, "in", True), ("reduce_scatter", n, "out", True), ("all_gather", n, "out", False),
+                    ("reduce_scatter", n, "in", False)]
+        elif styles[n].startswith("colwise") and sub not in seen:
             seen.add(sub); out += [("all_gather", n, "in", True), ("reduce_scatter", n, "in", False)]
         elif styles[n].startswith("rowwise"):
             out += [("reduce_scatter", n, "out", True), ("all_gather", n, "out", False)]

@@ -21,8 +21,8 @@ from ..placement import STYLES
 from ..topology import MeshSpec, Topology, TwoStreams, collective_time, device_spec, op_seconds
 from ..graph.policies import FullCheckpoint, NoCheckpoint, SelectiveOps, recomputed_ops
 from .memory import (_EXPERT_MATMULS, _MATMUL, _block_forward, _block_spans, _regions,
-                                         boundary_bytes, expert_slots, expert_weight_shapes, op_blocks, tp_op_factor,
-                                         tp_param_shape)
+                                         boundary_bytes, expert_slots, expert_split, expert_weight_shapes, op_blocks,
+                                         tp_mixtures, tp_op_factor, tp_param_shape)
 from ..moe import busiest_rank_load
 from .float8 import float8_weights
 from .plan import (ParallelPlan, ParallelPlanError, block_collectives, block_policies,
@@ -107,24 +107,30 @@ def _op_factor(g: StaticGraph, plan: ParallelPlan, blocks) -> np.ndarray:
     holds (`tp_op_factor`); 1/cp along the sequence. The optimizer's ops: whole (scaled to the shard later)."""
     tp, cp = plan.dims.tp, plan.dims.cp
     f = tp_op_factor(g, plan, blocks).astype(np.float64)
-    _, styles = _regions(plan, blocks)
+    _, styles = _regions(g, plan, blocks)
+    _, products = expert_split(g, plan, blocks)                             # each rank runs 1/tp of every expert
     for i, o in enumerate(g.ops):
         if o.phase == "optimizer": f[i] = 1.0; continue
         if tp > 1 and styles.get(o.module, "replicate") != "replicate" and o.op.startswith(_MATMUL): f[i] = 1 / tp
+        if i in products: f[i] = 1 / tp
         f[i] /= cp
     return f
 
 # %% ../../nbs/45c_parallel_time.ipynb
 def _tp_collectives(g: StaticGraph, plan: ParallelPlan, blocks, tokens: int, itemsize: int, shapes: dict) -> tuple:
-    "One block's tensor-parallel collectives per micro-batch: (kind, bytes, forward?) in forward order of the linears."
+    """One block's tensor-parallel collectives per micro-batch: (kind, bytes, forward?) in forward order of the linears
+    and of the mixtures split inside (`tp_mixtures`: the model's width per token either way)."""
     if plan.dims.tp == 1 or not plan.tp_styles or not blocks: return ()
-    first = {}
+    first, b0 = {}, blocks[0]
     for i, o in enumerate(g.ops):
-        if o.phase == "forward": first.setdefault(o.module, i)
-    order = [n for n, _ in sorted(plan.tp_styles, key=lambda ns: first.get(f"{blocks[0]}.{ns[0]}", 1 << 62))]
+        m = o.module
+        while o.phase == "forward" and m and m not in first: first[m] = i; m = m.rpartition(".")[0]
+    mixed = {m[len(b0) + 1:]: width for m, (_, width, _) in tp_mixtures(g, plan, blocks).items()
+             if m.startswith(b0 + ".")}
+    order = sorted([n for n, _ in plan.tp_styles] + list(mixed), key=lambda n: first.get(f"{b0}.{n}", 1 << 62))
     out = []
-    for kind, name, which, fwd in block_collectives(plan, order):
-        w = shapes.get(f"{blocks[0]}.{name}.weight")
+    for kind, name, which, fwd in block_collectives(plan, order, tuple(mixed)):
+        w = (mixed[name], mixed[name]) if name in mixed else shapes.get(f"{b0}.{name}.weight")
         if w is None or len(w) != 2: continue
         out.append((kind, tokens // plan.dims.cp * {"out": w[0], "in": w[1]}[which] * itemsize, fwd))
     return tuple(out)
@@ -192,7 +198,7 @@ def rank_work(g: StaticGraph, plan: ParallelPlan, topo: Topology, device=None, p
             kv_g[ob[i]] += sum(4 * math.prod(g.tensors[t].shape) for t in o.inputs[1:3]) * fac[i]
         elif phase[i] == BACKWARD: attn_b[ob[i]] += sec[i]
     params, _ = param_infos(g)
-    regions, styles = _regions(plan, blocks)
+    regions, styles = _regions(g, plan, blocks)
     local = lambda p: math.prod(tp_param_shape(p.name, p.shape, plan, styles)) * p.itemsize
     bp, pre, post = np.zeros(k), 0.0, 0.0
     f8_names, f8b, f8r = set(float8_weights(g)), np.zeros(k), [0.0, 0.0]     # of them, the Float8 linears' weights

@@ -99,10 +99,11 @@ def predict_axis_counts(profile, plan: ParallelPlan) -> dict[str, int]:
         out["ep.all_to_all"] = per * f.accumulation_steps
     if n8 := _float8_amax_reduces(profile, f): out["dp.all_reduce"] = out.get("dp.all_reduce", 0) + n8
     if plan.dims.tp > 1:
-        a, n = f.accumulation_steps, len(profile.blocks)
-        kinds = [kind for kind, *_ in block_collectives(plan, _styled_order(profile, plan, profile.blocks[0]))] * n
+        a, b0 = f.accumulation_steps, profile.blocks[0]
+        kinds = [kind for b in profile.blocks
+                 for kind, *_ in block_collectives(plan, _styled_order(profile, plan, b), _mixtures(profile, b))]
         kinds += [kind for kind, *_ in outer_collectives(plan, loss_pieces(profile, plan))]
-        kinds += ["all_reduce"] * _sequence_norm_params(profile, plan)
+        kinds += ["all_reduce"] * (_sequence_norm_params(profile, plan) + _mixture_replicated(profile, plan))
         for kind in kinds * a + _recomputed(profile, plan) * a: out[f"tp.{kind}"] = out.get(f"tp.{kind}", 0) + 1
     return out
 
@@ -127,7 +128,8 @@ def _recomputed(profile, plan: ParallelPlan) -> list[str]:
     out, n = [], len(profile.blocks)
     for b, pol in zip(profile.blocks, block_policies(plan, n) if len(plan.ac) == n else (NoCheckpoint(),) * n):
         if not pol.checkpoints: continue
-        fwd = [(kind, lin) for kind, lin, _, f in block_collectives(plan, _styled_order(profile, plan, b)) if f]
+        fwd = [(kind, lin) for kind, lin, _, f in block_collectives(plan, _styled_order(profile, plan, b),
+                                                                    _mixtures(profile, b)) if f]
         whole = not plan.ac_early_stop or fwd and _saves_after(profile, f"{b}.{fwd[-1][1]}", b)
         again = fwd if whole else fwd[:-1]
         out += [k for k, _ in again if not (isinstance(pol, SelectiveOps) and pol.saves(_FUNCTIONAL[k]))]
@@ -141,15 +143,32 @@ def _saves_after(profile, module: str, block: str) -> bool:
     return last is not None and any(inside(m) and made > last for _, m, made, _ in profile.saved)
 
 def _styled_order(profile, plan: ParallelPlan, block: str) -> list[str]:
-    "The plan's styled linears in forward order of `block`."
-    first = {m: i for i, m in reversed(list(enumerate(profile.op_module))) if profile.op_phase[i] == FORWARD}
-    return [n for n, _ in sorted(plan.tp_styles, key=lambda ns: first.get(f"{block}.{ns[0]}", 1 << 62))]
+    "The plan's styled linears and the block's mixtures split by tp (`_mixtures`), in forward order of `block`."
+    first = {}
+    for i, m in enumerate(profile.op_module):
+        while profile.op_phase[i] == FORWARD and m and m not in first: first[m] = i; m = m.rpartition(".")[0]
+    names = [n for n, _ in plan.tp_styles] + list(_mixtures(profile, block))
+    return sorted(names, key=lambda n: first.get(f"{block}.{n}", 1 << 62))
+
+def _mixtures(profile, block: str) -> tuple[str, ...]:
+    "The mixtures of `block` that tensor parallelism splits inside (`GraphProfile.tp_mixtures`), named within it."
+    return tuple(m[len(block) + 1:] for m in profile.tp_mixtures if m.startswith(block + "."))
+
+def _mixture_replicated(profile, plan: ParallelPlan) -> int:
+    """Replicated parameters inside the mixtures tensor parallelism splits (the router, a shared expert's gate): each
+    one's gradient is a partial sum over tp, summed by one all-reduce."""
+    styled = {f"{b}.{n}" for b in profile.blocks for n, s in plan.tp_styles if s != "replicate"}
+    def replicated(p) -> bool:
+        m = p.name.rpartition(".")[0]
+        return any(within(p.name, x) for x in profile.tp_mixtures) and m not in styled and len(p.shape) < 3
+    return sum(replicated(p) for p in profile.params)
 
 def _sequence_norm_params(profile, plan: ParallelPlan) -> int:
     """Parameters that sequence parallelism replicates and sums the gradients of: those in the blocks outside the
     sharded sub-layers, and the final norm's."""
     if not plan.sequence_parallel: return 0
     regions = {f"{b}.{n.rpartition('.')[0]}" for b in profile.blocks for n, _ in plan.tp_styles}
+    regions |= set(profile.tp_mixtures)                       # their replicated weights: `_mixture_replicated`
     norms = {m for m, r in plan.tp_outer if r == "norm"}
     def sequence(name: str) -> bool:
         m = name.rpartition(".")[0]
