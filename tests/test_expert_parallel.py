@@ -15,7 +15,7 @@ import torch
 from static_dist.fsdp import FSDPPlan, FSDPUnit
 from static_dist.launch import launch
 from static_dist.parallel import ParallelDims, ParallelPlan, ParallelPlanError
-from static_dist.parallel.apply import check_experts
+from static_dist.parallel.experts import check_experts
 from static_dist.parallel.search import layout_dims
 from static_dist.app.layout import layout_pins
 from static_dist.zoo import get_model
@@ -529,21 +529,24 @@ def test_gloo_tp_inside_experts_equals_one_process(tmp_path):
             for c in r["counts"]: assert c == counts, (c, counts)
 
 
+LAYERS_OF_TWO = ((0, "model.layers.0"), (1, "model.layers.1"))   # a 2-layer transformers model's blocks
+
+
 def test_tp_inside_experts_refusals(tmp_path):
     """A mixture tensor parallelism cannot split inside is named with what to do: features tp does not divide, and
     gpt-oss's experts (interleaved [gate; up] columns, biases after the row-parallel product)."""
     import transformers
-    from static_dist.parallel.apply import check_expert_tp
+    from static_dist.parallel.experts import check_expert_tp
     from static_dist.workload import load_workload
     att = (("self_attn.q_proj", "colwise"), ("self_attn.o_proj", "rowwise"))
     odd = load_workload(_mixtral(tmp_path / "odd", intermediate_size=94), batch=2, seq=16).build(device="meta")
     with pytest.raises(ParallelPlanError, match=r"^tp=4 does not divide the 94 intermediate features of "
                                                 r"model.layers.0.mlp.s down_proj: use a tp dividing 94"):
-        check_expert_tp(ParallelPlan(ParallelDims(dp_shard=1, tp=4), tp_styles=att), odd)
+        check_expert_tp(ParallelPlan(ParallelDims(dp_shard=1, tp=4), tp_styles=att), odd, LAYERS_OF_TWO)
     transformers.GptOssConfig(hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                               num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
                               vocab_size=256, max_position_embeddings=4096).save_pretrained(tmp_path / "oss")
     oss = load_workload(f"hf:{tmp_path / 'oss'}", batch=2, seq=16).build(device="meta")
     with pytest.raises(ParallelPlanError, match=r"^tp=2 inside the experts of model.layers.0.mlp: GptOssExperts has "
                                                 r"expert biases \(gate_up_proj_bias, down_proj_bias\)"):
-        check_expert_tp(ParallelPlan(ParallelDims(dp_shard=1, tp=2), tp_styles=att), oss)
+        check_expert_tp(ParallelPlan(ParallelDims(dp_shard=1, tp=2), tp_styles=att), oss, LAYERS_OF_TWO)

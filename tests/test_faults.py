@@ -133,7 +133,7 @@ child.wait()
 
 
 def test_torchrun_killed_while_a_rank_joins_the_group(tmp_path):
-    "The store torchrun serves closes under a joining rank before the rank is re-parented: still one line, no traceback."
+    "torchrun's store closes under a joining rank before the rank is re-parented: still one line, no traceback."
     err = tmp_path / "rank0.err"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     agent = subprocess.Popen([sys.executable, "-c", _AGENT, str(err)], env=env, stdout=subprocess.PIPE, text=True)

@@ -56,7 +56,7 @@ def _set_prefetch(model: nn.Module, plan: FSDPPlan, mods: dict) -> None:
 def apply_plan(model: nn.Module, plan: FSDPPlan, mesh=None, placement=None) -> nn.Module:
     """Shard `model` in place as `plan` says (mesh: a DeviceMesh of plan.mesh_shape; default: `plan_mesh(plan)`).
     The plan is validated against the model first; nothing is sharded when it does not fit. `placement`: FSDP's
-    `shard_placement_fn` for every unit (a parameter's own placement and mesh: `parallel.apply` gives experts
+    `shard_placement_fn` for every unit (a parameter's own placement and mesh: `parallel.experts` gives experts
     theirs)."""
     validate(plan, None, model)
     mods = dict(model.named_modules())

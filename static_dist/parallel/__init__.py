@@ -12,6 +12,7 @@ from .memory import *
 from .time import *
 from .search import *
 from .apply import *
+from .experts import *
 from .verify import *
 from .pipeline import *
 from .run import *
@@ -19,6 +20,7 @@ from .plots import *
 from .float8 import *
 from static_dist.parallel import (
     apply as _apply,
+    experts as _experts,
     memory as _memory,
     plan as _plan,
     schedule as _schedule,
@@ -214,6 +216,7 @@ __all__ = [
     *_time.__all__,
     *_search.__all__,
     *_apply.__all__,
+    *_experts.__all__,
     *_verify.__all__,
     *_pipeline.__all__,
     *_run.__all__,

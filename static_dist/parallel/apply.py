@@ -7,26 +7,23 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import inspect
 import math
 
 import torch
 import torch.nn as nn
 
-from ..axes import EXPERT_FSDP, device_mesh, expert_mesh, fsdp_mesh
+from ..axes import device_mesh, expert_mesh, fsdp_mesh
 from ..fsdp import FSDPPlan, FSDPUnit, apply_plan
 from ..graph.policies import apply_checkpointing
-from ..moe import find_moe
-from .plan import ParallelPlan, ParallelPlanError, check_layout, expert_tp_dims, stage_ranges
+from .experts import (apply_ep, apply_expert_fsdp, apply_expert_tp, check_expert_tp, check_experts,
+                                          divide_over_all, expert_placement, tp_mixtures)
+from .plan import ParallelPlan, ParallelPlanError, check_layout, stage_ranges
 from ..placement import parallel_style
 from ..structure import find_structure
 
 # %% auto 0
-__all__ = ['ROUTED_ARGS', 'plan_blocks', 'apply_tp', 'step_context', 'apply_ac', 'apply_compile', 'apply_async_tp',
-           'check_fsdp_modules', 'apply_fsdp', 'apply_float8', 'ExpertParallel', 'routes_rows', 'local_experts',
-           'RoutedExpertParallel', 'expert_modules', 'n_experts', 'check_experts', 'apply_ep', 'apply_expert_fsdp',
-           'expert_placement', 'expert_param_groups', 'divide_over_all', 'tp_mixtures', 'expert_tp_placements',
-           'check_expert_tp', 'local_tp_params', 'TensorParallelMixture', 'apply_expert_tp', 'apply_parallel_plan']
+__all__ = ['plan_blocks', 'apply_tp', 'step_context', 'apply_ac', 'apply_compile', 'apply_async_tp',
+           'check_fsdp_modules', 'apply_fsdp', 'apply_float8', 'apply_parallel_plan']
 
 # %% ../../nbs/45e_parallel_apply.ipynb
 def plan_blocks(plan: ParallelPlan, stack, stage: int | None = None) -> tuple[tuple[int, str], ...]:
@@ -118,7 +115,7 @@ def apply_tp(model: nn.Module, plan: ParallelPlan, tp_mesh, blocks=None) -> None
             parallelize_module(block, tp_mesh, {**mine, **norms})
             for r in regions: block.get_submodule(r).register_forward_pre_hook(_gather_sequence, with_kwargs=True)
         else: parallelize_module(block, tp_mesh, mine)
-    apply_expert_tp(model, plan, tp_mesh, blocks)
+    apply_expert_tp(model, plan, tp_mesh, _blocks(model, plan, blocks))
     mods = dict(model.named_modules())
     outer = {m: s for m, s in _outer_styles(plan).items() if m in mods}   # a pipeline stage holds some
     if outer: parallelize_module(model, tp_mesh, outer)
@@ -196,295 +193,6 @@ def apply_float8(model: nn.Module, plan: ParallelPlan) -> None:
     "Convert the model's linears to torchao's Float8 training linears by the plan's recipe (none without one)."
     from static_dist.parallel.float8 import convert_float8
     if plan.float8: convert_float8(model, plan.float8, plan.float8_all_gather)
-
-# %% ../../nbs/45e_parallel_apply.ipynb
-class ExpertParallel:
-    """Mixed into a mixture of experts by `apply_ep`: its `experts` runs this rank's `E / ep` experts on their slots
-    from every ep rank, gathered and returned by all-to-all with equal splits (`ep_mesh`: `axes.expert_mesh`'s ep)."""
-    ep_mesh = None
-
-    def experts(self, xe: torch.Tensor, w1, w2, w3) -> torch.Tensor:
-        from torch.distributed._functional_collectives import all_to_all_single_autograd
-        ep, (E, C, D) = self.ep_mesh.size(), xe.shape
-        swap = lambda t: all_to_all_single_autograd(t.contiguous(), None, None, self.ep_mesh)   # chunk r to rank r
-        mine = swap(xe).view(ep, E // ep, C, D).transpose(0, 1).reshape(E // ep, ep * C, D)      # by source rank
-        y = super().experts(mine, *(w.to_local() for w in (w1, w2, w3)))                        # (E / ep, ep·C, D)
-        return swap(y.view(E // ep, ep, C, -1).transpose(0, 1)).view(E, C, -1)
-
-# %% ../../nbs/45e_parallel_apply.ipynb
-ROUTED_ARGS = ("hidden_states", "top_k_index", "top_k_weights")   # transformers 5's experts modules' forward
-
-def routes_rows(m: nn.Module) -> bool:
-    "Does `m`'s forward take routed rows as transformers 5's experts modules do (`ROUTED_ARGS`, with `num_experts`)?"
-    try: names = tuple(inspect.signature(m.forward).parameters)[:3]
-    except (TypeError, ValueError): return False
-    return names == ROUTED_ARGS and isinstance(getattr(m, "num_experts", None), int)
-
-@contextlib.contextmanager
-def local_experts(m: nn.Module):
-    "For one call: `m`'s DTensor parameters as this rank's local tensors, its `num_experts` this rank's count."
-    from torch.distributed.tensor import DTensor
-    saved, n = dict(m._parameters), m.num_experts
-    try:
-        for k, p in saved.items():
-            if isinstance(p, DTensor): m._parameters[k] = p.to_local()     # a view: gradients reach the DTensor
-        m.num_experts = n // m.ep_mesh.size()
-        yield
-    finally:
-        m._parameters.update(saved)
-        m.num_experts = n
-
-class RoutedExpertParallel:
-    """Mixed into an experts module that takes routed rows (`routes_rows`) by `apply_ep`: torchtitan's dropless token
-    dispatch around the module's own forward (see above). On fake tensors each rank sends and receives the balanced
-    share."""
-    ep_mesh = None
-
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
-        from torch._subclasses.fake_tensor import is_fake
-        from torch.distributed._functional_collectives import (all_to_all_single, all_to_all_single_autograd,
-                                                               wait_tensor)
-        ep, E, (T, K) = self.ep_mesh.size(), self.num_experts, top_k_index.shape
-        ids, order = torch.sort(top_k_index.reshape(-1), stable=True)       # rows by expert, so by the rank holding it
-        sent = torch.zeros(E, dtype=torch.int64, device=ids.device).scatter_add_(0, ids, torch.ones_like(ids))
-        got = wait_tensor(all_to_all_single(sent, None, None, self.ep_mesh))   # each rank's rows for my experts
-        if is_fake(got):                                                     # uncountable: the balanced share
-            splits = [T * K // ep + (r < T * K % ep) for r in range(ep)]
-            sends, gets = splits, splits
-            expert = torch.arange(sum(gets), device=ids.device) * (E // ep) // max(sum(gets), 1)
-        else:
-            sends, gets = sent.view(ep, -1).sum(1).tolist(), got.view(ep, -1).sum(1).tolist()
-            expert = torch.repeat_interleave(torch.arange(E // ep, device=ids.device).repeat(ep), got,
-                                             output_size=sum(gets))
-        x = all_to_all_single_autograd(hidden_states[order // K], gets, sends, self.ep_mesh)
-        with local_experts(self):
-            y = super().forward(x, expert[:, None], torch.ones(len(expert), 1, dtype=top_k_weights.dtype,
-                                                                device=x.device))
-        y = all_to_all_single_autograd(y, sends, gets, self.ep_mesh)        # back to the rows as this rank sent them
-        back = torch.empty_like(order)
-        back[order] = torch.arange(len(order), device=order.device)
-        return (y[back] * top_k_weights.reshape(-1, 1)).view(T, K, -1).sum(1).to(hidden_states.dtype)
-
-# %% ../../nbs/45e_parallel_apply.ipynb
-_EP_CLASSES: dict = {}
-
-def expert_modules(model: nn.Module) -> dict[str, nn.Module]:
-    """{FQN: module} of the model's experts that `apply_ep` lays out: the zoo's `MoE` (its experts step on capacity
-    slots) and the experts modules of `moe.find_moe`'s mixtures that take routed rows (`routes_rows`: transformers')."""
-    from static_dist.zoo import MoE
-    mods = dict(model.named_modules())
-    zoo = {n: m for n, m in mods.items() if isinstance(m, MoE)}
-    return {**zoo, **{l.experts: mods[l.experts] for l in find_moe(model)
-                      if l.experts not in zoo and routes_rows(mods[l.experts])}}
-
-def n_experts(m: nn.Module) -> int:
-    "Experts of an `expert_modules` module (the zoo's `n_experts`, transformers' `num_experts`)."
-    return m.n_experts if hasattr(m, "n_experts") else m.num_experts
-
-def check_experts(plan: ParallelPlan, model: nn.Module) -> None:
-    """ParallelPlanError when ep > 1 and the model has a mixture `apply_ep` cannot lay out, none at all, one whose
-    experts ep does not divide, or an FSDP unit of the plan is an experts module or inside one (`apply_fsdp` shards
-    the experts)."""
-    ep = plan.dims.ep
-    if ep == 1: return
-    moes = expert_modules(model)
-    if other := next((l for l in find_moe(model) if l.experts not in moes and l.path not in moes), None):
-        raise ParallelPlanError(f"ep={ep}: {other.path} is a mixture of experts that apply_ep cannot lay out yet (it "
-                                "splits the zoo MoE's experts step, and experts modules taking routed rows, "
-                                "forward(hidden_states, top_k_index, top_k_weights), as transformers' do); use ep=1")
-    if not moes:
-        raise ParallelPlanError(f"ep={ep}: the model has no mixture of experts (experts stored as 3-D parameters next "
-                                "to a router) whose experts ep could split; use ep=1")
-    if bad := next(((n, n_experts(m)) for n, m in moes.items() if n_experts(m) % ep), None):
-        raise ParallelPlanError(f"ep={ep} does not divide the {bad[1]} experts of {bad[0]}: give an ep that divides "
-                                f"{bad[1]}")
-    units = [m for u in (plan.fsdp.units if plan.fsdp else ()) for m in u.modules]
-    if bad := next(((u, n) for u in units for n in moes if u == n or u.startswith(n + ".")), None):
-        raise ParallelPlanError(f"fsdp unit {bad[0]!r} is the experts module {bad[1]} or inside it: with ep, the "
-                                "experts are sharded over their own mesh by FSDP; drop the unit from the plan")
-
-def apply_ep(model: nn.Module, plan: ParallelPlan, experts) -> None:
-    """Each experts module's parameters led by its experts split on dim 0 over the ep dim of `experts`
-    (`axes.expert_mesh`; DTensor `Shard(0)`, this rank keeping its `E / ep`), and `ExpertParallel` (the zoo's) or
-    `RoutedExpertParallel` (transformers') mixed into its class. Nothing with ep 1."""
-    from torch.distributed.tensor import DTensor, Shard
-    check_experts(plan, model)
-    if plan.dims.ep == 1: return
-    ep_mesh = experts["ep"]
-    ep, r = ep_mesh.size(), ep_mesh.get_local_rank()
-    for m in expert_modules(model).values():
-        for name, p in list(m.named_parameters(recurse=False)):
-            if p.dim() < 2 or p.shape[0] != n_experts(m): continue           # the router, in the zoo's mixture
-            mine = p.detach().chunk(ep)[r].clone()
-            setattr(m, name, nn.Parameter(DTensor.from_local(mine, ep_mesh, [Shard(0)], run_check=False)))
-        mix, cls = ExpertParallel if hasattr(m, "n_experts") else RoutedExpertParallel, type(m)
-        m.__class__ = _EP_CLASSES.setdefault(cls, type(f"{mix.__name__}{cls.__name__}", (mix, cls), {}))
-        m.ep_mesh = ep_mesh
-
-# %% ../../nbs/45e_parallel_apply.ipynb
-def _experts_fsdp_mesh(experts):
-    "The experts' FSDP mesh: `experts` (`axes.expert_mesh`) less its ep dim."
-    return experts[tuple(n for n in experts.mesh_dim_names if n != "ep")]
-
-def apply_expert_fsdp(model: nn.Module, plan: ParallelPlan, mesh, experts) -> None:
-    """`fully_shard` each of the zoo's mixtures of experts (ep > 1; `ExpertParallel`): its children (the router) over
-    the data-parallel mesh, its experts over the experts' mesh."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    f = plan.fsdp
-    dt = lambda s: None if s is None else getattr(torch, s)
-    mp = MixedPrecisionPolicy(param_dtype=dt(f and f.param_dtype), reduce_dtype=dt(f and f.reduce_dtype))
-    for m in expert_modules(model).values():
-        if not isinstance(m, ExpertParallel): continue
-        for c in m.children(): fully_shard(c, mesh=fsdp_mesh(mesh), mp_policy=mp)
-        fully_shard(m, mesh=_experts_fsdp_mesh(experts), mp_policy=mp)
-
-def expert_placement(model: nn.Module, experts):
-    """FSDP's `shard_placement_fn` putting the parameters of each `RoutedExpertParallel` experts module on the experts'
-    mesh (dim 0), the others on the unit's (None: FSDP's default); None when the model has no such module."""
-    from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult
-    from torch.distributed.fsdp._fully_shard._fsdp_init import _get_mesh_info
-    from torch.distributed.tensor import Shard
-    params = {p for m in expert_modules(model).values() if isinstance(m, RoutedExpertParallel) for p in m.parameters()}
-    if not params: return None
-    info = _get_mesh_info(_experts_fsdp_mesh(experts))
-    return lambda p: ShardPlacementResult(placement=Shard(0), mesh_info=info) if p in params else None
-
-def expert_param_groups(model: nn.Module) -> list:
-    "FSDP's parameter groups over the experts' mesh (its dims name `efsdp`), each once."
-    from torch.distributed.fsdp import FSDPModule
-    groups = {id(g): g for m in model.modules() if isinstance(m, FSDPModule)
-              for g in m._get_fsdp_state()._fsdp_param_groups}
-    return [g for g in groups.values() if EXPERT_FSDP in (g.mesh_info.mesh.mesh_dim_names or ())]
-
-def divide_over_all(model: nn.Module, plan: ParallelPlan, experts) -> None:
-    """Divide the experts' gradients (`expert_param_groups`) by every data-parallel rank, as the dense ones are. Over
-    2+ efsdp ranks: a plain sum, divided after (gloo has no PREMUL_SUM); not over 1, where torch 2.13's FSDP divides
-    the copied gradient by the factor and then again by the sum's own factor."""
-    for g in expert_param_groups(model):
-        g.gradient_divide_factor = float(plan.dims.dp_replicate * plan.dims.fsdp_size)
-        if experts[EXPERT_FSDP].size() > 1: g.force_sum_reduction_for_comms = True
-
-# %% ../../nbs/45e_parallel_apply.ipynb
-_TP_CLASSES: dict = {}
-
-def tp_mixtures(block: nn.Module) -> tuple:
-    "The mixtures of experts (`moe.find_moe`, paths within `block`) that tensor parallelism splits inside, in order."
-    return tuple(l for l in find_moe(block) if l.path)
-
-def _halves_gate(m: nn.Module) -> bool:
-    "Does experts module `m` split a fused `[gate; up]` output into halves (transformers' default `_apply_gate`)?"
-    try: from transformers.integrations.moe import _default_apply_gate
-    except ImportError: return False
-    return getattr(type(m), "_apply_gate", None) is _default_apply_gate
-
-def expert_tp_placements(block: nn.Module, layer, tp: int, name: str) -> dict:
-    """{parameter FQN within `block`: its placement on the tp mesh} for each 3-D weight of `layer`'s experts:
-    `Shard` on its intermediate features, a fused `[gate; up]` one (twice the others' features) by halves; `name`:
-    the mixture's FQN in the model, for the errors."""
-    from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.placement_types import _StridedShard
-    mods = dict(block.named_modules())
-    ex, width = mods[layer.experts], mods[layer.router].weight.shape[1]
-    if biases := [n for n, s in layer.expert_shapes if len(s) < 2]:
-        raise ParallelPlanError(f"tp={tp} inside the experts of {name}: {type(ex).__name__} has expert biases "
-                                f"({', '.join(biases)}), which tensor parallelism inside the experts does not lay out; "
-                                "use tp=1, or ep")
-    dims = expert_tp_dims(dict(layer.expert_shapes), width, name, tp)
-    feats = {n: s[dims[n] - 1] for n, s in layer.expert_shapes}
-    out = {}
-    for n, d in dims.items():
-        fqn = f"{layer.experts}.{n}" if layer.experts else n
-        if feats[n] == min(feats.values()): out[fqn] = Shard(d)
-        elif feats[n] == 2 * min(feats.values()) and _halves_gate(ex): out[fqn] = _StridedShard(d, split_factor=2)
-        else:
-            raise ParallelPlanError(f"tp={tp} inside the experts of {name}: {type(ex).__name__}.{n} fuses "
-                                    "projections in a layout tensor parallelism cannot split (only transformers' "
-                                    "[gate; up] halves are); use tp=1, or ep")
-    return out
-
-def check_expert_tp(plan: ParallelPlan, model: nn.Module, blocks=None) -> None:
-    """ParallelPlanError, naming the mixture, when tp > 1 meets a mixture of experts in the plan's blocks that
-    `apply_expert_tp` cannot split: experts kept as a list of modules, a fused projection other than [gate; up] halves,
-    a bias on a row-parallel side, or features tp does not divide."""
-    if plan.dims.tp == 1 or plan.dims.ep > 1: return
-    styles = dict(plan.tp_styles)
-    for _, b in _blocks(model, plan, blocks):
-        block = model.get_submodule(b)
-        for layer in tp_mixtures(block):
-            ex = block.get_submodule(layer.experts)
-            if not any(p.dim() == 3 for p in ex.parameters(recurse=False)):
-                raise ParallelPlanError(f"tp={plan.dims.tp}: the experts of {b}.{layer.path} are a list of modules, "
-                                        "which tensor parallelism inside the experts does not split; use tp=1")
-            expert_tp_placements(block, layer, plan.dims.tp, f"{b}.{layer.path}")
-            for n, m in block.get_submodule(layer.path).named_modules():
-                own = f"{layer.path}.{n}" if n else layer.path
-                biased = getattr(m, "bias", None) is not None and styles.get(own, "").startswith("rowwise")
-                if biased or (own == layer.experts and getattr(m, "has_bias", False)):
-                    raise ParallelPlanError(f"tp={plan.dims.tp}: {b}.{own} adds a bias after a row-parallel product "
-                                            "inside a mixture (each tp rank would add it once); use tp=1")
-
-@contextlib.contextmanager
-def local_tp_params(mixture: nn.Module):
-    """For one call: the DTensor parameters of `mixture`'s modules as this rank's local tensors (views: gradients reach
-    the DTensors), a replicated one's gradient taken as the partial sum it is."""
-    from torch.distributed.tensor import DTensor, Partial
-    saved = []
-    try:
-        for m in mixture.modules():
-            for k, p in list(m._parameters.items()):
-                if not isinstance(p, DTensor): continue
-                saved.append((m, k, p))
-                whole = all(pl.is_replicate() for pl in p.placements)
-                m._parameters[k] = p.to_local(grad_placements=[Partial()] if whole else None)
-        yield
-    finally:
-        for m, k, p in saved: m._parameters[k] = p
-
-class TensorParallelMixture:
-    """Mixed into a mixture of experts by `apply_expert_tp`: its forward on all the tokens and this rank's slice of the
-    features (see above); the output's partial sums reduced once, onto the sequence under sequence parallelism."""
-    tp_mesh = None
-    tp_sequence = False
-
-    def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
-        from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-        seq = [Shard(1) if self.tp_sequence else Replicate()]
-        x = hidden_states if isinstance(hidden_states, DTensor) else \
-            DTensor.from_local(hidden_states, self.tp_mesh, seq, run_check=False)
-        x = x.redistribute(placements=[Replicate()]).to_local(grad_placements=[Partial()])
-        with local_tp_params(self): out = super().forward(x, *args, **kwargs)
-        y = out[0] if isinstance(out, tuple) else out
-        y = DTensor.from_local(y, self.tp_mesh, [Partial()], run_check=False).redistribute(placements=seq).to_local()
-        return (y, *out[1:]) if isinstance(out, tuple) else y
-
-def apply_expert_tp(model: nn.Module, plan: ParallelPlan, tp_mesh, blocks=None) -> None:
-    """Tensor parallelism inside each mixture of the blocks (tp > 1, ep 1): the experts' weights sharded on their
-    intermediate features (`expert_tp_placements`), the linears inside by their styles (column-parallel `Shard(0)`,
-    row-parallel `Shard(1)`), every other weight replicated, all as DTensors on the tp mesh, and
-    `TensorParallelMixture` mixed into the mixture's class."""
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-    if plan.dims.tp == 1 or plan.dims.ep > 1: return
-    check_expert_tp(plan, model, blocks)
-    styles = dict(plan.tp_styles)
-    for _, b in _blocks(model, plan, blocks):
-        block = model.get_submodule(b)
-        for layer in tp_mixtures(block):
-            split = expert_tp_placements(block, layer, plan.dims.tp, f"{b}.{layer.path}")
-            mix = block.get_submodule(layer.path)
-            for n, m in mix.named_modules():
-                own = f"{layer.path}.{n}" if n else layer.path
-                style = styles.get(own, "replicate")
-                for k, p in list(m._parameters.items()):
-                    if p is None: continue
-                    at = split.get(f"{own}.{k}") or (Shard(0) if style.startswith("colwise") else
-                                                     Shard(1) if style.startswith("rowwise") and k == "weight" else
-                                                     Replicate())
-                    d = distribute_tensor(p.detach(), tp_mesh, [at], src_data_rank=None)   # every rank holds it all
-                    m._parameters[k] = nn.Parameter(d, p.requires_grad)
-            cls = type(mix)
-            mix.__class__ = _TP_CLASSES.setdefault(cls, type(f"TensorParallel{cls.__name__}",
-                                                          (TensorParallelMixture, cls), {}))
-            mix.tp_mesh, mix.tp_sequence = tp_mesh, plan.sequence_parallel
 
 # %% ../../nbs/45e_parallel_apply.ipynb
 def apply_parallel_plan(model: nn.Module, plan: ParallelPlan, mesh=None, *, seq: int | None = None,

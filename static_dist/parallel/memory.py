@@ -93,7 +93,7 @@ _OUTER_STYLE = {"embedding": "embedding", "norm": "sequence", "output": "colwise
 def tp_mixtures(g: StaticGraph, plan: ParallelPlan, blocks) -> dict[str, tuple[str, int, dict]]:
     """{mixture FQN: (its experts module, the model's width, {expert weight FQN: the dim tp splits})} of the captured
     step's mixtures of experts (`meta['moe']`) in `blocks` that tensor parallelism splits inside (tp > 1, ep 1:
-    `parallel.apply.apply_expert_tp`)."""
+    `parallel.experts.apply_expert_tp`)."""
     if plan.dims.tp == 1 or plan.dims.ep > 1 or not g.meta.get("moe"): return {}
     return _remember("tp_mixtures", g, (plan.dims.tp, tuple(blocks)), lambda: _tp_mixtures(g, plan, blocks))
 
