@@ -22,8 +22,8 @@ from ..placement import parallel_style
 from ..structure import find_structure
 
 # %% auto 0
-__all__ = ['plan_blocks', 'apply_tp', 'step_context', 'apply_ac', 'apply_compile', 'apply_async_tp',
-           'check_fsdp_modules', 'apply_fsdp', 'apply_float8', 'apply_parallel_plan']
+__all__ = ['plan_blocks', 'VocabParallelEmbedding', 'apply_tp', 'step_context', 'apply_ac', 'apply_compile',
+           'apply_async_tp', 'check_fsdp_modules', 'apply_fsdp', 'apply_float8', 'apply_parallel_plan']
 
 # %% ../../nbs/45e_parallel_apply.ipynb
 def plan_blocks(plan: ParallelPlan, stack, stage: int | None = None) -> tuple[tuple[int, str], ...]:
@@ -95,6 +95,46 @@ def _outer_styles(plan: ParallelPlan) -> dict:
                                      output_layouts=Shard(-1) if lp else Replicate(), use_local_output=not lp)
     return out
 
+class VocabParallelEmbedding:
+    """Mixed into the token embedding by `apply_tp` (`tp_outer`'s 'embedding', an `nn.Embedding`) as torchtitan 0.3.0
+    runs its own (`models/common/embedding.py`): this rank's vocabulary rows (the weight `Shard(0)` on the tp mesh)
+    look up the ids they hold, the others give zeros, and the partial sums are reduced (reduce-scattered onto the
+    sequence with sequence parallelism, else all-reduced). Its weight's gradient is this rank's rows; torch's
+    `RowwiseParallel` on an `nn.Embedding` leaves DTensor's embedding backward a `Replicate` gradient, the whole table
+    on every rank."""
+    tp_mesh = None
+    tp_sequence = False
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        import torch.nn.functional as F
+        from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+        w = self.weight.to_local()
+        n, lo = w.shape[0], self.tp_mesh.get_local_rank() * -(-self.num_embeddings // self.tp_mesh.size())
+        hit = (input >= lo) & (input < lo + n)
+        pad = self.padding_idx - lo if self.padding_idx is not None and lo <= self.padding_idx < lo + n else None
+        out = F.embedding((input - lo).clamp(0, max(n - 1, 0)), w, pad, self.max_norm, self.norm_type,
+                          self.scale_grad_by_freq, self.sparse) * hit.unsqueeze(-1)
+        seq = [Shard(1) if self.tp_sequence else Replicate()]
+        return DTensor.from_local(out, self.tp_mesh, [Partial()], run_check=False).redistribute(placements=seq).to_local()
+
+def _vocab_parallel(model: nn.Module, plan: ParallelPlan, tp_mesh, mods: dict) -> set:
+    "`VocabParallelEmbedding` mixed into each `nn.Embedding` of `tp_outer`, its weight sharded; the modules it laid out."
+    from torch.distributed.tensor import Shard, distribute_tensor
+    done = set()
+    for m, role in plan.tp_outer:
+        if role != "embedding" or not isinstance(mods.get(m), nn.Embedding): continue
+        emb = mods[m]
+        emb.weight = nn.Parameter(distribute_tensor(emb.weight.detach(), tp_mesh, [Shard(0)], src_data_rank=None),
+                                  emb.weight.requires_grad)
+        cls = type(emb)
+        emb.__class__ = _VOCAB_CLASSES.setdefault(cls, type(f"VocabParallel{cls.__name__}",
+                                                            (VocabParallelEmbedding, cls), {}))
+        emb.tp_mesh, emb.tp_sequence = tp_mesh, plan.sequence_parallel
+        done.add(m)
+    return done
+
+_VOCAB_CLASSES: dict = {}
+
 def apply_tp(model: nn.Module, plan: ParallelPlan, tp_mesh, blocks=None) -> None:
     """`parallelize_module` of each block (default: every block of the main stack) on the tp mesh, with the plan's style
     per linear, and of the modules outside the blocks (`tp_outer`). With sequence parallelism, as torchtitan lays it
@@ -117,7 +157,8 @@ def apply_tp(model: nn.Module, plan: ParallelPlan, tp_mesh, blocks=None) -> None
         else: parallelize_module(block, tp_mesh, mine)
     apply_expert_tp(model, plan, tp_mesh, _blocks(model, plan, blocks))
     mods = dict(model.named_modules())
-    outer = {m: s for m, s in _outer_styles(plan).items() if m in mods}   # a pipeline stage holds some
+    vocab = _vocab_parallel(model, plan, tp_mesh, mods)
+    outer = {m: s for m, s in _outer_styles(plan).items() if m in mods and m not in vocab}   # a stage holds some
     if outer: parallelize_module(model, tp_mesh, outer)
     if plan.sequence_parallel: _gather_after_norm(model, plan, tp_mesh, mods)
 
