@@ -115,10 +115,11 @@ class VocabParallelEmbedding:
         out = F.embedding((input - lo).clamp(0, max(n - 1, 0)), w, pad, self.max_norm, self.norm_type,
                           self.scale_grad_by_freq, self.sparse) * hit.unsqueeze(-1)
         seq = [Shard(1) if self.tp_sequence else Replicate()]
-        return DTensor.from_local(out, self.tp_mesh, [Partial()], run_check=False).redistribute(placements=seq).to_local()
+        out = DTensor.from_local(out, self.tp_mesh, [Partial()], run_check=False)
+        return out.redistribute(placements=seq).to_local()
 
 def _vocab_parallel(model: nn.Module, plan: ParallelPlan, tp_mesh, mods: dict) -> set:
-    "`VocabParallelEmbedding` mixed into each `nn.Embedding` of `tp_outer`, its weight sharded; the modules it laid out."
+    "`VocabParallelEmbedding` mixed into each `nn.Embedding` of `tp_outer`, its weight sharded; the ones laid out."
     from torch.distributed.tensor import Shard, distribute_tensor
     done = set()
     for m, role in plan.tp_outer:
