@@ -83,3 +83,31 @@ def test_plan_compile_prints_lower_memory_and_time():
     ms = lambda s: num(r"step time\*?\*?: ([\d.]+) ms", s)
     assert mib(comp) < mib(eager) and ms(comp) < ms(eager), (mib(comp), mib(eager), ms(comp), ms(eager))
     assert "compiled: 2 blocks, priced" in comp and "compiled:" not in eager
+
+
+def test_compiled_reserved_from_a_few_blocks_as_from_the_whole_capture(tmp_path):
+    """The caching allocator's replay of a compiled plan on 3 captured blocks extended to 8 (the search's) against the
+    replay on all 8 captured: the compiled blocks' saved sets count in both, so the requested peaks agree and sit below
+    the eager plan's (the extension once replayed the blocks eagerly: on torchtitan's compiled DeepSeek-V3 16B job its
+    reserved fell below its own allocated peak)."""
+    import dataclasses
+    import transformers
+    from static_dist.fsdp import FSDPPlan, block_units
+    from static_dist.parallel import ParallelDims, predict_layout
+    from static_dist.parallel.search import layout_reserved_peak, search_graph
+    from static_dist.workload import load_workload
+    transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
+                             num_key_value_heads=4, vocab_size=256, max_position_embeddings=128).save_pretrained(tmp_path)
+    w = load_workload(f"hf:{tmp_path}", batch=2, seq=32)
+    (few, n, how), (whole, _, _) = search_graph(w, compile=True), search_graph(w, capture_blocks=8, compile=True)
+    assert how == "3 of 8 blocks captured, the others identical" and len(whole.structure.main.blocks) == n == 8
+    topo = preset("cluster", n_nodes=1, gpus_per_node=2)
+    for ac in ("none", "selective"):
+        plan = ParallelPlan(ParallelDims(dp_shard=2), ac=(ac,) * n, compile=(True,) * n,
+                            fsdp=FSDPPlan(2, (2,), block_units(whole.structure.main.blocks)))
+        ra, rb = layout_reserved_peak(whole, plan), layout_reserved_peak(few, plan, n)
+        assert abs(rb.peak_requested / ra.peak_requested - 1) < 1e-3, (ac, ra, rb)
+        assert rb.peak_reserved == ra.peak_reserved, (ac, ra, rb)
+        assert abs(rb.peak_requested / predict_layout(whole, plan, topo).memory_bytes - 1) < 1e-3
+        eager = layout_reserved_peak(few, dataclasses.replace(plan, compile=()), n)
+        assert (rb.peak_requested < eager.peak_requested) == (ac == "none"), (ac, rb, eager)   # nothing checkpointed

@@ -130,8 +130,11 @@ def extended_rank_holds(g: StaticGraph, plan: ParallelPlan, modes: tuple, master
     uniq = tuple(dict.fromkeys(modes))
     tp = dict(tp_styles=plan.tp_styles, sequence_parallel=plan.sequence_parallel, loss_parallel=plan.loss_parallel,
               tp_outer=plan.tp_outer)
-    view = lambda m: ParallelPlan(dataclasses.replace(d, pp=1), ac=(m,) * len(blocks),   # every axis but pp
-                                  fsdp=plan.fsdp, **tp)
+    # every axis but pp; compiled blocks (the search compiles all or none) and checkpointing's early stop, as the
+    # search's allocated model reads them (`search._uniform_profile`)
+    view = lambda m: ParallelPlan(dataclasses.replace(d, pp=1), ac=(m,) * len(blocks), fsdp=plan.fsdp,
+                                  compile=(True,) * len(blocks) if any(plan.compile) else (),
+                                  ac_early_stop=plan.ac_early_stop, **tp)
     sets = []
     for m in uniq:
         f = rank_fsdp_plan(plan, rank_profile(g, view(m), 0, master_dtype), 0)

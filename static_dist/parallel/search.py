@@ -357,7 +357,7 @@ def layout_reserved_peak(g: StaticGraph, plan: ParallelPlan, n_blocks: int | Non
     "The caching allocator's record (`AllocatorStats`) of the busiest rank of `plan` on `g` extended to `n_blocks`."
     ctx = _Context(g, n_blocks or len(g.structure.main.blocks), None, plan.tp_styles, CHECKPOINT_POLICIES,
                    master_dtype, outer=plan.tp_outer, sequence_parallel=plan.sequence_parallel,
-                   loss_parallel=plan.loss_parallel)
+                   loss_parallel=plan.loss_parallel, compile=compiles_all(plan))
     return _reserved_stats(ctx, plan, expandable)
 
 # %% ../../nbs/45d_parallel_search.ipynb
