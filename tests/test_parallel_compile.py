@@ -97,7 +97,8 @@ def test_compiled_reserved_from_a_few_blocks_as_from_the_whole_capture(tmp_path)
     from static_dist.parallel.search import layout_reserved_peak, search_graph
     from static_dist.workload import load_workload
     transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
-                             num_key_value_heads=4, vocab_size=256, max_position_embeddings=128).save_pretrained(tmp_path)
+                             num_key_value_heads=4, vocab_size=256,
+                             max_position_embeddings=128).save_pretrained(tmp_path)
     w = load_workload(f"hf:{tmp_path}", batch=2, seq=32)
     (few, n, how), (whole, _, _) = search_graph(w, compile=True), search_graph(w, capture_blocks=8, compile=True)
     assert how == "3 of 8 blocks captured, the others identical" and len(whole.structure.main.blocks) == n == 8
