@@ -475,20 +475,27 @@ def _tp_plan(g, sequence: bool, ac: str, param_dtype=None) -> ParallelPlan:
 
 
 @pytest.mark.parametrize("model, sequence, ac", [("tiny-moe", False, "none"), ("tiny-moe", True, "full"),
-                                                 ("mixtral", False, "none")])
+                                                 ("mixtral", False, "none"), ("deepseek-v3-16b", False, "full")])
 def test_tp_inside_experts_under_a_fake_group(tiny_moe, hf_ep_graphs, model, sequence, ac):
     """dp_shard 2 x tp 2 under a fake process group of 4: the predicted peak within 1% of FSDPMemTracker's and the
     collectives CommDebugMode counts exactly (tp's included: the mixture's reductions and its router's gradient
-    all-reduce), the allocator replay's requested peak within 2%; the experts split, so the rank holds less than with
-    the experts whole (tp 1 over the same 4 ranks would shard them 4 ways: compared with the experts' own bytes)."""
+    all-reduce), the allocator replay's requested peak within 2%; each expert weight held at half its intermediate
+    features before FSDP shards it (the rank profile's parameter shapes against the captured ones)."""
     from static_dist.parallel import verify_parallel
     from static_dist.parallel.memory import tp_mixtures
     from static_dist.parallel.reserved import predict_parallel_reserved
-    w, g = (tiny_moe[0], tiny_moe[1]["float32"]) if model == "tiny-moe" else hf_ep_graphs("mixtral")
+    w, g = (tiny_moe[0], tiny_moe[1]["float32"]) if model == "tiny-moe" else hf_ep_graphs(model)
     plan = _tp_plan(g, sequence, ac, None if model == "tiny-moe" else "bfloat16")
     assert plan.sequence_parallel == sequence
     mixed = tp_mixtures(g, plan, g.structure.main.blocks)
-    assert len(mixed) == len(g.meta["moe"]) and all(dims for _, _, dims in mixed.values())
+    assert len(mixed) == len(g.meta["moe"])                                    # every mixture of the step split
+    from static_dist.cost.profile import param_infos
+    from static_dist.parallel import rank_profile
+    whole = {p.name: p.shape for p in param_infos(g)[0]}
+    local = {p.name: p.shape for p in rank_profile(g, plan, 0, "float32").params}
+    for _, _, dims in mixed.values():
+        for w_, d in dims.items():
+            assert local[w_][d] * 2 == whole[w_][d] and local[w_][:d] == whole[w_][:d], (w_, local[w_], whole[w_])
     v = verify_parallel(w, plan, g, master_dtype="float32")
     assert abs(v.ratio - 1) < 0.01, v
     assert v.predicted_counts == v.measured_counts, v
