@@ -82,3 +82,36 @@ def test_gloo_chunked_loss_dp2_tp2_sequence_and_loss_parallel():
     assert want["tp.all_reduce"] >= 3 * 4, want                     # the loss's three, once per chunk
     for r in rep["ranks"]:
         for c in r["counts"]: assert c == want, (c, want)
+
+
+@pytest.mark.parametrize("sequence", [False, True])
+def test_vocab_rows_keep_their_own_gradients(tiny, sequence):
+    """Under tp 2 (a fake process group on real CPU tensors) the output projection's matmuls, forward and backward, run
+    on the rank's half of the vocabulary, as torchtitan's vocab-parallel output does: no matmul of the step makes a
+    tensor the whole vocabulary long (torch's ColwiseParallel there gathered the logits' gradient and made the whole
+    table's weight gradient and the input gradient from it on every rank), and the embedding's and the output's
+    weight gradients are `Shard(0)`, half the rows."""
+    from torch.distributed.tensor import Shard
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from static_dist.launch import process_group
+    from static_dist.parallel import apply_parallel_plan, step_context, tp_layout
+    from static_dist.placement import block_spec, megatron_styles
+    w, g = tiny
+    styles, outer, sp = tp_layout(g, tuple(megatron_styles(block_spec(g)).items()), sequence)
+    plan = ParallelPlan(ParallelDims(tp=2), tp_styles=styles, sequence_parallel=sp, loss_parallel=True, tp_outer=outer)
+    products = []
+    class Products(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten.mm.default: products.append(tuple(out.shape))
+            return out
+    with process_group(fake_world=2):
+        m = apply_parallel_plan(w.build(device="cpu", dtype=torch.float32), plan, seq=SEQ)
+        args, _, targets = w.inputs(dtype="float32")
+        with step_context(plan)(), Products(): w.loss(m(*args), targets).backward()
+        V = m.get_submodule(dict((r, x) for x, r in outer)["output"]).weight.shape[0]
+        for module, role in outer:
+            if role in ("embedding", "output"):
+                wt = m.get_submodule(module).weight
+                assert tuple(wt.grad.placements) == (Shard(0),) and wt.grad.to_local().shape[0] * 2 == V, role
+    assert products and not [p for p in products if V in p], products

@@ -16,14 +16,14 @@ from ..axes import device_mesh, expert_mesh, fsdp_mesh
 from ..fsdp import FSDPPlan, FSDPUnit, apply_plan
 from ..graph.policies import apply_checkpointing
 from .experts import (apply_ep, apply_expert_fsdp, apply_expert_tp, check_expert_tp, check_experts,
-                                          divide_over_all, expert_placement, tp_mixtures)
+                                          divide_over_all, expert_placement, local_tp_params, tp_mixtures)
 from .plan import ParallelPlan, ParallelPlanError, check_layout, stage_ranges
 from ..placement import parallel_style
 from ..structure import find_structure
 
 # %% auto 0
-__all__ = ['plan_blocks', 'VocabParallelEmbedding', 'apply_tp', 'step_context', 'apply_ac', 'apply_compile',
-           'apply_async_tp', 'check_fsdp_modules', 'apply_fsdp', 'apply_float8', 'apply_parallel_plan']
+__all__ = ['plan_blocks', 'VocabParallelEmbedding', 'VocabParallelOutput', 'apply_tp', 'step_context', 'apply_ac',
+           'apply_compile', 'apply_async_tp', 'check_fsdp_modules', 'apply_fsdp', 'apply_float8', 'apply_parallel_plan']
 
 # %% ../../nbs/45e_parallel_apply.ipynb
 def plan_blocks(plan: ParallelPlan, stack, stage: int | None = None) -> tuple[tuple[int, str], ...]:
@@ -136,6 +136,49 @@ def _vocab_parallel(model: nn.Module, plan: ParallelPlan, tp_mesh, mods: dict) -
 
 _VOCAB_CLASSES: dict = {}
 
+class VocabParallelOutput:
+    """Mixed into the output projection by `apply_tp` (`tp_outer`'s 'output', an `nn.Linear`), as torchtitan's lays
+    it out: this rank's vocabulary rows of the weight on the whole input (gathered by the final norm under sequence
+    parallelism), the input's gradient a partial sum reduced by the converse collective; the logits stay sharded on
+    the vocabulary with loss parallelism (a DTensor for torch's `loss_parallel()`), else are gathered whole. torch's
+    `ColwiseParallel` leaves DTensor's matmul backward a whole-vocabulary weight gradient on every rank (it gathers the
+    logits' gradient), sliced to the shard after."""
+    tp_mesh = None
+    tp_input = None
+    tp_loss = False
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+        x = input if isinstance(input, DTensor) else \
+            DTensor.from_local(input, self.tp_mesh, [self.tp_input], run_check=False)
+        # gathered already (the final norm's): no redistribute, whose backward would all-reduce the partial gradient
+        # where the norm's gather reduce-scatters it
+        if tuple(x.placements) != (Replicate(),): x = x.redistribute(placements=[Replicate()])
+        x = x.to_local(grad_placements=[Partial()])
+        with local_tp_params(self): y = super().forward(x)
+        y = DTensor.from_local(y, self.tp_mesh, [Shard(y.dim() - 1)], run_check=False)
+        return y if self.tp_loss else y.redistribute(placements=[Replicate()]).to_local()
+
+def _vocab_parallel_output(plan: ParallelPlan, tp_mesh, mods: dict) -> set:
+    "`VocabParallelOutput` mixed into the `nn.Linear` of `tp_outer`'s 'output', its weight sharded; the ones laid out."
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    gathered = plan.sequence_parallel and any(r == "norm" for _, r in plan.tp_outer)   # `_gather_after_norm`
+    done = set()
+    for m, role in plan.tp_outer:
+        if role != "output" or not isinstance(mods.get(m), nn.Linear): continue
+        out = mods[m]
+        for k, p in list(out._parameters.items()):
+            if p is not None:
+                d = distribute_tensor(p.detach(), tp_mesh, [Shard(0)], src_data_rank=None)
+                out._parameters[k] = nn.Parameter(d, p.requires_grad)
+        cls = type(out)
+        out.__class__ = _VOCAB_CLASSES.setdefault(cls, type(f"VocabParallel{cls.__name__}",
+                                                            (VocabParallelOutput, cls), {}))
+        out.tp_mesh, out.tp_loss = tp_mesh, plan.loss_parallel
+        out.tp_input = Shard(1) if plan.sequence_parallel and not gathered else Replicate()
+        done.add(m)
+    return done
+
 def apply_tp(model: nn.Module, plan: ParallelPlan, tp_mesh, blocks=None) -> None:
     """`parallelize_module` of each block (default: every block of the main stack) on the tp mesh, with the plan's style
     per linear, and of the modules outside the blocks (`tp_outer`). With sequence parallelism, as torchtitan lays it
@@ -158,7 +201,7 @@ def apply_tp(model: nn.Module, plan: ParallelPlan, tp_mesh, blocks=None) -> None
         else: parallelize_module(block, tp_mesh, mine)
     apply_expert_tp(model, plan, tp_mesh, _blocks(model, plan, blocks))
     mods = dict(model.named_modules())
-    vocab = _vocab_parallel(model, plan, tp_mesh, mods)
+    vocab = _vocab_parallel(model, plan, tp_mesh, mods) | _vocab_parallel_output(plan, tp_mesh, mods)
     outer = {m: s for m, s in _outer_styles(plan).items() if m in mods and m not in vocab}   # a stage holds some
     if outer: parallelize_module(model, tp_mesh, outer)
     if plan.sequence_parallel: _gather_after_norm(model, plan, tp_mesh, mods)
