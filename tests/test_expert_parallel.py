@@ -76,6 +76,17 @@ def test_apply_refusals_and_layout_under_a_fake_group():
     assert ok == "ok"
 
 
+def _as_one_process(reps: list, want: list) -> None:
+    """Each `run_plans` report of a 3-step gloo run against the single process: losses within 1e-5 relative, trained
+    (the loss fell), every rank's parameters close and its collectives per step those of `want` (counted by hand)."""
+    for rep, counts in zip(reps, want, strict=True):
+        for a, b in zip(rep["losses"], rep["ref_losses"]): assert abs(a - b) <= 1e-5 * abs(b), rep["losses"]
+        assert len(rep["losses"]) == 3 and rep["losses"][-1] < rep["losses"][0] - 0.3      # it trained
+        for r in rep["ranks"]:
+            assert r["error"] is None and r["close"], (r["error"], r.get("max_abs"))
+            for c in r["counts"]: assert c == counts, (c, counts)
+
+
 def test_gloo_ep2_equals_one_process():
     """ep 2 on 4 gloo ranks, with the experts' FSDP over efsdp 2 (dp_shard 4) and over efsdp 1 with HSDP (dp_replicate 2
     x dp_shard 2): 3 SGD steps (plain SGD, so a gradient off by the ep factor shows; Adam would normalise it away)
@@ -94,13 +105,7 @@ def test_gloo_ep2_equals_one_process():
         {"ep.all_to_all": 4 * LAYERS, "dp.all_gather": 1 + 2 * LAYERS, "dp.reduce_scatter": 1 + LAYERS,
          "dp.all_reduce": units},
     ]
-    for rep, counts in zip(reps, want):
-        assert len(rep["losses"]) == 3
-        for a, b in zip(rep["losses"], rep["ref_losses"]): assert abs(a - b) <= 1e-5 * abs(b), rep["losses"]
-        assert rep["losses"][-1] < rep["losses"][0] - 0.3                    # it trained
-        for r in rep["ranks"]:
-            assert r["error"] is None and r["close"], (r["error"], r.get("max_abs"))
-            for c in r["counts"]: assert c == counts, (c, counts)
+    _as_one_process(reps, want)
 
 
 def _mixtral(path, **kw):
@@ -135,12 +140,7 @@ def test_gloo_transformers_mixtral_ep_equals_one_process(tmp_path):
         {"ep.all_to_all": a2a, "dp.all_gather": 1 + 2 + 2, "dp.reduce_scatter": 1 + 2, "dp.all_reduce": 1 + 2 * 2},
         {"ep.all_to_all": a2a, "dp.all_gather": 1 + 2 + 2, "dp.reduce_scatter": 1 + 2},
     ]
-    for rep, counts in zip(reps, want):
-        for a, b in zip(rep["losses"], rep["ref_losses"]): assert abs(a - b) <= 1e-5 * abs(b), rep["losses"]
-        assert len(rep["losses"]) == 3 and rep["losses"][-1] < rep["losses"][0] - 0.3      # it trained
-        for r in rep["ranks"]:
-            assert r["error"] is None and r["close"], (r["error"], r.get("max_abs"))
-            for c in r["counts"]: assert c == counts, (c, counts)
+    _as_one_process(reps, want)
 
 
 class _StackedExperts(torch.nn.Module):
@@ -528,12 +528,7 @@ def test_gloo_tp_inside_experts_equals_one_process(tmp_path):
     dp = {"dp.all_gather": 1 + 2 * 2, "dp.reduce_scatter": 3}                    # 3 units: the root gathered once
     want = [{**dp, "tp.all_reduce": 7 * 2},
             {**dp, "tp.all_gather": 4 * 2 + 2, "tp.reduce_scatter": 4 * 2 + 2, "tp.all_reduce": 3 + 5 + 2}]
-    for rep, counts in zip(reps, want):
-        for a, b in zip(rep["losses"], rep["ref_losses"]): assert abs(a - b) <= 1e-5 * abs(b), rep["losses"]
-        assert len(rep["losses"]) == 3 and rep["losses"][-1] < rep["losses"][0] - 0.3      # it trained
-        for r in rep["ranks"]:
-            assert r["error"] is None and r["close"], (r["error"], r.get("max_abs"))
-            for c in r["counts"]: assert c == counts, (c, counts)
+    _as_one_process(reps, want)
 
 
 LAYERS_OF_TWO = ((0, "model.layers.0"), (1, "model.layers.1"))   # a 2-layer transformers model's blocks

@@ -16,7 +16,7 @@ from ..axes import device_mesh, expert_mesh, fsdp_mesh
 from ..fsdp import FSDPPlan, FSDPUnit, apply_plan
 from ..graph.policies import apply_checkpointing
 from .experts import (apply_ep, apply_expert_fsdp, apply_expert_tp, check_expert_tp, check_experts,
-                                          divide_over_all, expert_placement, local_tp_params, tp_mixtures)
+                                          divide_over_all, expert_placement, local_tp_params, mix_in, tp_mixtures)
 from .plan import ParallelPlan, ParallelPlanError, check_layout, stage_ranges
 from ..placement import parallel_style
 from ..structure import find_structure
@@ -118,23 +118,6 @@ class VocabParallelEmbedding:
         out = DTensor.from_local(out, self.tp_mesh, [Partial()], run_check=False)
         return out.redistribute(placements=seq).to_local()
 
-def _vocab_parallel(model: nn.Module, plan: ParallelPlan, tp_mesh, mods: dict) -> set:
-    "`VocabParallelEmbedding` mixed into each `nn.Embedding` of `tp_outer`, its weight sharded; the ones laid out."
-    from torch.distributed.tensor import Shard, distribute_tensor
-    done = set()
-    for m, role in plan.tp_outer:
-        if role != "embedding" or not isinstance(mods.get(m), nn.Embedding): continue
-        emb = mods[m]
-        emb.weight = nn.Parameter(distribute_tensor(emb.weight.detach(), tp_mesh, [Shard(0)], src_data_rank=None),
-                                  emb.weight.requires_grad)
-        cls = type(emb)
-        emb.__class__ = _VOCAB_CLASSES.setdefault(cls, type(f"VocabParallel{cls.__name__}",
-                                                            (VocabParallelEmbedding, cls), {}))
-        emb.tp_mesh, emb.tp_sequence = tp_mesh, plan.sequence_parallel
-        done.add(m)
-    return done
-
-_VOCAB_CLASSES: dict = {}
 
 class VocabParallelOutput:
     """Mixed into the output projection by `apply_tp` (`tp_outer`'s 'output', an `nn.Linear`), as torchtitan's lays
@@ -159,23 +142,23 @@ class VocabParallelOutput:
         y = DTensor.from_local(y, self.tp_mesh, [Shard(y.dim() - 1)], run_check=False)
         return y if self.tp_loss else y.redistribute(placements=[Replicate()]).to_local()
 
-def _vocab_parallel_output(plan: ParallelPlan, tp_mesh, mods: dict) -> set:
-    "`VocabParallelOutput` mixed into the `nn.Linear` of `tp_outer`'s 'output', its weight sharded; the ones laid out."
+def _vocab_parallel(plan: ParallelPlan, tp_mesh, mods: dict) -> set:
+    """`VocabParallelEmbedding` / `VocabParallelOutput` mixed into `tp_outer`'s embedding (an `nn.Embedding`) and output
+    projection (an `nn.Linear`), their weights' vocabulary rows sharded; the modules laid out."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
     gathered = plan.sequence_parallel and any(r == "norm" for _, r in plan.tp_outer)   # `_gather_after_norm`
+    kinds = {"embedding": (nn.Embedding, VocabParallelEmbedding, dict(tp_sequence=plan.sequence_parallel)),
+             "output": (nn.Linear, VocabParallelOutput,
+                        dict(tp_loss=plan.loss_parallel,
+                             tp_input=Shard(1) if plan.sequence_parallel and not gathered else Replicate()))}
     done = set()
     for m, role in plan.tp_outer:
-        if role != "output" or not isinstance(mods.get(m), nn.Linear): continue
-        out = mods[m]
-        for k, p in list(out._parameters.items()):
+        if role not in kinds or not isinstance(mods.get(m), kinds[role][0]): continue
+        for k, p in list(mods[m]._parameters.items()):
             if p is not None:
                 d = distribute_tensor(p.detach(), tp_mesh, [Shard(0)], src_data_rank=None)
-                out._parameters[k] = nn.Parameter(d, p.requires_grad)
-        cls = type(out)
-        out.__class__ = _VOCAB_CLASSES.setdefault(cls, type(f"VocabParallel{cls.__name__}",
-                                                            (VocabParallelOutput, cls), {}))
-        out.tp_mesh, out.tp_loss = tp_mesh, plan.loss_parallel
-        out.tp_input = Shard(1) if plan.sequence_parallel and not gathered else Replicate()
+                mods[m]._parameters[k] = nn.Parameter(d, p.requires_grad)
+        mix_in(mods[m], kinds[role][1], tp_mesh=tp_mesh, **kinds[role][2])
         done.add(m)
     return done
 
@@ -201,7 +184,7 @@ def apply_tp(model: nn.Module, plan: ParallelPlan, tp_mesh, blocks=None) -> None
         else: parallelize_module(block, tp_mesh, mine)
     apply_expert_tp(model, plan, tp_mesh, _blocks(model, plan, blocks))
     mods = dict(model.named_modules())
-    vocab = _vocab_parallel(model, plan, tp_mesh, mods) | _vocab_parallel_output(plan, tp_mesh, mods)
+    vocab = _vocab_parallel(plan, tp_mesh, mods)
     outer = {m: s for m, s in _outer_styles(plan).items() if m in mods and m not in vocab}   # a stage holds some
     if outer: parallelize_module(model, tp_mesh, outer)
     if plan.sequence_parallel: _gather_after_norm(model, plan, tp_mesh, mods)

@@ -16,10 +16,10 @@ from ..moe import find_moe
 from .plan import ParallelPlan, ParallelPlanError, expert_tp_dims
 
 # %% auto 0
-__all__ = ['ROUTED_ARGS', 'ExpertParallel', 'routes_rows', 'local_experts', 'RoutedExpertParallel', 'expert_modules',
-           'n_experts', 'check_experts', 'apply_ep', 'apply_expert_fsdp', 'expert_placement', 'expert_param_groups',
-           'divide_over_all', 'tp_mixtures', 'expert_tp_placements', 'check_expert_tp', 'local_tp_params',
-           'TensorParallelMixture', 'apply_expert_tp']
+__all__ = ['ROUTED_ARGS', 'ExpertParallel', 'routes_rows', 'local_experts', 'RoutedExpertParallel', 'mix_in',
+           'expert_modules', 'n_experts', 'check_experts', 'apply_ep', 'apply_expert_fsdp', 'expert_placement',
+           'expert_param_groups', 'divide_over_all', 'tp_mixtures', 'expert_tp_placements', 'check_expert_tp',
+           'local_tp_params', 'TensorParallelMixture', 'apply_expert_tp']
 
 # %% ../../nbs/45ea_parallel_experts.ipynb
 class ExpertParallel:
@@ -92,7 +92,14 @@ class RoutedExpertParallel:
         return (y[back] * top_k_weights.reshape(-1, 1)).view(T, K, -1).sum(1).to(hidden_states.dtype)
 
 # %% ../../nbs/45ea_parallel_experts.ipynb
-_EP_CLASSES: dict = {}
+_MIXED: dict = {}
+
+def mix_in(module: nn.Module, mixin: type, **attrs) -> None:
+    """Mix `mixin` into `module`'s class (one derived class per pair, the way `fully_shard` swaps a module's class) and
+    set `attrs` on the module."""
+    cls = type(module)
+    module.__class__ = _MIXED.setdefault((mixin, cls), type(f"{mixin.__name__}{cls.__name__}", (mixin, cls), {}))
+    for k, v in attrs.items(): setattr(module, k, v)
 
 def expert_modules(model: nn.Module) -> dict[str, nn.Module]:
     """{FQN: module} of the model's experts that `apply_ep` lays out: the zoo's `MoE` (its experts step on capacity
@@ -146,9 +153,7 @@ def apply_ep(model: nn.Module, plan: ParallelPlan, experts) -> None:
             if p.dim() < 2 or p.shape[0] != n_experts(m): continue           # the router, in the zoo's mixture
             mine = p.detach().chunk(ep)[r].clone()
             setattr(m, name, nn.Parameter(DTensor.from_local(mine, ep_mesh, [Shard(0)], run_check=False)))
-        mix, cls = ExpertParallel if hasattr(m, "n_experts") else RoutedExpertParallel, type(m)
-        m.__class__ = _EP_CLASSES.setdefault(cls, type(f"{mix.__name__}{cls.__name__}", (mix, cls), {}))
-        m.ep_mesh = ep_mesh
+        mix_in(m, ExpertParallel if hasattr(m, "n_experts") else RoutedExpertParallel, ep_mesh=ep_mesh)
 
 # %% ../../nbs/45ea_parallel_experts.ipynb
 def _experts_fsdp_mesh(experts):
@@ -198,8 +203,6 @@ def divide_over_all(model: nn.Module, plan: ParallelPlan, experts) -> None:
         if experts[EXPERT_FSDP].size() > 1: g.force_sum_reduction_for_comms = True
 
 # %% ../../nbs/45ea_parallel_experts.ipynb
-_TP_CLASSES: dict = {}
-
 def tp_mixtures(block: nn.Module) -> tuple:
     "The mixtures of experts (`moe.find_moe`, paths within `block`) that tensor parallelism splits inside, in order."
     return tuple(l for l in find_moe(block) if l.path)
@@ -320,7 +323,4 @@ def apply_expert_tp(model: nn.Module, plan: ParallelPlan, tp_mesh, blocks) -> No
                                                      Replicate())
                     d = distribute_tensor(p.detach(), tp_mesh, [at], src_data_rank=None)   # every rank holds it all
                     m._parameters[k] = nn.Parameter(d, p.requires_grad)
-            cls = type(mix)
-            mix.__class__ = _TP_CLASSES.setdefault(cls, type(f"TensorParallel{cls.__name__}",
-                                                          (TensorParallelMixture, cls), {}))
-            mix.tp_mesh, mix.tp_sequence = tp_mesh, plan.sequence_parallel
+            mix_in(mix, TensorParallelMixture, tp_mesh=tp_mesh, tp_sequence=plan.sequence_parallel)
