@@ -54,6 +54,10 @@ class UnitLayout:
     "Reduce-scatter input (padded), reduce dtype."
     state_bytes: int
     "Rank 0's optimizer state for the unit."
+    last_grad_bytes: int
+    "The unsharded gradient its post-backward holds through the reduction (`_unit_sizes`)."
+    cast_bytes: int
+    "The reduced shard in the reduce dtype, cast back to the parameters' (0: the same dtype)."
     fwd_flops: float
     bwd_flops: float
     "FLOPs of ops owned by this unit (not by a nested unit)."
@@ -102,9 +106,9 @@ def _span(first: np.ndarray, last: np.ndarray, ix: list, ph: int) -> tuple[int, 
     return int(first[ix, ph].min()), int(last[ix, ph].max())
 
 # %% ../../nbs/40c_fsdp_memory.ipynb
-def _unit_sizes(ps: list, plan: FSDPPlan, s: int) -> tuple[int, int, int, int, int]:
-    """(sharded, unsharded, grad, reduce-scatter, optimizer state) bytes on rank 0 of a unit holding parameters `ps`,
-    sharded over `s` ranks."""
+def _unit_sizes(ps: list, plan: FSDPPlan, s: int) -> tuple[int, int, int, int, int, int, int]:
+    """(sharded, unsharded, grad, reduce-scatter, optimizer state, last gradient, cast) bytes on rank 0 of a unit
+    holding parameters `ps`, sharded over `s` ranks."""
     sh, un, st, un8 = 0, 0, 0, 0
     f8 = set(plan.float8_params)
     for p in ps:
@@ -113,8 +117,14 @@ def _unit_sizes(ps: list, plan: FSDPPlan, s: int) -> tuple[int, int, int, int, i
         un8 += b if p.name in f8 else 0                  # gathered in float8: one byte per element
     csize = _dtype_size(plan.param_dtype, ps[0].itemsize if ps else 4)
     rsize = _dtype_size(plan.reduce_dtype or plan.param_dtype, ps[0].itemsize if ps else 4)
+    # torch's `foreach_reduce` (fsdp/_fully_shard/_fsdp_collectives.py): its loop over the gradients (for Shard(i>0)
+    # with s > 1) leaves its variable on the last one, which lives until the reduction returns; a reduce dtype other
+    # than the parameters' is cast back, the reduced shard in both dtypes for that moment
+    last = next((p for p in reversed(ps) if p.grad_created >= 0), None)
+    held = last.numel * csize if last is not None and s > 1 else 0
+    cast = un // max(s, 1) * rsize if ps and rsize != ps[0].itemsize else 0
     # the gradient accumulated without sync: FSDP2 upcasts it to the reduce dtype (`to_accumulated_grad_if_needed`)
-    return sh, (un - un8) * csize + un8, sum(p.numel for p in ps) * rsize, un * rsize, st
+    return sh, (un - un8) * csize + un8, sum(p.numel for p in ps) * rsize, un * rsize, st, held, cast
 
 # %% ../../nbs/40c_fsdp_memory.ipynb
 def _layout(profile: GraphProfile, plan: FSDPPlan) -> tuple[UnitLayout, ...]:
@@ -310,19 +320,31 @@ def _add_all_gathers(C: _Curves, profile: GraphProfile, plan: FSDPPlan, lays,
 
 
 # %% ../../nbs/40c_fsdp_memory.ipynb
-def _add_reduce_scatters(C: _Curves, profile: GraphProfile, lays, reduce_at: int | None = None) -> None:
-    """One reduce-scatter input alive from a unit's post-backward to the next unit's (the last to the end of backward);
-    with `reduce_at`, the units reduce one after another at that op: the largest input counts there."""
+def _add_reduce_scatters(C: _Curves, profile: GraphProfile, lays, reduce_at: int | None = None,
+                         replicated: bool = False) -> None:
+    """One reduce-scatter input alive from a unit's post-backward to the next unit's (the last to the end of backward),
+    and what the post-backward holds beside it at that moment (its last gradient, the reduced shard cast back; the
+    root's after its last op, in autograd's final callback); with `reduce_at`, the units reduce one after another at
+    that op: the largest counts there. A unit's post-backward reshards before it reduces: the gathered parameters its
+    last op is charged with are gone by then, so only what it holds beyond them adds. `replicated` (HSDP): each
+    unit's group keeps its all-reduced shard in the reduce dtype (`AllReduceState`) to the end of backward
+    (`finalize_backward`, after the root's reduction)."""
     last_bwd = (
         int(np.flatnonzero(profile.op_phase == BACKWARD)[-1]) if (profile.op_phase == BACKWARD).any() else C.n - 1
     )
     rs = [l for l in sorted(lays, key=lambda l: (l.bwd[1], l.module == "")) if l.params]
     if reduce_at is not None:
-        if rs: C.add("reduce_scatter", reduce_at, reduce_at, max(l.rs_bytes for l in rs))
+        if rs: C.add("reduce_scatter", reduce_at, reduce_at, max(l.rs_bytes + l.last_grad_bytes + l.cast_bytes
+                                                                  for l in rs))
         return
+    final = min(last_bwd + 1, C.n - 1) if any(l.module == "" for l in rs) else last_bwd
     for i, l in enumerate(rs):
         end = rs[i + 1].bwd[1] - 1 if i + 1 < len(rs) else last_bwd
-        C.add("reduce_scatter", l.bwd[1], max(end, l.bwd[1]), l.rs_bytes)
+        at = l.bwd[1] + 1 if l.module == "" and l.bwd[1] + 1 < C.n else l.bwd[1]
+        C.add("reduce_scatter", l.bwd[1], max(end, at), l.rs_bytes)
+        gathered = 0 if l.module == "" else l.unsharded_bytes       # the root's end before its post-backward
+        C.add("reduce_scatter", at, at, max(l.last_grad_bytes + l.cast_bytes - gathered, 0))
+        if replicated: C.add("reduce_scatter", at + 1, final, l.cast_bytes)
 
 # %% ../../nbs/40c_fsdp_memory.ipynb
 def _checkpointed(profile: GraphProfile, plan: FSDPPlan) -> list[str]:
@@ -423,7 +445,7 @@ def predict_memory(profile: GraphProfile, plan: FSDPPlan, *, reduce_after_backwa
     reduce_at = int(bwd[-1]) if reduce_after_backward and len(bwd) else None
     total_sh = _add_units(C, profile, plan, lays, reduce_at)
     issues = _add_all_gathers(C, profile, plan, lays, pipelined=reduce_after_backward)
-    _add_reduce_scatters(C, profile, lays, reduce_at)
+    _add_reduce_scatters(C, profile, lays, reduce_at, plan.replicate_size > 1)
     curves = C.curves()
     act, runs = _activations(profile, plan, lays, total_sh / total_full if total_full else 1.0)
     curves["activations"] = _add_recomputes(act, runs, curves["all_gather"])

@@ -132,8 +132,9 @@ def fsdp_holds(g: StaticGraph, profile: GraphProfile, plan: FSDPPlan, *, life: C
     for l in lays:
         if l.params: holds += _unit_holds(l, units[l.module], plan, pinfo, n, reduce_at)
         if l.params and acc: holds += _accumulated_grads(l, pinfo, plan, n, reduce_at)
+    replicated = plan.replicate_size > 1
     holds += [Hold("reduce_scatter_input", v, a, b, after=1) for a, b, v in
-              _intervals(n, lambda C: _add_reduce_scatters(C, profile, lays, reduce_at))["reduce_scatter"]]
+              _intervals(n, lambda C: _add_reduce_scatters(C, profile, lays, reduce_at, replicated))["reduce_scatter"]]
     ph, hs = g.op_phases(), {}
     for s in g.storages:
         opt = s.created >= 0 and ph[s.created] == 2                 # made by the optimizer step: on the shard
