@@ -70,6 +70,30 @@ def test_a_norm_over_every_head_keeps_its_sublayer_whole():
     assert tp_blockers([("self_attn.q_norm.weight", 16)], styles, {"self_attn.q_proj": 64}) == []   # Qwen3: per head
 
 
+# Qwen3's q/k norms normalize each head: under tensor parallelism a rank applies them to its own heads, so each norm
+# weight's gradient is a partial sum over the heads, summed over tp (torchtitan's `qk_norm` sharding: weight Replicate,
+# input sharded on the heads). Left plain tensors they were not summed: 4 gloo ranks drifted from one process (params
+# off by 3.8e-3 after 3 steps) and CommDebugMode counted 19 tp all-reduces where torchtitan issues 23.
+def test_per_head_norms_sum_their_gradients_over_tp(tmp_path_factory):
+    from hf_configs import hf_source
+    src = hf_source(tmp_path_factory, "Qwen3Config", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256,
+                    max_position_embeddings=128)
+    g = load_workload(src, batch=BATCH, seq=SEQ).graph()
+    assert sequence_blocker(g) is not None                            # its position ids: tensor parallelism alone
+    plan = _plan(g, g.structure.main.blocks, sp=False)
+    (rep,) = launch("static_dist.parallel.run:run_plans", 4, [[src, plan.to_json()]], timeout=900)
+    for a, b in zip(rep["losses"], rep["ref_losses"]): assert abs(a - b) <= 1e-5 * max(1.0, abs(b)), rep["losses"]
+    for r in rep["ranks"]: assert r["error"] is None and r["close"], (r["error"], r.get("max_abs"))
+    want = predict_axis_counts(rank_profile(load_workload(src, batch=BATCH // 2, seq=SEQ).graph(), plan), plan)
+    # by hand, per block: the two row-parallel outputs forward, each column-parallel linear's input gradient backward
+    # (q, k, v, gate, up: torch's ColwiseParallel reduces each), the q and k norm weights; the embedding's output and
+    # the output projection's input gradient; 3 for the vocabulary-parallel loss
+    assert want["tp.all_reduce"] == 2 * (2 + 5 + 2) + 2 + 3, want
+    for r in rep["ranks"]:
+        for c in r["counts"]: assert c == want, (c, want)
+
+
 def test_plan_refuses_half_layouts():
     d = ParallelDims(dp_shard=2, tp=2)
     with pytest.raises(ParallelPlanError, match="tp=1"):

@@ -1,9 +1,10 @@
 """One-process, fake-process-group measurement of a torchtitan 0.3.0 mixture-of-experts job (DeepSeek-V3 or
-Qwen3-MoE; EP=2, dp_shard=4, world=4) with FSDPMemTracker + CommDebugMode.
+Qwen3-MoE; by default EP=2, dp_shard=4, world=4; --tp 2 --ep 1 --dp-shard 2 for tensor parallelism inside the
+experts) with FSDPMemTracker + CommDebugMode.
 
 Run (from the repo root, in its .venv):
   python tests/titan_moe_fake.py [--job deepseek_v3_debugmodel|deepseek_v3_16b|qwen3_30b_a3b] [--layers 3]
-         [--batch 2] [--seq 64]
+         [--dp-shard 4] [--ep 2] [--tp 1] [--batch 2] [--seq 64]
          [--param-dtype bfloat16|float32] [--reshard default|always|never]
          [--no-mem] [--no-count-patch] [--debug-comm]
   (--backend defaults to partial_dtensor, the only spmd_backend that runs
@@ -21,6 +22,7 @@ Everything here is built from torchtitan's own code:
                  AllToAllTokenDispatcher.wire_meshes(ep_mesh); then
                  apply_fsdp_to_mtp_decoder -> apply_fsdp_to_decoder / fully_shard)
   * optimizer:   torch.optim.AdamW over the (DTensor) params
+  * loss:        torchtitan.components.loss.cross_entropy_loss (sum; vocabulary-parallel under tp)
 
 Monkeypatches (script-local, documented where applied):
   1. torchtitan "device_type" globals -> "cpu" (torchtitan falls back to "cuda"
@@ -47,6 +49,12 @@ Monkeypatches (script-local, documented where applied):
      backward wrapped, each state instrumented once: fully_shard([norm,
      lm_head]) is one state on two modules).  Checked: comm counts with the
      tracker == with --no-mem.
+  4. TokenChoiceTopKRouter._debug_force_load_balance_routing under tensor
+     parallelism: the router's scores are a DTensor there and torchtitan's
+     round-robin index a plain tensor ("aten.gather.default got mixed
+     torch.Tensor and DTensor"). The same round robin is computed on the
+     rank's local scores and wrapped as a DTensor of the scores' placements
+     (applied only with --tp > 1; without tp the original runs).
 """
 
 import argparse
@@ -60,9 +68,6 @@ import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-WORLD = 4
-EP = 2
-DP_SHARD = 4
 
 
 def parse():
@@ -78,11 +83,17 @@ def parse():
                    help="a torchtitan config-registry job of deepseek_v3 or qwen3 (deepseek_v3_16b, qwen3_30b_a3b, "
                         "...), cut to its first --layers")
     p.add_argument("--layers", type=int, default=3)
+    p.add_argument("--dp-shard", type=int, default=4)
+    p.add_argument("--ep", type=int, default=2, help="expert-parallel degree (torchtitan draws it from dp_shard x tp)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel degree (with sequence parallelism, as torchtitan runs it)")
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--param-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     p.add_argument("--reshard", default="default", choices=["default", "always", "never"])
     p.add_argument("--debug-comm", action="store_true")
+    p.add_argument("--trace-comm", action="store_true",
+                   help="print each collective of the tracked step with its tensor shape (stderr)")
     p.add_argument("--no-count-patch", action="store_true",
                    help="do not apply monkeypatch 2 (token-count identity copy)")
     p.add_argument("--no-mem", action="store_true",
@@ -125,6 +136,23 @@ def patch_token_count_exchange():
     AllToAllTokenDispatcher._token_count_exchange = _token_count_exchange_identity
 
 
+def patch_balanced_routing_for_dtensor():
+    # Monkeypatch 4 (see module docstring).
+    from torch.distributed.tensor import DTensor
+    from torchtitan.models.common.moe import TokenChoiceTopKRouter
+
+    orig = TokenChoiceTopKRouter._debug_force_load_balance_routing
+
+    def routing(self, scores_BLE):
+        if not isinstance(scores_BLE, DTensor):
+            return orig(self, scores_BLE)
+        ids, _ = orig(self, scores_BLE.to_local())
+        ids = DTensor.from_local(ids, scores_BLE.device_mesh, scores_BLE.placements, run_check=False)
+        return ids, scores_BLE.gather(dim=-1, index=ids)
+
+    TokenChoiceTopKRouter._debug_force_load_balance_routing = routing
+
+
 def describe_fsdp_units(model):
     """List every fully_shard unit, its param groups, mesh and reshard setting."""
     from torch.distributed.fsdp import FSDPModule
@@ -162,21 +190,26 @@ def describe_fsdp_units(model):
 def main():
     args = parse()
     torch.manual_seed(0)
-    dist.init_process_group("fake", rank=0, world_size=WORLD, store=FakeStore())
+    world = args.dp_shard * args.tp
+    dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
     patch_device_type()
     if not args.no_count_patch:
         patch_token_count_exchange()
+    if args.tp > 1:
+        patch_balanced_routing_for_dtensor()
 
     from torchtitan.config import ParallelismConfig, TORCH_DTYPE_MAP
     from torchtitan.distributed import ParallelDims
     from torchtitan.distributed import utils as dist_utils
     from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.components.loss import cross_entropy_loss
     import importlib
     family = "deepseek_v3" if args.job.startswith("deepseek_v3") else "qwen3"
     cfg = getattr(importlib.import_module(f"torchtitan.models.{family}.config_registry"), args.job)()
     cfg.parallelism = ParallelismConfig(
-        data_parallel_shard_degree=DP_SHARD,
-        expert_parallel_degree=EP,
+        data_parallel_shard_degree=args.dp_shard,
+        tensor_parallel_degree=args.tp,
+        expert_parallel_degree=args.ep,
         spmd_backend=args.backend,
         fsdp_reshard_after_forward=args.reshard,
     )
@@ -194,7 +227,7 @@ def main():
     mcfg.update_from_config(config=cfg)
     dist_utils.set_spmd_backend(args.backend)
 
-    parallel_dims = ParallelDims.from_config(cfg.parallelism, WORLD)
+    parallel_dims = ParallelDims.from_config(cfg.parallelism, world)
     parallel_dims.build_mesh()
 
     with torch.device("meta"):
@@ -231,7 +264,7 @@ def main():
     # warm-up step (untracked): the optimizer state exists in the tracked step, as in every step after the first
     with train_context():
         _p = model(tokens)
-        torch.nn.functional.cross_entropy(_p.flatten(0, 1).float(), labels.flatten(0, 1)).backward()
+        cross_entropy_loss(_p, labels).backward()
     optim.step(); optim.zero_grad(); del _p
     mem = None if args.no_mem else GroupsMemTracker(model, optim)
     comm = CommDebugMode()
@@ -244,14 +277,23 @@ def main():
         from torchtitan.distributed import full_dtensor
         model_in, model_labels, _ = full_dtensor.parallelize_inputs(
             parallel_dims, tokens, labels, {})
-    with (mem if mem is not None else contextlib.nullcontext()), comm:
+    trace = contextlib.nullcontext()
+    if args.trace_comm:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class Trace(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                name = str(func)
+                if "c10d" in name and args and isinstance(args[0], torch.Tensor):
+                    print("collective", name, tuple(args[0].shape), file=sys.stderr)
+                return func(*args, **(kwargs or {}))
+        trace = Trace()
+    with (mem if mem is not None else contextlib.nullcontext()), comm, trace:
         with train_context():
             pred = model(model_in)
-            if hasattr(pred, "to_local"):  # DTensor logits (full_dtensor): local CE
+            if args.backend == "full_dtensor":  # DTensor logits: local CE
                 pred = pred.to_local()
-            loss = torch.nn.functional.cross_entropy(
-                pred.flatten(0, 1).float(), labels.flatten(0, 1)
-            )
+            loss = cross_entropy_loss(pred, labels)  # vocabulary-parallel when tp shards the logits
             loss.backward()
         optim.step()
         optim.zero_grad()
@@ -287,8 +329,8 @@ def main():
 
     out = {
         "backend": args.backend,
-        "world": WORLD, "ep": EP, "dp_shard": DP_SHARD,
-        "efsdp": parallel_dims.get_mesh("efsdp").size(),
+        "world": world, "ep": args.ep, "dp_shard": args.dp_shard, "tp": args.tp,
+        "efsdp": parallel_dims.get_mesh("efsdp").size() if args.ep > 1 else None,
         "layers": args.layers, "batch": B, "seq": L, "param_dtype": args.param_dtype,
         "reshard_after_forward_policy": args.reshard,
         "loss": float(loss.detach().full_tensor() if hasattr(loss, "full_tensor") else loss.detach()),

@@ -69,6 +69,21 @@ def _sequence_styles(block: nn.Module, plan: ParallelPlan, mixtures=()) -> tuple
              if n and not under(n) and any(True for _ in m.parameters(recurse=False))}
     return norms, regions
 
+def _head_param_styles(block: nn.Module, plan: ParallelPlan, mixtures=()) -> dict:
+    """{module: style} for the modules with parameters inside a block's sharded sub-layers that are not its styled
+    linears (Qwen3's per-head q/k norms): each weight replicated, applied to the rank's heads, its gradient a partial
+    sum over them, all-reduced as torchtitan's `qk_norm` sharding does (weight Replicate, input sharded on the heads).
+    `SequenceParallel(sequence_dim=0)` does exactly that for an op that works row by row on its last dim: the rank's
+    local rows stand for a shard of some leading dim, whichever it is (a norm over all heads, OLMo 2's, is refused
+    by `tp_blockers` before it gets here)."""
+    from torch.distributed.tensor.parallel import SequenceParallel
+    inside = lambda n, mods: any(n == r or n.startswith(r + ".") for r in mods)
+    styled = {n for n, s in plan.tp_styles if s != "replicate"}
+    regions = _outermost({n.rpartition(".")[0] for n in styled} - {""})
+    return {n: SequenceParallel(sequence_dim=0, use_local_output=True) for n, m in block.named_modules()
+            if n and inside(n, regions) and not inside(n, mixtures) and not inside(n, styled)
+            and any(True for _ in m.parameters(recurse=False))}
+
 def _gather_after_norm(model: nn.Module, plan: ParallelPlan, tp_mesh, mods: dict) -> None:
     """The final norm's output gathered whole on the sequence, as torchtitan lays it out (`pre_lm_head_norm_config`:
     out_dst Replicate), so the output projection, or a chunked loss's pieces of it, take the whole sequence: a piece's
@@ -177,6 +192,7 @@ def apply_tp(model: nn.Module, plan: ParallelPlan, tp_mesh, blocks=None) -> None
         block = model.get_submodule(b)
         mixed = tuple(l.path for l in tp_mixtures(block))                 # split inside by apply_expert_tp
         mine = {n: s for n, s in styles.items() if not any(n.startswith(m + ".") for m in mixed)}
+        mine.update(_head_param_styles(block, plan, mixed))
         if plan.sequence_parallel:
             norms, regions = _sequence_styles(block, plan, mixed)
             parallelize_module(block, tp_mesh, {**mine, **norms})

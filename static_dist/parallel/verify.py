@@ -103,7 +103,8 @@ def predict_axis_counts(profile, plan: ParallelPlan) -> dict[str, int]:
         kinds = [kind for b in profile.blocks
                  for kind, *_ in block_collectives(plan, _styled_order(profile, plan, b), _mixtures(profile, b))]
         kinds += [kind for kind, *_ in outer_collectives(plan, loss_pieces(profile, plan))]
-        kinds += ["all_reduce"] * (_sequence_norm_params(profile, plan) + _mixture_replicated(profile, plan))
+        kinds += ["all_reduce"] * (_sequence_norm_params(profile, plan) + _mixture_replicated(profile, plan)
+                                   + _head_params(profile, plan))
         for kind in kinds * a + _recomputed(profile, plan) * a: out[f"tp.{kind}"] = out.get(f"tp.{kind}", 0) + 1
     return out
 
@@ -162,6 +163,15 @@ def _mixture_replicated(profile, plan: ParallelPlan) -> int:
         m = p.name.rpartition(".")[0]
         return any(within(p.name, x) for x in profile.tp_mixtures) and m not in styled and len(p.shape) < 3
     return sum(replicated(p) for p in profile.params)
+
+def _head_params(profile, plan: ParallelPlan) -> int:
+    """Parameters inside the blocks' sharded sub-layers that are not their styled linears' (per-head q/k norms): each
+    weight's gradient a partial sum over the rank's heads, all-reduced (`apply._head_param_styles`)."""
+    styled = {f"{b}.{n}" for b in profile.blocks for n, s in plan.tp_styles if s != "replicate"}
+    regions = {m.rpartition(".")[0] for m in styled}
+    under = lambda m, mods: any(m == r or m.startswith(r + ".") for r in mods)
+    return sum(1 for p in profile.params if under(m := p.name.rpartition(".")[0], regions)
+               and not under(m, styled) and not under(m, profile.tp_mixtures))
 
 def _sequence_norm_params(profile, plan: ParallelPlan) -> int:
     """Parameters that sequence parallelism replicates and sums the gradients of: those in the blocks outside the
