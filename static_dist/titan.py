@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .cost.measure import GroupsMemTracker, comm_counter, comm_counts, to_empty_tied
+from .cost.measure import eager_sharding_propagation
 from .errors import StaticDistError
 from .graph import quiet_torch_logs
 from .launch import process_group
@@ -480,9 +481,9 @@ def measure_titan(job: TitanJob, world: int) -> TitanMeasurement:
             (x,), _, y = _tokens(job.vocab)(job.local_batch, job.seq_len)
             fmt, loss = GroupsMemTracker(m, opt), _job_loss(job, m)
             fmt.track_inputs((x, y))
-            with fmt: _step(m, opt, x, y, loss)
+            with fmt, eager_sharding_propagation(): _step(m, opt, x, y, loss)
             fmt.reset_mod_stats()
-            with fmt, comm_counter() as cdm: _step(m, opt, x, y, loss)
+            with fmt, comm_counter() as cdm, eager_sharding_propagation(): _step(m, opt, x, y, loss)
     peak, kinds = _peak(fmt)
     return TitanMeasurement(job.name, world, (dims.dp_replicate, dims.dp_shard, dims.cp, dims.tp, dims.pp), peak,
                             kinds, comm_counts(cdm), {str(k): n for k, n in cdm.get_comm_counts().items()},

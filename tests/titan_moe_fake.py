@@ -258,7 +258,7 @@ def main():
     labels = torch.randint(0, vocab, (B, L))
 
     from torch.distributed.tensor.debug import CommDebugMode
-    from static_dist.cost.measure import GroupsMemTracker
+    from static_dist.cost.measure import GroupsMemTracker, eager_sharding_propagation
 
     import contextlib
     # warm-up step (untracked): the optimizer state exists in the tracked step, as in every step after the first
@@ -288,7 +288,8 @@ def main():
                     print("collective", name, tuple(args[0].shape), file=sys.stderr)
                 return func(*args, **(kwargs or {}))
         trace = Trace()
-    with (mem if mem is not None else contextlib.nullcontext()), comm, trace:
+    # DTensor's sharding propagation as an eager run on a device does it: cached, nothing counted per op
+    with (mem if mem is not None else contextlib.nullcontext()), comm, trace, eager_sharding_propagation():
         with train_context():
             pred = model(model_in)
             if args.backend == "full_dtensor":  # DTensor logits: local CE

@@ -5,6 +5,7 @@
 # %% ../../nbs/06c_cost_measure.ipynb 3
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import torch
@@ -16,7 +17,7 @@ from ..step import MicroBatch, make_optimizer, train_step
 
 # %% auto 0
 __all__ = ['comm_counter', 'comm_counts', 'to_empty_tied', 'fsdp_states', 'hook_forward', 'GroupsMemTracker',
-           'peak_by_category', 'measure_step_by_category', 'measure_step']
+           'eager_sharding_propagation', 'peak_by_category', 'measure_step_by_category', 'measure_step']
 
 # %% ../../nbs/06c_cost_measure.ipynb
 def _one_step(m, opt, inputs, kwargs, targets, loss_fn, plan, around=None):
@@ -163,6 +164,20 @@ class GroupsMemTracker(FSDPMemTracker):
         finally: FSDPState._fsdp_param_group = self._one
 
 # %% ../../nbs/06c_cost_measure.ipynb
+@contextlib.contextmanager
+def eager_sharding_propagation():
+    """DTensor's sharding propagation as in an eager run on a device (cached, nothing made per op) while a measured step
+    runs under `FakeTensorMode`: an active fake mode stops counting as tracing for it; compile and proxy tracing still
+    do (the rest of `_are_we_tracing`)."""
+    import torch.distributed.tensor._sharding_prop as prop
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+    traced, python_dispatch = prop._are_we_tracing, torch._C.DispatchKey.PythonDispatcher
+    prop._are_we_tracing = lambda: (torch.compiler.is_compiling() or get_proxy_mode() is not None
+                                    or torch._C._dispatch_tls_is_dispatch_key_included(python_dispatch))
+    try: yield
+    finally: prop._are_we_tracing = traced
+
+# %% ../../nbs/06c_cost_measure.ipynb
 def peak_by_category(tracker) -> dict[str, int]:
     "A MemTracker's (or FSDPMemTracker's) snapshot at its peak as {category: bytes} over every device, with 'Total'."
     out: dict[str, int] = {}
@@ -189,14 +204,15 @@ def measure_step_by_category(m: nn.Module, plan, inputs, kwargs, targets, loss_f
                 warnings.filterwarnings(
                     "ignore", message="(FSDP2-wrapped module|Full backward hook|For backward hooks to be called)"
                 )  # torch's notes
-                with fmt, where: _one_step(m, opt, inputs, kwargs, targets, loss_fn, plan, around)
+                with fmt, where, eager_sharding_propagation():
+                    _one_step(m, opt, inputs, kwargs, targets, loss_fn, plan, around)
                 # clears the modules' stats only: the tracker's own peak restarts when it is entered again
                 fmt.reset_mod_stats()
                 # (the first step's peak is no steady state's: its optimizer makes its state, and DTensor's sharding
                 # propagation,
                 # cold, makes fake tensors of each parameter's global shape under the tracker's fake mode, which it
                 # counts)
-                with fmt, comm_counter() as cdm, where:
+                with fmt, comm_counter() as cdm, where, eager_sharding_propagation():
                     _one_step(m, opt, inputs, kwargs, targets, loss_fn, plan, around)
         except PlanError: raise
         except Exception as e: raise explain_failure(e, "the FSDP step under FSDPMemTracker", where.failed_in) from None

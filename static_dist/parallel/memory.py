@@ -43,11 +43,11 @@ from ..graph.records import BACKWARD, FORWARD, OPTIMIZER
 
 # %% auto 0
 __all__ = ['module_blocks', 'op_blocks', 'op_stages', 'tp_mixtures', 'tp_op_factor', 'expert_split', 'tp_views',
-           'tp_local_graph', 'sequence_parallel_buffers', 'buffer_bytes', 'run_to_block_end', 'tp_param_shape',
-           'rank_param_shape', 'ac_effects', 'compile_scale', 'boundary_bytes', 'model_output_bytes', 'expert_layers',
-           'expert_weight_shapes', 'expert_slots', 'splittable_experts', 'expert_dispatch_bytes', 'collective_buffers',
-           'rank_profile', 'rank_fsdp_plan', 'ParallelMemory', 'predict_rank_memory', 'predict_parallel_memory',
-           'placement_other_bytes']
+           'tp_local_graph', 'sequence_parallel_buffers', 'loss_parallel_buffers', 'buffer_bytes', 'run_to_block_end',
+           'tp_param_shape', 'rank_param_shape', 'ac_effects', 'compile_scale', 'boundary_bytes', 'model_output_bytes',
+           'expert_layers', 'expert_weight_shapes', 'expert_slots', 'splittable_experts', 'expert_dispatch_bytes',
+           'collective_buffers', 'rank_profile', 'rank_fsdp_plan', 'ParallelMemory', 'predict_rank_memory',
+           'predict_parallel_memory', 'placement_other_bytes']
 
 # %% ../../nbs/45b_parallel_memory.ipynb
 def _block_index(blocks: tuple[str, ...]):
@@ -294,34 +294,66 @@ def _tp_local(g: StaticGraph, plan: ParallelPlan, blocks) -> StaticGraph:
     return dataclasses.replace(g, storages=tuple(st))
 
 # %% ../../nbs/45b_parallel_memory.ipynb
-def sequence_parallel_buffers(g: StaticGraph, plan: ParallelPlan, blocks) -> tuple[dict, tuple]:
+_REDUCE_SCATTER = "_c10d_functional.reduce_scatter_tensor.default"
+
+def sequence_parallel_buffers(g: StaticGraph, plan: ParallelPlan, blocks) -> tuple[dict, tuple, tuple]:
     """({op: bytes} a row-parallel linear's forward matmul holds beyond its output: the whole partial sum and its copy
     for the reduce-scatter; (first backward op, last backward op, bytes) per such linear: its output's gradient
-    gathered whole, twice at its first op) under sequence parallelism; whole: the forward output's bytes over cp."""
-    if not plan.sequence_parallel or plan.dims.tp == 1: return {}, ()
+    gathered whole, twice at its first op; (op, last op, bytes) per reduce-scatter output a checkpointed block's
+    selective policy keeps (torchtitan's saves `reduce_scatter_tensor`), the output's 1/tp from its forward to its
+    block's backward) under sequence parallelism; whole: the forward output's bytes over cp."""
+    if not plan.sequence_parallel or plan.dims.tp == 1: return {}, (), ()
     _, styles = _regions(g, plan, blocks)
     rows = {m for m, s in styles.items() if s in _ROW}
     ops: dict = {}
     for i, o in enumerate(g.ops):
         if o.module in rows: ops.setdefault((o.module, o.phase), []).append(i)
-    at, spans = {}, []
+    pols, of = block_policies(plan, len(blocks)), _block_index(blocks)
+    kept_by = {b for b, p in zip(blocks, pols) if p.checkpoints and hasattr(p, "saves") and p.saves(_REDUCE_SCATTER)}
+    backward_from = {}                                     # a block's first backward op: its recompute
+    for i, o in enumerate(g.ops):
+        if o.phase == "backward" and (b := of(o.module)) >= 0: backward_from.setdefault(blocks[b], i)
+    at, spans, kept = {}, [], []
+    def scattered(m: str, out_op: int, whole: float, bw: list):
+        at[out_op] = at.get(out_op, 0) + 2 * whole
+        if bw: spans.append((bw[0], bw[-1], whole))
+        if (b := of(m)) >= 0 and blocks[b] in kept_by:
+            kept.append((out_op, backward_from.get(blocks[b], out_op), whole / plan.dims.tp))
     for m in sorted(rows):
         fw = [i for i in ops.get((m, "forward"), []) if g.ops[i].op.startswith(_MATMUL)]
         if not fw: continue
         whole = g.tensors[g.ops[fw[0]].outputs[0]].nbytes / plan.dims.cp
-        at.update((i, 2 * whole) for i in fw)
-        if bw := ops.get((m, "backward")): spans.append((bw[0], bw[-1], whole))
+        for i in fw[1:]: at[i] = at.get(i, 0) + 2 * whole
+        scattered(m, fw[0], whole, ops.get((m, "backward")))
     for m in tp_mixtures(g, plan, blocks):        # a mixture's output: its partial sum, reduce-scattered the same way
         inside = [i for i, o in enumerate(g.ops) if o.outputs and _under_any(o.module, {m})]
         fw = [i for i in inside if g.ops[i].phase == "forward"]
-        bw = [i for i in inside if g.ops[i].phase == "backward"]
         if not fw: continue
-        whole = g.tensors[g.ops[fw[-1]].outputs[0]].nbytes / plan.dims.cp
-        at[fw[-1]] = at.get(fw[-1], 0) + 2 * whole
-        if bw: spans.append((bw[0], bw[-1], whole))
-    return at, tuple(spans)
+        scattered(m, fw[-1], g.tensors[g.ops[fw[-1]].outputs[0]].nbytes / plan.dims.cp,
+                  [i for i in inside if g.ops[i].phase == "backward"])
+    return at, tuple(spans), tuple(kept)
 
-def buffer_bytes(at: dict, spans: tuple, K: np.ndarray) -> np.ndarray:
+def loss_parallel_buffers(g: StaticGraph, plan: ParallelPlan) -> dict:
+    """{op: bytes} torch's `loss_parallel()` holds beyond the captured log-softmax of the vocabulary-sharded logits
+    (`torch/distributed/tensor/parallel/loss.py`), in local copies of the rank's logits beyond the one output a kernel
+    makes on one device: its forward `_log_softmax` keeps the shifted logits beside their exp, then beside the result
+    (one more); its backward runs the log-softmax's with the loss's at the `nll_loss_backward` (`_nll_loss_and_log_
+    softmax_backward`: the zeroed gradient, the exp of the log-probabilities and their sum live at once, two more),
+    and returns that gradient as the log-softmax's (a view where the kernel makes one: the capture's copy stands for
+    the result)."""
+    if not plan.loss_parallel or plan.dims.tp == 1: return {}
+    roles = {m: r for m, r in plan.tp_outer}
+    vocab = next((g.tensors[o.outputs[0]].shape[-1] for o in g.ops
+                  if o.phase == "forward" and roles.get(o.module) == "output" and o.op.startswith(_MATMUL)), None)
+    out = {}
+    for i, o in enumerate(g.ops):
+        more = 1 if o.op.startswith("aten._log_softmax.") else 2 if o.op.startswith("aten.nll_loss_backward") else 0
+        if more and o.outputs:
+            t = g.tensors[o.outputs[0]]
+            if vocab and t.shape and t.shape[-1] == vocab: out[i] = more * t.nbytes / plan.dims.tp / plan.dims.cp
+    return out
+
+def buffer_bytes(at: dict, spans: tuple, K: np.ndarray, kept: tuple = ()) -> np.ndarray:
     "Bytes `sequence_parallel_buffers` adds at each of the rank's ops `K` (sorted captured op numbers)."
     out = np.zeros(len(K))
     for i, b in at.items():
@@ -330,6 +362,9 @@ def buffer_bytes(at: dict, spans: tuple, K: np.ndarray) -> np.ndarray:
     for a, e, b in spans:
         lo, hi = np.searchsorted(K, a), np.searchsorted(K, e, side="right")
         if lo < hi: out[lo:hi] += b; out[lo] += b
+    for a, e, b in kept:
+        lo, hi = np.searchsorted(K, a), np.searchsorted(K, e, side="right")
+        out[lo:hi] += b
     return out
 
 def run_to_block_end(g: StaticGraph, r, ob: np.ndarray, block_last: np.ndarray):
@@ -701,9 +736,10 @@ def collective_buffers(g: StaticGraph, plan: ParallelPlan, blocks, K: np.ndarray
     """(bytes the plan's collectives hold beyond the captured step at each of the rank's ops `K`: sequence
     parallelism's gathered inputs (`sequence_parallel_buffers`) and expert parallelism's dispatch
     (`expert_dispatch_bytes`); {captured op: bytes} of both, which a recompute of that op holds again)."""
-    at, spans = sequence_parallel_buffers(g, plan, blocks)
+    at, spans, kept = sequence_parallel_buffers(g, plan, blocks)
+    for i, b in loss_parallel_buffers(g, plan).items(): at[i] = at.get(i, 0) + b
     dispatch = expert_dispatch_bytes(g, expert_layers(g, plan), plan.dims.cp, plan.dims.ep)
-    curve = buffer_bytes(at, spans, K) + buffer_bytes(dispatch, (), K)
+    curve = buffer_bytes(at, spans, K, kept) + buffer_bytes(dispatch, (), K)
     return curve, {i: at.get(i, 0) + dispatch.get(i, 0) for i in at.keys() | dispatch.keys()}
 
 def _local_params(mine, v: _View, plan: ParallelPlan, newix) -> list[ParamInfo]:
