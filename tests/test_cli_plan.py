@@ -83,12 +83,13 @@ def test_plan_bad_pins_are_one_line(args, words):
     _one_line_error(code, err, *words)
 
 
-def test_plan_verify_tiny_within_3_percent():
+def test_plan_verify_tiny_within_half_a_percent():
+    "dp_shard 2 x tp 2 with sequence and loss parallelism: 0.9993 (0.98 before torch's loss_parallel copies)."
     code, out, err = run("plan", "--model", "tiny", "--world", "4", "--dp-shard", "2", "--tp", "2", "--verify")
     assert code == 0, err
     line = next(l for l in out.splitlines() if l.startswith("verify: world 4"))
     ratio = float(line.split(" = ")[1].split(";")[0])
-    assert abs(ratio - 1) < 0.03 and "collectives match" in line, line
+    assert abs(ratio - 1) < 0.005 and "collectives match" in line, line
 
 
 def _train(tmp_path, plan: ParallelPlan, nproc: int | None, batch: int | None = None, steps: int = 3):

@@ -58,7 +58,9 @@ def test_verified_under_the_fake_group(tiny, sp, lp):
     v = verify_parallel(w, _plan(g, g.structure.main.blocks, sp, lp), graph=g)
     print(v.line())
     assert v.counts_match, (v.predicted_counts, v.measured_counts)
-    assert abs(v.ratio - 1) <= 0.03, v.line()   # measured 0.976 (loss parallel) and 0.984 (with sequence)
+    # 0.976 (loss parallel) and 0.984 (with sequence) while the measurement counted DTensor's per-op fake tensors and
+    # the loss's local copies were not predicted; 0.9993 and 0.9993 now
+    assert abs(v.ratio - 1) <= 0.005, v.line()
 
 
 def test_a_norm_over_every_head_keeps_its_sublayer_whole():
