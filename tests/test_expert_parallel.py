@@ -389,6 +389,31 @@ def test_imbalance_by_hand(tmp_path):
         rerouted(load_workload("tiny-moe", batch=2, seq=16).graph().meta, "imbalance=2")
 
 
+def _titan_moe_case(job: str, layers: int, **degrees):
+    """(torchtitan's own run of `job` cut to `layers` under a fake process group, as tests/titan_moe_fake.py measures
+    it at `degrees` (dp_shard, ep, tp); the cut job; its capture; the plan `static-dist plan --torchtitan` reads for
+    it)."""
+    import json
+    import warnings
+    from static_dist.graph import capture
+    from static_dist.titan import titan_job, titan_loss, titan_model, titan_plan
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in degrees.items()]
+    run = subprocess.run([sys.executable, str(Path(__file__).with_name("titan_moe_fake.py")), "--job", job,
+                          "--layers", str(layers), *flags], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    cut = titan_job(job, layers=layers, seq_len=64, local_batch=2, ac="none", param_dtype="bfloat16",
+                    loss_chunks=0, **degrees)                              # the measurement's loss: whole logits
+    model = titan_model(cut, dtype=torch.bfloat16)
+    tokens = torch.randint(0, cut.vocab, (2, 64), device="meta")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="In CPU autocast")
+        # attention="cpu": the measurement runs on this CPU, whose SDPA takes its math path for MLA (query head dim
+        # 192, value 128); on a GPU (the default capture) the memory-efficient kernel keeps no (seq, seq) scores
+        g = capture(model, tokens, targets=tokens, loss_fn=titan_loss, optimizer="adamw", attention="cpu")
+    world = degrees.get("dp_shard", 1) * degrees.get("tp", 1)
+    return json.loads(run.stdout), cut, g, titan_plan(cut, g, world)
+
+
 # torchtitan's own mixture-of-experts jobs, cut to their first layers, laid out by their own parallelize at
 # ep 2 × dp_shard 4 under a fake process group (tests/titan_moe_fake.py: the token dispatcher's all-to-alls, FSDP with
 # each block's experts as a second parameter group over efsdp; routing forced balanced by torchtitan's own debug
@@ -403,27 +428,10 @@ def test_imbalance_by_hand(tmp_path):
 def test_torchtitan_moe_job_ep_under_a_fake_group(job, layers):
     """The layout `static-dist plan --torchtitan` reads for the job (`titan_job` cut as the measurement cuts it, and
     `titan_plan`: every layer a unit, the dense first one too) predicts torchtitan's own run of it."""
-    import json
-    import warnings
     from static_dist.fsdp import FSDPUnit
-    from static_dist.graph import capture
     from static_dist.parallel import predict_parallel_memory, rank_profile
     from static_dist.parallel.verify import predict_axis_counts
-    from static_dist.titan import titan_job, titan_loss, titan_model, titan_plan
-    run = subprocess.run([sys.executable, str(Path(__file__).with_name("titan_moe_fake.py")), "--job", job,
-                          "--layers", str(layers)], capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    measured = json.loads(run.stdout)
-    cut = titan_job(job, layers=layers, seq_len=64, local_batch=2, dp_shard=4, ep=2, ac="none",
-                    param_dtype="bfloat16", loss_chunks=0)                 # the measurement's loss: whole logits
-    model = titan_model(cut, dtype=torch.bfloat16)
-    tokens = torch.randint(0, cut.vocab, (2, 64), device="meta")
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="In CPU autocast")
-        # attention="cpu": the measurement runs on this CPU, whose SDPA takes its math path for MLA (query head dim
-        # 192, value 128); on a GPU (the default capture) the memory-efficient kernel keeps no (seq, seq) scores
-        g = capture(model, tokens, targets=tokens, loss_fn=titan_loss, optimizer="adamw", attention="cpu")
-    plan = titan_plan(cut, g, 4)
+    measured, cut, g, plan = _titan_moe_case(job, layers, dp_shard=4, ep=2)
     units = (FSDPUnit("tok_embeddings"), *(FSDPUnit(f"layers.{i}") for i in range(layers)),
              FSDPUnit("norm", False, group=("lm_head",)), FSDPUnit("", False))        # torchtitan's, by hand
     assert (plan.dims, plan.fsdp.units, plan.fsdp.param_dtype, plan.fsdp.reduce_dtype) == (
@@ -512,7 +520,6 @@ def test_gloo_tp_inside_experts_equals_one_process(tmp_path):
     gradient (7 all-reduces); with it each sub-layer (attention, mixture) gathers its input and reduce-scatters its
     output, and the converse backward (4 all-gathers, 4 reduce-scatters), plus per step the embedding's and final
     norm's pair, the 3 loss-parallel all-reduces, the norms' and routers' weight gradients (5 + 2)."""
-    from static_dist.fsdp import block_units
     att = (("self_attn.q_proj", "colwise"), ("self_attn.k_proj", "colwise"), ("self_attn.v_proj", "colwise"),
            ("self_attn.o_proj", "rowwise"))
     units = (FSDPUnit("model.layers.0"), FSDPUnit("model.layers.1"), FSDPUnit(""))
@@ -564,26 +571,10 @@ def test_tp_inside_experts_refusals(tmp_path):
 # activation, DTensor's Partial -> Replicate), one more of each per mixture than static_dist's layout (one
 # reduce-scatter onto the sequence), which the prediction describes.
 def test_torchtitan_moe_job_tp_under_a_fake_group():
-    import json
-    import warnings
-    from static_dist.graph import capture
     from static_dist.parallel import predict_parallel_memory, rank_profile
     from static_dist.parallel.verify import predict_axis_counts
-    from static_dist.titan import titan_job, titan_loss, titan_model, titan_plan
-    job, layers = "qwen3_30b_a3b", 2
-    run = subprocess.run([sys.executable, str(Path(__file__).with_name("titan_moe_fake.py")), "--job", job,
-                          "--layers", str(layers), "--dp-shard", "2", "--tp", "2", "--ep", "1"],
-                         capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    measured = json.loads(run.stdout)
-    cut = titan_job(job, layers=layers, seq_len=64, local_batch=2, dp_shard=2, tp=2, ep=1, ac="none",
-                    param_dtype="bfloat16", loss_chunks=0)
-    model = titan_model(cut, dtype=torch.bfloat16)
-    tokens = torch.randint(0, cut.vocab, (2, 64), device="meta")
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="In CPU autocast")
-        g = capture(model, tokens, targets=tokens, loss_fn=titan_loss, optimizer="adamw", attention="cpu")
-    plan = titan_plan(cut, g, 4)
+    layers = 2
+    measured, cut, g, plan = _titan_moe_case("qwen3_30b_a3b", layers, dp_shard=2, tp=2, ep=1)
     assert (plan.dims, plan.sequence_parallel, plan.loss_parallel) == (ParallelDims(dp_shard=2, tp=2), True, True)
     predicted = predict_parallel_memory(g, plan, "float32").peak_bytes
     counts = predict_axis_counts(rank_profile(g, plan, 0, "float32"), plan)

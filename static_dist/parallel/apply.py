@@ -56,17 +56,24 @@ def _gather_sequence(module, args, kwargs):
         return t
     return tuple(gather(a) for a in args), {k: gather(v) for k, v in kwargs.items()}
 
+def _inside(n: str, mods) -> bool: return any(n == r or n.startswith(r + ".") for r in mods)
+
+def _sharded_sublayers(plan: ParallelPlan) -> set:
+    "The sub-layers (names within a block) that hold the plan's styled linears, outermost."
+    return _outermost({n.rpartition(".")[0] for n, s in plan.tp_styles if s != "replicate"} - {""})
+
+def _param_modules(block: nn.Module):
+    "(name, module) of the block's modules that own parameters."
+    return ((n, m) for n, m in block.named_modules() if n and any(True for _ in m.parameters(recurse=False)))
+
 def _sequence_styles(block: nn.Module, plan: ParallelPlan, mixtures=()) -> tuple[dict, set]:
     """({module: SequenceParallel()} for the block's modules with parameters outside its sharded sub-layers (its norms),
     the sub-layers that gather their input) of one block under sequence parallelism; `mixtures` (split inside by
     `apply_expert_tp`, which gathers their input itself) are neither."""
     from torch.distributed.tensor.parallel import SequenceParallel
-    inside = lambda n, mods: any(n == r or n.startswith(r + ".") for r in mods)
-    regions = _outermost({n.rpartition(".")[0] for n, s in plan.tp_styles if s != "replicate"} - {""})
-    regions = {r for r in regions if not inside(r, mixtures)}
-    under = lambda n: inside(n, regions) or inside(n, mixtures)
-    norms = {n: SequenceParallel() for n, m in block.named_modules()
-             if n and not under(n) and any(True for _ in m.parameters(recurse=False))}
+    regions = {r for r in _sharded_sublayers(plan) if not _inside(r, mixtures)}
+    norms = {n: SequenceParallel() for n, _ in _param_modules(block)
+             if not _inside(n, regions) and not _inside(n, mixtures)}
     return norms, regions
 
 def _head_param_styles(block: nn.Module, plan: ParallelPlan, mixtures=()) -> dict:
@@ -77,12 +84,9 @@ def _head_param_styles(block: nn.Module, plan: ParallelPlan, mixtures=()) -> dic
     local rows stand for a shard of some leading dim, whichever it is (a norm over all heads, OLMo 2's, is refused
     by `tp_blockers` before it gets here)."""
     from torch.distributed.tensor.parallel import SequenceParallel
-    inside = lambda n, mods: any(n == r or n.startswith(r + ".") for r in mods)
-    styled = {n for n, s in plan.tp_styles if s != "replicate"}
-    regions = _outermost({n.rpartition(".")[0] for n in styled} - {""})
-    return {n: SequenceParallel(sequence_dim=0, use_local_output=True) for n, m in block.named_modules()
-            if n and inside(n, regions) and not inside(n, mixtures) and not inside(n, styled)
-            and any(True for _ in m.parameters(recurse=False))}
+    styled, regions = {n for n, s in plan.tp_styles if s != "replicate"}, _sharded_sublayers(plan)
+    return {n: SequenceParallel(sequence_dim=0, use_local_output=True) for n, _ in _param_modules(block)
+            if _inside(n, regions) and not _inside(n, mixtures) and not _inside(n, styled)}
 
 def _gather_after_norm(model: nn.Module, plan: ParallelPlan, tp_mesh, mods: dict) -> None:
     """The final norm's output gathered whole on the sequence, as torchtitan lays it out (`pre_lm_head_norm_config`:

@@ -42,12 +42,12 @@ from ..graph.records import BACKWARD, FORWARD, OPTIMIZER
 
 
 # %% auto 0
-__all__ = ['module_blocks', 'op_blocks', 'op_stages', 'tp_mixtures', 'tp_op_factor', 'expert_split', 'tp_views',
-           'tp_local_graph', 'sequence_parallel_buffers', 'loss_parallel_buffers', 'buffer_bytes', 'run_to_block_end',
-           'tp_param_shape', 'rank_param_shape', 'ac_effects', 'compile_scale', 'boundary_bytes', 'model_output_bytes',
-           'expert_layers', 'expert_weight_shapes', 'expert_slots', 'splittable_experts', 'expert_dispatch_bytes',
-           'collective_buffers', 'rank_profile', 'rank_fsdp_plan', 'ParallelMemory', 'predict_rank_memory',
-           'predict_parallel_memory', 'placement_other_bytes']
+__all__ = ['module_blocks', 'op_blocks', 'op_stages', 'tp_mixtures', 'tp_op_factor', 'expert_split', 'output_vocab',
+           'tp_views', 'tp_local_graph', 'sequence_parallel_buffers', 'loss_parallel_buffers', 'buffer_bytes',
+           'run_to_block_end', 'tp_param_shape', 'rank_param_shape', 'ac_effects', 'compile_scale', 'boundary_bytes',
+           'model_output_bytes', 'expert_layers', 'expert_weight_shapes', 'expert_slots', 'splittable_experts',
+           'expert_dispatch_bytes', 'collective_buffers', 'rank_profile', 'rank_fsdp_plan', 'ParallelMemory',
+           'predict_rank_memory', 'predict_parallel_memory', 'placement_other_bytes']
 
 # %% ../../nbs/45b_parallel_memory.ipynb
 def _block_index(blocks: tuple[str, ...]):
@@ -215,6 +215,12 @@ def _tp_op_factor(g: StaticGraph, plan: ParallelPlan, blocks) -> np.ndarray:
     return f
 
 # %% ../../nbs/45b_parallel_memory.ipynb
+def output_vocab(g: StaticGraph, plan: ParallelPlan) -> int | None:
+    "The vocabulary size: the last dim of the output projection's (`tp_outer`'s 'output') forward matmul."
+    out = next((m for m, r in plan.tp_outer if r == "output"), None)
+    return next((g.tensors[o.outputs[0]].shape[-1] for o in g.ops
+                 if o.phase == "forward" and o.module == out and o.op.startswith(_MATMUL)), None)
+
 def _sequence_factor(g: StaticGraph, plan: ParallelPlan, blocks, regions: set, styles: dict, f: np.ndarray,
                      sharded: np.ndarray) -> None:
     """`tp_op_factor` for sequence and loss parallelism, in place. Sequence: every op in a block outside the sharded
@@ -227,8 +233,7 @@ def _sequence_factor(g: StaticGraph, plan: ParallelPlan, blocks, regions: set, s
     tp, sp = plan.dims.tp, plan.sequence_parallel
     roles = {m: r for m, r in plan.tp_outer}
     ob = module_blocks((o.module for o in g.ops), tuple(blocks))
-    vocab = next((g.tensors[o.outputs[0]].shape[-1] for o in g.ops
-                  if o.phase == "forward" and roles.get(o.module) == "output" and o.op.startswith(_MATMUL)), None)
+    vocab = output_vocab(g, plan)
     feeds = set()                                   # tensors a sharded sub-layer reads from outside it: gathered
     for o in g.ops:
         if o.phase == "forward" and _under_any(o.module, regions): feeds.update(o.inputs)
@@ -342,9 +347,7 @@ def loss_parallel_buffers(g: StaticGraph, plan: ParallelPlan) -> dict:
     and returns that gradient as the log-softmax's (a view where the kernel makes one: the capture's copy stands for
     the result)."""
     if not plan.loss_parallel or plan.dims.tp == 1: return {}
-    roles = {m: r for m, r in plan.tp_outer}
-    vocab = next((g.tensors[o.outputs[0]].shape[-1] for o in g.ops
-                  if o.phase == "forward" and roles.get(o.module) == "output" and o.op.startswith(_MATMUL)), None)
+    vocab = output_vocab(g, plan)
     out = {}
     for i, o in enumerate(g.ops):
         more = 1 if o.op.startswith("aten._log_softmax.") else 2 if o.op.startswith("aten.nll_loss_backward") else 0
